@@ -1,0 +1,143 @@
+"""fastqwen's engine: greedy Qwen3 generation, exact to native Transformers'
+argmax within the platform's margin, on one GPU.
+
+`Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
+Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
+of token ids per step. On a CUDA device the decode step is one CUDA graph of
+fused Triton kernels and cuBLAS products; on the CPU the same model code runs
+on the torch reference ops.
+"""
+import gc
+import os
+
+import torch
+
+from fq_config import ModelConfig
+from fq_decode import DecodeRunner
+from fq_model import Qwen3Model
+from fq_ops import ops_for
+from fq_weights import load_weights
+
+# Cache capacities are rounded up to this, so calls of nearby lengths share
+# one cache and one graph.
+CAPACITY_GRANULE = 256
+# Steps the GPU may run ahead of the host: step t+1 is queued before step t's
+# tokens are read, so the host's .tolist() and yield overlap the GPU's work.
+LOOKAHEAD = 2
+
+
+class Engine:
+    def __init__(self, model_path: str):
+        self.cfg = ModelConfig.from_dir(model_path)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # The reference runs with TF32 off; bf16 products accumulate in fp32 in
+        # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        with torch.inference_mode():
+            weights = load_weights(model_path, self.cfg, self.device)
+        self.model = Qwen3Model(self.cfg, weights, self.device, ops_for(self.device))
+        self.use_graphs = self.device.type == "cuda" and os.environ.get("FASTQWEN_NO_GRAPHS") != "1"
+        self._runner = None
+        self._host = None
+
+    # ---- input checks: every problem is reported before any GPU work ---------------
+    def _check(self, input_ids, max_new_tokens) -> torch.Tensor:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError("input_ids must be a non-empty list of token-id lists")
+        lengths = {len(seq) if isinstance(seq, (list, tuple)) else -1 for seq in input_ids}
+        if -1 in lengths:
+            raise ValueError("input_ids must be a list of lists of ints")
+        if len(lengths) != 1:
+            raise ValueError(f"all sequences must have the same length, got lengths {sorted(lengths)}")
+        if 0 in lengths:
+            raise ValueError("sequences must hold at least one token")
+        try:
+            ids = torch.tensor(input_ids, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"input_ids must hold only ints ({exc})") from None
+        if any(type(t) is not int for seq in input_ids for t in seq):
+            bad = next(t for seq in input_ids for t in seq if type(t) is not int)
+            raise ValueError(f"input_ids must hold only ints, found {bad!r} ({type(bad).__name__})")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        total = ids.shape[1] + max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt {ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+                             f"model's max_position_embeddings {self.cfg.max_position_embeddings}")
+        return ids
+
+    def generate(self, input_ids, max_new_tokens):
+        """Yield `max_new_tokens` lists of greedy token ids, one id per sequence, in order."""
+        ids = self._check(input_ids, max_new_tokens)
+        return self._generate(ids, max_new_tokens)
+
+    # ---- the loop -----------------------------------------------------------------
+    def _prepare(self, batch: int, capacity: int) -> DecodeRunner:
+        model = self.model
+        model.ensure_rope(capacity)
+        if not model.cache_fits(batch, capacity):
+            self._runner = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            model.allocate_cache(batch, -(-capacity // CAPACITY_GRANULE) * CAPACITY_GRANULE)
+        if self._runner is None:
+            self._runner = DecodeRunner(model, batch, self.use_graphs)
+        return self._runner
+
+    def _host_buffer(self, steps: int, batch: int) -> torch.Tensor:
+        if self._host is None or self._host.shape[0] < steps or self._host.shape[1] != batch:
+            pin = self.device.type == "cuda"
+            self._host = torch.empty((steps, batch), dtype=torch.int64, pin_memory=pin)
+        return self._host
+
+    def _generate(self, ids: torch.Tensor, steps: int):
+        batch, prompt = ids.shape
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a collection in the middle of the stream is a latency spike
+        try:
+            with torch.inference_mode():
+                # positions [0, prompt + steps - 1) are written; the last token never is
+                runner = self._prepare(batch, prompt + steps - 1)
+                if self.device.type != "cuda":
+                    yield from self._generate_eager(runner, ids, steps)
+                    return
+                host = self._host_buffer(steps, batch)
+                events = [torch.cuda.Event() for _ in range(steps)]
+                first = self.model.prefill(ids.to(self.device, non_blocking=True))
+                runner.start(first, prompt)
+                host[0].copy_(first, non_blocking=True)
+                events[0].record()
+            # The first token is read as soon as step 1 is queued (TTFT); after
+            # that the GPU runs LOOKAHEAD steps ahead of the host.
+            done = 0
+            for t in range(1, steps + 1):
+                if t < steps:
+                    with torch.inference_mode():
+                        runner.step()
+                        host[t].copy_(runner.tokens, non_blocking=True)
+                        events[t].record()
+                while done < steps and (done == 0 or done <= t - LOOKAHEAD or t == steps):
+                    events[done].synchronize()
+                    yield host[done].tolist()
+                    done += 1
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # nothing of this call runs on after it ends
+            if gc_was_enabled:
+                gc.enable()
+
+    def _generate_eager(self, runner: DecodeRunner, ids: torch.Tensor, steps: int):
+        first = self.model.prefill(ids.to(self.device))
+        runner.start(first, ids.shape[1])
+        yield first.tolist()
+        for _ in range(steps - 1):
+            runner.step()
+            yield runner.tokens.tolist()

@@ -1,0 +1,101 @@
+"""Qwen3 forward passes over a static KV cache: prefill for a fresh prompt and
+one decode step, written once over an op set (Triton kernels on a GPU, their
+torch references on the CPU).
+
+Cast points are the reference's (see fqkernels/*): BF16 residual stream and
+products, RMSNorm normalized value rounded to BF16 before the weight, SiLU
+rounded before the multiply by up, RoPE products rounded before their sum,
+logits in BF16, argmax ties to the lowest index (torch.argmax's rule).
+"""
+import torch
+
+from fq_config import ModelConfig
+from fq_weights import ModelWeights
+from fq_ops import prefill_attention
+from fqkernels.rope_kv import rope_tables
+
+# Prompts are prefilled in groups of whole sequences of at most this many
+# tokens: bounds the activations (gate/up alone is 2 x intermediate x 2 B a
+# token) without changing any result, since sequences are independent.
+PREFILL_TOKENS = 16384
+ROPE_GRANULE = 4096
+
+
+class Qwen3Model:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device, ops):
+        self.cfg = cfg
+        self.w = weights
+        self.device = device
+        self.ops = ops
+        self.scale = cfg.head_dim ** -0.5
+        self.cos = self.sin = None
+        self.k_cache = self.v_cache = None
+
+    # ---- buffers -----------------------------------------------------------------
+    def ensure_rope(self, length: int) -> None:
+        """cos/sin tables covering positions [0, length)."""
+        if self.cos is None or self.cos.shape[0] < length:
+            n = -(-length // ROPE_GRANULE) * ROPE_GRANULE
+            self.cos, self.sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, n, self.device)
+
+    def cache_fits(self, batch: int, capacity: int) -> bool:
+        return (self.k_cache is not None and self.k_cache.shape[1] == batch
+                and self.k_cache.shape[3] >= capacity)
+
+    def allocate_cache(self, batch: int, capacity: int) -> None:
+        """One [L, B, KVH, C, D] buffer each for K and V. Contents are never read
+        past a sequence's length, so nothing needs clearing between calls."""
+        self.k_cache = self.v_cache = None  # free the old pair before taking the new
+        c = self.cfg
+        shape = (c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim)
+        self.k_cache = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+
+    # ---- forward passes ------------------------------------------------------------
+    def _next_norm(self, i: int) -> torch.Tensor:
+        layers = self.w.layers
+        return layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] int64 on the device -> first generated tokens [B] int64.
+        Writes K/V for positions [0, S) of every sequence."""
+        B, S = ids.shape
+        group = max(1, PREFILL_TOKENS // S)
+        return torch.cat([self._prefill_group(ids[b0:b0 + group], b0) for b0 in range(0, B, group)])
+
+    def _prefill_group(self, ids: torch.Tensor, b0: int) -> torch.Tensor:
+        c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        nb, S = ids.shape
+        x = self.w.embed[ids.reshape(-1)]
+        positions = torch.zeros(nb, dtype=torch.int32, device=self.device)
+        h = ops.rmsnorm(x, self.w.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.w.layers):
+            kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
+            qkv = ops.linear(h, layer.qkv)
+            q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, S,
+                                       kc, vc, eps, c.num_heads, c.num_kv_heads)
+            attn = prefill_attention(q, kc, vc, nb, S, self.scale)
+            h = ops.add_rmsnorm(x, ops.linear(attn, layer.o), layer.post_norm, eps)
+            d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
+            h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
+        last = h.view(nb, S, -1)[:, -1]
+        return torch.argmax(ops.linear(last, self.w.lm_head), dim=-1)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One step for every sequence: tokens [B] int64 at positions [B] int32
+        (lengths = positions + 1, int32) -> next tokens [B] int64. Graph-safe:
+        no host reads, no shape depends on the positions."""
+        c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        B = tokens.shape[0]
+        x = self.w.embed[tokens]
+        h = ops.rmsnorm(x, self.w.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.w.layers):
+            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]
+            qkv = ops.linear(h, layer.qkv)
+            q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, 1,
+                                       kc, vc, eps, c.num_heads, c.num_kv_heads)
+            attn = ops.decode_attention(q, kc, vc, lengths, self.scale)
+            h = ops.add_rmsnorm(x, ops.linear(attn.view(B, c.q_size), layer.o), layer.post_norm, eps)
+            d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
+            h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
+        return torch.argmax(ops.linear(h, self.w.lm_head), dim=-1)

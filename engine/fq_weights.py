@@ -1,0 +1,149 @@
+"""Load a Qwen3 checkpoint's safetensors shards straight onto the device.
+
+Q/K/V and gate/up are packed into one matrix each at load time so a decode
+step reads each layer's input once per fused product. Every tensor's name and
+shape is checked against the config: a missing, unexpected or mis-shaped
+tensor is an error that names it.
+"""
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from fq_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor   # [hidden]
+    qkv: torch.Tensor          # [(H + 2 KVH) * D, hidden]: q rows, then k rows, then v rows
+    q_norm: torch.Tensor       # [D]
+    k_norm: torch.Tensor       # [D]
+    o: torch.Tensor            # [hidden, H * D]
+    post_norm: torch.Tensor    # [hidden]
+    gate_up: torch.Tensor      # [2 I, hidden]: gate rows, then up rows
+    down: torch.Tensor         # [hidden, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor        # [vocab, hidden]
+    layers: list
+    final_norm: torch.Tensor   # [hidden]
+    lm_head: torch.Tensor      # [vocab, hidden]; the embedding itself when tied
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in self._tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def _tensors(self):
+        yield self.embed
+        yield self.final_norm
+        yield self.lm_head
+        for layer in self.layers:
+            yield from vars(layer).values()
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """Every tensor name the checkpoint must hold, with its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        })
+    return shapes
+
+
+def _shard_map(model_path: str) -> dict:
+    """tensor name -> shard file path, from what the shards actually hold (the
+    index only says which files to open: a shard lacking a tensor the index
+    promises is then reported as that tensor missing)."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{index}: not valid JSON ({exc})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map")
+        shards = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(model_path, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_path}: no model.safetensors or model.safetensors.index.json")
+    out = {}
+    for shard in shards:
+        path = os.path.join(model_path, shard)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: shard named by the index is missing")
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                out[name] = path
+    return out
+
+
+def load_weights(model_path: str, cfg: ModelConfig, device: torch.device) -> ModelWeights:
+    expected = expected_shapes(cfg)
+    shard_of = _shard_map(model_path)
+    # A tied checkpoint may still carry lm_head.weight (a copy); it is ignored then.
+    present = set(shard_of) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        raise ValueError(f"{model_path}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise ValueError(f"{model_path}: unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+
+    raw = {}
+    by_shard = {}
+    for name in expected:
+        by_shard.setdefault(shard_of[name], []).append(name)
+    dev = str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
+    for shard, names in sorted(by_shard.items()):
+        with safe_open(shard, framework="pt", device=dev) as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise ValueError(f"{shard}: tensor {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
+                if t.dtype != torch.bfloat16:
+                    raise ValueError(f"{shard}: tensor {name} is {t.dtype}, expected torch.bfloat16")
+                raw[name] = t
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        take = lambda n: raw.pop(p + n)  # noqa: E731 - frees each source tensor once packed
+        layers.append(LayerWeights(
+            input_norm=take("input_layernorm.weight"),
+            qkv=torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")]),
+            q_norm=take("self_attn.q_norm.weight"),
+            k_norm=take("self_attn.k_norm.weight"),
+            o=take("self_attn.o_proj.weight"),
+            post_norm=take("post_attention_layernorm.weight"),
+            gate_up=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+            down=take("mlp.down_proj.weight"),
+        ))
+    embed = raw.pop("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else raw.pop("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, final_norm=raw.pop("model.norm.weight"), lm_head=lm_head)

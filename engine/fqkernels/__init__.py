@@ -1,0 +1,1 @@
+"""Triton kernels of the engine: one kernel per module, each beside its pure-torch reference."""

@@ -1,0 +1,126 @@
+"""Per-head Q/K RMSNorm + rotary embedding + KV-cache write, fused.
+
+For token t of sequence b at position p = positions[b] + t % seq_len, and each
+head of the packed qkv row [q heads | k heads | v heads] (D = head_dim):
+    n   = RMSNorm(x_head) * norm_w              (cast points as in rmsnorm.py)
+    out = bf16(bf16(n * cos[p]) + bf16(rotate_half(n) * sin[p]))
+rotate_half(n) = [-n[D/2:], n[:D/2]] (not interleaved). cos/sin are BF16 tables
+built exactly as the reference builds them (float32, then cast), so each
+product is rounded to BF16 before the sum, as the reference rounds it.
+Q heads go to q_out [T, H, D]; K heads go to k_cache[b, kvh, p]; V heads are
+copied unchanged to v_cache[b, kvh, p]. Caches are [B, KVH, C, D] (strided views
+of the full [L, B, KVH, C, D] buffers are fine; unit stride on D).
+Grid: (T, H + KVH), one program per (token, q-or-k head).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+    q_ptr, kc_ptr, vc_ptr,
+    seq_len, eps,
+    stride_qkv, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    b = t // seq_len
+    p = tl.load(pos_ptr + b) + t % seq_len
+    HALF: tl.constexpr = D // 2
+    offs = tl.arange(0, D)
+    rot = (offs + HALF) % D
+    row = qkv_ptr + t * stride_qkv + head * D  # k heads follow q heads in the packed row
+    x = tl.load(row + offs).to(tl.float32)
+    xr = tl.load(row + rot).to(tl.float32)
+    is_q = head < H
+    w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
+    wr = tl.where(is_q, tl.load(qn_ptr + rot), tl.load(kn_ptr + rot)).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    n = ((x * inv).to(tl.bfloat16).to(tl.float32) * w).to(tl.bfloat16).to(tl.float32)
+    nr = ((xr * inv).to(tl.bfloat16).to(tl.float32) * wr).to(tl.bfloat16).to(tl.float32)
+    nr = tl.where(offs < HALF, -nr, nr)
+    c = tl.load(cos_ptr + p * D + offs).to(tl.float32)
+    s = tl.load(sin_ptr + p * D + offs).to(tl.float32)
+    out = ((n * c).to(tl.bfloat16).to(tl.float32) + (nr * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    if is_q:
+        tl.store(q_ptr + t * stride_qt + head * stride_qh + offs, out)
+    else:
+        kvh = head - H
+        tl.store(kc_ptr + b * stride_kb + kvh * stride_kh + p * stride_ks + offs, out)
+        v = tl.load(qkv_ptr + t * stride_qkv + (H + KVH + kvh) * D + offs)
+        tl.store(vc_ptr + b * stride_vb + kvh * stride_vh + p * stride_vs + offs, v)
+
+
+def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
+                       k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int,
+                       q_out: torch.Tensor = None) -> torch.Tensor:
+    """Normalize + rotate Q and K of `qkv` [T, (H+2KVH)*D], write K/V to the caches; return Q [T, H, D]."""
+    D = k_cache.shape[-1]
+    T = qkv.shape[0]
+    for name, t in (("qkv", qkv), ("q_norm", q_norm), ("k_norm", k_norm), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride on its last dim, got strides {t.stride()}")
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
+        raise ValueError(f"qkv has {qkv.shape[1]} columns, expected {(num_heads + 2 * num_kv_heads) * D}")
+    if positions.dtype != torch.int32:
+        raise ValueError(f"positions must be int32, got {positions.dtype}")
+    if T % seq_len or T // seq_len > positions.shape[0] or T // seq_len > k_cache.shape[0]:
+        raise ValueError(f"{T} tokens do not split into sequences of {seq_len} for {positions.shape[0]} positions")
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == D):
+        raise ValueError("cos/sin tables must be contiguous [max_pos, head_dim]")
+    if q_out is None:
+        q_out = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_store_kernel[(T, num_heads + num_kv_heads)](
+        qkv, q_norm, k_norm, cos, sin, positions, q_out, k_cache, v_cache,
+        seq_len, eps, qkv.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
+    )
+    return q_out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def qk_norm_rope_store_reference(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
+                                 k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Transformers' Qwen3Attention prologue (q_norm/k_norm, apply_rotary_pos_emb) plus the cache write."""
+    from fqkernels.rmsnorm import rmsnorm_reference
+
+    D = k_cache.shape[-1]
+    T = qkv.shape[0]
+    B = T // seq_len
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q = rmsnorm_reference(q.reshape(T, num_heads, D), q_norm, eps)
+    k = rmsnorm_reference(k.reshape(T, num_kv_heads, D), k_norm, eps)
+    dev = qkv.device
+    b_idx = torch.arange(B, device=dev).repeat_interleave(seq_len)
+    pos = positions.long()[b_idx] + torch.arange(seq_len, device=dev).repeat(B)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    k_cache[b_idx, :, pos] = k
+    v_cache[b_idx, :, pos] = v.reshape(T, num_kv_heads, D)
+    return q.contiguous()
+
+
+def rope_tables(head_dim: int, theta: float, length: int, device: torch.device):
+    """BF16 cos/sin tables [length, head_dim], computed as Transformers' Qwen3RotaryEmbedding does:
+    inv_freq in float32 on the CPU, the position product as a float32 matmul, cos/sin in float32
+    on the target device, then cast to BF16."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = inv_freq.to(device)
+    positions = torch.arange(length, device=device).float()
+    freqs = (inv_freq[None, :, None].float() @ positions[None, None, :].float()).transpose(1, 2)[0]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(torch.bfloat16).contiguous(), emb.sin().to(torch.bfloat16).contiguous()

@@ -1,0 +1,110 @@
+"""The fast engine's CPU path (the same model code on the torch reference ops)
+against native Transformers on the tiny checkpoint, and the engine's contract."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR, load_engine_module
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, native_engine_dir):
+    fast = load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test")
+    native = load_engine_module(native_engine_dir, "fastqwen_native_under_test")
+    return fast.Engine(str(tiny_model)), native.Engine(str(tiny_model))
+
+
+def _prompts(batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4096, (batch, length), generator=g).tolist()
+
+
+@pytest.mark.parametrize("batch,prompt,steps", [(1, 7, 12), (3, 40, 20), (5, 129, 9)])
+def test_tokens_match_native(engines, batch, prompt, steps):
+    fast, native = engines
+    prompts = _prompts(batch, prompt, seed=batch * 1000 + prompt)
+    assert list(fast.generate(prompts, steps)) == list(native.generate(prompts, steps))
+
+
+def test_contract_types_counts_and_order(engines):
+    fast, _ = engines
+    prompts = _prompts(4, 16, seed=1)
+    out = list(fast.generate(prompts, 6))
+    assert len(out) == 6
+    for step in out:
+        assert type(step) is list and len(step) == 4
+        assert all(type(t) is int for t in step)
+    # permuting the batch permutes the outputs
+    perm = [2, 0, 3, 1]
+    out_p = list(fast.generate([prompts[i] for i in perm], 6))
+    assert out_p == [[step[i] for i in perm] for step in out]
+
+
+def test_no_state_between_calls(engines):
+    fast, _ = engines
+    a, b = _prompts(2, 24, seed=2), _prompts(2, 24, seed=3)
+    first = list(fast.generate(a, 8))
+    list(fast.generate(b, 8))          # same shape, other prompt
+    list(fast.generate(_prompts(3, 50, seed=4), 5))  # other shape: cache reallocated
+    assert list(fast.generate(a, 8)) == first
+
+
+def test_never_stops_early_at_eos(engines, tiny_model):
+    fast, _ = engines
+    eos = json.loads((tiny_model / "config.json").read_text())["eos_token_id"]
+    assert len(list(fast.generate([[eos] * 5, [eos] * 5], 40))) == 40
+
+
+@pytest.mark.parametrize("args,needle", [
+    (([], 4), "non-empty"),
+    (([[1, 2], [3]], 4), "same length"),
+    (([[1, 2]], 0), ">= 1"),
+    (([[1, 2]], 2.0), "must be an int"),
+    (([[1, 4096]], 3), "outside the vocabulary"),
+    (([[1, -1]], 3), "outside the vocabulary"),
+    (([[1, 2.5]], 3), "only ints"),
+    (([[1, True]], 3), "only ints"),
+    (([[]], 3), "at least one token"),
+    (([[1]], 5000), "max_position_embeddings"),
+])
+def test_bad_input_raises_value_error(engines, args, needle):
+    fast, _ = engines
+    with pytest.raises(ValueError, match=needle):
+        fast.generate(*args)
+
+
+def test_loader_names_bad_tensors(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fast = load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test")
+    work = tmp_path / "m"
+    shutil.copytree(tiny_model, work)
+    shard = next(work.glob("*.safetensors"))
+    tensors = {k: v.clone() for k, v in load_file(shard).items()}  # not views of the file we rewrite
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*shape"):
+        fast.Engine(str(work))
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing tensor " + name.replace(".", r"\.")):
+        fast.Engine(str(work))
+
+
+def test_config_errors(tmp_path, tiny_model):
+    fast = load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        fast.Engine(str(tmp_path / "nowhere"))
+    work = tmp_path / "m"
+    shutil.copytree(tiny_model, work)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (work / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type is 'llama'"):
+        fast.Engine(str(work))
+    (work / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        fast.Engine(str(work))
