@@ -1,0 +1,255 @@
+"""`fastqwen synth-stats`: how a checkpoint's logits are spread, as the correctness gate sees them.
+
+The gate replays emitted tokens teacher-forced through Transformers (BF16,
+sdpa) and fails a position whose token's logit is more than 2.0 below the
+maximum. Whether a wrong token can pass depends on how far the top-1 logit
+stands above the rest, so we measure, per position of a teacher-forced
+forward of the same kind: the top-1 logit, top-1 minus the median logit, and
+the top-1/top-2 gap. On synthetic weights these figures show whether the gate
+has teeth (a trained model: median gap about 1, p10 about 0.1, p90 several).
+
+The input is text-like random ids: Zipf-distributed tokens (frequent ones
+spread over the vocabulary by a seeded permutation) with a bank of phrases
+that recur, so attention sees repetition as in real text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from fastqwen.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+QUANTILES = (10, 50, 90, 99)
+STAT_NAMES = ("top1_logit", "max_minus_median", "top1_top2_gap")
+# Gap thresholds worth counting: under 2.0 a second token would also pass the gate.
+GAP_THRESHOLDS = (0.5, 1.0, 2.0)
+MAX_SEQUENCE_LENGTH = 1024
+
+
+def text_like_ids(vocab_size: int, lengths: list[int], seed: int = 0, zipf_a: float = 1.1) -> list[list[int]]:
+    """Sequences of token ids that look statistically like text: Zipf frequencies and recurring phrases."""
+    import numpy as np
+
+    if vocab_size < 2:
+        raise UserError(f"vocab_size must be at least 2, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    rank_to_id = rng.permutation(vocab_size)
+
+    def zipf_tokens(n: int) -> np.ndarray:
+        ranks = rng.zipf(zipf_a, size=n) - 1
+        # Ranks beyond the vocabulary fold back into it uniformly (the long tail).
+        tail = ranks >= vocab_size
+        ranks[tail] = rng.integers(0, vocab_size, size=int(tail.sum()))
+        return rank_to_id[ranks]
+
+    phrases = [zipf_tokens(int(rng.integers(2, 9))) for _ in range(64)]
+    out: list[list[int]] = []
+    for length in lengths:
+        seq: list[int] = []
+        while len(seq) < length:
+            if rng.random() < 0.3:
+                # Popular phrases recur more often than rare ones.
+                k = min(int(rng.zipf(1.5)) - 1, len(phrases) - 1)
+                seq.extend(int(t) for t in phrases[k])
+            else:
+                seq.append(int(zipf_tokens(1)[0]))
+        out.append(seq[:length])
+    return out
+
+
+def position_statistics(logits: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """Per-position statistics of logits [positions, vocab] (any float dtype), as FP32 vectors."""
+    x = logits.float()
+    top2 = x.topk(2, dim=-1).values
+    median = x.median(dim=-1).values
+    return {
+        "top1_logit": top2[:, 0],
+        "max_minus_median": top2[:, 0] - median,
+        "top1_top2_gap": top2[:, 0] - top2[:, 1],
+    }
+
+
+def summarize(values: "np.ndarray | list[float]") -> dict[str, float]:
+    """mean and the QUANTILES percentiles of a vector, as plain floats."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        raise ValueError("summarize() needs at least one value")
+    out = {"mean": float(v.mean())}
+    for q in QUANTILES:
+        out[f"p{q}"] = float(np.percentile(v, q))
+    return out
+
+
+def _matching_preset(config: dict) -> str | None:
+    from fastqwen.presets import PRESETS
+
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+    for name, preset in PRESETS.items():
+        if all(preset.get(k) == config.get(k) for k in keys):
+            return name
+    return None
+
+
+def measure(model_dir: str | pathlib.Path, positions: int = 4096, device: str = "cpu", seed: int = 0) -> dict:
+    """Teacher-forced logit statistics of the model in `model_dir` over `positions` text-like positions.
+
+    Loads with `transformers.Qwen3ForCausalLM` in BF16 with sdpa (as the
+    judge's replay does), runs sequences of up to MAX_SEQUENCE_LENGTH tokens
+    one at a time, and returns a JSON-ready dict (see `format_table`).
+    """
+    import numpy as np
+    import torch
+    import transformers
+
+    from fastqwen.checkpoint import check_tensors, read_config
+    from fastqwen.synth import check_device
+
+    if not isinstance(positions, int) or positions < 2:
+        raise UserError(f"positions must be an integer of at least 2, got {positions!r}")
+    device = check_device(device)
+    cfg = read_config(model_dir)
+    check_tensors(model_dir)
+    seq_len = min(MAX_SEQUENCE_LENGTH, int(cfg.get("max_position_embeddings", MAX_SEQUENCE_LENGTH)), positions)
+    n_seq = math.ceil(positions / seq_len)
+    lengths = [seq_len] * (n_seq - 1) + [positions - seq_len * (n_seq - 1)]
+    sequences = text_like_ids(int(cfg["vocab_size"]), lengths, seed=seed)
+
+    start = time.monotonic()
+    model = transformers.Qwen3ForCausalLM.from_pretrained(
+        str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to(device).eval()
+    load_s = time.monotonic() - start
+
+    collected: dict[str, list[np.ndarray]] = {k: [] for k in STAT_NAMES}
+    all_finite = True
+    top1_is_input = 0
+    start = time.monotonic()
+    with torch.inference_mode():
+        for seq in sequences:
+            ids = torch.tensor([seq], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+            all_finite &= bool(torch.isfinite(logits).all())
+            top1_is_input += int((logits.argmax(dim=-1) == ids[0]).sum())
+            for k, v in position_statistics(logits).items():
+                collected[k].append(v.cpu().numpy())
+            del logits
+    forward_s = time.monotonic() - start
+
+    stats: dict[str, dict[str, float]] = {}
+    for k in STAT_NAMES:
+        stats[k] = summarize(np.concatenate(collected[k]))
+    gaps = np.concatenate(collected["top1_top2_gap"])
+    result = {
+        "model_dir": str(model_dir),
+        "preset": _matching_preset(cfg),
+        "config": {
+            k: cfg.get(k)
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                      "rope_theta", "rms_norm_eps")
+        },
+        "final_norm_weight_mean": float(model.model.norm.weight.detach().float().mean()),
+        "positions": int(gaps.size),
+        "sequences": len(sequences),
+        "sequence_length": seq_len,
+        "seed": seed,
+        "stats": stats,
+        "fraction_gap_below": {str(t): float((gaps < t).mean()) for t in GAP_THRESHOLDS},
+        "fraction_top1_is_input_token": top1_is_input / gaps.size,
+        "all_logits_finite": all_finite,
+        "dtype": "bfloat16",
+        "attn_implementation": "sdpa",
+        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "load_s": round(load_s, 2),
+        "forward_s": round(forward_s, 2),
+    }
+    result["realism_problems"] = realism_problems(result)
+    return result
+
+
+# What "spread like a trained model" means, as checkable bounds on `measure()`'s result.
+# A trained model's top-1/top-2 gap has a median near 1 logit, a p10 near 0.1 and
+# a p90 of several logits, and its top-1 stands far above the median logit.
+REALISM_BOUNDS = {
+    "max_minus_median_p50_min": 10.0,
+    "gap_p50_range": (0.4, 2.5),
+    "gap_p10_max": 0.5,
+    "gap_p90_min": 1.5,
+    "top1_is_input_max": 0.25,
+}
+
+
+def realism_problems(result: dict) -> list[str]:
+    """Why `measure()`'s result does not look like a trained model's logits (empty list: it does)."""
+    b = REALISM_BOUNDS
+    s = result["stats"]
+    gap, mm = s["top1_top2_gap"], s["max_minus_median"]
+    problems = []
+    if not result["all_logits_finite"]:
+        problems.append("some logits are inf or nan")
+    if mm["p50"] < b["max_minus_median_p50_min"]:
+        problems.append(f"median of max-minus-median is {mm['p50']:.2f} < {b['max_minus_median_p50_min']}: logits too flat")
+    lo, hi = b["gap_p50_range"]
+    if not lo <= gap["p50"] <= hi:
+        problems.append(f"median top-1/top-2 gap is {gap['p50']:.3f}, outside [{lo}, {hi}]")
+    if gap["p10"] > b["gap_p10_max"]:
+        problems.append(f"p10 of the gap is {gap['p10']:.3f} > {b['gap_p10_max']}: no close calls")
+    if gap["p90"] < b["gap_p90_min"]:
+        problems.append(f"p90 of the gap is {gap['p90']:.3f} < {b['gap_p90_min']}: gap distribution collapsed")
+    if result["fraction_top1_is_input_token"] > b["top1_is_input_max"]:
+        problems.append(
+            f"top-1 is the input token at {result['fraction_top1_is_input_token']:.1%} of positions: the model only echoes"
+        )
+    return problems
+
+
+def format_table(result: dict) -> str:
+    """A short human-readable table of `measure()`'s statistics."""
+    cols = ["mean"] + [f"p{q}" for q in QUANTILES]
+    lines = [
+        f"{result['model_dir']} (preset {result['preset']}), {result['positions']} positions, {result['device']}",
+        f"{'':18}" + "".join(f"{c:>9}" for c in cols),
+    ]
+    for k in STAT_NAMES:
+        lines.append(f"{k:18}" + "".join(f"{result['stats'][k][c]:9.3f}" for c in cols))
+    below = ", ".join(f"<{t}: {v:.3f}" for t, v in result["fraction_gap_below"].items())
+    lines.append(f"fraction of positions with gap {below}")
+    problems = realism_problems(result)
+    lines.append("realistic logit scale: " + ("yes" if not problems else "NO: " + "; ".join(problems)))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model folder (Hugging Face layout)")
+    parser.add_argument("--positions", type=int, default=4096, help="teacher-forced positions to measure (default 4096)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the text-like input ids")
+    parser.add_argument("--out", help="write the JSON result here")
+    parser.add_argument("--note", help="a free-text note stored in the JSON (e.g. why fewer positions)")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(args.model, positions=args.positions, device=args.device, seed=args.seed)
+    if args.note:
+        result["note"] = args.note
+    print(format_table(result))
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
