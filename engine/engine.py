@@ -41,6 +41,7 @@ class Engine:
         self.use_graphs = self.device.type == "cuda" and os.environ.get("FASTQWEN_NO_GRAPHS") != "1"
         self._runner = None
         self._host = None
+        self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:
@@ -89,6 +90,8 @@ class Engine:
                 torch.cuda.empty_cache()
             model.allocate_cache(batch, -(-capacity // CAPACITY_GRANULE) * CAPACITY_GRANULE)
         if self._runner is None:
+            if self.device.type == "cuda" and batch not in self.tuning:
+                self.tuning[batch] = model.ops.tune(model.w, batch)
             self._runner = DecodeRunner(model, batch, self.use_graphs)
         return self._runner
 

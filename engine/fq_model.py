@@ -61,6 +61,12 @@ class Qwen3Model:
         Writes K/V for positions [0, S) of every sequence."""
         B, S = ids.shape
         group = max(1, PREFILL_TOKENS // S)
+        return torch.argmax(self.prefill_logits(ids), dim=-1)
+
+    def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill."""
+        B, S = ids.shape
+        group = max(1, PREFILL_TOKENS // S)
         return torch.cat([self._prefill_group(ids[b0:b0 + group], b0) for b0 in range(0, B, group)])
 
     def _prefill_group(self, ids: torch.Tensor, b0: int) -> torch.Tensor:
@@ -78,13 +84,16 @@ class Qwen3Model:
             h = ops.add_rmsnorm(x, ops.linear(attn, layer.o), layer.post_norm, eps)
             d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
             h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
-        last = h.view(nb, S, -1)[:, -1]
-        return torch.argmax(ops.linear(last, self.w.lm_head), dim=-1)
+        return ops.linear(h.view(nb, S, -1)[:, -1], self.w.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One step for every sequence: tokens [B] int64 at positions [B] int32
         (lengths = positions + 1, int32) -> next tokens [B] int64. Graph-safe:
         no host reads, no shape depends on the positions."""
+        return torch.argmax(self.decode_logits(tokens, positions, lengths), dim=-1)
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """BF16 logits [B, vocab] of one decode step (the step `decode` takes the argmax of)."""
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         B = tokens.shape[0]
         x = self.w.embed[tokens]
@@ -98,4 +107,4 @@ class Qwen3Model:
             h = ops.add_rmsnorm(x, ops.linear(attn.view(B, c.q_size), layer.o), layer.post_norm, eps)
             d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
             h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
-        return torch.argmax(ops.linear(h, self.w.lm_head), dim=-1)
+        return ops.linear(h, self.w.lm_head)

@@ -49,12 +49,19 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """Fused Triton kernels for everything around the matrix products (CUDA only)."""
+    """Fused Triton kernels for everything around the matrix products (CUDA only).
+
+    Decode products (few rows) go to our split-K GEMV or to cuBLAS, whichever
+    `tune` measured faster for that (rows, matrix shape) on this GPU; prefill
+    products (many rows) go to cuBLAS.
+    """
 
     name = "triton"
+    GEMV_MAX_ROWS = 64
 
     def __init__(self):
         super().__init__()
+        from fqkernels import gemv
         from fqkernels.decode_attention import decode_attention
         from fqkernels.rmsnorm import add_rmsnorm, rmsnorm
         from fqkernels.rope_kv import qk_norm_rope_store
@@ -65,6 +72,66 @@ class TritonOps(TorchOps):
         self.qk_norm_rope_store = qk_norm_rope_store
         self.decode_attention = decode_attention
         self.silu_mul = silu_mul
+        self._gemv = gemv
+        self.use_gemv = {}  # (fused_silu, rows, N, K) -> bool, filled by tune()
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv.get((False, x.shape[0]) + tuple(w.shape)):
+            return self._gemv.linear(x, w)
+        return F.linear(x, w)
+
+    def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv.get((True, x.shape[0]) + tuple(w_gate_up.shape)):
+            return self._gemv.linear_silu_mul(x, w_gate_up)
+        return self.silu_mul(F.linear(x, w_gate_up))
+
+    def tune(self, weights, rows: int, reps: int = 3) -> dict:
+        """For a decode batch of `rows`, time cuBLAS against our GEMV on every
+        decode matrix and keep the faster. Each timing walks all layers'
+        copies of the matrix, so the weights stream from HBM as in a real
+        step instead of sitting in L2. Returns {matrix: (cublas_us, gemv_us)}."""
+        if rows > self.GEMV_MAX_ROWS:
+            return {}
+        layers = weights.layers
+        x = torch.randn(rows, weights.embed.shape[1], device=weights.embed.device).to(torch.bfloat16)
+        mats = {
+            "qkv": (False, [l.qkv for l in layers], x),
+            "o": (False, [l.o for l in layers], torch.randn(rows, layers[0].o.shape[1], device=x.device).to(x.dtype)),
+            "gate_up": (True, [l.gate_up for l in layers], x),
+            "down": (False, [l.down for l in layers], torch.randn(rows, layers[0].down.shape[1], device=x.device).to(x.dtype)),
+            "lm_head": (False, [weights.lm_head], x),
+        }
+        report = {}
+        for name, (fused, ws, inp) in mats.items():
+            key = (fused, rows) + tuple(ws[0].shape)
+            if fused:
+                ours = lambda w: self._gemv.linear_silu_mul(inp, w)  # noqa: E731
+                theirs = lambda w: self.silu_mul(F.linear(inp, w))  # noqa: E731
+            else:
+                ours = lambda w: self._gemv.linear(inp, w)  # noqa: E731
+                theirs = lambda w: F.linear(inp, w)  # noqa: E731
+            t_ours = _time_over(ours, ws, reps)
+            t_theirs = _time_over(theirs, ws, reps)
+            self.use_gemv[key] = t_ours < t_theirs
+            report[name] = (round(t_theirs, 2), round(t_ours, 2))
+        return report
+
+
+def _time_over(fn, weights, reps: int) -> float:
+    """Median microseconds per call of fn(w), cycling through `weights`."""
+    for w in weights[:2]:
+        fn(w)  # compile / pick kernels
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for w in weights:
+            fn(w)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    return sorted(times)[len(times) // 2]
 
 
 def ops_for(device: torch.device):

@@ -1,13 +1,14 @@
 """SwiGLU activation on a packed gate/up product.
 
 out = bf16( bf16(silu(g)) * u ), g = gu[:, :I], u = gu[:, I:], both already BF16.
-SiLU is evaluated in float32 on the BF16 g and rounded to BF16 before the
+SiLU is evaluated in float32 (expf, exact division) on the BF16 g and rounded to BF16 before the
 multiply by up: the reference's `act_fn(gate_proj(x)) * up_proj(x)` in BF16.
 Shapes: gu [M, 2I] bf16 (unit stride on the last dim); out [M, I] bf16.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -17,7 +18,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexp
     mask = offs < I
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + I + offs, mask=mask, other=0.0)
-    act = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16)
+    # libdevice expf and a correctly rounded division: what PyTorch's CUDA SiLU
+    # evaluates (Triton's default exp and `/` are approximations that can move
+    # the BF16 rounding of the result).
+    act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(tl.bfloat16)
     out = (act.to(tl.float32) * u.to(tl.float32)).to(tl.bfloat16)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 

@@ -1,0 +1,515 @@
+"""Matrix-vector products for decode (a few rows against a whole weight matrix).
+
+    linear(x, w)                    out[m, n] = bf16( sum_k x[m, k] * w[n, k] )
+    linear_silu_mul(x, w_gate_up)   g = bf16(x @ Wg.T), u = bf16(x @ Wu.T)
+                                    out = bf16( bf16(silu(g)) * u ),  silu(g) = g / (1 + exp(-g)) in fp32
+
+Shapes and dtypes: x [M, K] bf16 contiguous (M = decode batch, any M >= 1, tiled);
+w [N, K] bf16 contiguous (nn.Linear layout); w_gate_up [2I, K] with rows [0, I) the
+gate projection and rows [I, 2I) the up projection; out [M, N] (or [M, I]) bf16.
+
+Numerics. Every product of two bf16 values is exact in fp32, so the only freedom is
+the order of the fp32 sums; the result is rounded to bf16 once. `linear_silu_mul`
+keeps the reference's cast points (`act_fn(gate_proj(x)) * up_proj(x)` in BF16): g
+and u are each rounded to bf16, SiLU is evaluated in fp32 on the bf16 g and rounded
+to bf16, and the bf16 x bf16 product is rounded once more. On the GPU the SiLU uses
+libdevice `expf` and a correctly rounded division, as PyTorch's CUDA SiLU does:
+Triton's plain `tl.exp` / `/` are approximations (ex2.approx, div.full) that would
+move a few bf16 results by one ulp.
+
+Determinism. No floating-point atomics. For a given (N, K, config) each output
+element is summed in one fixed order that M does not enter:
+  - K is cut into SPLIT_K contiguous chunks of whole BLOCK_K blocks; inside a chunk
+    the blocks are accumulated in increasing k;
+  - inside a block the order is that of the compiled instruction sequence, which is
+    the same for every M: a tile always holds BLOCK_M rows (rows past M are clamped
+    copies of row M-1, never stored), and M is excluded from Triton's value
+    specialisation (`do_not_specialize`), so every M runs the same binary; each
+    output element depends only on its own row of x (an MMA or a per-row sum never
+    mixes rows), so the other rows of the tile cannot change it;
+  - with SPLIT_K > 1 the chunks' fp32 partials go to a cached workspace
+    [SPLIT_K, rows, cols] and a small kernel adds them in the order 0, 1, ..., S-1.
+So a row gives the same bits in a batch of 1 or of 16, and on every call. The two
+kernel modes ("dot": tl.dot over 16-row tiles; "fma": load-multiply-reduce over
+1-4 rows) sum in different orders, so the config table fixes ONE mode per (N, K)
+and uses it for every M. The config is a function of the shape alone, never of the
+device, so an H100 and an H200 run the same code (given the same Triton version).
+
+Workspace. Allocated on first use per (device, splits, columns, row capacity) and
+then kept for the life of the process, so calls made during CUDA-graph capture
+after a warm-up call allocate nothing and a captured graph never points at freed
+memory. It is shared by every call with the same key: calls on different CUDA
+streams that run concurrently must not share a key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = [
+    "GemvConfig",
+    "select_config",
+    "linear",
+    "linear_silu_mul",
+    "linear_reference",
+    "linear_silu_mul_reference",
+]
+
+# ----------------------------------------------------------------------------- configs
+
+_MODES = ("dot", "fma")
+_DOT_BLOCK_M = (16, 32, 64)   # tl.dot needs at least 16 rows per tile
+_FMA_BLOCK_M = (1, 2, 4)      # the fma kernel unrolls its rows by hand (see _gemv_fma_kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Tiling of one matrix-vector kernel.
+
+    block_n: output columns per program (for linear_silu_mul: gate columns, each
+        paired with the up column I later). block_k: reduction step. split_k: K
+        chunks reduced by a second kernel. mode: "dot" (tl.dot, rows padded to
+        block_m >= 16) or "fma" (load-multiply-reduce, block_m in 1, 2, 4).
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    mode: str = "dot"
+    block_m: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value!r}")
+        for name in ("split_k", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GemvConfig.{name} must be a positive int, got {value!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"GemvConfig.mode must be one of {_MODES}, got {self.mode!r}")
+        if self.block_k < 16:
+            raise ValueError(f"GemvConfig.block_k must be >= 16, got {self.block_k}")
+        if self.mode == "dot":
+            if self.block_m not in _DOT_BLOCK_M:
+                raise ValueError(
+                    f"GemvConfig.block_m must be one of {_DOT_BLOCK_M} in mode 'dot', got {self.block_m!r}")
+            if self.block_n < 16:
+                raise ValueError(f"GemvConfig.block_n must be >= 16 in mode 'dot', got {self.block_n}")
+        elif self.block_m not in _FMA_BLOCK_M:
+            raise ValueError(f"GemvConfig.block_m must be one of {_FMA_BLOCK_M} in mode 'fma', got {self.block_m!r}")
+        if self.num_warps > 16:
+            raise ValueError(f"GemvConfig.num_warps must be <= 16, got {self.num_warps}")
+
+
+# Tuned per weight shape (N, K) for the Qwen3-4B matrices. Starting points are the
+# H100 figures other teams reported (FIELD_NOTES.md, "Matrix-vector products");
+# scripts/bench_gemv.py measures candidates and prints a replacement table.
+# One entry serves every M: that is what keeps a row's bits independent of M.
+LINEAR_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (6144, 2560): GemvConfig(block_n=64, block_k=128, split_k=1),      # qkv_proj (q, k, v packed)
+    (2560, 4096): GemvConfig(block_n=64, block_k=256, split_k=2),      # o_proj
+    (2560, 9728): GemvConfig(block_n=32, block_k=128, split_k=4),      # down_proj
+    (151936, 2560): GemvConfig(block_n=64, block_k=256, split_k=1),    # lm_head (tied embedding)
+}
+# Keyed by the packed gate/up weight's shape (2I, K); block_n counts gate columns.
+SILU_MUL_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (19456, 2560): GemvConfig(block_n=32, block_k=128, split_k=1),     # gate_proj + up_proj
+}
+
+# The default aims for about two waves of programs on a 132-SM GPU; it is a fixed
+# function of the shape (never of the device) so every machine computes the same bits.
+_TARGET_PROGRAMS = 264
+_MAX_DEFAULT_SPLIT = 8
+_MIN_BLOCKS_PER_SPLIT = 4
+
+
+@functools.lru_cache(maxsize=None)
+def select_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
+    """The config for a weight of shape [n, k] (for silu_mul: the packed [2I, k]).
+
+    Table entry when there is one, else a default: the largest block_k in 256..16
+    that divides k (so the inner loop needs no mask; 64 with a masked tail when
+    none does), 64 output columns per program (less for narrow outputs), and
+    split-K doubled (keeping equal whole-block chunks) while there are fewer
+    programs than two waves.
+    """
+    if n < 1 or k < 1:
+        raise ValueError(f"weight shape must be positive, got ({n}, {k})")
+    if silu_mul and n % 2:
+        raise ValueError(f"a packed gate/up weight needs an even row count, got {n}")
+    table = SILU_MUL_CONFIGS if silu_mul else LINEAR_CONFIGS
+    if (n, k) in table:
+        return table[(n, k)]
+    cols = n // 2 if silu_mul else n
+    block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 64)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(64, max(16, triton.next_power_of_2(cols)))
+    programs = triton.cdiv(cols, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    split = 1
+    while (programs * split * 2 <= _TARGET_PROGRAMS and split * 2 <= _MAX_DEFAULT_SPLIT
+           and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= _MIN_BLOCKS_PER_SPLIT):
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _silu_mul_bf16(g, u, INTERPRETED: tl.constexpr):
+    """bf16( bf16(silu(bf16(g))) * bf16(u) ) from fp32 sums g and u."""
+    g = g.to(tl.bfloat16).to(tl.float32)
+    u = u.to(tl.bfloat16).to(tl.float32)
+    if INTERPRETED:
+        e = tl.exp(-g)              # the CPU interpreter has no libdevice; it evaluates numpy's exp
+    else:
+        e = libdevice.exp(-g)       # __nv_expf, the expf PyTorch's SiLU calls
+    act = tl.math.div_rn(g, 1.0 + e).to(tl.bfloat16).to(tl.float32)
+    return (act * u).to(tl.bfloat16)
+
+
+@triton.jit
+def _write_result(acc, acc_u, rows, cols, M, N, out_ptr, ws_ptr, pid_s, ws_split_stride, ws_cols,
+                  SPLIT_K: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Final bf16 result when there is one K chunk, else this chunk's fp32 partial.
+
+    rows/cols broadcast against acc (a [BM, BN] tile, or one row's [BN] vector).
+    Partials of the up half go ws_cols // 2 = N columns to the right of the gate half.
+    """
+    mask = (rows < M) & (cols < N)
+    if SPLIT_K == 1:
+        if SILU:
+            val = _silu_mul_bf16(acc, acc_u, INTERPRETED)
+        else:
+            val = acc.to(tl.bfloat16)
+        tl.store(out_ptr + rows * N + cols, val, mask=mask)
+    else:
+        ptrs = ws_ptr + pid_s.to(tl.int64) * ws_split_stride + rows * ws_cols + cols
+        tl.store(ptrs, acc, mask=mask)
+        if SILU:
+            tl.store(ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    # One flat grid, row tiles fastest: the programs that read the same weight
+    # slice for different row tiles run side by side, so the re-reads hit L2.
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    rest = pid // m_tiles
+    return pid_m, rest % SPLIT_K, rest // SPLIT_K
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
+
+    x [M, K], w [N, K] (for SILU: [2N, K], up rows up_offset = N*K elements on), out [M, N] bf16,
+    ws [SPLIT_K, rows, ws_cols] fp32 partials.
+    """
+    pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamped indices keep every load in bounds without a mask in the loop; the
+    # clamped rows and columns are computed and thrown away at the store.
+    rows_ld = tl.minimum(offs_m, M - 1)
+    cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
+    x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(BLOCKS_PER_SPLIT):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = (k_lo + i * BLOCK_K + offs_k) < K
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if INTERPRETED:
+            # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits;
+            # fp32 operands hold the same values and the products stay exact.
+            xt = xt.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(w), acc)
+        if SILU:
+            if EVEN_K:
+                wu = tl.load(w_ptrs + up_offset, eviction_policy="evict_first")
+            else:
+                wu = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if INTERPRETED:
+                wu = wu.to(tl.float32)
+            acc_u = tl.dot(xt, tl.trans(wu), acc_u)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
+                  ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+
+
+@triton.jit
+def _row_step(acc, w, x_row_ptr, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[BN] + sum over this block of w[BN, BK] * x_row[BK] (fp32)."""
+    if EVEN_K:
+        x = tl.load(x_row_ptr + k + offs_k)
+    else:
+        x = tl.load(x_row_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
+    return acc + tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
+
+    Each weight block is loaded once into registers and multiplied by every row of
+    the tile; each row keeps its own [BLOCK_N] accumulator and adds one tl.sum per
+    block. The rows are unrolled by hand (acc0..acc3) so that each row's code is the
+    same 2-D block reduction whatever BLOCK_M is: a 3-D [BM, BN, BK] product would
+    let the layout, and so the summation tree, depend on BLOCK_M.
+    """
+    pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
+    m0 = pid_m * BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
+    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    # Row pointers, clamped to the last real row (computed, never stored).
+    x0 = x_ptr + tl.minimum(m0, M - 1) * K
+    x1 = x_ptr + tl.minimum(m0 + 1, M - 1) * K
+    x2 = x_ptr + tl.minimum(m0 + 2, M - 1) * K
+    x3 = x_ptr + tl.minimum(m0 + 3, M - 1) * K
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    accu0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    accu1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    accu2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    accu3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(BLOCKS_PER_SPLIT):
+        k = k_lo + i * BLOCK_K
+        if EVEN_K:
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first").to(tl.float32)
+        else:
+            w = tl.load(w_ptrs + k, mask=((k + offs_k) < K)[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        acc0 = _row_step(acc0, w, x0, k, offs_k, K, EVEN_K)
+        if BLOCK_M > 1:
+            acc1 = _row_step(acc1, w, x1, k, offs_k, K, EVEN_K)
+        if BLOCK_M > 2:
+            acc2 = _row_step(acc2, w, x2, k, offs_k, K, EVEN_K)
+            acc3 = _row_step(acc3, w, x3, k, offs_k, K, EVEN_K)
+        if SILU:
+            if EVEN_K:
+                wu = tl.load(w_ptrs + up_offset + k, eviction_policy="evict_first").to(tl.float32)
+            else:
+                wu = tl.load(w_ptrs + up_offset + k, mask=((k + offs_k) < K)[None, :], other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)
+            accu0 = _row_step(accu0, wu, x0, k, offs_k, K, EVEN_K)
+            if BLOCK_M > 1:
+                accu1 = _row_step(accu1, wu, x1, k, offs_k, K, EVEN_K)
+            if BLOCK_M > 2:
+                accu2 = _row_step(accu2, wu, x2, k, offs_k, K, EVEN_K)
+                accu3 = _row_step(accu3, wu, x3, k, offs_k, K, EVEN_K)
+    _write_result(acc0, accu0, m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                  ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+    if BLOCK_M > 1:
+        _write_result(acc1, accu1, m0 + 1, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+    if BLOCK_M > 2:
+        _write_result(acc2, accu2, m0 + 2, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+        _write_result(acc3, accu3, m0 + 3, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, ws_split_stride, ws_cols,
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[row, n] = bf16(p0 + p1 + ... + p_{S-1}), partials added in split order.
+
+    For SILU the up sums sit N columns right of the gate sums and the epilogue is
+    bf16(bf16(silu(bf16(g))) * bf16(u)), exactly as in the single-chunk kernels.
+    """
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    ptrs = ws_ptr + row * ws_cols + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * ws_split_stride, mask=mask, other=0.0)
+    if SILU:
+        acc_u = tl.load(ptrs + N, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc_u += tl.load(ptrs + N + s * ws_split_stride, mask=mask, other=0.0)
+        val = _silu_mul_bf16(acc, acc_u, INTERPRETED)
+    else:
+        val = acc.to(tl.bfloat16)
+    tl.store(out_ptr + row * N + offs, val, mask=mask)
+
+
+# Under TRITON_INTERPRET=1 triton.jit returns an interpreter object. The interpreter
+# runs on CPU tensors, cannot call libdevice and mishandles bf16 tl.dot operands:
+# the kernels take INTERPRETED as a constexpr to step around both (never on a GPU).
+_INTERPRETED = type(_gemv_dot_kernel).__name__ == "InterpretedFunction"
+_REDUCE_BLOCK = 1024
+_MAX_ROWS = 65535   # rows are the reduce kernel's second grid axis
+_MIN_WS_ROWS = 64   # one workspace covers every decode / verify batch up to 64 rows
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, splits: int, cols: int, rows: int) -> torch.Tensor:
+    """fp32 [splits, capacity, cols], created once per key and never freed (see module doc)."""
+    capacity = max(_MIN_WS_ROWS, triton.next_power_of_2(rows))
+    key = (device, splits, cols, capacity)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = torch.empty((splits, capacity, cols), dtype=torch.float32, device=device)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+# ----------------------------------------------------------------------------- host wrappers
+
+def _check_matrix(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+
+
+def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
+    if w.device != x.device:
+        raise ValueError(f"{w_name} is on {w.device} but x is on {x.device}")
+    if _INTERPRETED:
+        if x.device.type != "cpu":
+            raise ValueError(f"x must be on the CPU under TRITON_INTERPRET=1, got {x.device}")
+    elif x.device.type != "cuda":
+        raise ValueError(f"x must be on a CUDA device, got {x.device}")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+            silu: bool, w_name: str) -> torch.Tensor:
+    _check_matrix("x", x)
+    _check_matrix(w_name, w)
+    m, k = x.shape
+    n_rows = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"{w_name} has {w.shape[1]} columns but x has K={k}")
+    if silu and n_rows % 2:
+        raise ValueError(f"{w_name} must have an even number of rows (gate then up), got {n_rows}")
+    n = n_rows // 2 if silu else n_rows
+    if config is None:
+        config = select_config(n_rows, k, silu)
+    elif not isinstance(config, GemvConfig):
+        raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
+    if m > _MAX_ROWS:
+        raise ValueError(f"x has {m} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
+    if out is not None:
+        _check_matrix("out", out)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must have shape {(m, n)}, got {tuple(out.shape)}")
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    _check_device(x, w, w_name)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+
+    # Whole BLOCK_K blocks per chunk, the same count in every chunk (a compile-time
+    # trip count); chunks that would be empty are dropped, so the split actually
+    # used is a function of (K, config) only. When the chunks do not tile K
+    # exactly, loads past K are masked to zero (adding 0 to an fp32 sum is exact).
+    k_blocks = triton.cdiv(k, config.block_k)
+    blocks_per_split = triton.cdiv(k_blocks, config.split_k)
+    splits = triton.cdiv(k_blocks, blocks_per_split)
+    even_k = k % config.block_k == 0 and k_blocks % blocks_per_split == 0
+    ws_cols = 2 * n if silu else n
+    if splits > 1:
+        ws = _workspace(x.device, splits, ws_cols, m)
+        ws_split_stride = ws.shape[1] * ws_cols
+    else:
+        ws, ws_split_stride = out, 0   # unused: the kernel writes bf16 straight to out
+    kernel = _gemv_dot_kernel if config.mode == "dot" else _gemv_fma_kernel
+    grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
+    kernel[grid](
+        x, w, out, ws, m, n, n * k, ws_split_stride, ws_cols,
+        K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k,
+        SILU=silu, INTERPRETED=_INTERPRETED,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _splitk_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+            ws, out, m, n, ws_split_stride, ws_cols,
+            SPLIT_K=splits, BLOCK=_REDUCE_BLOCK, SILU=silu, INTERPRETED=_INTERPRETED, num_warps=4,
+        )
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+           config: GemvConfig | None = None) -> torch.Tensor:
+    """out[M, N] = bf16(x @ w.T) with fp32 accumulation; x [M, K] bf16, w [N, K] bf16.
+
+    Deterministic and independent of M row by row (see the module docstring).
+    `out` ([M, N] bf16 contiguous) is written in place and returned; `config`
+    overrides the table (select_config). Raises ValueError naming a bad argument.
+    """
+    return _launch(x, w, out, config, silu=False, w_name="w")
+
+
+def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,
+                    config: GemvConfig | None = None) -> torch.Tensor:
+    """out[M, I] = bf16( bf16(silu(bf16(x @ Wg.T))) * bf16(x @ Wu.T) ), fp32 accumulation.
+
+    x [M, K] bf16; w_gate_up [2I, K] bf16 with rows [0, I) = gate_proj and [I, 2I) =
+    up_proj. SiLU is g / (1 + exp(-g)) in fp32 on the bf16 g. Same determinism as
+    `linear`; `config.block_n` counts gate columns.
+    """
+    return _launch(x, w_gate_up, out, config, silu=True, w_name="w_gate_up")
+
+
+# ----------------------------------------------------------------------------- references
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16(x @ w.T) computed in fp32 by torch: bf16 products are exact in fp32, one final rounding."""
+    return (x.float() @ w.float().t()).to(torch.bfloat16)
+
+
+def linear_silu_mul_reference(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """The reference's `act_fn(gate_proj(x)) * up_proj(x)` in BF16, on fp32-accumulated g and u.
+
+    g and u are rounded to bf16 by linear_reference; F.silu on a bf16 tensor computes
+    g / (1 + exp(-g)) in fp32 and rounds to bf16; the bf16 * bf16 product rounds once.
+    """
+    gu = linear_reference(x, w_gate_up)
+    g, u = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u

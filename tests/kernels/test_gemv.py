@@ -1,0 +1,508 @@
+"""Decode matrix-vector kernels (fqkernels.gemv): references, configs, argument checks,
+the kernels under Triton's CPU interpreter, an ahead-of-time sm_90 compile, and the
+kernels on a GPU.
+
+Which tests run where:
+  pinned stack, no GPU      references, configs, argument errors, sm_90 compile
+  TRITON_INTERPRET=1        + the kernels on small shapes (run with /work/venv-dev:
+                              cd /work/main && PYTHONPATH=. TRITON_INTERPRET=1 \\
+                              /work/venv-dev/bin/python -m pytest tests/kernels/test_gemv.py)
+  a CUDA device             + the kernels on the Qwen3-4B shapes (marked gpu)
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+import triton  # noqa: E402
+
+from fqkernels import gemv  # noqa: E402
+from fqkernels.gemv import (  # noqa: E402
+    GemvConfig,
+    linear,
+    linear_reference,
+    linear_silu_mul,
+    linear_silu_mul_reference,
+    select_config,
+)
+
+INTERPRETED = gemv._INTERPRETED
+HAS_GPU = torch.cuda.is_available() and not INTERPRETED
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs the kernels under TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+
+# (N, K) of the Qwen3-4B weights; gate_up is used by linear_silu_mul only.
+SHAPES_4B = {
+    "qkv": (6144, 2560),
+    "o": (2560, 4096),
+    "gate_up": (19456, 2560),
+    "down": (2560, 9728),
+    "lm_head": (151936, 2560),
+}
+# Explicit configs of the other mode, so both kernels are tested on every shape.
+FMA_CONFIGS = [
+    GemvConfig(block_n=32, block_k=128, split_k=1, mode="fma", block_m=1),
+    GemvConfig(block_n=32, block_k=128, split_k=2, mode="fma", block_m=4),
+]
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |v| (8 significant bits), in float64."""
+    a = v.abs().double().clamp_min(2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(a)) - 7)
+
+
+def fp32_sum_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|fp32 sum of x[m, :] * w[n, :] in any order - exact| <= ~K * 2^-24 * sum|x w| (products are exact)."""
+    k = x.shape[1]
+    return 1.01 * k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+
+
+def linear_error_bound(exact: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Any fp32 summation order, then one bf16 rounding (a full ulp: slack for ties)."""
+    return acc + bf16_ulp(exact.abs() + acc)
+
+
+def silu_mul_error_bound(g: torch.Tensor, u: torch.Tensor, acc_g: torch.Tensor, acc_u: torch.Tensor) -> torch.Tensor:
+    """The error of bf16(bf16(silu(bf16(g~))) * bf16(u~)) for fp32 sums g~, u~, against exact g, u."""
+    eg, eu = linear_error_bound(g, acc_g), linear_error_bound(u, acc_u)
+    sil = g / (1 + torch.exp(-g))
+    e_act = 1.1 * eg + bf16_ulp(sil.abs() + 1.1 * eg)     # |silu'| <= 1.1
+    e = e_act * (u.abs() + eu) + sil.abs() * eu
+    return e + bf16_ulp((sil * u).abs() + e)
+
+
+def _check_close(out: torch.Tensor, torch_out: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    """Within one bf16 ulp of torch's bf16 result for nearly all elements, every element
+    within the rounding-error bound of the exact value, and 1e-2 relative to float64."""
+    assert not out.isnan().any(), "NaN left in the output: some elements were never written"
+    diff = (out.double() - torch_out.double()).abs()
+    ulp = bf16_ulp(torch.maximum(out.double().abs(), torch_out.double().abs()))
+    within = (diff <= ulp).double().mean().item()
+    assert within > 0.999, f"only {within:.5f} of the elements within one ulp of torch"
+    bad = ((out.double() - exact).abs() > bound).sum().item()
+    assert bad == 0, f"{bad} elements outside the error bound of the exact result"
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel < 1e-2, f"relative error {rel:.3g} against float64"
+
+
+def randn_bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+def interpreter_silu_mul_tol(g: torch.Tensor, u: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """How far the interpreter's silu_mul may sit from the rounded-to-nearest result.
+
+    The interpreter truncates every bf16 cast (the GPU rounds to nearest), so each
+    cast may lose up to one ulp: that of g moves silu(g) by |silu'| <= 1.1 times it,
+    and the losses of g, silu(g) and u are scaled by the product.
+    """
+    gb, ub = g.to(torch.bfloat16), u.to(torch.bfloat16)
+    act = torch.nn.functional.silu(gb).double()
+    return (ub.double().abs() * (bf16_ulp(act) + 1.1 * bf16_ulp(gb))
+            + act.abs() * bf16_ulp(ub) + 2 * bf16_ulp(expected))
+
+
+def staged_silu_mul_float64(g32: torch.Tensor, u32: torch.Tensor) -> torch.Tensor:
+    """The model's cast sequence evaluated in float64 between the bf16 roundings."""
+    g = g32.to(torch.bfloat16).double()
+    u = u32.to(torch.bfloat16).double()
+    act = (g / (1.0 + torch.exp(-g))).to(torch.bfloat16).double()
+    return (act * u).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- references (pinned stack)
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 2560), (7, 300, 1000), (16, 128, 9728)])
+def test_linear_reference_is_one_rounding_of_the_exact_sum(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = randn_bf16(m, k, gen=gen), randn_bf16(n, k, gen=gen, scale=0.05)
+    exact = x.double() @ w.double().t()
+    ref = linear_reference(x, w)
+    assert ref.dtype == torch.bfloat16 and ref.shape == (m, n)
+    # fp32 accumulation error plus one bf16 rounding to nearest (half an ulp).
+    acc_err = fp32_sum_error_bound(x, w)
+    bound = 0.5 * bf16_ulp(exact.abs() + acc_err) + acc_err
+    assert ((ref.double() - exact).abs() <= bound).all()
+    assert ((ref.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_gpu_checks_accept_the_reference_and_catch_one_bad_column():
+    """The checks the GPU tests apply, on CPU results: no false alarm, and one wrong column is caught."""
+    gen = torch.Generator().manual_seed(4)
+    m, n, k = 16, 4096, 2560
+    x, w = randn_bf16(m, k, gen=gen), randn_bf16(n, k, gen=gen, scale=k ** -0.5)
+    # Columns whose exact result nearly cancels: a relative bound alone would fail there.
+    x0 = x[0].float()
+    w[:64] = (w[:64].float() - (w[:64].float() @ x0)[:, None] * x0 / (x0 ** 2).sum()).bfloat16()
+    exact = x.double() @ w.double().t()
+    acc = fp32_sum_error_bound(x, w)
+    out = linear_reference(x, w)
+    _check_close(out, torch.nn.functional.linear(x, w), exact, linear_error_bound(exact, acc))
+    g, u = exact[:, : n // 2], exact[:, n // 2:]
+    silu_out = linear_silu_mul_reference(x, w)
+    _check_close(silu_out, silu_out, g / (1 + torch.exp(-g)) * u,
+                 silu_mul_error_bound(g, u, acc[:, : n // 2], acc[:, n // 2:]))
+    bad = out.clone()
+    bad[:, 1000] = (bad[:, 1000].float() * 1.03).bfloat16()
+    with pytest.raises(AssertionError, match="outside the error bound"):
+        _check_close(bad, torch.nn.functional.linear(x, w), exact, linear_error_bound(exact, acc))
+
+
+def test_linear_silu_mul_reference_keeps_the_models_cast_points():
+    gen = torch.Generator().manual_seed(1)
+    m, i, k = 4, 512, 2560
+    x, w = randn_bf16(m, k, gen=gen), randn_bf16(2 * i, k, gen=gen, scale=0.05)
+    ref = linear_silu_mul_reference(x, w)
+    assert ref.dtype == torch.bfloat16 and ref.shape == (m, i)
+    exact = x.double() @ w.double().t()
+    staged = staged_silu_mul_float64(exact[:, :i], exact[:, i:])
+    # The same function up to fp32-vs-exact sums and fp32-vs-float64 SiLU, which
+    # move a result across a bf16 rounding boundary only rarely.
+    same = (ref == staged).double().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the elements follow the staged cast sequence"
+    assert ((ref.double() - staged.double()).abs() <= bf16_ulp(staged)).all()
+    # The test can tell a moved cast apart: keeping silu(g) in fp32 through the
+    # product by u (one cast fewer) changes many elements.
+    g = exact[:, :i].to(torch.bfloat16).double()
+    u = exact[:, i:].to(torch.bfloat16).double()
+    fused = (g / (1.0 + torch.exp(-g)) * u).to(torch.bfloat16)
+    assert (fused != staged).double().mean().item() > 0.05
+
+
+def test_linear_silu_mul_reference_is_the_models_op_sequence():
+    """act_fn(gate_proj(x)) * up_proj(x) with nn.Linear and F.silu in BF16, as the model runs it."""
+    gen = torch.Generator().manual_seed(2)
+    m, i, k = 3, 256, 1024
+    x, w = randn_bf16(m, k, gen=gen), randn_bf16(2 * i, k, gen=gen, scale=0.05)
+    model = torch.nn.functional.silu(torch.nn.functional.linear(x, w[:i])) * torch.nn.functional.linear(x, w[i:])
+    ref = linear_silu_mul_reference(x, w)
+    # Both accumulate in fp32; only a different summation order inside the CPU
+    # matmul can move g or u across a rounding boundary.
+    assert (ref == model).double().mean().item() > 0.99
+    assert ((ref.double() - model.double()).abs() <= 2 * bf16_ulp(model)).all()
+
+
+# ----------------------------------------------------------------------------- configs and arguments
+
+@pytest.mark.parametrize("name", sorted(SHAPES_4B))
+def test_4b_shapes_have_mask_free_table_configs(name):
+    n, k = SHAPES_4B[name]
+    silu = name == "gate_up"
+    table = gemv.SILU_MUL_CONFIGS if silu else gemv.LINEAR_CONFIGS
+    cfg = select_config(n, k, silu)
+    assert cfg is table[(n, k)]
+    cols = n // 2 if silu else n
+    k_blocks = k // cfg.block_k
+    assert k % cfg.block_k == 0 and cols % cfg.block_n == 0
+    assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
+
+
+@pytest.mark.parametrize("n,k,silu", [(100, 96, False), (4096, 1000, False), (1024, 3072, False),
+                                      (151936, 1024, False), (6144, 4096, True), (2, 16, True)])
+def test_default_config_is_valid_and_divides_k_when_it_can(n, k, silu):
+    cfg = select_config(n, k, silu)
+    assert isinstance(cfg, GemvConfig)
+    if k % 16 == 0:
+        assert k % cfg.block_k == 0
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    assert k_blocks % cfg.split_k == 0
+    assert select_config(n, k, silu) == cfg   # a pure function of the shape
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_n=48, block_k=128), "block_n"),
+    (dict(block_n=64, block_k=8), "block_k"),
+    (dict(block_n=64, block_k=128, split_k=0), "split_k"),
+    (dict(block_n=64, block_k=128, mode="wgmma"), "mode"),
+    (dict(block_n=64, block_k=128, mode="dot", block_m=4), "block_m"),
+    (dict(block_n=64, block_k=128, mode="fma", block_m=16), "block_m"),
+    (dict(block_n=8, block_k=128, mode="dot"), "block_n"),
+    (dict(block_n=64, block_k=128, num_warps=3), "num_warps"),
+])
+def test_bad_config_raises_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GemvConfig(**kwargs)
+
+
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: linear(_bf16(2, 64).float(), _bf16(32, 64)), "x must be bfloat16"),
+    (lambda: linear(_bf16(64), _bf16(32, 64)), "x must be 2-D"),
+    (lambda: linear(_bf16(64, 2).t(), _bf16(32, 64)), "x must be contiguous"),
+    (lambda: linear(_bf16(0, 64), _bf16(32, 64)), "x must not be empty"),
+    (lambda: linear(_bf16(2, 64), _bf16(32, 64).half()), "w must be bfloat16"),
+    (lambda: linear(_bf16(2, 64), _bf16(32, 48)), "w has 48 columns but x has K=64"),
+    (lambda: linear(_bf16(2, 64), [[0.0]]), "w must be a torch.Tensor"),
+    (lambda: linear_silu_mul(_bf16(2, 64), _bf16(33, 64)), "w_gate_up must have an even number of rows"),
+    (lambda: linear(_bf16(2, 64), _bf16(32, 64), out=_bf16(2, 31)), r"out must have shape \(2, 32\)"),
+    (lambda: linear_silu_mul(_bf16(2, 64), _bf16(32, 64), out=_bf16(2, 32)), r"out must have shape \(2, 16\)"),
+    (lambda: linear(_bf16(2, 64), _bf16(32, 64), out=_bf16(2, 32).float()), "out must be bfloat16"),
+    (lambda: linear(_bf16(2, 64), _bf16(32, 64), config=(32, 64)), "config must be a GemvConfig"),
+])
+def test_bad_arguments_raise_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on CPU tensors")
+def test_cpu_tensors_are_refused_outside_the_interpreter():
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        linear(_bf16(2, 64), _bf16(32, 64))
+
+
+# ----------------------------------------------------------------------------- sm_90 compile (no GPU needed)
+
+def _aot_compile(kernel, signature: dict, constants: dict, aligned: tuple, num_warps: int, num_stages: int):
+    """Compile a kernel for sm_90 with the installed Triton, without a driver."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    if triton.__version__.startswith("3.1."):
+        from triton.compiler import AttrsDescriptor
+        attrs = AttrsDescriptor(divisible_by_16=tuple(names.index(a) for a in aligned), equal_to_1=())
+        src = ASTSource(kernel, signature, constants, attrs)
+    elif triton.__version__.startswith("3.6."):
+        sig = dict(signature, **{c: "constexpr" for c in constants})
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        src = ASTSource(kernel, sig, constants, attrs)
+    else:
+        pytest.skip(f"no ahead-of-time compile recipe for Triton {triton.__version__}")
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+MAIN_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
+            "up_offset": "i32", "ws_split_stride": "i32", "ws_cols": "i32"}
+MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_split_stride", "ws_cols")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("name,mode,silu", [("o", "dot", False), ("gate_up", "dot", True),
+                                            ("down", "fma", False), ("gate_up", "fma", True)])
+def test_kernels_compile_for_sm90(name, mode, silu):
+    """Catches what only the compiler sees (layouts, dot shapes, libdevice) on a machine without a GPU."""
+    n, k = SHAPES_4B[name]
+    cols = n // 2 if silu else n
+    cfg = select_config(n, k, silu) if mode == "dot" else FMA_CONFIGS[1]
+    k_blocks = k // cfg.block_k
+    constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                     BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
+                     SILU=silu, INTERPRETED=False)
+    kernel = gemv._gemv_dot_kernel if mode == "dot" else gemv._gemv_fma_kernel
+    compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
+    ptx = compiled.asm["ptx"]
+    assert ("mma.sync" in ptx) == (mode == "dot")
+    if silu and cfg.split_k == 1:
+        # Correctly rounded division in the SiLU (PyTorch's), not Triton's default
+        # approximate one (Triton 3.1 adds .ftz: subnormal inputs flush to zero).
+        assert re.search(r"div\.rn(\.ftz)?\.f32", ptx) and "div.full" not in ptx
+    if cfg.split_k > 1:
+        reduce_sig = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+                      "ws_split_stride": "i32", "ws_cols": "i32"}
+        _aot_compile(gemv._splitk_reduce_kernel, reduce_sig,
+                     dict(SPLIT_K=cfg.split_k, BLOCK=gemv._REDUCE_BLOCK, SILU=silu, INTERPRETED=False),
+                     ("ws_ptr", "out_ptr", "N", "ws_split_stride", "ws_cols"), 4, 1)
+
+
+# ----------------------------------------------------------------------------- the kernels under the interpreter
+
+# Interpreter shapes: odd N (clamped columns), K not a multiple of block_k (masked
+# tail), several row tiles, uneven split-K chunks.
+INTERP_CASES = [
+    # (m, n, k, config)
+    (1, 64, 64, GemvConfig(block_n=32, block_k=32, split_k=1)),
+    (3, 100, 96, GemvConfig(block_n=32, block_k=32, split_k=2)),
+    (17, 48, 100, GemvConfig(block_n=16, block_k=32, split_k=3)),
+    (1, 100, 96, GemvConfig(block_n=16, block_k=32, split_k=1, mode="fma", block_m=1)),
+    (3, 64, 128, GemvConfig(block_n=32, block_k=32, split_k=4, mode="fma", block_m=2)),
+    (5, 48, 100, GemvConfig(block_n=16, block_k=32, split_k=2, mode="fma", block_m=4)),
+]
+
+
+def _case_id(case):
+    m, n, k, cfg = case
+    return f"m{m}-n{n}-k{k}-{cfg.mode}{cfg.block_m}-s{cfg.split_k}"
+
+
+def _small_ints(*shape, gen):
+    # Entries in {-1, 0, 1}: every sum over K <= 128 is an integer below 256, exact
+    # in bf16, so even the interpreter's truncating bf16 cast gives exact results.
+    return torch.randint(-1, 2, shape, generator=gen).to(torch.bfloat16)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
+def test_interpreted_linear_is_exact_on_exact_inputs(case):
+    m, n, k, cfg = case
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = _small_ints(m, k, gen=gen), _small_ints(n, k, gen=gen)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert linear(x, w, out=out, config=cfg) is out
+    assert torch.equal(out, linear_reference(x, w))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
+def test_interpreted_linear_silu_mul(case):
+    m, n, k, cfg = case
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, w = _small_ints(m, k, gen=gen), _small_ints(2 * n, k, gen=gen)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    linear_silu_mul(x, w, out=out, config=cfg)
+    ref = linear_silu_mul_reference(x, w)
+    gu = linear_reference(x, w)     # exact integers here
+    tol = interpreter_silu_mul_tol(gu[:, :n], gu[:, n:], ref)
+    assert not out.isnan().any()
+    assert ((out.double() - ref.double()).abs() <= tol).all()
+    # The gate and up halves are not swapped or mixed: swapping them changes the result.
+    swapped = linear_silu_mul_reference(x, torch.cat([w[n:], w[:n]]))
+    assert ((out.double() - swapped.double()).abs() > tol).any()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", INTERP_CASES[1:3] + INTERP_CASES[4:], ids=_case_id)
+def test_interpreted_rows_do_not_depend_on_the_batch(case):
+    m, n, k, cfg = case
+    gen = torch.Generator().manual_seed(7)
+    x, w = randn_bf16(max(m, 2), k, gen=gen), randn_bf16(n, k, gen=gen, scale=0.1)
+    full = linear(x, w, config=cfg)
+    for r in range(x.shape[0]):
+        assert torch.equal(full[r], linear(x[r:r + 1].contiguous(), w, config=cfg)[0])
+    assert torch.equal(full, linear(x, w, config=cfg))
+    # Random inputs: within one ulp (truncation) of the reference.
+    ref = linear_reference(x, w)
+    assert ((full.double() - ref.double()).abs() <= bf16_ulp(ref)).all()
+
+
+# ----------------------------------------------------------------------------- the epilogue, in isolation
+
+@pytest.mark.skipif(not (INTERPRETED or HAS_GPU), reason="runs a kernel: needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu_mul"])
+def test_splitk_reduce_is_the_reference_epilogue(silu):
+    """Hand-made fp32 partials through the reduce kernel, against torch on the same sums.
+
+    Isolates the epilogue from the matmul: on a GPU it must equal PyTorch's
+    bf16(bf16(silu(bf16(g))) * bf16(u)) bit for bit, which holds only with
+    libdevice expf and a correctly rounded division (Triton's tl.exp and `/` are
+    approximations that move about one element in 10^4 by an ulp).
+    """
+    device = "cuda" if HAS_GPU else "cpu"
+    splits, rows, n = 3, (16 if HAS_GPU else 3), (65536 if HAS_GPU else 1500)
+    cols = 2 * n if silu else n
+    gen = torch.Generator().manual_seed(9)
+    ws = (torch.randn(splits, rows, cols, generator=gen) * 5).to(device)
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
+    gemv._splitk_reduce_kernel[(triton.cdiv(n, gemv._REDUCE_BLOCK), rows)](
+        ws, out, rows, n, rows * cols, cols,
+        SPLIT_K=splits, BLOCK=gemv._REDUCE_BLOCK, SILU=silu, INTERPRETED=INTERPRETED)
+    total = ws[0] + ws[1] + ws[2]          # fp32, in split order
+    if silu:
+        expected = torch.nn.functional.silu(total[:, :n].to(torch.bfloat16)) * total[:, n:].to(torch.bfloat16)
+    else:
+        expected = total.to(torch.bfloat16)
+    assert not out.isnan().any()
+    if HAS_GPU:
+        mismatched = (out != expected).sum().item()
+        assert mismatched == 0, f"{mismatched} of {out.numel()} elements differ from PyTorch's bits"
+    else:
+        # The interpreter truncates bf16 casts: one ulp for a plain sum.
+        tol = bf16_ulp(expected)
+        if silu:
+            tol = interpreter_silu_mul_tol(total[:, :n], total[:, n:], expected)
+        assert ((out.double() - expected.double()).abs() <= tol).all()
+
+
+# ----------------------------------------------------------------------------- the kernels on a GPU
+
+def _gpu_inputs(m: int, n: int, k: int, seed: int):
+    # Drawn on the device: the lm_head weight alone has 389M elements.
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, device="cuda").mul_(k ** -0.5).to(torch.bfloat16)
+    return x, w
+
+
+GPU_LINEAR_SHAPES = [SHAPES_4B[s] for s in ("qkv", "o", "down", "lm_head")] + [(100, 96), (4096, 1000)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,k", GPU_LINEAR_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+def test_gpu_linear_matches_torch(n, k, m, cfg):
+    x, w = _gpu_inputs(m, n, k, seed=n + k + m)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    linear(x, w, out=out, config=cfg)
+    exact = x.double() @ w.double().t()
+    bound = linear_error_bound(exact, fp32_sum_error_bound(x, w))
+    _check_close(out, torch.nn.functional.linear(x, w), exact, bound)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("i,k", [(SHAPES_4B["gate_up"][0] // 2, SHAPES_4B["gate_up"][1]), (100, 96), (4096, 1000)])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+def test_gpu_linear_silu_mul_matches_torch(i, k, m, cfg):
+    x, w = _gpu_inputs(m, 2 * i, k, seed=i + k + m)
+    out = torch.full((m, i), float("nan"), dtype=torch.bfloat16, device="cuda")
+    linear_silu_mul(x, w, out=out, config=cfg)
+    gu = torch.nn.functional.linear(x, w)
+    torch_out = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+    exact_gu = x.double() @ w.double().t()
+    acc = fp32_sum_error_bound(x, w)
+    g, u = exact_gu[:, :i], exact_gu[:, i:]
+    exact = g / (1 + torch.exp(-g)) * u
+    _check_close(out, torch_out, exact, silu_mul_error_bound(g, u, acc[:, :i], acc[:, i:]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(SHAPES_4B))
+@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+def test_gpu_deterministic_and_rows_independent_of_batch(name, cfg):
+    n, k = SHAPES_4B[name]
+    fn = linear_silu_mul if name == "gate_up" else linear
+    x, w = _gpu_inputs(16, n, k, seed=3)
+    full = fn(x, w, config=cfg)
+    assert torch.equal(full, fn(x, w, config=cfg)), "two calls differ"
+    for r in range(16):
+        single = fn(x[r:r + 1].contiguous(), w, config=cfg)
+        assert torch.equal(single[0], full[r]), f"row {r} differs between batch 16 and batch 1"
+    for m in (2, 7):   # other row counts pad the tile differently
+        assert torch.equal(fn(x[:m].contiguous(), w, config=cfg), full[:m])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["o", "down", "gate_up"])
+def test_gpu_cuda_graph_capture_and_replay(name):
+    n, k = SHAPES_4B[name]
+    fn = linear_silu_mul if name == "gate_up" else linear
+    x, w = _gpu_inputs(4, n, k, seed=5)
+    out = torch.empty((4, n // 2 if name == "gate_up" else n), dtype=torch.bfloat16, device="cuda")
+    fn(x, w, out=out)            # compile and create the workspace outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(x, w, out=out)
+    for seed in (11, 12):
+        x.copy_(_gpu_inputs(4, 1, k, seed=seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fn(x, w))

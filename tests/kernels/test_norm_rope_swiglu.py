@@ -1,0 +1,80 @@
+"""Triton kernels of rmsnorm.py, rope_kv.py and swiglu.py against their torch
+references on the GPU. The references are Transformers' functions bit for bit
+(tests/test_reference_ops.py); here the kernels must match the references
+exactly, except where a float32 special function (rsqrt, exp) may round one
+ulp differently: then at most 1 BF16 ulp on a tiny fraction of elements.
+Index and cache writes must match exactly."""
+import sys
+
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR
+
+sys.path.insert(0, str(ENGINE_DIR))
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_reference  # noqa: E402
+from fqkernels.rope_kv import qk_norm_rope_store, qk_norm_rope_store_reference, rope_tables  # noqa: E402
+from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def _close_to_ulp(out, ref, max_mismatch=2e-3):
+    """Bit-identical, or differing by at most one BF16 ulp on a tiny fraction."""
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
+    diff = out.float() != ref.float()
+    if diff.any():
+        a, b = out[diff].float(), ref[diff].float()
+        ulp = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7
+        assert ((a - b).abs() <= ulp).all(), f"max diff {(a - b).abs().max()} exceeds one bf16 ulp"
+    assert diff.float().mean() <= max_mismatch, f"{diff.float().mean():.2e} of elements differ"
+
+
+@pytest.mark.parametrize("rows,n", [(1, 2560), (16, 2560), (7, 1000), (64, 4096), (3, 128)])
+def test_rmsnorm_and_add_rmsnorm(rows, n):
+    x = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
+    r = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
+    w = torch.randn(n, device=DEV).bfloat16()
+    out = torch.full_like(x, float("nan"))
+    rmsnorm(x, w, 1e-6, out=out)
+    _close_to_ulp(out, rmsnorm_reference(x, w, 1e-6))
+    xk, xr = x.clone(), x.clone()
+    out.fill_(float("nan"))
+    add_rmsnorm(xk, r, w, 1e-6, out=out)
+    ref = add_rmsnorm_reference(xr, r, w, 1e-6)
+    assert torch.equal(xk, xr), "the BF16 residual add must be exact"
+    _close_to_ulp(out, ref)
+
+
+@pytest.mark.parametrize("B,S,H,KVH,D", [(1, 1, 32, 8, 128), (16, 1, 32, 8, 128), (2, 37, 32, 8, 128),
+                                         (3, 5, 16, 8, 128), (2, 9, 4, 2, 64)])
+def test_qk_norm_rope_store(B, S, H, KVH, D):
+    cap = 4096
+    cos, sin = rope_tables(D, 5e6, cap, DEV)
+    qkv = (torch.randn(B * S, (H + 2 * KVH) * D, device=DEV) * 3).bfloat16()
+    qn, kn = torch.randn(D, device=DEV).bfloat16(), torch.randn(D, device=DEV).bfloat16()
+    start = torch.randint(0, cap - S, (B,), device=DEV, dtype=torch.int32)
+    # caches are views of one [L, B, KVH, C, D] buffer, as in the engine
+    full_k = torch.full((2, B, KVH, cap, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    full_v = full_k.clone()
+    ref_k, ref_v = full_k.clone(), full_v.clone()
+    q = qk_norm_rope_store(qkv, qn, kn, cos, sin, start, S, full_k[1], full_v[1], 1e-6, H, KVH)
+    ref_q = qk_norm_rope_store_reference(qkv, qn, kn, cos, sin, start, S, ref_k[1], ref_v[1], 1e-6, H, KVH)
+    _close_to_ulp(q, ref_q)
+    written = ~torch.isnan(ref_k)
+    assert torch.equal(written, ~torch.isnan(full_k)), "cache positions written differ"
+    assert torch.equal(full_v.nan_to_num(0), ref_v.nan_to_num(0)), "V must be copied exactly"
+    _close_to_ulp(full_k[written], ref_k[written])
+
+
+@pytest.mark.parametrize("M,I", [(1, 9728), (16, 9728), (5, 1000), (2048, 384)])
+def test_silu_mul(M, I):
+    gu = (torch.randn(M, 2 * I, device=DEV) * 4).bfloat16()
+    out = torch.full((M, I), float("nan"), device=DEV, dtype=torch.bfloat16)
+    silu_mul(gu, out=out)
+    _close_to_ulp(out, silu_mul_reference(gu))
