@@ -83,7 +83,8 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------
     def _prepare(self, batch: int, capacity: int) -> DecodeRunner:
         model = self.model
-        model.ensure_rope(capacity)
+        if model.ensure_rope(capacity):
+            self._runner = None
         if not model.cache_fits(batch, capacity):
             self._runner = None
             if self.device.type == "cuda":

@@ -32,11 +32,14 @@ class Qwen3Model:
         self.k_cache = self.v_cache = None
 
     # ---- buffers -----------------------------------------------------------------
-    def ensure_rope(self, length: int) -> None:
-        """cos/sin tables covering positions [0, length)."""
-        if self.cos is None or self.cos.shape[0] < length:
-            n = -(-length // ROPE_GRANULE) * ROPE_GRANULE
-            self.cos, self.sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, n, self.device)
+    def ensure_rope(self, length: int) -> bool:
+        """cos/sin tables covering positions [0, length). True when the tables
+        were rebuilt (a captured graph still points at the old ones)."""
+        if self.cos is not None and self.cos.shape[0] >= length:
+            return False
+        n = -(-length // ROPE_GRANULE) * ROPE_GRANULE
+        self.cos, self.sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, n, self.device)
+        return True
 
     def cache_fits(self, batch: int, capacity: int) -> bool:
         return (self.k_cache is not None and self.k_cache.shape[1] == batch
@@ -84,7 +87,7 @@ class Qwen3Model:
             h = ops.add_rmsnorm(x, ops.linear(attn, layer.o), layer.post_norm, eps)
             d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
             h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
-        return ops.linear(h.view(nb, S, -1)[:, -1], self.w.lm_head)
+        return ops.linear(h.view(nb, S, -1)[:, -1].contiguous(), self.w.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One step for every sequence: tokens [B] int64 at positions [B] int32

@@ -1,0 +1,430 @@
+"""Decode attention: one new query per sequence against a static KV cache (split-KV, GQA).
+
+    out[b, h, :] = softmax_j( (q[b, h] . k[b, h // G, j]) * scale ) @ v[b, h // G, :, :]
+                   over the valid positions j < lengths[b],  G = H // KVH
+
+Shapes and dtypes: q [B, H, D] bf16; k_cache, v_cache [B, KVH, C, D] bf16 (unit stride
+on D; any other strides, so one layer of a [L, B, KVH, C, D] buffer is passed as a
+view); lengths [B] int32 on the device; out [B, H, D] bf16.
+
+Cast points (the same as the pure-torch reference below and as SDPA's flash path):
+scores are fp32 sums of bf16 products (tl.dot), softmax runs in fp32, the
+probabilities are rounded to bf16 before P @ V, that product accumulates in fp32, and
+the result is rounded to bf16 once at the end. The kernel normalizes after P @ V
+(online softmax), which reorders the arithmetic but keeps every cast.
+
+Work split (flash-decoding): program (b * KVH + kvh, split) handles the G query heads
+of one KV head over one fixed slice of the cache capacity, so each K/V tile is read
+once for all G heads. The G rows are padded to 16 because tl.dot needs at least 16
+rows. Partials (unnormalized fp32 acc, running max, running sum) go to a workspace
+and a second kernel merges them; with a single split the first kernel writes the
+output directly. The grid depends only on (B, KVH, C, D): lengths are read on the
+device, so one CUDA graph serves every length up to C.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "DecodeAttentionPlan",
+    "decode_attention",
+    "decode_attention_plan",
+    "decode_attention_reference",
+    "default_num_splits",
+]
+
+# Scores are turned into exp2 arguments: exp(x) == exp2(x * log2(e)).
+_LOG2E = 1.4426950408889634
+
+# The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
+# ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
+# H200 with this kernel (4B shape, CUDA graph, KV streamed from HBM), the best split
+# count at every B in {1, 4, 16} and context 512..32768 gives about 512 programs
+# (~4 per SM: one program alone keeps too few bytes in flight), with up to 64 splits
+# paying at B=1 from 8K context; at B=16 one split ran 1.2-1.7x slower than four.
+_TARGET_PROGRAMS = 512
+_MAX_SPLITS = 64
+
+# Offsets inside one (b, kvh) slice are int32 in the kernel; the per-(b, kvh) base is int64.
+_INT32_LIMIT = 2**31
+
+
+@dataclass(frozen=True)
+class DecodeAttentionPlan:
+    """Static launch plan: depends only on shapes, never on lengths."""
+
+    block_n: int  # cache positions per tile
+    block_g: int  # query rows per program (G padded to >= 16 for tl.dot)
+    num_splits: int  # programs per (b, kvh); 1 means no combine kernel
+    split_len: int  # cache positions per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def _block_n(head_dim: int) -> int:
+    # At D=128, 64 positions with 4 warps and 2 stages beat every other combination of
+    # block_n {32, 64, 128} x warps {4, 8} x stages {2, 3, 4} on the H200 (geometric
+    # mean over five batch/context shapes). D=256 halves it to keep the K and V
+    # tiles of a stage at 16 KiB each.
+    return 64 if head_dim <= 128 else 32
+
+
+def default_num_splits(batch: int, kv_heads: int, capacity: int, head_dim: int) -> int:
+    """Splits per (sequence, KV head) from static sizes alone (graph-safe).
+
+    Doubles until batch * kv_heads * splits reaches _TARGET_PROGRAMS, capped at
+    _MAX_SPLITS and at the number of tiles in the capacity.
+    """
+    programs = batch * kv_heads
+    splits = 1
+    while programs * splits < _TARGET_PROGRAMS and splits < _MAX_SPLITS:
+        splits *= 2
+    return max(1, min(splits, triton.cdiv(capacity, _block_n(head_dim))))
+
+
+def decode_attention_plan(
+    batch: int, heads: int, kv_heads: int, capacity: int, head_dim: int, num_splits: int | None = None
+) -> DecodeAttentionPlan:
+    """The launch plan for these sizes; `num_splits` None picks default_num_splits."""
+    block_n = _block_n(head_dim)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, capacity, head_dim)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"decode_attention: num_splits must be a positive int, got {num_splits!r}")
+    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    # Rounding the slice up to whole tiles can leave trailing splits with nothing to
+    # cover (and a request above the tile count does too): launch only those that cover C.
+    effective = triton.cdiv(capacity, split_len)
+    block_g = max(16, triton.next_power_of_2(heads // kv_heads))
+    return DecodeAttentionPlan(
+        block_n=block_n,
+        block_g=block_g,
+        num_splits=effective,
+        split_len=split_len,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, lengths_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr,
+    qk_scale,  # scale * log2(e): scores come out in the exp2 domain
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh,
+    KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
+    SPLIT_LEN, NUM_SPLITS,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    pid_bk = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bk // KVH
+    kvh = pid_bk % KVH
+    h0 = kvh * G  # first query head of this KV head's group
+
+    # Clamp on the device: a length outside [0, C] must not read outside the cache.
+    length = tl.load(lengths_ptr + b)
+    length = tl.minimum(tl.maximum(length, 0), CAPACITY)
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_g < G
+
+    # int64 bases: b * stride_kb exceeds int32 for large batch x capacity.
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h0 * stride_qh
+    q = tl.load(q_base + offs_g[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+
+    # An empty slice (lo >= hi) runs no iteration and leaves the neutral partial
+    # (acc 0, m -inf, l 0) that the combine kernel weighs as zero.
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        pos_ok = pos < hi
+        # Masked loads: positions past lengths[b] may hold stale or garbage K/V
+        # (even NaN), which must not reach the sums, not even as 0 * NaN.
+        k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        # Every tile holds at least one valid position, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # P is rounded to bf16 before P @ V, as the reference and flash attention do.
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        m_i = m_new
+
+    if DIRECT:
+        # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / denom[:, None]
+        o_base = out_ptr + b.to(tl.int64) * stride_ob + h0 * stride_oh
+        tl.store(o_base + offs_g[:, None] * stride_oh + offs_d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+    else:
+        # Workspace layout: acc [B, H, NUM_SPLITS, D], m and l [B, H, NUM_SPLITS], contiguous.
+        row = (b * KVH * G + h0 + offs_g).to(tl.int64) * NUM_SPLITS + split
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + row, m_i, mask=row_ok)
+        tl.store(l_ptr + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr, m_ptr, l_ptr, lengths_ptr, out_ptr,
+    stride_ob, stride_oh,
+    H: tl.constexpr, CAPACITY, SPLIT_LEN,
+    NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+):
+    pid = tl.program_id(0)  # one (b, h) row
+    b = pid // H
+    h = pid % H
+    length = tl.load(lengths_ptr + b)
+    length = tl.minimum(tl.maximum(length, 0), CAPACITY)
+    # Only splits that start below the length hold data; skip reading the others.
+    active = tl.cdiv(length, SPLIT_LEN)
+
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, D)
+    s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
+    row = pid.to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+
+    m_max = tl.max(m, axis=0)
+    # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
+    # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)
+    o = o / tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(tl.bfloat16))
+
+
+# One workspace per shape and device, allocated on first use (the warmup call) and
+# reused by every later call, so a CUDA graph capture allocates nothing and every
+# replay writes the same memory. Calls that share a key must not run concurrently
+# on different streams.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(
+    batch: int, heads: int, capacity: int, head_dim: int, splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = (batch, heads, capacity, head_dim, splits, str(device))
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"decode_attention: no workspace for (B={batch}, H={heads}, C={capacity}, D={head_dim}, "
+                f"splits={splits}) during CUDA graph capture; call it once with these shapes before capturing"
+            )
+        acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
+        m = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
+        l = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
+        ws = (acc, m, l)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("lengths", lengths)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"decode_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"decode_attention: {name} must be bfloat16, got {t.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"decode_attention: q must be [B, H, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"decode_attention: k_cache must be [B, KVH, C, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"decode_attention: v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}"
+        )
+    batch, heads, head_dim = q.shape
+    kb, kv_heads, capacity, kd = k_cache.shape
+    if kb != batch:
+        raise ValueError(f"decode_attention: k_cache batch {kb} differs from q batch {batch}")
+    if kd != head_dim:
+        raise ValueError(f"decode_attention: k_cache head_dim {kd} differs from q head_dim {head_dim}")
+    if batch < 1 or heads < 1 or kv_heads < 1 or capacity < 1:
+        raise ValueError(
+            f"decode_attention: empty dimension in q {tuple(q.shape)} / k_cache {tuple(k_cache.shape)}"
+        )
+    if heads % kv_heads != 0:
+        raise ValueError(f"decode_attention: q heads {heads} not a multiple of k_cache heads {kv_heads}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"decode_attention: head_dim must be a power of two in [16, 256], got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_attention: {name} needs unit stride on head_dim, got strides {t.stride()}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # In-slice offsets are int32 in the kernel (the (b, kvh) base is int64).
+        if (capacity - 1) * t.stride(2) + head_dim >= _INT32_LIMIT:
+            raise ValueError(
+                f"decode_attention: {name} position stride {t.stride(2)} x capacity {capacity} overflows int32 offsets"
+            )
+    if lengths.dtype != torch.int32:
+        raise ValueError(f"decode_attention: lengths must be int32, got {lengths.dtype}")
+    if lengths.shape != (batch,) or lengths.stride(0) != 1:
+        raise ValueError(
+            f"decode_attention: lengths must be a contiguous [{batch}] tensor, got shape {tuple(lengths.shape)}"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"decode_attention: scale must be a positive finite float, got {scale!r}")
+    device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("lengths", lengths)):
+        if t.device != device:
+            raise ValueError(f"decode_attention: {name} is on {t.device}, q is on {device}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"decode_attention: out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != torch.bfloat16:
+            raise ValueError(f"decode_attention: out must be bfloat16, got {out.dtype}")
+        if out.shape != q.shape:
+            raise ValueError(f"decode_attention: out shape {tuple(out.shape)} differs from q shape {tuple(q.shape)}")
+        if out.stride(-1) != 1:
+            raise ValueError(f"decode_attention: out needs unit stride on head_dim, got strides {out.stride()}")
+        if out.device != device:
+            raise ValueError(f"decode_attention: out is on {out.device}, q is on {device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"decode_attention: tensors are on {device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new query per sequence over its first lengths[b] cached positions.
+
+    q [B, H, D] bf16; k_cache, v_cache [B, KVH, C, D] bf16 (unit stride on D); lengths
+    [B] int32 on q's device, read only by the kernels (no host sync; values are
+    clamped to [0, C], and a zero length gives a zero output row); H % KVH == 0 and
+    query head h reads KV head h // (H // KVH); D a power of two in [16, 256].
+    Returns out [B, H, D] bf16 (written into `out` when given).
+
+    num_splits: KV slices per (sequence, KV head); None chooses from static sizes
+    (default_num_splits). The result's rounding depends on the split count, so keep
+    it fixed where bit-identical results across calls matter.
+
+    Graph use: call once eagerly with the same shapes before capture (compiles the
+    kernels and allocates the cached workspace); replays then honour whatever
+    lengths holds at replay time.
+    """
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"decode_attention: num_splits must be a positive int or None, got {num_splits!r}")
+    _check_inputs(q, k_cache, v_cache, lengths, scale, out)
+    batch, heads, head_dim = q.shape
+    _, kv_heads, capacity, _ = k_cache.shape
+    plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    group = heads // kv_heads
+    qk_scale = float(scale) * _LOG2E
+    direct = plan.num_splits == 1
+    if direct:
+        # Unused pointer arguments: any tensor on the device will do.
+        acc_ws, m_ws, l_ws = out, out, out
+    else:
+        acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+
+    _split_kernel[(batch * kv_heads, plan.num_splits)](
+        q, k_cache, v_cache, lengths,
+        acc_ws, m_ws, l_ws, out,
+        qk_scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        KVH=kv_heads, G=group, CAPACITY=capacity,
+        SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
+        D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
+        DIRECT=direct,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if not direct:
+        splits_p2 = triton.next_power_of_2(plan.num_splits)
+        _combine_kernel[(batch * heads,)](
+            acc_ws, m_ws, l_ws, lengths, out,
+            out.stride(0), out.stride(1),
+            H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
+            NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim,
+            # The [splits, D] fp32 tile lives in registers: 8 warps past 8K elements
+            # (64 splits x D=256 needs 185 registers a thread with 4 warps).
+            num_warps=8 if splits_p2 * head_dim > 8192 else 4,
+        )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Pure-torch decode_attention with the same cast points (slow; reads lengths on the host).
+
+    Per sequence: K/V of the first lengths[b] positions expanded to the H query heads,
+    fp32 scores of the bf16 operands times scale, fp32 softmax, probabilities rounded
+    to bf16, P @ V in fp32, result rounded to bf16. A zero length gives zeros.
+    """
+    _check_shapes_for_reference(q, k_cache, v_cache, lengths)
+    batch, heads, head_dim = q.shape
+    _, kv_heads, capacity, _ = k_cache.shape
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for b, length in enumerate(lengths.tolist()):
+        if not 0 <= length <= capacity:
+            raise ValueError(f"decode_attention_reference: lengths[{b}] = {length} outside [0, {capacity}]")
+        k = k_cache[b, :, :length].repeat_interleave(group, dim=0).float()  # [H, L, D]
+        v = v_cache[b, :, :length].repeat_interleave(group, dim=0).float()
+        scores = torch.matmul(q[b].float().unsqueeze(1), k.transpose(1, 2)) * scale  # [H, 1, L]
+        probs = torch.softmax(scores, dim=-1).to(torch.bfloat16).float()
+        out[b] = torch.matmul(probs, v).squeeze(1).to(torch.bfloat16)
+    return out
+
+
+def _check_shapes_for_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"decode_attention_reference: want q [B, H, D] and k/v [B, KVH, C, D], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(
+            f"decode_attention_reference: q {tuple(q.shape)} does not match k_cache {tuple(k_cache.shape)}"
+        )
+    if lengths.shape != (q.shape[0],):
+        raise ValueError(f"decode_attention_reference: lengths shape {tuple(lengths.shape)} is not ({q.shape[0]},)")

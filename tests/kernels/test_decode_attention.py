@@ -1,0 +1,465 @@
+"""Tests for engine/fqkernels/decode_attention.py: the split-KV decode-attention kernel.
+
+Three tiers, each checking against an independent float64 computation too:
+- always (any CPU, the pinned stack): the pure-torch reference, the split plan and
+  the wrapper's argument checks;
+- TRITON_INTERPRET=1 with Triton >= 3.4 (the dev env): the kernels' logic on CPU
+  tensors at small shapes;
+- CUDA (marked gpu): the kernels at the real shapes, determinism and CUDA graph replay.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from engine_modules import ENGINE_DIR
+
+# engine/ is the submitted folder: its modules are imported by absolute name.
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_plan,
+    decode_attention_reference,
+    default_num_splits,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+needs_interpreter = pytest.mark.skipif(
+    not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)",
+)
+needs_cuda = pytest.mark.skipif(
+    INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA device (and no TRITON_INTERPRET)"
+)
+
+# Kernel vs reference: both round P and the output to bf16, at different points of the
+# same sums, so they may differ by about one bf16 ulp of the row's magnitude.
+MAX_ULPS = 2.0
+# Anything vs exact float64 math on the same bf16 inputs.
+MAX_REL_NORM = 1e-2
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _float64_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: list[int], scale: float
+) -> torch.Tensor:
+    """Exact math written independently of the reference: float64, no bf16 rounding inside."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    kv_of_head = torch.arange(heads, device=q.device) // (heads // kv_heads)
+    out = torch.zeros((batch, heads, head_dim), dtype=torch.float64, device=q.device)
+    for b, length in enumerate(lengths):
+        if length == 0:
+            continue
+        k = k_cache[b, :, :length].double()[kv_of_head]  # [H, L, D]
+        v = v_cache[b, :, :length].double()[kv_of_head]
+        scores = torch.einsum("hd,hld->hl", q[b].double(), k) * scale
+        weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out[b] = torch.einsum("hl,hld->hd", weights, v)
+    return out
+
+
+def _ulp_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |out - ref| per (b, h) row, in bf16 ulps of that row's largest |ref|.
+
+    Rows where ref is all zero (zero length) must match exactly (returns inf otherwise).
+    """
+    out = out.double()
+    ref = ref.double()
+    row_max = ref.abs().amax(dim=-1)
+    err = (out - ref).abs().amax(dim=-1)
+    zero = row_max == 0
+    if bool((err[zero] > 0).any()):
+        return math.inf
+    # bf16 keeps 7 explicit mantissa bits: ulp(x) = 2^(floor(log2|x|) - 7).
+    ulp = torch.exp2(torch.floor(torch.log2(row_max[~zero])) - 7)
+    return float((err[~zero] / ulp).max()) if bool((~zero).any()) else 0.0
+
+
+def _rel_norm(out: torch.Tensor, exact: torch.Tensor) -> float:
+    denom = exact.double().norm()
+    return float((out.double() - exact.double()).norm() / denom) if denom > 0 else float(out.double().norm())
+
+
+def _make_inputs(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    lengths: list[int],
+    device: str,
+    seed: int,
+    layers: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh random q and one layer of a cache, NaN past each length.
+
+    The cache is laid out [B, layers, KVH, C, D], so the layer view's batch stride is
+    not that of a contiguous [B, KVH, C, D] tensor: the kernel must use the strides it
+    is given. The NaNs prove that no invalid position reaches the kernel's sums.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, layers, kv_heads, capacity, head_dim)
+    k_all = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    v_all = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    q = torch.randn((batch, heads, head_dim), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    layer = layers - 1
+    k, v = k_all[:, layer], v_all[:, layer]
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("nan")
+    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k, v, lengths_t
+
+
+def _check_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """Run the kernel into a NaN-poisoned output and compare with the reference and float64."""
+    out = torch.full_like(q, float("nan"))
+    result = decode_attention(q, k, v, lengths, scale, out=out, num_splits=num_splits)
+    assert result.data_ptr() == out.data_ptr()
+    assert bool(torch.isfinite(out).all()), "kernel left NaN/inf in the output"
+    ref = decode_attention_reference(q, k, v, lengths, scale)
+    ulps = _ulp_error(out, ref)
+    assert ulps <= MAX_ULPS, f"kernel vs reference: {ulps:.2f} bf16 ulps (limit {MAX_ULPS})"
+    exact = _float64_attention(q, k, v, lengths.tolist(), scale)
+    rel = _rel_norm(out, exact)
+    assert rel < MAX_REL_NORM, f"kernel vs float64: relative error {rel:.3g}"
+    return out
+
+
+@pytest.fixture
+def interpreter_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes, for this test only.
+
+    The interpreter stores bf16 as uint16 and
+    - multiplies the raw bit patterns in tl.dot (triton-lang/triton#11584: bf16 dot is
+      unsupported there); bf16 x bf16 products are exact in fp32, so converting the
+      operands to fp32 first is what the tensor cores compute;
+    - casts fp32 -> bf16 by truncation, where the GPU rounds to nearest even;
+    - breaks on tensor-valued loop bounds with numpy >= 2.4 (triton-lang/triton#9171).
+    The kernel code stays untouched; only the interpreter's arithmetic is corrected.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def to_f32(handle):  # type: ignore[no-untyped-def]
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.int16))
+        return interpreter.TensorHandle(bits.view(torch.bfloat16).float().numpy(), tl.float32)
+
+    original_dot = interpreter.InterpreterBuilder.create_dot
+    original_cast = interpreter.InterpreterBuilder.cast_impl
+    original_patch_tensor = interpreter._patch_lang_tensor
+
+    def create_dot(self, a, b, d, *args):  # type: ignore[no-untyped-def]
+        return original_dot(self, to_f32(a), to_f32(b), d, *args)
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    def patch_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+        original_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
+
+
+# ------------------------------------------------------------- always: reference, plan, checks
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,head_dim,capacity,lengths,scale",
+    [
+        (2, 4, 2, 64, 96, [96, 37], 64**-0.5),
+        (1, 8, 2, 128, 300, [257], 128**-0.5),
+        (3, 2, 2, 16, 40, [1, 40, 0], 0.25),
+        (1, 8, 1, 32, 50, [50], 2.0),  # peaked softmax: scores spread over tens
+    ],
+)
+def test_reference_matches_float64(batch, heads, kv_heads, head_dim, capacity, lengths, scale):
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=1)
+    ref = decode_attention_reference(q, k, v, lengths_t, scale)
+    exact = _float64_attention(q, k, v, lengths, scale)
+    assert ref.dtype == torch.bfloat16 and ref.shape == q.shape
+    assert bool(torch.isfinite(ref).all())
+    assert _rel_norm(ref, exact) < MAX_REL_NORM
+    # The reference rounds P and the output to bf16: at most ~1.5 ulps from exact.
+    assert _ulp_error(ref, exact.to(torch.bfloat16)) <= MAX_ULPS
+
+
+def test_reference_zero_length_gives_zeros():
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 32, 16, [0, 16], "cpu", seed=2)
+    ref = decode_attention_reference(q, k, v, lengths_t, 0.5)
+    assert bool((ref[0] == 0).all())
+    assert bool((ref[1] != 0).any())
+
+
+def test_reference_rejects_length_past_capacity():
+    q, k, v, _ = _make_inputs(1, 2, 1, 8, 16, [8], "cpu", seed=3)
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 9"):
+        decode_attention_reference(q, k, v, torch.tensor([9], dtype=torch.int32), 0.25)
+
+
+@pytest.mark.parametrize(
+    "batch,kv_heads,capacity,head_dim,expected",
+    [
+        (1, 8, 32768, 128, 64),  # 8 programs: double to the cap of 64
+        (4, 8, 32768, 128, 16),  # 32 programs -> 512
+        (8, 8, 32768, 128, 8),
+        (16, 8, 32768, 128, 4),
+        (64, 8, 32768, 128, 1),  # 512 programs without splitting
+        (48, 8, 32768, 128, 2),  # 384 programs: one doubling
+        (1, 8, 100, 128, 2),  # never more splits than 64-position tiles
+        (1, 8, 100, 256, 4),  # 32-position tiles at D=256
+        (3, 2, 4096, 64, 64),
+    ],
+)
+def test_default_num_splits(batch, kv_heads, capacity, head_dim, expected):
+    assert default_num_splits(batch, kv_heads, capacity, head_dim) == expected
+
+
+@pytest.mark.parametrize("capacity", [1, 63, 64, 65, 320, 4096, 33000, 262144])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 4, 7, 32, 5000])
+def test_plan_covers_capacity_exactly_once(capacity, num_splits):
+    plan = decode_attention_plan(2, 32, 8, capacity, 128, num_splits)
+    assert plan.split_len % plan.block_n == 0
+    assert plan.num_splits * plan.split_len >= capacity  # every position is covered
+    assert (plan.num_splits - 1) * plan.split_len < capacity  # no split starts past the capacity
+    if num_splits is not None:
+        assert plan.num_splits <= num_splits
+    assert plan.block_g == 16  # G = 4 padded to the 16 rows tl.dot needs
+
+
+def _bad_call(case: str) -> dict:
+    """Keyword arguments for decode_attention with exactly one thing wrong."""
+    q, k, v, lengths = _make_inputs(2, 4, 2, 16, 32, [16, 3], "cpu", seed=4)
+    args = dict(q=q, k_cache=k, v_cache=v, lengths=lengths, scale=0.25)
+    if case == "q_dtype":
+        args["q"] = q.float()
+    elif case == "k_dtype":
+        args["k_cache"] = k.half()
+    elif case == "q_rank":
+        args["q"] = q[:, :, None]
+    elif case == "v_shape":
+        args["v_cache"] = v[:, :, :8]
+    elif case == "batch":
+        args["q"] = q[:1]
+    elif case == "group":
+        args["q"] = torch.cat([q, q[:, :1]], dim=1)  # 5 heads over 2 KV heads
+    elif case == "head_dim":
+        args["q"], args["k_cache"], args["v_cache"] = q[..., :24], k[..., :24], v[..., :24]
+    elif case == "stride":
+        args["k_cache"] = k.transpose(2, 3).contiguous().transpose(2, 3)
+    elif case == "lengths_dtype":
+        args["lengths"] = lengths.long()
+    elif case == "lengths_shape":
+        args["lengths"] = lengths[:1]
+    elif case == "scale":
+        args["scale"] = 0.0
+    elif case == "out_dtype":
+        args["out"] = torch.empty_like(q, dtype=torch.float32)
+    elif case == "out_shape":
+        args["out"] = torch.empty_like(q[:1])
+    elif case == "num_splits":
+        args["num_splits"] = 0
+    else:
+        raise AssertionError(case)
+    return args
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("q_dtype", "q must be bfloat16"),
+        ("k_dtype", "k_cache must be bfloat16"),
+        ("q_rank", r"q must be \[B, H, D\]"),
+        ("v_shape", "v_cache shape"),
+        ("batch", "k_cache batch"),
+        ("group", "not a multiple"),
+        ("head_dim", "head_dim must be a power of two"),
+        ("stride", "k_cache needs unit stride"),
+        ("lengths_dtype", "lengths must be int32"),
+        ("lengths_shape", "lengths must be a contiguous"),
+        ("scale", "scale must be a positive"),
+        ("out_dtype", "out must be bfloat16"),
+        ("out_shape", "out shape"),
+        ("num_splits", "num_splits must be a positive"),
+    ],
+)
+def test_wrapper_rejects_bad_arguments(case, message):
+    with pytest.raises(ValueError, match=message):
+        decode_attention(**_bad_call(case))
+
+
+@pytest.mark.skipif(INTERPRET, reason="CPU tensors are accepted under TRITON_INTERPRET=1")
+def test_wrapper_rejects_cpu_tensors_without_interpreter():
+    q, k, v, lengths = _make_inputs(1, 2, 1, 8, 16, [8], "cpu", seed=5)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        decode_attention(q, k, v, lengths, 0.25)
+
+
+# ------------------------------------------------------------------ CPU, Triton interpreter
+
+_INTERPRETED_CASES = [
+    # batch, heads, kv_heads, head_dim, capacity, lengths, num_splits, scale
+    (3, 4, 2, 64, 200, [1, 137, 200], None, 64**-0.5),  # tiny model's heads; 4 splits
+    (3, 4, 2, 64, 200, [1, 137, 200], 1, 64**-0.5),  # direct path, no combine
+    (3, 4, 2, 64, 200, [1, 137, 200], 3, 64**-0.5),  # odd split count
+    (2, 8, 2, 16, 130, [130, 65], 5000, 16**-0.5),  # request above the tile count
+    (1, 2, 2, 32, 64, [64], 1, 32**-0.5),  # G = 1
+    (2, 16, 2, 128, 300, [0, 299], 8, 128**-0.5),  # G = 8, a zero length, real head_dim
+    (1, 4, 1, 256, 100, [77], 2, 1.0),  # D = 256 (32-position tiles), peaked softmax
+    (4, 8, 2, 32, 96, [96, 5, 64, 33], 2, 32**-0.5),  # mixed lengths: some splits empty
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,capacity,lengths,num_splits,scale", _INTERPRETED_CASES)
+def test_kernel_matches_reference_interpreted(
+    interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths, num_splits, scale
+):
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=10)
+    out = _check_kernel(q, k, v, lengths_t, scale, num_splits)
+    # Same inputs, same plan: bit-identical (no atomics, fixed reduction order).
+    again = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits)
+    assert torch.equal(out, again)
+
+
+@needs_interpreter
+def test_kernel_reads_lengths_at_call_time_interpreted(interpreter_fixes):
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 128, 32, [128, 128], "cpu", seed=11)
+    out = torch.empty_like(q)
+    decode_attention(q, k, v, lengths_t, 0.2, out=out, num_splits=4)
+    first = out.clone()
+    lengths_t.copy_(torch.tensor([70, 3], dtype=torch.int32))
+    decode_attention(q, k, v, lengths_t, 0.2, out=out, num_splits=4)
+    assert not torch.equal(first, out)
+    assert _ulp_error(out, decode_attention_reference(q, k, v, lengths_t, 0.2)) <= MAX_ULPS
+
+
+@needs_interpreter
+def test_kernel_ignores_garbage_past_lengths_interpreted(interpreter_fixes):
+    # Huge finite values past the length: a mask that only zeroes P (not the loads)
+    # would let them in through max() or 0 * inf.
+    q, k, v, lengths_t = _make_inputs(1, 4, 2, 128, 32, [50], "cpu", seed=12)
+    clean = decode_attention(q, k, v, lengths_t, 0.2, num_splits=2)
+    k[:, :, 50:] = 3.0e38
+    v[:, :, 50:] = -3.0e38
+    assert torch.equal(clean, decode_attention(q, k, v, lengths_t, 0.2, num_splits=2))
+
+
+# ------------------------------------------------------------------------------------ CUDA
+
+_GPU_HEADS = [(32, 8, 128), (16, 8, 128), (4, 2, 64)]
+
+
+def _length_patterns(batch: int, capacity: int) -> list[list[int]]:
+    singles = sorted({min(n, capacity) for n in (1, 5, 37, 1000, 2049, capacity)})
+    patterns = [[n] * batch for n in singles]
+    mixed = [(capacity * (i + 1)) // batch if i % 2 else 1 + (i * 997) % capacity for i in range(batch)]
+    patterns.append(mixed)
+    return patterns
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("capacity", [64, 4096, 33000])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", _GPU_HEADS)
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_kernel_matches_reference_gpu(batch, heads, kv_heads, head_dim, capacity):
+    scale = head_dim**-0.5
+    for i, lengths in enumerate(_length_patterns(batch, capacity)):
+        q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=100 + i)
+        out = _check_kernel(q, k, v, lengths_t, scale, None)
+        for _ in range(3):
+            assert torch.equal(out, decode_attention(q, k, v, lengths_t, scale)), "not deterministic"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32, 1000])
+def test_explicit_num_splits_gpu(num_splits):
+    lengths = [4096, 1, 2049, 3000]
+    q, k, v, lengths_t = _make_inputs(4, 32, 8, 4096, 128, lengths, "cuda", seed=200)
+    _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(8, 8, 16), (16, 2, 32), (64, 8, 256), (8, 1, 256), (32, 4, 128)]
+)
+def test_other_head_shapes_gpu(heads, kv_heads, head_dim):
+    lengths = [1, 999, 3000]
+    q, k, v, lengths_t = _make_inputs(3, heads, kv_heads, 3000, head_dim, lengths, "cuda", seed=250)
+    for num_splits in (None, 1):
+        _check_kernel(q, k, v, lengths_t, head_dim**-0.5, num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_with_changing_lengths_gpu():
+    batch, heads, kv_heads, head_dim, capacity = 4, 32, 8, 128, 4096
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, [capacity] * batch, "cuda", seed=300)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, lengths_t, scale, out=out)  # warmup: compile + workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, lengths_t, scale, out=out)
+    for lengths in ([1, 2, 3, 4], [4096, 17, 1000, 2049], [4096] * 4, [64, 65, 4095, 129]):
+        lengths_t.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = decode_attention(q, k, v, lengths_t, scale)
+        assert torch.equal(out, eager), f"graph replay differs from eager at lengths {lengths}"
+        ref = decode_attention_reference(q, k, v, lengths_t, scale)
+        assert _ulp_error(out, ref) <= MAX_ULPS
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_offsets_past_int32_gpu():
+    # One layer of 16 x 8 x 262144 x 128 bf16 holds 2^32 elements: the per-sequence
+    # base offset only fits in int64. Positions past the lengths stay uninitialized.
+    batch, heads, kv_heads, head_dim, capacity = 16, 32, 8, 128, 262144
+    k = torch.empty((batch, kv_heads, capacity, head_dim), dtype=torch.bfloat16, device="cuda")
+    v = torch.empty_like(k)
+    lengths = [3 + 50 * b for b in range(batch)]
+    gen = torch.Generator(device="cuda").manual_seed(400)
+    for b, length in enumerate(lengths):
+        k[b, :, :length] = torch.randn((kv_heads, length, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+        v[b, :, :length] = torch.randn((kv_heads, length, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn((batch, heads, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+    lengths_t = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    _check_kernel(q, k, v, lengths_t, head_dim**-0.5, None)
+    del k, v
+    torch.cuda.empty_cache()
