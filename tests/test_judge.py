@@ -1,0 +1,168 @@
+"""End-to-end: the judge runs real engine processes on `tiny` and records the right code for each break.
+
+Every engine under tests/fixtures/engines/ breaks exactly one rule; the native baseline breaks none.
+Shapes are tiny (batch 1-2, prompt 16-32, output 4-8) and most runs skip the native side, so the
+whole file stays within a few minutes on two CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fastqwen.checkpoint import read_config
+from fastqwen.judge.runner import JudgeSettings, run_judge
+from fastqwen.judge.workloads import parse_workloads
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "engines"
+
+
+def judge(engine_dir: pathlib.Path, model: pathlib.Path, tmp_path: pathlib.Path, shapes=((1, 16, 6),),
+          **overrides) -> dict:
+    config = read_config(model)
+    workloads = parse_workloads(
+        {"name": "test", "workloads": [{"batch": b, "prompt": p, "output": o} for b, p, o in shapes]},
+        "test", config["max_position_embeddings"])
+    settings = dict(engine_dir=engine_dir, model_dir=model, model_config=config, workloads=workloads,
+                    official=False, samples=1, device="cpu", load_timeout_s=120.0, sample_timeout_s=60.0,
+                    native=False, seed=1234, log_dir=tmp_path / "logs", measure_ceilings=False,
+                    progress=lambda line: None)
+    settings.update(overrides)
+    return run_judge(JudgeSettings(**settings))
+
+
+def codes(report: dict, index: int = 0) -> list[str]:
+    return [c["code"] for c in report["results"][index]["codes"]]
+
+
+def detail(report: dict, code: str, index: int = 0) -> str:
+    return next(c["detail"] for c in report["results"][index]["codes"] if c["code"] == code)
+
+
+def test_native_passes_every_gate_against_itself(native_engine_dir, tiny_model, tmp_path):
+    """Official mode through the CLI: both sides are the native folder; every gate must pass.
+
+    The latency and spread gates compare wall-clock times; on a two-core machine shared with other
+    work a burst of foreign load can push one sample past 25% spread. One fresh second run is
+    allowed for a failure that is *only* timing; a second timing failure, or any other code, fails.
+    """
+    from fastqwen.cli import main
+
+    wl_file = tmp_path / "wl.json"
+    wl_file.write_text(json.dumps({"name": "t", "workloads": [{"name": "b2", "batch": 2, "prompt": 32, "output": 8}]}))
+    for attempt in range(2):
+        out = tmp_path / f"attempt{attempt}" / "report.json"
+        rc = main(["judge", "--engine", str(native_engine_dir), "--model", str(tiny_model), "--workloads",
+                   str(wl_file), "--official", "--samples", "3", "--device", "cpu", "--memory-limit-gib", "1.0",
+                   "--seed", "7", "--out", str(out), "--load-timeout", "120", "--sample-timeout", "60"])
+        report = json.loads(out.read_text())
+        found = codes(report)
+        if rc == 0 or not set(found) <= {"latency_limit", "unstable_timing"}:
+            break
+    assert found == [], report["results"][0]["codes"]
+    assert rc == 0 and report["passed"] and report["score"]["valid"]
+    r = report["results"][0]
+    # Every gate was actually evaluated: native ran, 3 samples each, memory measured under a limit.
+    assert r["engine"]["summary"]["samples"] == 3 and r["native"]["summary"]["samples"] == 3
+    assert r["engine"]["memory_limit_bytes"] == 2**30 and 0 < r["engine"]["memory_gated_bytes"] < 2**30
+    assert r["ratios"]["ttft"] > 0 and r["ratios"]["tpot"] > 0
+    replay = r["replay"]["sides"]
+    assert replay["engine"]["positions"] == 3 * 2 * 8 and replay["engine"]["violation_count"] == 0
+    assert replay["native"]["violation_count"] == 0
+    # Same prompts on both sides, same code: the tokens agree exactly.
+    assert r["agreement_with_native"]["identical"] == 6
+    # Samples alternate which side goes first.
+    assert [s["went"] for s in r["engine"]["samples"]] == ["first", "second", "first"]
+    assert [s["went"] for s in r["native"]["samples"]] == ["second", "first", "second"]
+    # Roofline and the chart come with the CLI run.
+    assert r["roofline"]["floors"]["throughput"] > 0 and r["roofline"]["engine"]["throughput_fraction"] > 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert report["versions"]["torch"] and report["model"]["weight_bytes"] > 0
+
+
+def test_wrong_token_is_incorrect_output_at_its_position(tiny_model, tmp_path):
+    report = judge(FIXTURES / "wrong_token", tiny_model, tmp_path, shapes=((2, 24, 6),), samples=2)
+    assert codes(report) == ["incorrect_output"]
+    violations = report["results"][0]["replay"]["sides"]["engine"]["violations"]
+    # Sequence 0 of each sample, step 2, and nothing else.
+    assert sorted((v["sample"], v["sequence"], v["step"]) for v in violations) == [(0, 0, 2), (1, 0, 2)]
+    assert all(v["slack"] > 2.0 and v["emitted"] != v["argmax"] and v["position"] == 24 + 2 for v in violations)
+    assert "step 2" in detail(report, "incorrect_output")
+    assert not report["passed"] and not report["score"]["valid"]
+    # The numbers are still shown for a failed run.
+    assert report["score"]["engine"] > 0
+
+
+def test_one_yield_too_few_is_candidate_error(tiny_model, tmp_path):
+    report = judge(FIXTURES / "short_yield", tiny_model, tmp_path, shapes=((1, 16, 5),))
+    assert codes(report) == ["candidate_error"]
+    assert "yielded 4 steps, expected max_new_tokens=5" in detail(report, "candidate_error")
+
+
+def test_raise_mid_stream_is_candidate_error_with_message(tiny_model, tmp_path):
+    report = judge(FIXTURES / "raises_midstream", tiny_model, tmp_path)
+    assert codes(report) == ["candidate_error"]
+    text = detail(report, "candidate_error")
+    assert "at step 2" in text and "deliberate failure at step 2" in text and "RuntimeError" in text
+
+
+def test_hang_is_timeout(tiny_model, tmp_path):
+    report = judge(FIXTURES / "hangs", tiny_model, tmp_path, sample_timeout_s=3.0)
+    assert codes(report) == ["timeout"]
+    assert "sample exceeded 3 s" in detail(report, "timeout")
+    # The hung process was killed, and the run went on to write a report.
+    assert report["results"][0]["engine"]["exit_code"] is not None
+
+
+def test_tensor_yields_are_candidate_error(tiny_model, tmp_path):
+    report = judge(FIXTURES / "tensor_yields", tiny_model, tmp_path)
+    assert codes(report) == ["candidate_error"]
+    assert "torch.Tensor, not a plain list" in detail(report, "candidate_error")
+
+
+def test_wildly_varying_timing_is_unstable_in_official_mode_only(tiny_model, tmp_path):
+    official = judge(FIXTURES / "unstable_timing", tiny_model, tmp_path, official=True, samples=3)
+    assert codes(official) == ["unstable_timing"]
+    assert official["results"][0]["engine"]["summary"]["spread"] > 0.25
+    public = judge(FIXTURES / "unstable_timing", tiny_model, tmp_path, official=False, samples=3)
+    assert codes(public) == []
+
+
+def test_memory_over_the_limit_is_memory_limit(tiny_model, tmp_path):
+    report = judge(FIXTURES / "memory_hog", tiny_model, tmp_path, memory_limit_gib=1.0)
+    assert codes(report) == ["memory_limit"]
+    assert report["results"][0]["engine"]["memory_gated_bytes"] >= 2**30
+
+
+def test_load_failure_and_death_are_candidate_errors_and_the_run_goes_on(tiny_model, tmp_path):
+    raising = judge(FIXTURES / "load_raises", tiny_model, tmp_path, shapes=((1, 8, 2), (1, 8, 3)))
+    assert codes(raising, 0) == ["candidate_error"] and codes(raising, 1) == ["candidate_error"]
+    assert "while loading" in detail(raising, "candidate_error") and "cannot load" in detail(raising, "candidate_error")
+    dying = judge(FIXTURES / "dies", tiny_model, tmp_path, shapes=((1, 8, 4),))
+    assert codes(dying) == ["candidate_error"]
+    assert "died" in detail(dying, "candidate_error") and "exit code 7" in detail(dying, "candidate_error")
+
+
+def test_a_native_side_that_fails_its_own_replay_is_a_judge_problem(native_engine_dir, tiny_model, tmp_path):
+    """If the baseline's tokens fail the replay, the verdict is untrustworthy: harness_error, said plainly."""
+    report = judge(native_engine_dir, tiny_model, tmp_path, shapes=((1, 16, 4),), native=True,
+                   native_dir=FIXTURES / "wrong_token")
+    r = report["results"][0]
+    assert codes(report) == ["harness_error"]
+    assert r["replay"]["sides"]["engine"]["violation_count"] == 0
+    assert r["replay"]["sides"]["native"]["violation_count"] == 1
+    assert "native failed its own replay" in r["judge_problems"][0]
+    assert any("native failed its own replay" in note for note in report["notes"])
+
+
+@pytest.mark.gpu
+def test_gpu_work_left_after_the_last_yield_is_candidate_error(tiny_model, tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    report = judge(FIXTURES / "gpu_pending_work", tiny_model, tmp_path, device="cuda")
+    assert codes(report) == ["candidate_error"]
+    assert "GPU work left running" in detail(report, "candidate_error")
+    assert any(p["flagged"] for p in report["results"][0]["engine"]["pending_gpu"])
