@@ -1,4 +1,4 @@
-"""Load a Qwen3 checkpoint's safetensors shards straight onto the device.
+"""Load a Qwen3 checkpoint's safetensors shards onto the device.
 
 Q/K/V and gate/up are packed into one matrix each at load time so a decode
 step reads each layer's input once per fused product. Every tensor's name and
@@ -7,6 +7,7 @@ tensor is an error that names it.
 """
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -115,35 +116,44 @@ def load_weights(model_path: str, cfg: ModelConfig, device: torch.device) -> Mod
     if unexpected:
         raise ValueError(f"{model_path}: unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
 
-    raw = {}
-    by_shard = {}
-    for name in expected:
-        by_shard.setdefault(shard_of[name], []).append(name)
-    dev = str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
-    for shard, names in sorted(by_shard.items()):
-        with safe_open(shard, framework="pt", device=dev) as f:
-            for name in names:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
-                    raise ValueError(f"{shard}: tensor {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
-                if t.dtype != torch.bfloat16:
-                    raise ValueError(f"{shard}: tensor {name} is {t.dtype}, expected torch.bfloat16")
-                raw[name] = t
+    with ExitStack() as stack:
+        # Shards are opened on the CPU (memory-mapped) and each tensor is copied
+        # straight into its final, packed place on the device: no device-side
+        # temporaries, so the load's peak memory is the weights themselves.
+        files = {path: stack.enter_context(safe_open(path, framework="pt")) for path in set(shard_of.values())}
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        take = lambda n: raw.pop(p + n)  # noqa: E731 - frees each source tensor once packed
-        layers.append(LayerWeights(
-            input_norm=take("input_layernorm.weight"),
-            qkv=torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")]),
-            q_norm=take("self_attn.q_norm.weight"),
-            k_norm=take("self_attn.k_norm.weight"),
-            o=take("self_attn.o_proj.weight"),
-            post_norm=take("post_attention_layernorm.weight"),
-            gate_up=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
-            down=take("mlp.down_proj.weight"),
-        ))
-    embed = raw.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else raw.pop("lm_head.weight")
-    return ModelWeights(embed=embed, layers=layers, final_norm=raw.pop("model.norm.weight"), lm_head=lm_head)
+        def read(name: str) -> torch.Tensor:
+            t = files[shard_of[name]].get_tensor(name)
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"{shard_of[name]}: tensor {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
+            if t.dtype != torch.bfloat16:
+                raise ValueError(f"{shard_of[name]}: tensor {name} is {t.dtype}, expected torch.bfloat16")
+            return t
+
+        def place(*names: str) -> torch.Tensor:
+            """The named tensors, read and stacked along dim 0 into one device tensor."""
+            parts = [read(n) for n in names]
+            shape = (sum(t.shape[0] for t in parts),) + tuple(parts[0].shape[1:])
+            out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            row = 0
+            for t in parts:
+                out[row:row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+            return out
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            layers.append(LayerWeights(
+                input_norm=place(p + "input_layernorm.weight"),
+                qkv=place(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                q_norm=place(p + "self_attn.q_norm.weight"),
+                k_norm=place(p + "self_attn.k_norm.weight"),
+                o=place(p + "self_attn.o_proj.weight"),
+                post_norm=place(p + "post_attention_layernorm.weight"),
+                gate_up=place(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=place(p + "mlp.down_proj.weight"),
+            ))
+        embed = place("model.embed_tokens.weight")
+        lm_head = embed if cfg.tie_word_embeddings else place("lm_head.weight")
+        return ModelWeights(embed=embed, layers=layers, final_norm=place("model.norm.weight"), lm_head=lm_head)

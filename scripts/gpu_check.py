@@ -104,11 +104,12 @@ def speed(eng, shape, reps=3):
     runner = eng._runner
     steps = 50
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runner.start(torch.zeros(B, dtype=torch.int64, device="cuda"), S)
-    start.record()
-    for _ in range(steps):
-        runner.step()
-    end.record()
+    with torch.inference_mode():
+        runner.start(torch.zeros(B, dtype=torch.int64, device="cuda"), S)
+        start.record()
+        for _ in range(steps):
+            runner.step()
+        end.record()
     torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / steps
     w_bytes = eng.model.w.nbytes()

@@ -83,6 +83,10 @@ def probe_device(device: str, measure: bool, env: dict[str, str]) -> dict:
 
 
 def git_commit(repo: Path) -> dict | None:
+    """The repo's commit; where the tree is a copy without .git (a GPU machine
+    gets one), the commit recorded in FASTQWEN_COMMIT by whoever copied it."""
+    if os.environ.get("FASTQWEN_COMMIT"):
+        return {"commit": os.environ["FASTQWEN_COMMIT"], "dirty": None, "source": "FASTQWEN_COMMIT"}
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:

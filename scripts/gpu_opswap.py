@@ -1,0 +1,110 @@
+"""Which op moves the logits? Teacher-forced over one fixed token sequence, the
+engine's model runs with every op set variant (all torch references on the GPU,
+all Triton, and the references with one Triton op swapped in), and each
+variant's per-step logits are compared with native Transformers' full forward
+(the replay's truth), next to native's own cached decode as the yardstick.
+
+    python scripts/gpu_opswap.py --model DIR [--shape 4x96x24] [--out FILE]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "engine"))
+
+import fq_ops  # noqa: E402
+from fq_config import ModelConfig  # noqa: E402
+from fq_model import Qwen3Model  # noqa: E402
+from fq_weights import load_weights  # noqa: E402
+
+
+def variants():
+    from fqkernels import decode_attention as da, gemv, rmsnorm as rn, rope_kv, swiglu
+    gemv_ops = {"linear": lambda x, w: gemv.linear(x.contiguous(), w) if x.shape[0] <= 64 else torch.nn.functional.linear(x, w),
+                "linear_silu_mul": lambda x, w: gemv.linear_silu_mul(x.contiguous(), w) if x.shape[0] <= 64
+                else swiglu.silu_mul_reference(torch.nn.functional.linear(x, w))}
+    return {
+        "torch": {},
+        "+rmsnorm": {"rmsnorm": rn.rmsnorm, "add_rmsnorm": rn.add_rmsnorm},
+        "+rope": {"qk_norm_rope_store": rope_kv.qk_norm_rope_store},
+        "+attention": {"decode_attention": da.decode_attention},
+        "+silu": {"silu_mul": swiglu.silu_mul},
+        "+gemv": gemv_ops,
+        "triton_cublas": {"rmsnorm": rn.rmsnorm, "add_rmsnorm": rn.add_rmsnorm,
+                          "qk_norm_rope_store": rope_kv.qk_norm_rope_store,
+                          "decode_attention": da.decode_attention, "silu_mul": swiglu.silu_mul},
+        "triton_all": dict(rmsnorm=rn.rmsnorm, add_rmsnorm=rn.add_rmsnorm, qk_norm_rope_store=rope_kv.qk_norm_rope_store,
+                           decode_attention=da.decode_attention, silu_mul=swiglu.silu_mul, **gemv_ops),
+    }
+
+
+def forced_logits(model, prompts, toks):
+    B, S = prompts.shape
+    N = toks.shape[1]
+    model.ensure_rope(S + N)
+    model.allocate_cache(B, S + N)
+    with torch.inference_mode():
+        out = [model.prefill_logits(prompts)]
+        pos = torch.full((B,), S, dtype=torch.int32, device=prompts.device)
+        for t in range(N - 1):
+            out.append(model.decode_logits(toks[:, t].contiguous(), pos, pos + 1))
+            pos += 1
+    return torch.stack(out, 1).float()
+
+
+def compare(lg, full):
+    d = (lg - full).abs().amax(-1)
+    am = lg.argmax(-1)
+    slack = full.amax(-1) - full.gather(-1, am[..., None])[..., 0]
+    return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "p99": float(torch.quantile(d.flatten(), 0.99)),
+            "argmax_differs": int((slack > 0).sum()), "max_slack": float(slack.max()), "positions": int(d.numel())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--shape", default="4x96x24")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    B, S, N = (int(v) for v in args.shape.split("x"))
+    dev = torch.device("cuda")
+    cfg = ModelConfig.from_dir(args.model)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    w = load_weights(args.model, cfg, dev)
+    from transformers import Qwen3ForCausalLM
+    native = Qwen3ForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(0, cfg.vocab_size, (B, S), generator=g).to(dev)
+    with torch.inference_mode():  # native's own greedy tokens, cached path, and its logits
+        out = native(input_ids=prompts, use_cache=True)
+        cache, cached, tok = out.past_key_values, [out.logits[:, -1]], out.logits[:, -1].argmax(-1)
+        toks = [tok]
+        for _ in range(N - 1):
+            out = native(input_ids=tok[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            cached.append(out.logits[:, -1])
+            tok = out.logits[:, -1].argmax(-1)
+            toks.append(tok)
+        toks = torch.stack(toks, 1)
+        full = native(input_ids=torch.cat([prompts, toks], 1), logits_to_keep=N + 1).logits[:, :-1].float()
+    report = {"model": args.model, "shape": [B, S, N], "native_cached": compare(torch.stack(cached, 1).float(), full)}
+    del native, cache
+    for name, over in variants().items():
+        ops = fq_ops.TorchOps()
+        for k, v in over.items():
+            setattr(ops, k, v)
+        model = Qwen3Model(cfg, w, dev, ops)
+        report[name] = compare(forced_logits(model, prompts, toks), full)
+        print(name, json.dumps(report[name]), flush=True)
+    print("native_cached", json.dumps(report["native_cached"]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU machine's side of a measurement run: one call runs the named stages in
+# order and writes everything under $OUT (the device tool brings $OUT back).
+#
+#   bash scripts/gpu_session.sh STAGE...     e.g.  kernels profile check judge-public
+#
+# Carry `.whl` (transformers 4.51.3, tokenizers 0.21.1, huggingface_hub 0.30.2
+# wheels for the reference) and `.commit` (`git rev-parse HEAD > .commit` here:
+# the machine gets a copy of the tree without .git).
+# Stages:
+#   kernels       every GPU kernel test (tests/kernels, -m gpu)
+#   bench         GEMV and decode-attention benchmarks (JSON per kernel)
+#   profile       per-kernel device time of a decode step and a prefill
+#   check         engine speed, fidelity against native, graph == eager
+#   opswap        which op moves the logits (tiny and 4B)
+#   judge-tiny    the judge's embedded default workloads on the tiny checkpoint, official
+#   judge-public  the judge, official, public workloads, qwen3-4b
+#   judge-own     the judge, official, results/workloads/own.json, qwen3-4b
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export FASTQWEN_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+echo "commit $FASTQWEN_COMMIT" >> "$OUT/gpu.txt"
+[ -f /tmp/tiny/config.json ] || python3 -m fastqwen.cli synth --preset tiny --out /tmp/tiny --device cpu >/dev/null 2>&1
+if [ ! -f /tmp/q4b/config.json ]; then
+  /usr/bin/time -f "synth_qwen3-4b_s %e" python3 -m fastqwen.cli synth --preset qwen3-4b --out /tmp/q4b --device cuda 2>&1 \
+    | tail -1 >> "$OUT/gpu.txt"
+fi
+judge() {  # name, then judge arguments
+  local name=$1; shift
+  timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/judge_$name.json" \
+    --chart "$OUT/judge_$name.png" "$@" 2>&1 | tail -22
+}
+for stage in "$@"; do
+  echo "== $stage"
+  case $stage in
+    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log" ;;
+    bench) timeout 100 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 70 2>&1 | tail -25
+           timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
+    profile) timeout 120 python3 scripts/gpu_profile.py --model /tmp/q4b --out "$OUT/profile.json" 2>&1 | grep -v Warn | tail -45 ;;
+    check) timeout 200 python3 scripts/gpu_check.py --model /tmp/q4b --out "$OUT/gpu_check.json" 2>&1 | grep -v Warn | tail -9 ;;
+    opswap) timeout 60 python3 scripts/gpu_opswap.py --model /tmp/tiny --shape 4x96x24 --out "$OUT/opswap_tiny.json" 2>&1 | grep -v Warn | tail -9
+            timeout 120 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 | grep -v Warn | tail -9 ;;
+    judge-tiny) judge tiny --model /tmp/tiny ;;
+    judge-public) judge public --model /tmp/q4b --workloads public ;;
+    judge-own) judge own --model /tmp/q4b --workloads results/workloads/own.json ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
