@@ -78,16 +78,22 @@ class Qwen3Model:
         x = self.w.embed[ids.reshape(-1)]
         positions = torch.zeros(nb, dtype=torch.int32, device=self.device)
         h = ops.rmsnorm(x, self.w.layers[0].input_norm, eps)
+        last = len(self.w.layers) - 1
         for i, layer in enumerate(self.w.layers):
             kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
             qkv = ops.linear(h, layer.qkv)
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, S,
                                        kc, vc, eps, c.num_heads, c.num_kv_heads)
-            attn = prefill_attention(q, kc, vc, nb, S, self.scale)
+            if i == last:
+                # Every position's K/V is cached above, but only the last position
+                # of each sequence feeds the logits: the rest of the last layer
+                # (attention output, o, MLP) runs on those rows alone.
+                x = x.view(nb, S, -1)[:, -1].contiguous()
+            attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last)
             h = ops.add_rmsnorm(x, ops.linear(attn, layer.o), layer.post_norm, eps)
             d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
             h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
-        return ops.linear(h.view(nb, S, -1)[:, -1].contiguous(), self.w.lm_head)
+        return ops.linear(h, self.w.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One step for every sequence: tokens [B] int64 at positions [B] int32

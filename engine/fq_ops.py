@@ -9,19 +9,23 @@ import torch.nn.functional as F
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      batch: int, seq_len: int, scale: float) -> torch.Tensor:
+                      batch: int, seq_len: int, scale: float, last_only: bool = False) -> torch.Tensor:
     """Causal attention over a fresh prompt: q [B*S, H, D] against cache[:, :, :S].
 
     GQA by expanding K/V per group, then SDPA (flash backend on the GPU), as the
-    reference's sdpa path does. Returns [B*S, H*D] BF16.
+    reference's sdpa path does. Returns [B*S, H*D] BF16, or with `last_only`
+    [B, H*D] for each sequence's last position (which sees every key, so no mask).
     """
     H, D = q.shape[1], q.shape[2]
     group = H // k_cache.shape[1]
-    qh = q.view(batch, seq_len, H, D).transpose(1, 2)
+    qh = q.view(batch, seq_len, H, D)
+    if last_only:
+        qh = qh[:, -1:]
+    qh = qh.transpose(1, 2)
     k = k_cache[:batch, :, :seq_len].repeat_interleave(group, dim=1)
     v = v_cache[:batch, :, :seq_len].repeat_interleave(group, dim=1)
-    o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
-    return o.transpose(1, 2).reshape(batch * seq_len, H * D)
+    o = F.scaled_dot_product_attention(qh, k, v, is_causal=not last_only, scale=scale)
+    return o.transpose(1, 2).reshape(-1, H * D)
 
 
 class TorchOps:
@@ -85,11 +89,12 @@ class TritonOps(TorchOps):
             return self._gemv.linear_silu_mul(x, w_gate_up)
         return self.silu_mul(F.linear(x, w_gate_up))
 
-    def tune(self, weights, rows: int, reps: int = 3) -> dict:
+    def tune(self, weights, rows: int, reps: int = 5) -> dict:
         """For a decode batch of `rows`, time cuBLAS against our GEMV on every
-        decode matrix and keep the faster. Each timing walks all layers'
-        copies of the matrix, so the weights stream from HBM as in a real
-        step instead of sitting in L2. Returns {matrix: (cublas_us, gemv_us)}."""
+        decode matrix and keep the faster. Each timing is a CUDA graph that
+        walks all layers' copies of the matrix, so the weights stream from HBM
+        as in a real step instead of sitting in L2, and launch costs are the
+        graph's, as in the decode step. Returns {matrix: (cublas_us, gemv_us)}."""
         if rows > self.GEMV_MAX_ROWS:
             return {}
         layers = weights.layers
@@ -118,21 +123,29 @@ class TritonOps(TorchOps):
 
 
 def _time_over(fn, weights, reps: int) -> float:
-    """Median microseconds per call of fn(w), cycling through `weights`."""
-    for w in weights[:2]:
-        fn(w)  # compile / pick kernels
-    torch.cuda.synchronize()
+    """Median GPU microseconds per call of fn(w), cycling through `weights`,
+    measured on CUDA-graph replays: the decode step runs as a graph, so the
+    host's launch cost (far higher for a Triton launch than for cuBLAS) must
+    not count here."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):  # compile, pick kernels, allocate workspaces: outside the capture
+        for w in weights[:2]:
+            fn(w)
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()  # first replay uploads the graph
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for w in weights:
-            fn(w)
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    del graph
     return sorted(times)[len(times) // 2]
-
-
-def ops_for(device: torch.device):
-    return TritonOps() if device.type == "cuda" else TorchOps()
