@@ -149,3 +149,7 @@ def _time_over(fn, weights, reps: int) -> float:
         times.append(start.elapsed_time(end) * 1e3 / len(weights))
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def ops_for(device: torch.device):
+    return TritonOps() if device.type == "cuda" else TorchOps()
