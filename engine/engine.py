@@ -78,7 +78,20 @@ class Engine:
     def generate(self, input_ids, max_new_tokens):
         """Yield `max_new_tokens` lists of greedy token ids, one id per sequence, in order."""
         ids = self._check(input_ids, max_new_tokens)
+        self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
         return self._generate(ids, max_new_tokens)
+
+    def _check_memory(self, batch: int, positions: int) -> None:
+        """A KV cache that cannot fit is a clear error, not an out-of-memory crash mid-call."""
+        if self.device.type != "cuda" or self.model.cache_fits(batch, positions):
+            return
+        capacity = -(-positions // CAPACITY_GRANULE) * CAPACITY_GRANULE
+        need = 2 * self.cfg.num_layers * batch * self.cfg.kv_size * capacity * 2
+        held = 0 if self.model.k_cache is None else 2 * self.model.k_cache.numel() * 2
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free + held:
+            raise ValueError(f"batch {batch} x {capacity} positions needs {need / 2**30:.1f} GiB of KV cache; "
+                             f"{(free + held) / 2**30:.1f} GiB is available on the device")
 
     # ---- the loop -----------------------------------------------------------------
     def _prepare(self, batch: int, capacity: int) -> DecodeRunner:

@@ -8,7 +8,7 @@
 # wheels for the reference) and `.commit` (`git rev-parse HEAD > .commit` here:
 # the machine gets a copy of the tree without .git).
 # Stages:
-#   kernels       every GPU kernel test (tests/kernels, -m gpu)
+#   kernels       every GPU kernel test and the engine's GPU tests (-m gpu)
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
 #   profile       per-kernel device time of a decode step and a prefill
 #   check         engine speed, fidelity against native, graph == eager
@@ -37,7 +37,7 @@ judge() {  # name, then judge arguments
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
-    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log" ;;
+    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log" ;;
     bench) timeout 100 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 70 2>&1 | tail -25
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
     profile) timeout 120 python3 scripts/gpu_profile.py --model /tmp/q4b --out "$OUT/profile.json" 2>&1 | grep -v Warn | tail -45 ;;
