@@ -123,9 +123,10 @@ class Engine:
             with torch.inference_mode():
                 # positions [0, prompt + steps - 1) are written; the last token never is
                 runner = self._prepare(batch, prompt + steps - 1)
-                if self.device.type != "cuda":
-                    yield from self._generate_eager(runner, ids, steps)
-                    return
+            if self.device.type != "cuda":
+                yield from self._generate_eager(runner, ids, steps)
+                return
+            with torch.inference_mode():
                 host = self._host_buffer(steps, batch)
                 events = [torch.cuda.Event() for _ in range(steps)]
                 first = self.model.prefill(ids.to(self.device, non_blocking=True))
@@ -152,9 +153,14 @@ class Engine:
                 gc.enable()
 
     def _generate_eager(self, runner: DecodeRunner, ids: torch.Tensor, steps: int):
-        first = self.model.prefill(ids.to(self.device))
-        runner.start(first, ids.shape[1])
-        yield first.tolist()
+        """The CPU path: one step at a time, no graph, no lookahead."""
+        with torch.inference_mode():
+            first = self.model.prefill(ids.to(self.device))
+            runner.start(first, ids.shape[1])
+            tokens = first.tolist()
+        yield tokens
         for _ in range(steps - 1):
-            runner.step()
-            yield runner.tokens.tolist()
+            with torch.inference_mode():
+                runner.step()
+                tokens = runner.tokens.tolist()
+            yield tokens
