@@ -81,12 +81,12 @@ class TritonOps(TorchOps):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.use_gemv.get((False, x.shape[0]) + tuple(w.shape)):
-            return self._gemv.linear(x, w)
+            return self._gemv.linear(x.contiguous(), w)
         return F.linear(x, w)
 
     def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         if self.use_gemv.get((True, x.shape[0]) + tuple(w_gate_up.shape)):
-            return self._gemv.linear_silu_mul(x, w_gate_up)
+            return self._gemv.linear_silu_mul(x.contiguous(), w_gate_up)
         return self.silu_mul(F.linear(x, w_gate_up))
 
     def tune(self, weights, rows: int, reps: int = 5) -> dict:
