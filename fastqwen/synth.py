@@ -4,8 +4,10 @@ The folder holds `config.json`, `generation_config.json`, BF16 safetensors
 shards named as Hugging Face names them and `model.safetensors.index.json`,
 so Transformers and any engine load it exactly as they load the real model.
 Only the weight values are synthetic; speed does not depend on them, and the
-init scheme below makes the logits spread like a trained model's so that the
-2.0-logit correctness gate can actually fail.
+init scheme below makes the logits spread like a trained model's, so that the
+2.0-logit correctness gate can actually fail, while keeping the model as
+insensitive to the order of BF16 sums as a trained one, so that a correct
+engine passes it.
 
 Determinism: every tensor gets its own generator, seeded from (seed, tensor
 name), so the bytes do not depend on the order tensors are made in. The same
@@ -16,6 +18,7 @@ different algorithms, so `--device cpu` and `--device cuda` give different
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -43,60 +46,198 @@ BF16_BYTES = 2
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class InitScheme:
-    """How each kind of tensor is drawn.
+    """How each kind of tensor is drawn, and why. Measured with scripts/synth_sweep.py (results/synth_sweep/).
 
-    Matrices (embedding, projections, untied LM head) are N(0, matrix_std^2),
-    the plain Transformers init. RMSNorm weights are `scale * U(1 - jitter,
-    1 + jitter)`: a jitter rather than exact ones so that a kernel that forgets
-    to multiply by a norm weight gives different tokens than the reference.
+    A synthetic checkpoint must behave like a trained model in two ways.
+    (1) Realistic logits, so the 2.0-logit gate can fail: top-1 far above the
+    median, a top-1/top-2 gap with median ~1, p10 ~0.1 and p90 several logits;
+    different positions predicting different tokens; greedy decoding that
+    does not fall into a one-token loop. (2) Numerical stability: reordering
+    BF16 sums (native's cached decode vs one full forward over the same
+    tokens) must move the logits by a fraction of a logit.
 
-    Why the final norm is scaled up: with the plain init every logit lies
-    within ~2 of the others, so a 2.0-logit gate could never fail. The logit of
-    token v is (final-normed h) . E[v]; with h of RMS `final_norm_scale` and
-    rows of E of std `matrix_std`, the logits are roughly N(0, sigma^2) with
-    sigma = final_norm_scale * matrix_std * sqrt(hidden). For V such draws the
-    top-1/top-2 gap is about exponential with mean sigma / sqrt(2 ln V), so its
-    median is ln 2 * sigma / sqrt(2 ln V). We pick sigma for a median gap of
-    `target_median_gap` logits (1.0, as in a trained model), which also puts
-    p10 near 0.15 and p90 near 3.3, and the top-1 about sqrt(2 ln V) * sigma
-    (~30 logits at the 4B's vocabulary) above the median. A measurement on the
-    4B shape matched: scale 7 gave gaps p10/median/p90 0.13/1.13/3.63.
+    The previous scheme (`sharp_attention_init`) had (1) but not (2): the two
+    paths differed by up to 37 logits on the 0.6B shape (CPU) and 27.5 on the
+    4B (H200). In FP32 the same comparison differs by 3e-6 (relative, last
+    hidden state), so the network itself is not chaotic: BF16 rounding adds
+    about one ulp of relative error per layer (a random walk, 1-3% after
+    28-36 layers), and the question is how much attention amplifies it and
+    how much the logits move for a given hidden-state error.
 
-    Why q_norm/k_norm are scaled up: after the per-head RMSNorm, q.k/sqrt(d)
-    has a std of about qk_norm_scale^2. At scale 1 attention is nearly uniform,
-    every position averages the same values, and the residual streams of all
-    positions collapse onto one shared direction (a known trait of random deep
-    transformers): on the 0.6B shape with scale 1.5, a 512-token teacher-forced
-    run had one argmax token at 234 positions and only 59 distinct argmaxes,
-    with gaps too wide (median 1.75). At scale 3 (score std ~9) attention
-    points at a few positions as trained heads do, the streams stay distinct
-    (491 distinct argmaxes of 512) and the gaps follow the estimate above
-    (p10/median/p90 0.12/1.0/3.4). Peaked attention also makes a position or
-    masking error in an engine change its tokens visibly.
+    Matrices: N(0, matrix_std^2), Transformers' init, except as below.
+    RMSNorm weights: `scale * U(1 - jitter, 1 + jitter)`, jittered so that a
+    kernel that forgets a norm weight gives different tokens.
 
-    `fastqwen synth-stats` measures the result; results/synth_stats/ holds the
-    committed figures (tiny and 0.6B on the CPU: gaps 0.125/1.125/3.5).
+    Stem and late layers. After the per-head RMSNorm, q.k/sqrt(d) has a std
+    of about (q/k norm weight)^2. With weight 3 everywhere, attention picks
+    one of a few random positions by a hair and a rounding difference flips
+    the winner, compounding over depth. Now only the first `stem_layers` (2)
+    attend sharply (`stem_qk_norm_scale` 3): their inputs are embeddings, not
+    yet rounded differently by the two paths, so their winners do not flip,
+    and they give each position a context-dependent identity of its own
+    (without them soft attention averages all positions into one vector and
+    the hidden states collapse: one token top-1 almost everywhere). Later
+    layers attend softly (`qk_norm_scale` 1.25, score std ~1.6), and their
+    o_proj/down_proj are scaled by `late_output_scale` =
+    sqrt(stem / (layers - stem)) (`default_late_output_scale`), so that all
+    of them together add as much to the residual stream as the stem: each
+    makes a small edit to a stream the stem built, as late layers of a
+    trained model do, and a small edit adds little rounding error relative
+    to the stream. Dropping all late layers still changes most argmaxes.
+
+    Same-token heads (`key_query_correlation`). The keys of each KV head share
+    a component with the first query head of its group: k_proj rows =
+    c * (that head's q_proj rows) + sqrt(1 - c^2) * fresh noise. That head
+    scores a position against itself and earlier copies of its token far
+    above the rest (about c * scale^2 * sqrt(head_dim)): a wide margin that a
+    rounding difference cannot flip, which keeps positions apart.
+
+    Embedding (`embedding_std`, a quarter of matrix_std). The head is tied, so
+    whatever share of the final hidden state is the input token's own
+    embedding raises that token's logit: the model echoes its input, and with
+    spread row norms greedy decoding on tiny locks onto one repeated token.
+    A small embedding leaves the input's identity to the stem's outputs.
+
+    Vocabulary row norms (`vocab_row_norm_sigma`). The output head's rows are
+    scaled by log-normal factors exp(sigma * N(0, 1)) of RMS 1, as a trained
+    vocabulary's norms spread. With equal norms the logits are one Gaussian,
+    and a median gap of 1 then needs a logit std of ~7 (top-1 ~34 above the
+    median) over which a hidden-state error is multiplied; with spread rows
+    the top tokens stand out of a narrower bulk (top-1 ~15 above the median)
+    and the same error moves the logits about half as much.
+
+    Final norm (`final_norm_scale`). The logit of token v is (final-normed h)
+    . W[v] ~ final_norm_scale * embedding_std * sqrt(hidden) * c_v * N(0, 1).
+    `median_top_gap` gives, by a fixed-seed simulation, the median
+    top-1/top-2 gap of V such draws at unit scale; the scale makes it
+    `target_median_gap`.
+
+    Measured (seed 0, CPU, bf16; cached_vs_full: mean / max of the per-position
+    max |logit diff|, max slack):
+      0.6B shape: previous 30.8 / 37.1 / 34.4 -> now {q06}
+      4B shape:   previous (H200) 20.2 / 27.5 / 28.8 -> now {q4b}
+      tiny width, 24 layers: previous 2.0-2.9 / 7.9-14.9 / 2.9-7.3 -> now 0.11-0.12 / 0.21-0.25 / <= 0.06
     """
 
     matrix_std: float
+    embedding_std: float
     norm_jitter: float
     qk_norm_scale: float
+    stem_layers: int
+    stem_qk_norm_scale: float
+    late_output_scale: float
+    key_query_correlation: float
+    vocab_row_norm_sigma: float
     final_norm_scale: float
     target_median_gap: float
+    # Geometry the same-token heads and the output head need (from the config).
+    head_dim: int
+    query_heads_per_kv_head: int
+    output_head: str
 
 
-def init_scheme(config: dict, target_median_gap: float = 1.0) -> InitScheme:
-    """The init scheme for a Qwen3 config dict (see InitScheme for the reasoning)."""
+# The chosen values (see InitScheme); scripts/synth_sweep.py measures alternatives.
+QK_NORM_SCALE = 1.25
+STEM_LAYERS = 2
+STEM_QK_NORM_SCALE = 3.0
+KEY_QUERY_CORRELATION = 0.7
+VOCAB_ROW_NORM_SIGMA = 0.25
+NORM_JITTER = 0.2
+EMBEDDING_STD_RATIO = 0.25
+
+
+@functools.lru_cache(maxsize=None)
+def median_top_gap(vocab: int, row_norm_sigma: float, draws: int = 256) -> float:
+    """Median top-1/top-2 gap of `vocab` logits c_v * N(0, 1), c_v log-normal of RMS 1 (fixed-seed simulation).
+
+    Deterministic (its own CPU generator and seed, float64), so the final norm
+    scale, and the checkpoint bytes, do not depend on anything but the config.
+    With sigma 0 this is the classic ~ln 2 / sqrt(2 ln V).
+    """
+    import torch
+
+    if vocab < 2:
+        raise ValueError(f"vocab must be at least 2, got {vocab}")
+    gen = torch.Generator().manual_seed(20250101)
+    c = torch.exp(row_norm_sigma * torch.randn(vocab, generator=gen, dtype=torch.float64))
+    c /= c.square().mean().sqrt()
+    gaps = torch.empty(draws, dtype=torch.float64)
+    for i in range(draws):
+        top = (torch.randn(vocab, generator=gen, dtype=torch.float64) * c).topk(2).values
+        gaps[i] = top[0] - top[1]
+    return float(gaps.median())
+
+
+def default_late_output_scale(num_layers: int, stem_layers: int) -> float:
+    """Output scale of the layers after the stem: all of them together add as much to the stream as the stem.
+
+    Branch outputs add up in quadrature, so 2 * (L - stem) late branches of
+    scale s match 2 * stem stem branches of scale 1 when s = sqrt(stem / (L - stem)).
+    """
+    if num_layers <= stem_layers or stem_layers == 0:
+        return 1.0
+    return math.sqrt(stem_layers / (num_layers - stem_layers))
+
+
+def _geometry(config: dict) -> tuple[int, int, str]:
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    group = heads // int(config["num_key_value_heads"])
+    output_head = "model.embed_tokens.weight" if config.get("tie_word_embeddings", False) else "lm_head.weight"
+    return head_dim, group, output_head
+
+
+def init_scheme(
+    config: dict,
+    target_median_gap: float = 1.0,
+    qk_norm_scale: float = QK_NORM_SCALE,
+    key_query_correlation: float = KEY_QUERY_CORRELATION,
+    vocab_row_norm_sigma: float = VOCAB_ROW_NORM_SIGMA,
+    stem_layers: int = STEM_LAYERS,
+    stem_qk_norm_scale: float = STEM_QK_NORM_SCALE,
+    embedding_std_ratio: float = EMBEDDING_STD_RATIO,
+    late_output_scale: float | None = None,
+) -> InitScheme:
+    """The init scheme for a Qwen3 config dict (see InitScheme for the reasoning).
+
+    The keyword arguments exist for scripts/synth_sweep.py; checkpoints use the defaults.
+    """
+    if not 0.0 <= key_query_correlation <= 1.0:
+        raise ValueError(f"key_query_correlation must lie in [0, 1], got {key_query_correlation}")
     matrix_std = float(config.get("initializer_range", 0.02))
-    vocab = int(config["vocab_size"])
+    embedding_std = matrix_std * float(embedding_std_ratio)
+    if late_output_scale is None:
+        late_output_scale = default_late_output_scale(int(config["num_hidden_layers"]), int(stem_layers))
     hidden = int(config["hidden_size"])
-    logit_std = target_median_gap * math.sqrt(2.0 * math.log(vocab)) / math.log(2.0)
+    head_dim, group, output_head = _geometry(config)
+    gap_at_unit_scale = median_top_gap(int(config["vocab_size"]), float(vocab_row_norm_sigma))
     return InitScheme(
         matrix_std=matrix_std,
-        norm_jitter=0.2,
-        qk_norm_scale=3.0,
-        final_norm_scale=logit_std / (matrix_std * math.sqrt(hidden)),
+        embedding_std=embedding_std,
+        norm_jitter=NORM_JITTER,
+        qk_norm_scale=float(qk_norm_scale),
+        stem_layers=int(stem_layers),
+        stem_qk_norm_scale=float(stem_qk_norm_scale),
+        late_output_scale=float(late_output_scale),
+        key_query_correlation=float(key_query_correlation),
+        vocab_row_norm_sigma=float(vocab_row_norm_sigma),
+        final_norm_scale=target_median_gap / (gap_at_unit_scale * embedding_std * math.sqrt(hidden)),
         target_median_gap=target_median_gap,
+        head_dim=head_dim,
+        query_heads_per_kv_head=group,
+        output_head=output_head,
+    )
+
+
+def sharp_attention_init(config: dict, target_median_gap: float = 1.0) -> InitScheme:
+    """The previous scheme (q/k norm weights 3, no same-token heads, equal row norms): numerically chaotic.
+
+    Realistic logit statistics but a cached decode far from the full forward
+    on deep models; kept to show, in tests, that the stability check can fail.
+    """
+    return init_scheme(
+        config, target_median_gap, qk_norm_scale=3.0, key_query_correlation=0.0, vocab_row_norm_sigma=0.0,
+        stem_layers=0, embedding_std_ratio=1.0,
     )
 
 
@@ -105,12 +246,22 @@ def plain_init(config: dict) -> InitScheme:
 
     Kept to show, in tests, that the logit-scale checks can fail.
     """
+    head_dim, group, output_head = _geometry(config)
     return InitScheme(
         matrix_std=float(config.get("initializer_range", 0.02)),
+        embedding_std=float(config.get("initializer_range", 0.02)),
         norm_jitter=0.0,
         qk_norm_scale=1.0,
+        stem_layers=0,
+        stem_qk_norm_scale=1.0,
+        late_output_scale=1.0,
+        key_query_correlation=0.0,
+        vocab_row_norm_sigma=0.0,
         final_norm_scale=1.0,
         target_median_gap=float("nan"),
+        head_dim=head_dim,
+        query_heads_per_kv_head=group,
+        output_head=output_head,
     )
 
 
@@ -120,24 +271,61 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def make_tensor(name: str, shape: tuple[int, ...], scheme: InitScheme, seed: int, device: str) -> "torch.Tensor":
-    """One BF16 tensor drawn as the scheme says for its kind, on `device`."""
+def _normal(name: str, shape: tuple[int, ...], seed: int, device: str) -> "torch.Tensor":
+    """N(0, 1) FP32 draws from the tensor's own generator."""
     import torch
 
     gen = torch.Generator(device=device)
     gen.manual_seed(tensor_seed(seed, name))
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def make_tensor(name: str, shape: tuple[int, ...], scheme: InitScheme, seed: int, device: str) -> "torch.Tensor":
+    """One BF16 tensor drawn as the scheme says for its kind, on `device`.
+
+    Depends only on (name, shape, scheme, seed, device): a k_proj redraws its
+    layer's q_proj from the q_proj's own seed rather than reading it.
+    """
+    import torch
+
     if len(shape) == 2:
         # Drawn in FP32 and rounded once, like a BF16 checkpoint saved from FP32 training.
-        out = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        out = _normal(name, shape, seed, device)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out.mul_(scheme.embedding_std / scheme.matrix_std)
+        if name == scheme.output_head and scheme.vocab_row_norm_sigma > 0:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(tensor_seed(seed, name + "/row-norms"))
+            rows = torch.exp(scheme.vocab_row_norm_sigma * torch.randn(shape[0], generator=gen, device=device))
+            out.mul_((rows / rows.square().mean().sqrt())[:, None])
+        elif name.endswith("self_attn.k_proj.weight") and scheme.key_query_correlation > 0:
+            out = _correlate_with_queries(name, out, scheme, seed, device)
+        elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            if int(name.split(".")[2]) >= scheme.stem_layers:
+                out.mul_(scheme.late_output_scale)
         return out.mul_(scheme.matrix_std).to(torch.bfloat16)
     if name.endswith("self_attn.q_norm.weight") or name.endswith("self_attn.k_norm.weight"):
-        scale = scheme.qk_norm_scale
+        in_stem = int(name.split(".")[2]) < scheme.stem_layers
+        scale = scheme.stem_qk_norm_scale if in_stem else scheme.qk_norm_scale
     elif name == "model.norm.weight":
         scale = scheme.final_norm_scale
     else:
         scale = 1.0
+    gen = torch.Generator(device=device)
+    gen.manual_seed(tensor_seed(seed, name))
     u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
     return ((1.0 - scheme.norm_jitter) + 2.0 * scheme.norm_jitter * u).mul_(scale).to(torch.bfloat16)
+
+
+def _correlate_with_queries(name: str, noise: "torch.Tensor", scheme: InitScheme, seed: int, device: str) -> "torch.Tensor":
+    """k_proj rows of KV head j = c * (rows of query head j * group) + sqrt(1 - c^2) * noise (unit-variance)."""
+    c = scheme.key_query_correlation
+    hd, group = scheme.head_dim, scheme.query_heads_per_kv_head
+    kv_heads = noise.shape[0] // hd
+    q_name = name.replace("self_attn.k_proj.weight", "self_attn.q_proj.weight")
+    queries = _normal(q_name, (kv_heads * group * hd, noise.shape[1]), seed, device)
+    first_of_group = queries.view(kv_heads, group, hd, -1)[:, 0].reshape(kv_heads * hd, -1)
+    return noise.mul_(math.sqrt(1.0 - c * c)).add_(first_of_group, alpha=c)
 
 
 # ---------------------------------------------------------------------------
