@@ -26,6 +26,11 @@ CAPACITY_GRANULE = 256
 LOOKAHEAD = 2
 
 
+def _rounded_capacity(positions: int) -> int:
+    """The cache capacity allocated for `positions` positions."""
+    return -(-positions // CAPACITY_GRANULE) * CAPACITY_GRANULE
+
+
 class Engine:
     def __init__(self, model_path: str):
         self.cfg = ModelConfig.from_dir(model_path)
@@ -85,7 +90,7 @@ class Engine:
         """A KV cache that cannot fit is a clear error, not an out-of-memory crash mid-call."""
         if self.device.type != "cuda" or self.model.cache_fits(batch, positions):
             return
-        capacity = -(-positions // CAPACITY_GRANULE) * CAPACITY_GRANULE
+        capacity = _rounded_capacity(positions)
         need = 2 * self.cfg.num_layers * batch * self.cfg.kv_size * capacity * 2
         held = 0 if self.model.k_cache is None else 2 * self.model.k_cache.numel() * 2
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -102,7 +107,7 @@ class Engine:
             self._runner = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            model.allocate_cache(batch, -(-capacity // CAPACITY_GRANULE) * CAPACITY_GRANULE)
+            model.allocate_cache(batch, _rounded_capacity(capacity))
         if self._runner is None:
             if self.device.type == "cuda" and batch not in self.tuning:
                 self.tuning[batch] = model.ops.tune(model.w, batch)
