@@ -90,9 +90,8 @@ class Qwen3Model:
                 # (attention output, o, MLP) runs on those rows alone.
                 x = x.view(nb, S, -1)[:, -1].contiguous()
             attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last)
-            h = ops.add_rmsnorm(x, ops.linear(attn, layer.o), layer.post_norm, eps)
-            d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
-            h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
+            h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
+            h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
         return ops.linear(h, self.w.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -113,7 +112,6 @@ class Qwen3Model:
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, 1,
                                        kc, vc, eps, c.num_heads, c.num_kv_heads)
             attn = ops.decode_attention(q, kc, vc, lengths, self.scale)
-            h = ops.add_rmsnorm(x, ops.linear(attn.view(B, c.q_size), layer.o), layer.post_norm, eps)
-            d = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
-            h = ops.add_rmsnorm(x, d, self._next_norm(i), eps)
+            h = ops.linear_add_rmsnorm(attn.view(B, c.q_size), layer.o, x, layer.post_norm, eps)
+            h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
         return ops.linear(h, self.w.lm_head)

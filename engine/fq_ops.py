@@ -51,6 +51,11 @@ class TorchOps:
     def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         return self.silu_mul(F.linear(x, w_gate_up))
 
+    def linear_add_rmsnorm(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
+                           norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x <- bf16(x + a @ w.T) (the residual stream, in place); returns RMSNorm(x) * norm_w."""
+        return self.add_rmsnorm(x, self.linear(a, w), norm_w, eps)
+
 
 class TritonOps(TorchOps):
     """Fused Triton kernels for everything around the matrix products (CUDA only).
@@ -67,12 +72,13 @@ class TritonOps(TorchOps):
         super().__init__()
         from fqkernels import gemv
         from fqkernels.decode_attention import decode_attention
-        from fqkernels.rmsnorm import add_rmsnorm, rmsnorm
+        from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, rmsnorm
         from fqkernels.rope_kv import qk_norm_rope_store
         from fqkernels.swiglu import silu_mul
 
         self.rmsnorm = rmsnorm
         self.add_rmsnorm = add_rmsnorm
+        self.add_rmsnorm_partials = add_rmsnorm_partials
         self.qk_norm_rope_store = qk_norm_rope_store
         self.decode_attention = decode_attention
         self.silu_mul = silu_mul
@@ -89,6 +95,14 @@ class TritonOps(TorchOps):
             return self._gemv.linear_silu_mul(x.contiguous(), w_gate_up)
         return self.silu_mul(F.linear(x, w_gate_up))
 
+    def linear_add_rmsnorm(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
+                           norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        """With our GEMV: its fp32 split-K partials go straight into the residual-add +
+        RMSNorm kernel, which finishes the product (same bits as GEMV + reduce + add)."""
+        if self.use_gemv.get((False, a.shape[0]) + tuple(w.shape)):
+            return self.add_rmsnorm_partials(x, self._gemv.linear_partials(a.contiguous(), w), norm_w, eps)
+        return self.add_rmsnorm(x, F.linear(a, w), norm_w, eps)
+
     def tune(self, weights, rows: int, reps: int = 5) -> dict:
         """For a decode batch of `rows`, time cuBLAS against our GEMV on every
         decode matrix and keep the faster. Each timing is a CUDA graph that
@@ -98,23 +112,35 @@ class TritonOps(TorchOps):
         if rows > self.GEMV_MAX_ROWS:
             return {}
         layers = weights.layers
-        x = torch.randn(rows, weights.embed.shape[1], device=weights.embed.device).to(torch.bfloat16)
+        dev = weights.embed.device
+
+        def rand(cols):
+            return torch.randn(rows, cols, device=dev).to(torch.bfloat16)
+
+        x = rand(weights.embed.shape[1])
+        res = rand(weights.embed.shape[1])
+        norm_w = layers[0].post_norm
+        gemv = self._gemv
+        # matrix -> (fused SiLU, the layer copies, our op, cuBLAS's op); each op is
+        # timed as the decode step calls it, with what it fuses around the product.
+        attn_in, down_in = rand(layers[0].o.shape[1]), rand(layers[0].down.shape[1])
         mats = {
-            "qkv": (False, [l.qkv for l in layers], x),
-            "o": (False, [l.o for l in layers], torch.randn(rows, layers[0].o.shape[1], device=x.device).to(x.dtype)),
-            "gate_up": (True, [l.gate_up for l in layers], x),
-            "down": (False, [l.down for l in layers], torch.randn(rows, layers[0].down.shape[1], device=x.device).to(x.dtype)),
-            "lm_head": (False, [weights.lm_head], x),
+            "qkv": (False, [l.qkv for l in layers],
+                    lambda w: gemv.linear(x, w), lambda w: F.linear(x, w)),
+            "o": (False, [l.o for l in layers],
+                  lambda w: self.add_rmsnorm_partials(res, gemv.linear_partials(attn_in, w), norm_w, 1e-6),
+                  lambda w: self.add_rmsnorm(res, F.linear(attn_in, w), norm_w, 1e-6)),
+            "gate_up": (True, [l.gate_up for l in layers],
+                        lambda w: gemv.linear_silu_mul(x, w), lambda w: self.silu_mul(F.linear(x, w))),
+            "down": (False, [l.down for l in layers],
+                     lambda w: self.add_rmsnorm_partials(res, gemv.linear_partials(down_in, w), norm_w, 1e-6),
+                     lambda w: self.add_rmsnorm(res, F.linear(down_in, w), norm_w, 1e-6)),
+            "lm_head": (False, [weights.lm_head],
+                        lambda w: gemv.linear(x, w), lambda w: F.linear(x, w)),
         }
         report = {}
-        for name, (fused, ws, inp) in mats.items():
+        for name, (fused, ws, ours, theirs) in mats.items():
             key = (fused, rows) + tuple(ws[0].shape)
-            if fused:
-                ours = lambda w: self._gemv.linear_silu_mul(inp, w)  # noqa: E731
-                theirs = lambda w: self.silu_mul(F.linear(inp, w))  # noqa: E731
-            else:
-                ours = lambda w: self._gemv.linear(inp, w)  # noqa: E731
-                theirs = lambda w: F.linear(inp, w)  # noqa: E731
             t_ours = _time_over(ours, ws, reps)
             t_theirs = _time_over(theirs, ws, reps)
             self.use_gemv[key] = t_ours < t_theirs

@@ -22,6 +22,32 @@ from fq_model import Qwen3Model  # noqa: E402
 from fq_weights import load_weights  # noqa: E402
 
 
+CFG = None  # the model config, set in main (the unpacked variants need the q/kv sizes)
+
+
+def _unpacked(decode_too: bool):
+    """Reference ops with the packed QKV and gate/up products computed as the
+    reference computes them: one product per projection (q, k, v; gate, up).
+    Tells whether packing alone (cuBLAS picking other kernels for the wider
+    matrix) moves the logits. With decode_too=False only prefill (rows > 64)."""
+    from fqkernels import swiglu
+    F = torch.nn.functional
+
+    def linear(x, w):
+        if (decode_too or x.shape[0] > 64) and w.shape[0] == CFG.q_size + 2 * CFG.kv_size:
+            q, kv = CFG.q_size, CFG.kv_size
+            return torch.cat([F.linear(x, w[:q]), F.linear(x, w[q:q + kv]), F.linear(x, w[q + kv:])], -1)
+        return F.linear(x, w)
+
+    def linear_silu_mul(x, w):
+        if decode_too or x.shape[0] > 64:
+            half = w.shape[0] // 2
+            return F.silu(F.linear(x, w[:half])) * F.linear(x, w[half:])
+        return swiglu.silu_mul_reference(F.linear(x, w))
+
+    return {"linear": linear, "linear_silu_mul": linear_silu_mul}
+
+
 def variants():
     from fqkernels import decode_attention as da, gemv, rmsnorm as rn, rope_kv, swiglu
     gemv_ops = {"linear": lambda x, w: gemv.linear(x.contiguous(), w) if x.shape[0] <= 64 else torch.nn.functional.linear(x, w),
@@ -29,6 +55,8 @@ def variants():
                 else swiglu.silu_mul_reference(torch.nn.functional.linear(x, w))}
     return {
         "torch": {},
+        "torch_unpacked_prefill": _unpacked(decode_too=False),
+        "torch_unpacked": _unpacked(decode_too=True),
         "+rmsnorm": {"rmsnorm": rn.rmsnorm, "add_rmsnorm": rn.add_rmsnorm},
         "+rope": {"qk_norm_rope_store": rope_kv.qk_norm_rope_store},
         "+attention": {"decode_attention": da.decode_attention},
@@ -73,6 +101,8 @@ def main():
     B, S, N = (int(v) for v in args.shape.split("x"))
     dev = torch.device("cuda")
     cfg = ModelConfig.from_dir(args.model)
+    global CFG
+    CFG = cfg
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     w = load_weights(args.model, cfg, dev)
     from transformers import Qwen3ForCausalLM

@@ -10,6 +10,9 @@
 # Stages:
 #   kernels       every GPU kernel test and the engine's GPU tests (-m gpu)
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
+#   bench-gemv    the GEMV sweep alone, wider (per-M candidates, 150 s budget)
+#   kernels-changed  the GPU tests of the GEMV, norm/RoPE/SwiGLU kernels and the engine
+#   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
 #   check         engine speed, fidelity against native, graph == eager
 #   opswap        which op moves the logits (tiny and 4B)
@@ -40,6 +43,12 @@ for stage in "$@"; do
     kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log" ;;
     bench) timeout 100 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 70 2>&1 | tail -25
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
+    bench-gemv) timeout 200 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 150 \
+                  --ops qkv o down gate_up_silu lm_head 2>&1 | tail -40 ;;
+    kernels-changed) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_gemv.py tests/kernels/test_norm_rope_swiglu.py \
+                       tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log" ;;
+    opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \
+                 | grep -v Warn | tail -16 ;;
     profile) timeout 120 python3 scripts/gpu_profile.py --model /tmp/q4b --out "$OUT/profile.json" 2>&1 | grep -v Warn | tail -45 ;;
     check) timeout 200 python3 scripts/gpu_check.py --model /tmp/q4b --out "$OUT/gpu_check.json" 2>&1 | grep -v Warn | tail -9 ;;
     opswap) timeout 60 python3 scripts/gpu_opswap.py --model /tmp/tiny --shape 4x96x24 --out "$OUT/opswap_tiny.json" 2>&1 | grep -v Warn | tail -9

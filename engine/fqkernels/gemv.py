@@ -56,6 +56,7 @@ __all__ = [
     "select_config",
     "linear",
     "linear_silu_mul",
+    "linear_partials",
     "linear_reference",
     "linear_silu_mul_reference",
 ]
@@ -133,22 +134,32 @@ _MIN_BLOCKS_PER_SPLIT = 4
 
 
 @functools.lru_cache(maxsize=None)
-def select_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
-    """The config for a weight of shape [n, k] (for silu_mul: the packed [2I, k]).
+def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1) -> GemvConfig:
+    """The config for a weight of shape [n, k] (for silu_mul: the packed [2I, k]) and
+    `rows` rows of x.
 
-    Table entry when there is one, else a default: the largest block_k in 256..16
+    A table entry is one config, or a tuple of (max_rows, config) pairs in
+    increasing max_rows (None = no limit): the first pair whose max_rows >= rows.
+    Without an entry, a default that ignores rows: the largest block_k in 256..16
     that divides k (so the inner loop needs no mask; 64 with a masked tail when
     none does), 64 output columns per program (less for narrow outputs), and
     split-K doubled (keeping equal whole-block chunks) while there are fewer
     programs than two waves.
     """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
     if n < 1 or k < 1:
         raise ValueError(f"weight shape must be positive, got ({n}, {k})")
     if silu_mul and n % 2:
         raise ValueError(f"a packed gate/up weight needs an even row count, got {n}")
     table = SILU_MUL_CONFIGS if silu_mul else LINEAR_CONFIGS
-    if (n, k) in table:
-        return table[(n, k)]
+    entry = table.get((n, k))
+    if isinstance(entry, GemvConfig):
+        return entry
+    if entry is not None:
+        for max_rows, cfg in entry:
+            if max_rows is None or rows <= max_rows:
+                return cfg
     cols = n // 2 if silu_mul else n
     block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 64)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
@@ -179,14 +190,15 @@ def _silu_mul_bf16(g, u, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _write_result(acc, acc_u, rows, cols, M, N, out_ptr, ws_ptr, pid_s, ws_split_stride, ws_cols,
-                  SPLIT_K: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Final bf16 result when there is one K chunk, else this chunk's fp32 partial.
+                  PARTIALS: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """This chunk's fp32 partial when PARTIALS (several K chunks, or the caller
+    asked for the sums), else the final bf16 result.
 
     rows/cols broadcast against acc (a [BM, BN] tile, or one row's [BN] vector).
     Partials of the up half go ws_cols // 2 = N columns to the right of the gate half.
     """
     mask = (rows < M) & (cols < N)
-    if SPLIT_K == 1:
+    if not PARTIALS:
         if SILU:
             val = _silu_mul_bf16(acc, acc_u, INTERPRETED)
         else:
@@ -214,7 +226,7 @@ def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
 def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
                      SILU: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
 
@@ -259,32 +271,35 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
 
 @triton.jit
-def _row_step(acc, w, x_row_ptr, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc[BN] + sum over this block of w[BN, BK] * x_row[BK] (fp32)."""
+def _row_fma(acc, w, x_row_ptr, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[BN, BK] + w[BN, BK] * x_row[BK] elementwise (fp32; bf16 products are exact)."""
     if EVEN_K:
         x = tl.load(x_row_ptr + k + offs_k)
     else:
         x = tl.load(x_row_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
-    return acc + tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+    return acc + w * x.to(tl.float32)[None, :]
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
                      SILU: tl.constexpr, INTERPRETED: tl.constexpr):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
-    the tile; each row keeps its own [BLOCK_N] accumulator and adds one tl.sum per
-    block. The rows are unrolled by hand (acc0..acc3) so that each row's code is the
-    same 2-D block reduction whatever BLOCK_M is: a 3-D [BM, BN, BK] product would
-    let the layout, and so the summation tree, depend on BLOCK_M.
+    the tile. Each row keeps a [BLOCK_N, BLOCK_K] fp32 accumulator that only takes
+    elementwise multiply-adds inside the loop (lane j sums k = j, j + BK, j + 2 BK,
+    ... in increasing order); one tl.sum over the lanes per row at the end. The
+    loop body is then pure loads and FMAs, with no cross-thread reduction per
+    block. The rows are unrolled by hand (acc0..acc3) so that each row's code is
+    the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
+    layout, and so the summation tree, depend on BLOCK_M.
     """
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
@@ -298,14 +313,14 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1) * K
     x2 = x_ptr + tl.minimum(m0 + 2, M - 1) * K
     x3 = x_ptr + tl.minimum(m0 + 3, M - 1) * K
-    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    accu0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    accu1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    accu2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    accu3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accu0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accu1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accu2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accu3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
         k = k_lo + i * BLOCK_K
         if EVEN_K:
@@ -313,34 +328,35 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
         else:
             w = tl.load(w_ptrs + k, mask=((k + offs_k) < K)[None, :], other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
-        acc0 = _row_step(acc0, w, x0, k, offs_k, K, EVEN_K)
-        if BLOCK_M > 1:
-            acc1 = _row_step(acc1, w, x1, k, offs_k, K, EVEN_K)
-        if BLOCK_M > 2:
-            acc2 = _row_step(acc2, w, x2, k, offs_k, K, EVEN_K)
-            acc3 = _row_step(acc3, w, x3, k, offs_k, K, EVEN_K)
         if SILU:
             if EVEN_K:
                 wu = tl.load(w_ptrs + up_offset + k, eviction_policy="evict_first").to(tl.float32)
             else:
                 wu = tl.load(w_ptrs + up_offset + k, mask=((k + offs_k) < K)[None, :], other=0.0,
                              eviction_policy="evict_first").to(tl.float32)
-            accu0 = _row_step(accu0, wu, x0, k, offs_k, K, EVEN_K)
+        acc0 = _row_fma(acc0, w, x0, k, offs_k, K, EVEN_K)
+        if BLOCK_M > 1:
+            acc1 = _row_fma(acc1, w, x1, k, offs_k, K, EVEN_K)
+        if BLOCK_M > 2:
+            acc2 = _row_fma(acc2, w, x2, k, offs_k, K, EVEN_K)
+            acc3 = _row_fma(acc3, w, x3, k, offs_k, K, EVEN_K)
+        if SILU:
+            accu0 = _row_fma(accu0, wu, x0, k, offs_k, K, EVEN_K)
             if BLOCK_M > 1:
-                accu1 = _row_step(accu1, wu, x1, k, offs_k, K, EVEN_K)
+                accu1 = _row_fma(accu1, wu, x1, k, offs_k, K, EVEN_K)
             if BLOCK_M > 2:
-                accu2 = _row_step(accu2, wu, x2, k, offs_k, K, EVEN_K)
-                accu3 = _row_step(accu3, wu, x3, k, offs_k, K, EVEN_K)
-    _write_result(acc0, accu0, m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+                accu2 = _row_fma(accu2, wu, x2, k, offs_k, K, EVEN_K)
+                accu3 = _row_fma(accu3, wu, x3, k, offs_k, K, EVEN_K)
+    _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 1:
-        _write_result(acc1, accu1, m0 + 1, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+        _write_result(tl.sum(acc1, axis=1), tl.sum(accu1, axis=1), m0 + 1, offs_n, M, N, out_ptr, ws_ptr,
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 2:
-        _write_result(acc2, accu2, m0 + 2, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
-        _write_result(acc3, accu3, m0 + 3, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                      ws_split_stride, ws_cols, SPLIT_K, SILU, INTERPRETED)
+        _write_result(tl.sum(acc2, axis=1), tl.sum(accu2, axis=1), m0 + 2, offs_n, M, N, out_ptr, ws_ptr,
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+        _write_result(tl.sum(acc3, axis=1), tl.sum(accu3, axis=1), m0 + 3, offs_n, M, N, out_ptr, ws_ptr,
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -417,7 +433,7 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str) -> torch.Tensor:
+            silu: bool, w_name: str, partials: bool = False) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -428,7 +444,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         raise ValueError(f"{w_name} must have an even number of rows (gate then up), got {n_rows}")
     n = n_rows // 2 if silu else n_rows
     if config is None:
-        config = select_config(n_rows, k, silu)
+        config = select_config(n_rows, k, silu, m)
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
     if m > _MAX_ROWS:
@@ -440,7 +456,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
     _check_device(x, w, w_name)
-    if out is None:
+    if out is None and not partials:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
 
     # Whole BLOCK_K blocks per chunk, the same count in every chunk (a compile-time
@@ -452,7 +468,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     splits = triton.cdiv(k_blocks, blocks_per_split)
     even_k = k % config.block_k == 0 and k_blocks % blocks_per_split == 0
     ws_cols = 2 * n if silu else n
-    if splits > 1:
+    write_partials = partials or splits > 1
+    if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
     else:
@@ -460,13 +477,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     kernel = _gemv_dot_kernel if config.mode == "dot" else _gemv_fma_kernel
     grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
     kernel[grid](
-        x, w, out, ws, m, n, n * k, ws_split_stride, ws_cols,
+        x, w, out if out is not None else ws, ws, m, n, n * k, ws_split_stride, ws_cols,
         K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
-        EVEN_N=n % config.block_n == 0, EVEN_K=even_k,
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
         SILU=silu, INTERPRETED=_INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if partials:
+        return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             ws, out, m, n, ws_split_stride, ws_cols,
@@ -484,6 +503,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     overrides the table (select_config). Raises ValueError naming a bad argument.
     """
     return _launch(x, w, out, config, silu=False, w_name="w")
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The fp32 partial sums of x @ w.T, one per K chunk of the config: [S, M, N].
+
+    Adding them in the order 0, 1, ..., S-1 in fp32 and rounding to bf16 gives
+    exactly `linear(x, w, config=config)` (S may be 1). For a consumer that fuses
+    that reduction into its own kernel (rmsnorm.add_rmsnorm_partials). The
+    tensor is a view of the shared workspace (see the module docstring): it is
+    valid until the next call with the same (device, S, N, row capacity).
+    """
+    if config is not None and not isinstance(config, GemvConfig):
+        raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
+    return _launch(x, w, None, config, silu=False, w_name="w", partials=True)
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,

@@ -8,6 +8,12 @@ Formula (the reference's cast points, kept exactly):
 Keeping y in float32 through the weight product would be "more accurate" and a
 different function: it moves a cast point the 2.0-logit margin was calibrated on.
 Shapes: x, r, out [M, N] bf16 (unit stride on N); w [N] bf16. One program per row.
+
+`add_rmsnorm_partials` takes r as the fp32 partial sums of a split-K product
+(fqkernels.gemv.linear_partials, [S, M, N]) and first finishes that product the
+way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
+order. So `linear` + `add_rmsnorm` and `linear_partials` + `add_rmsnorm_partials`
+give the same bits, with one kernel fewer.
 """
 import torch
 import triton
@@ -16,14 +22,22 @@ import triton.language as tl
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, N, eps,
-                    stride_x, stride_r, stride_o,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    stride_x, stride_r, stride_o, stride_split,
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        r_row = r_ptr + row * stride_r + offs
+        if SPLITS == 0:
+            r = tl.load(r_row, mask=mask, other=0.0)
+        else:
+            acc = tl.load(r_row, mask=mask, other=0.0)
+            for s in tl.static_range(1, SPLITS):
+                acc += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
+            r = acc.to(tl.bfloat16)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     xf = x.to(tl.float32)
@@ -43,10 +57,20 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} needs unit stride on its last dim, got strides {t.stride()}")
 
 
-def _launch(x, r, w, eps, out):
+def _launch(x, r, w, eps, out, partials=False):
     _check("x", x, 2)
     _check("w", w, 1)
-    if r is not None:
+    splits, stride_split = 0, 0
+    if partials:
+        if r.dtype != torch.float32:
+            raise ValueError(f"partials must be float32, got {r.dtype}")
+        if r.dim() != 3 or tuple(r.shape[1:]) != tuple(x.shape) or r.shape[0] < 1:
+            raise ValueError(f"partials must have shape [S, {x.shape[0]}, {x.shape[1]}], got {tuple(r.shape)}")
+        if r.stride(-1) != 1:
+            raise ValueError(f"partials need unit stride on their last dim, got strides {r.stride()}")
+        splits, stride_split = r.shape[0], r.stride(0)
+        r = r[0]
+    elif r is not None:
         _check("residual", r, 2)
         if r.shape != x.shape:
             raise ValueError(f"residual shape {tuple(r.shape)} != x shape {tuple(x.shape)}")
@@ -59,8 +83,8 @@ def _launch(x, r, w, eps, out):
     block = triton.next_power_of_2(N)
     _rmsnorm_kernel[(M,)](
         x, r if r is not None else x, w, out, N, eps,
-        x.stride(0), (r if r is not None else x).stride(0), out.stride(0),
-        HAS_RESIDUAL=r is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
+        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, num_warps=4 if block <= 4096 else 8,
     )
     return out
 
@@ -75,6 +99,12 @@ def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, o
     return _launch(x, r, w, eps, out)
 
 
+def add_rmsnorm_partials(x: torch.Tensor, partials: torch.Tensor, w: torch.Tensor, eps: float,
+                         out: torch.Tensor = None) -> torch.Tensor:
+    """x <- bf16(x + bf16(sum of the fp32 partials [S, M, N] in order)); returns RMSNorm(x) * w."""
+    return _launch(x, partials, w, eps, out, partials=True)
+
+
 def rmsnorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Transformers' Qwen3RMSNorm, op for op."""
     xf = x.to(torch.float32)
@@ -85,3 +115,12 @@ def rmsnorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
 def add_rmsnorm_reference(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x.add_(r)  # BF16 add, in place like the fused kernel
     return rmsnorm_reference(x, w, eps)
+
+
+def add_rmsnorm_partials_reference(x: torch.Tensor, partials: torch.Tensor, w: torch.Tensor,
+                                   eps: float) -> torch.Tensor:
+    """The partials summed in order 0..S-1 in fp32, rounded to bf16, then add_rmsnorm_reference."""
+    acc = partials[0].clone()
+    for s in range(1, partials.shape[0]):
+        acc += partials[s]
+    return add_rmsnorm_reference(x, acc.to(torch.bfloat16), w, eps)

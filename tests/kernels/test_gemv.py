@@ -300,7 +300,7 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     k_blocks = k // cfg.block_k
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
-                     SILU=silu, INTERPRETED=False)
+                     PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False)
     kernel = gemv._gemv_dot_kernel if mode == "dot" else gemv._gemv_fma_kernel
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
@@ -385,6 +385,30 @@ def test_interpreted_rows_do_not_depend_on_the_batch(case):
     # Random inputs: within one ulp (truncation) of the reference.
     ref = linear_reference(x, w)
     assert ((full.double() - ref.double()).abs() <= bf16_ulp(ref)).all()
+
+
+@pytest.mark.skipif(not (INTERPRETED or HAS_GPU), reason="runs a kernel: needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
+def test_partials_summed_in_order_are_linear(case):
+    """linear_partials: one fp32 sum per K chunk; added in chunk order and rounded once they
+    are exactly what `linear` returns with the same config (its reduce kernel's order)."""
+    m, n, k, cfg = case
+    device = "cuda" if HAS_GPU else "cpu"
+    gen = torch.Generator().manual_seed(m + 3 * n + k)
+    x, w = randn_bf16(m, k, gen=gen).to(device), randn_bf16(n, k, gen=gen, scale=0.1).to(device)
+    parts = gemv.linear_partials(x, w, config=cfg)
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    splits = triton.cdiv(k_blocks, triton.cdiv(k_blocks, cfg.split_k))
+    assert parts.dtype == torch.float32 and tuple(parts.shape) == (splits, m, n)
+    acc = parts[0].clone()
+    for s in range(1, splits):
+        acc += parts[s]
+    expected, got = acc.to(torch.bfloat16), linear(x, w, config=cfg)
+    if HAS_GPU:
+        assert torch.equal(got, expected)
+    else:   # the interpreter's bf16 cast truncates where torch's rounds to nearest
+        assert ((got.double() - expected.double()).abs() <= bf16_ulp(expected)).all()
+        assert ((got.double() - acc.double()).abs() < bf16_ulp(expected)).all()
 
 
 # ----------------------------------------------------------------------------- the epilogue, in isolation

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_reference  # noqa: E402
+from fqkernels import gemv  # noqa: E402
+from fqkernels.rmsnorm import (add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_partials_reference,  # noqa: E402
+                               add_rmsnorm_reference, rmsnorm, rmsnorm_reference)
 from fqkernels.rope_kv import qk_norm_rope_store, qk_norm_rope_store_reference, rope_tables  # noqa: E402
 from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
 
@@ -50,6 +52,44 @@ def test_rmsnorm_and_add_rmsnorm(rows, n):
     ref = add_rmsnorm_reference(xr, r, w, 1e-6)
     assert torch.equal(xk, xr), "the BF16 residual add must be exact"
     _close_to_ulp(out, ref)
+
+
+@pytest.mark.parametrize("rows,n,splits", [(1, 2560, 1), (4, 2560, 2), (16, 2560, 4), (3, 1000, 3)])
+def test_add_rmsnorm_partials(rows, n, splits):
+    """Split-K partials reduced inside the norm kernel: the residual is the reference's bit for bit."""
+    x = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
+    parts = torch.randn(splits, rows, n, device=DEV) * 3
+    w = torch.randn(n, device=DEV).bfloat16()
+    xk, xr = x.clone(), x.clone()
+    out = torch.full_like(x, float("nan"))
+    add_rmsnorm_partials(xk, parts, w, 1e-6, out=out)
+    ref = add_rmsnorm_partials_reference(xr, parts, w, 1e-6)
+    assert torch.equal(xk, xr), "the reduced product and the BF16 residual add must be exact"
+    _close_to_ulp(out, ref)
+
+
+@pytest.mark.parametrize("name,n,k", [("o", 2560, 4096), ("down", 2560, 9728)])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_gemv_partials_into_add_rmsnorm_equal_gemv_then_add_rmsnorm(name, n, k, rows):
+    """The fused decode path (GEMV partials -> reduce + add + norm) gives the same bits as
+    GEMV (with its own reduce kernel) followed by add_rmsnorm, residual and output."""
+    a = torch.randn(rows, k, device=DEV).bfloat16()
+    wt = (torch.randn(n, k, device=DEV) * k ** -0.5).bfloat16()
+    x = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
+    nw = torch.randn(n, device=DEV).bfloat16()
+    x1, x2 = x.clone(), x.clone()
+    fused = add_rmsnorm_partials(x1, gemv.linear_partials(a, wt), nw, 1e-6)
+    plain = add_rmsnorm(x2, gemv.linear(a, wt), nw, 1e-6)
+    assert torch.equal(x1, x2) and torch.equal(fused, plain)
+
+
+def test_add_rmsnorm_partials_bad_shape_names_partials():
+    x = torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.ones(64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="partials must have shape"):
+        add_rmsnorm_partials(x, torch.zeros(2, 3, 64, device=DEV), w, 1e-6)
+    with pytest.raises(ValueError, match="partials must be float32"):
+        add_rmsnorm_partials(x, torch.zeros(1, 2, 64, device=DEV, dtype=torch.bfloat16), w, 1e-6)
 
 
 @pytest.mark.parametrize("B,S,H,KVH,D", [(1, 1, 32, 8, 128), (16, 1, 32, 8, 128), (2, 37, 32, 8, 128),
