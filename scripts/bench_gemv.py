@@ -89,7 +89,7 @@ def candidate_configs(gemv, n_rows: int, k: int, silu: bool, m: int) -> list:
 
     splits = (1, 2, 4, 8)
     if m == 1:
-        for bn in (16, 8, 32):
+        for bn in (8, 4, 16, 32):
             for bk in (512, 256, 1024):
                 for split in splits:
                     add(mode="fma", block_m=1, block_n=bn, block_k=bk, split_k=split,

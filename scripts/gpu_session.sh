@@ -11,6 +11,7 @@
 #   kernels       every GPU kernel test and the engine's GPU tests (-m gpu)
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
 #   bench-gemv    the GEMV sweep alone, wider (per-M candidates, 150 s budget)
+#   bench-m1      the GEMV sweep at one row only
 #   kernels-changed  the GPU tests of the GEMV, norm/RoPE/SwiGLU kernels and the engine
 #   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
@@ -45,6 +46,8 @@ for stage in "$@"; do
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
     bench-gemv) timeout 200 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 150 \
                   --ops qkv o down gate_up_silu lm_head 2>&1 | tail -40 ;;
+    bench-m1) timeout 120 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_m1.json" --budget-s 90 --m 1 \
+                --ops qkv o down gate_up_silu lm_head 2>&1 | tail -12 ;;
     kernels-changed) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_gemv.py tests/kernels/test_norm_rope_swiglu.py \
                        tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log" ;;
     opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \

@@ -29,11 +29,13 @@ element is summed in one fixed order that M does not enter:
     mixes rows), so the other rows of the tile cannot change it;
   - with SPLIT_K > 1 the chunks' fp32 partials go to a cached workspace
     [SPLIT_K, rows, cols] and a small kernel adds them in the order 0, 1, ..., S-1.
-So a row gives the same bits in a batch of 1 or of 16, and on every call. The two
-kernel modes ("dot": tl.dot over 16-row tiles; "fma": load-multiply-reduce over
-1-4 rows) sum in different orders, so the config table fixes ONE mode per (N, K)
-and uses it for every M. The config is a function of the shape alone, never of the
-device, so an H100 and an H200 run the same code (given the same Triton version).
+So for a given config a row gives the same bits in a batch of 1 or of 16, and on
+every call. The two kernel modes ("dot": tl.dot over 16-row tiles; "fma": an
+elementwise multiply-add loop over 1-4 rows) sum in different orders. The table
+holds one config per (N, K) and row-count range (one row; 2-4; more), so a row's
+bits are independent of the batch within a range, not across ranges. The config
+is a function of the shapes alone, never of the device, so an H100 and an H200 run
+the same code (given the same Triton version).
 
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
@@ -111,19 +113,42 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps must be <= 16, got {self.num_warps}")
 
 
-# Tuned per weight shape (N, K) for the Qwen3-4B matrices. Starting points are the
-# H100 figures other teams reported (FIELD_NOTES.md, "Matrix-vector products");
-# scripts/bench_gemv.py measures candidates and prints a replacement table.
-# One entry serves every M: that is what keeps a row's bits independent of M.
-LINEAR_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (6144, 2560): GemvConfig(block_n=64, block_k=128, split_k=1),      # qkv_proj (q, k, v packed)
-    (2560, 4096): GemvConfig(block_n=64, block_k=256, split_k=2),      # o_proj
-    (2560, 9728): GemvConfig(block_n=32, block_k=128, split_k=4),      # down_proj
-    (151936, 2560): GemvConfig(block_n=64, block_k=256, split_k=1),    # lm_head (tied embedding)
+# Tuned per weight shape (N, K) for the Qwen3-4B matrices and per row count, from
+# scripts/bench_gemv.py on an H200 (results/h200-2026-11-30/bench_gemv_sweep.json:
+# each op captured 20 times in a CUDA graph over weight copies that do not fit in
+# L2). One row: the fma kernel with 8 columns a program and no tl.dot; 2-4 rows
+# and 5+ rows: tl.dot tiles. Within one row-count range a row's bits do not depend
+# on the batch (module docstring); across ranges the summation order differs.
+_FMA1 = dict(mode="fma", block_m=1, block_n=8)
+LINEAR_CONFIGS: dict[tuple[int, int], object] = {
+    (6144, 2560): (                                                     # qkv_proj (q, k, v packed)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 9.4 us (cuBLAS 10.5)
+        (4, GemvConfig(block_n=64, block_k=128, split_k=4)),
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1)),
+    ),
+    (2560, 4096): (                                                     # o_proj
+        (1, GemvConfig(block_k=1024, split_k=1, **_FMA1)),             # 7.8 us (cuBLAS 9.8)
+        (4, GemvConfig(block_n=128, block_k=128, split_k=4)),
+        (None, GemvConfig(block_n=32, block_k=128, split_k=4)),
+    ),
+    (2560, 9728): (                                                     # down_proj
+        (1, GemvConfig(block_k=256, split_k=2, **_FMA1)),              # 16.1 us (cuBLAS 17.2)
+        (4, GemvConfig(block_n=128, block_k=128, split_k=4)),
+        (None, GemvConfig(block_n=32, block_k=128, split_k=4)),
+    ),
+    (151936, 2560): (                                                   # lm_head (tied embedding)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 171.5 us (cuBLAS 186.4)
+        (4, GemvConfig(block_n=128, block_k=256, split_k=1)),
+        (None, GemvConfig(block_n=128, block_k=128, split_k=1)),
+    ),
 }
 # Keyed by the packed gate/up weight's shape (2I, K); block_n counts gate columns.
-SILU_MUL_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (19456, 2560): GemvConfig(block_n=32, block_k=128, split_k=1),     # gate_proj + up_proj
+SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
+    (19456, 2560): (                                                    # gate_proj + up_proj, SiLU * up
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 26.2 us (cuBLAS + SiLU*up 32.8)
+        (4, GemvConfig(block_n=128, block_k=128, split_k=1)),
+        (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
+    ),
 }
 
 # The default aims for about two waves of programs on a 132-SM GPU; it is a fixed

@@ -198,12 +198,23 @@ def test_4b_shapes_have_mask_free_table_configs(name):
     n, k = SHAPES_4B[name]
     silu = name == "gate_up"
     table = gemv.SILU_MUL_CONFIGS if silu else gemv.LINEAR_CONFIGS
-    cfg = select_config(n, k, silu)
-    assert cfg is table[(n, k)]
+    entry = table[(n, k)]
+    ranges = entry if isinstance(entry, tuple) else ((None, entry),)
+    limits = [r for r, _ in ranges]
+    assert limits[-1] is None and limits[:-1] == sorted(limits[:-1]), "ranges must rise and end open"
     cols = n // 2 if silu else n
-    k_blocks = k // cfg.block_k
-    assert k % cfg.block_k == 0 and cols % cfg.block_n == 0
-    assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
+    for rows in (1, 2, 4, 5, 16, 64):
+        cfg = select_config(n, k, silu, rows)
+        want = next(c for r, c in ranges if r is None or rows <= r)
+        assert cfg is want, f"rows={rows}"
+        k_blocks = k // cfg.block_k
+        assert k % cfg.block_k == 0 and cols % cfg.block_n == 0
+        assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
+
+
+def test_select_config_rejects_zero_rows():
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        select_config(6144, 2560, False, 0)
 
 
 @pytest.mark.parametrize("n,k,silu", [(100, 96, False), (4096, 1000, False), (1024, 3072, False),
@@ -291,12 +302,15 @@ MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_spl
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("name,mode,silu", [("o", "dot", False), ("gate_up", "dot", True),
-                                            ("down", "fma", False), ("gate_up", "fma", True)])
+                                            ("down", "fma", False), ("gate_up", "fma", True),
+                                            ("o", "fma", False), ("lm_head", "fma", False)])
 def test_kernels_compile_for_sm90(name, mode, silu):
-    """Catches what only the compiler sees (layouts, dot shapes, libdevice) on a machine without a GPU."""
+    """Catches what only the compiler sees (layouts, dot shapes, libdevice) on a machine without a GPU.
+    The table's configs: tl.dot ones for 16 rows, fma ones for one row."""
     n, k = SHAPES_4B[name]
     cols = n // 2 if silu else n
-    cfg = select_config(n, k, silu) if mode == "dot" else FMA_CONFIGS[1]
+    cfg = select_config(n, k, silu, 16 if mode == "dot" else 1)
+    assert cfg.mode == mode
     k_blocks = k // cfg.block_k
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
@@ -497,10 +511,14 @@ def test_gpu_linear_silu_mul_matches_torch(i, k, m, cfg):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(SHAPES_4B))
-@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+@pytest.mark.parametrize("cfg", [1, 16] + FMA_CONFIGS, ids=["table-1row", "table-16rows", "fma1", "fma4-split2"])
 def test_gpu_deterministic_and_rows_independent_of_batch(name, cfg):
+    """For one config (the table's for a row-count range, or an explicit one), a row's
+    bits do not depend on the batch it is computed in."""
     n, k = SHAPES_4B[name]
     fn = linear_silu_mul if name == "gate_up" else linear
+    if isinstance(cfg, int):
+        cfg = select_config(n, k, name == "gate_up", cfg)
     x, w = _gpu_inputs(16, n, k, seed=3)
     full = fn(x, w, config=cfg)
     assert torch.equal(full, fn(x, w, config=cfg)), "two calls differ"
