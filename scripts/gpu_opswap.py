@@ -82,6 +82,8 @@ def variants():
                                       "qk_norm_rope_store": rope_kv.qk_norm_rope_store,
                                       "decode_attention": sdpa_decode_attention, "silu_mul": swiglu.silu_mul},
         "+attention_1split": {"decode_attention": lambda q, k, v, n, sc: da.decode_attention(q, k, v, n, sc, num_splits=1)},
+        "+attention_oldest_first": {"decode_attention": lambda q, k, v, n, sc: da.decode_attention(
+            q, k, v, n, sc, flash_order=False)},
         "triton_all": dict(rmsnorm=rn.rmsnorm, add_rmsnorm=rn.add_rmsnorm, qk_norm_rope_store=rope_kv.qk_norm_rope_store,
                            decode_attention=da.decode_attention, silu_mul=swiglu.silu_mul, **gemv_ops),
     }

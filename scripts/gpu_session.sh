@@ -12,7 +12,6 @@
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
 #   bench-gemv    the GEMV sweep alone, wider (per-M candidates, 150 s budget)
 #   bench-m1      the GEMV sweep at one row only
-#   kernels-changed  the GPU tests of the GEMV, norm/RoPE/SwiGLU kernels and the engine
 #   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
 #   check         engine speed, fidelity against native, graph == eager
@@ -48,8 +47,6 @@ for stage in "$@"; do
                   --ops qkv o down gate_up_silu lm_head 2>&1 | tail -40 ;;
     bench-m1) timeout 120 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_m1.json" --budget-s 90 --m 1 \
                 --ops qkv o down gate_up_silu lm_head 2>&1 | tail -12 ;;
-    kernels-changed) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_gemv.py tests/kernels/test_norm_rope_swiglu.py \
-                       tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log" ;;
     opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \
                  | grep -v Warn | tail -16 ;;
     profile) timeout 120 python3 scripts/gpu_profile.py --model /tmp/q4b --out "$OUT/profile.json" 2>&1 | grep -v Warn | tail -45 ;;

@@ -20,6 +20,17 @@ rows. Partials (unnormalized fp32 acc, running max, running sum) go to a workspa
 and a second kernel merges them; with a single split the first kernel writes the
 output directly. The grid depends only on (B, KVH, C, D): lengths are read on the
 device, so one CUDA graph serves every length up to C.
+
+Tile order (flash_order, the default). Exact arithmetic would make the order
+irrelevant; the one rounding that matters is P's to bf16, which happens relative
+to the running max at the time a tile is processed. The reference's full forward
+(flash attention, causal) walks the key tiles newest first, so its running max
+after the first tile is that of the newest tile, which in practice (a token
+attending to itself, recent tokens) is often the row's max. Each split here
+starts from that same max (one extra tile's scores) and walks its tiles newest
+first, so P is rounded at the reference's scale for most tiles. Measured on the
+synthetic Qwen3-4B (results/PERF_LOG.md): oldest-first tiles from -inf put the
+engine's logits further from the full forward than native's own cached decode.
 """
 from __future__ import annotations
 
@@ -124,7 +135,7 @@ def _split_kernel(
     KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -152,10 +163,26 @@ def _split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    if FLASH_ORDER:
+        # Start every split from the running max that flash attention's forward (the
+        # reference's full forward) has after its first tile: that of the last
+        # BLOCK_N-aligned tile, holding the newest positions. The bf16 rounding of
+        # P then happens at the same scale as there for most tiles (module doc).
+        last = ((length - 1) // BLOCK_N) * BLOCK_N
+        pos = last + offs_n
+        pos_ok = (pos < length) & (pos >= 0)
+        k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        m_i = tl.max(s, axis=1)
 
-    # An empty slice (lo >= hi) runs no iteration and leaves the neutral partial
-    # (acc 0, m -inf, l 0) that the combine kernel weighs as zero.
-    for start in range(lo, hi, BLOCK_N):
+    # An empty slice (lo >= hi) runs no iteration and leaves a partial with acc 0
+    # and l 0 that the combine kernel weighs as zero.
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    for t in range(0, n_tiles):
+        if FLASH_ORDER:
+            start = lo + (n_tiles - 1 - t) * BLOCK_N   # newest tile first, as flash attention walks
+        else:
+            start = lo + t * BLOCK_N
         pos = start + offs_n
         pos_ok = pos < hi
         # Masked loads: positions past lengths[b] may hold stale or garbage K/V
@@ -327,6 +354,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    flash_order: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions.
 
@@ -339,6 +367,10 @@ def decode_attention(
     num_splits: KV slices per (sequence, KV head); None chooses from static sizes
     (default_num_splits). The result's rounding depends on the split count, so keep
     it fixed where bit-identical results across calls matter.
+
+    flash_order: walk each split's tiles newest first, starting from the running
+    max of the last aligned tile (see the module docstring); False walks them
+    oldest first from -inf. Same math, different rounding of P.
 
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
@@ -372,7 +404,7 @@ def decode_attention(
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
-        DIRECT=direct,
+        DIRECT=direct, FLASH_ORDER=bool(flash_order),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not direct:

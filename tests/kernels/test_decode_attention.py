@@ -132,10 +132,11 @@ def _check_kernel(
     lengths: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    flash_order: bool = True,
 ) -> torch.Tensor:
     """Run the kernel into a NaN-poisoned output and compare with the reference and float64."""
     out = torch.full_like(q, float("nan"))
-    result = decode_attention(q, k, v, lengths, scale, out=out, num_splits=num_splits)
+    result = decode_attention(q, k, v, lengths, scale, out=out, num_splits=num_splits, flash_order=flash_order)
     assert result.data_ptr() == out.data_ptr()
     assert bool(torch.isfinite(out).all()), "kernel left NaN/inf in the output"
     ref = decode_attention_reference(q, k, v, lengths, scale)
@@ -340,14 +341,15 @@ _INTERPRETED_CASES = [
 
 
 @needs_interpreter
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,capacity,lengths,num_splits,scale", _INTERPRETED_CASES)
 def test_kernel_matches_reference_interpreted(
-    interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths, num_splits, scale
+    interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths, num_splits, scale, flash_order
 ):
     q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=10)
-    out = _check_kernel(q, k, v, lengths_t, scale, num_splits)
+    out = _check_kernel(q, k, v, lengths_t, scale, num_splits, flash_order)
     # Same inputs, same plan: bit-identical (no atomics, fixed reduction order).
-    again = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits)
+    again = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, flash_order=flash_order)
     assert torch.equal(out, again)
 
 
@@ -403,11 +405,12 @@ def test_kernel_matches_reference_gpu(batch, heads, kv_heads, head_dim, capacity
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 32, 1000])
-def test_explicit_num_splits_gpu(num_splits):
+def test_explicit_num_splits_gpu(num_splits, flash_order):
     lengths = [4096, 1, 2049, 3000]
     q, k, v, lengths_t = _make_inputs(4, 32, 8, 4096, 128, lengths, "cuda", seed=200)
-    _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits)
+    _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits, flash_order)
 
 
 @pytest.mark.gpu
