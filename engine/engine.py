@@ -13,7 +13,7 @@ import os
 import torch
 
 from fq_config import ModelConfig
-from fq_decode import DecodeRunner
+from fq_decode import DecodeRunner, PrefillGraph
 from fq_model import Qwen3Model
 from fq_ops import ops_for
 from fq_weights import load_weights
@@ -24,6 +24,10 @@ CAPACITY_GRANULE = 256
 # Steps the GPU may run ahead of the host: step t+1 is queued before step t's
 # tokens are read, so the host's .tolist() and yield overlap the GPU's work.
 LOOKAHEAD = 2
+# Prefills of at most this many tokens (batch x prompt) run as a CUDA graph per
+# shape after the first call of that shape; larger ones are GPU-bound anyway.
+PREFILL_GRAPH_TOKENS = 8192
+PREFILL_GRAPHS_KEPT = 4
 
 
 def _rounded_capacity(positions: int) -> int:
@@ -44,7 +48,9 @@ class Engine:
             weights = load_weights(model_path, self.cfg, self.device)
         self.model = Qwen3Model(self.cfg, weights, self.device, ops_for(self.device))
         self.use_graphs = self.device.type == "cuda" and os.environ.get("FASTQWEN_NO_GRAPHS") != "1"
+        self.use_prefill_graphs = self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
         self._runner = None
+        self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
 
@@ -103,8 +109,10 @@ class Engine:
         model = self.model
         if model.ensure_rope(capacity):
             self._runner = None
+            self._prefill_graphs = {}
         if not model.cache_fits(batch, capacity):
             self._runner = None
+            self._prefill_graphs = {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             model.allocate_cache(batch, _rounded_capacity(capacity))
@@ -113,6 +121,26 @@ class Engine:
                 self.tuning[batch] = model.ops.tune(model.w, batch)
             self._runner = DecodeRunner(model, batch, self.use_graphs)
         return self._runner
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """First generated tokens [B]: replayed from this shape's prefill graph when
+        there is one; else eager, capturing a graph for the next call of the shape."""
+        batch, prompt = ids.shape
+        if not self.use_prefill_graphs or batch * prompt > PREFILL_GRAPH_TOKENS:
+            return self.model.prefill(ids)
+        graph = self._prefill_graphs.get((batch, prompt))
+        if graph is not None:
+            return graph.run(ids)
+        first = self.model.prefill(ids)
+        if len(self._prefill_graphs) >= PREFILL_GRAPHS_KEPT:
+            self._prefill_graphs.clear()
+        # The eager prefill's activations go back to the device before the graph
+        # takes its own pool, so the two never count at once against peak memory.
+        first = first.clone()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._prefill_graphs[(batch, prompt)] = PrefillGraph(self.model, batch, prompt)
+        return first
 
     def _host_buffer(self, steps: int, batch: int) -> torch.Tensor:
         if self._host is None or self._host.shape[0] < steps or self._host.shape[1] != batch:
@@ -134,7 +162,7 @@ class Engine:
             with torch.inference_mode():
                 host = self._host_buffer(steps, batch)
                 events = [torch.cuda.Event() for _ in range(steps)]
-                first = self.model.prefill(ids.to(self.device, non_blocking=True))
+                first = self._prefill(ids.to(self.device, non_blocking=True))
                 runner.start(first, prompt)
                 host[0].copy_(first, non_blocking=True)
                 events[0].record()

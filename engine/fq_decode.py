@@ -9,6 +9,11 @@ with no host involvement; the host only copies each step's tokens out.
 Rule: one graph per (batch, cache capacity), captured before the prefill of the
 first generate of that shape (the warmup), never per sample. A call whose batch
 matches and whose length fits reuses it.
+
+A `PrefillGraph` does the same for the prefill of one (batch, prompt length):
+the first call of that shape runs eagerly and then captures; later calls copy
+their ids into the static buffer and replay. It removes the host's per-kernel
+launch cost (a few hundred launches) from the time to first token.
 """
 import torch
 
@@ -59,3 +64,25 @@ class DecodeRunner:
             self.graph.replay()
         else:
             self._step()
+
+
+class PrefillGraph:
+    """The prefill of one (batch, prompt length) over a static ids buffer, as one CUDA graph.
+
+    Capture only after an eager prefill of the same shape (Triton compiled, cuBLAS
+    warmed, GEMV workspaces allocated). The graph writes the model's current KV
+    cache and reads its RoPE tables: drop it whenever either is reallocated.
+    """
+
+    def __init__(self, model, batch: int, prompt: int):
+        self.model = model
+        self.ids = torch.zeros((batch, prompt), dtype=torch.int64, device=model.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.first = model.prefill(self.ids)
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """First generated tokens [B] (a static buffer: copy before the next run)."""
+        self.ids.copy_(ids, non_blocking=True)
+        self.graph.replay()
+        return self.first

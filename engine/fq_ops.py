@@ -22,10 +22,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if last_only:
         qh = qh[:, -1:]
     qh = qh.transpose(1, 2)
-    k = k_cache[:batch, :, :seq_len].repeat_interleave(group, dim=1)
-    v = v_cache[:batch, :, :seq_len].repeat_interleave(group, dim=1)
+    k = _expand_kv(k_cache[:batch, :, :seq_len], group)
+    v = _expand_kv(v_cache[:batch, :, :seq_len], group)
     o = F.scaled_dot_product_attention(qh, k, v, is_causal=not last_only, scale=scale)
     return o.transpose(1, 2).reshape(-1, H * D)
+
+
+def _expand_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, KVH, S, D] -> [B, KVH * group, S, D], each KV head repeated for its query
+    heads (the reference's repeat_kv); expand + reshape, which a CUDA graph can capture."""
+    b, kvh, s, d = kv.shape
+    return kv[:, :, None].expand(b, kvh, group, s, d).reshape(b, kvh * group, s, d)
 
 
 class TorchOps:

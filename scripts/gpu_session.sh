@@ -19,6 +19,8 @@
 #   judge-tiny    the judge's embedded default workloads on the tiny checkpoint, official
 #   judge-public  the judge, official, public workloads, qwen3-4b
 #   judge-own     the judge, official, results/workloads/own.json, qwen3-4b
+#   judge-public-b1  the judge, official, the public batch-1 shape alone
+#   engine-gpu    the engine's GPU tests; on a failure later stages run without prefill graphs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -56,6 +58,10 @@ for stage in "$@"; do
     judge-tiny) judge tiny --model /tmp/tiny ;;
     judge-public) judge public --model /tmp/q4b --workloads public ;;
     judge-own) judge own --model /tmp/q4b --workloads results/workloads/own.json ;;
+    judge-public-b1) judge public_b1 --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
+    engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
+                # a failing engine test turns the prefill graphs off for the stages after it
+                grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -60,3 +60,22 @@ def test_unseen_shapes_and_repeatability(engine):
     list(engine.generate(_prompts(5, 700, seed=8), 6))      # larger batch and cache: reallocated, recaptured
     list(engine.generate(_prompts(2, 3000, seed=9), 1000))  # a long context: cache reallocated again
     assert list(engine.generate(a, 10)) == first
+
+
+def test_prefill_graph_replay_equals_eager_prefill(engine):
+    """The second call of a shape replays the prefill graph captured by the first;
+    its tokens are those of an eager prefill of the same prompts."""
+    warm, probe = _prompts(3, 80, seed=21), _prompts(3, 80, seed=22)
+    engine._prefill_graphs = {}
+    list(engine.generate(warm, 4))                      # eager prefill, then capture
+    assert (3, 80) in engine._prefill_graphs
+    replayed = list(engine.generate(probe, 12))        # graph replay
+    engine.use_prefill_graphs = False
+    try:
+        eager = list(engine.generate(probe, 12))
+    finally:
+        engine.use_prefill_graphs = True
+    assert replayed == eager
+    # A reallocated cache drops the graphs that point at the old one.
+    list(engine.generate(_prompts(6, 900, seed=23), 2))
+    assert (3, 80) not in engine._prefill_graphs
