@@ -108,11 +108,9 @@ class Engine:
     def _prepare(self, batch: int, capacity: int) -> DecodeRunner:
         model = self.model
         if model.ensure_rope(capacity):
-            self._runner = None
-            self._prefill_graphs = {}
+            self._drop_graphs()
         if not model.cache_fits(batch, capacity):
-            self._runner = None
-            self._prefill_graphs = {}
+            self._drop_graphs()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             model.allocate_cache(batch, _rounded_capacity(capacity))
@@ -121,6 +119,11 @@ class Engine:
                 self.tuning[batch] = model.ops.tune(model.w, batch)
             self._runner = DecodeRunner(model, batch, self.use_graphs)
         return self._runner
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph: they point at the cache and RoPE tables being replaced."""
+        self._runner = None
+        self._prefill_graphs = {}
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """First generated tokens [B]: replayed from this shape's prefill graph when
@@ -136,7 +139,6 @@ class Engine:
             self._prefill_graphs.clear()
         # The eager prefill's activations go back to the device before the graph
         # takes its own pool, so the two never count at once against peak memory.
-        first = first.clone()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._prefill_graphs[(batch, prompt)] = PrefillGraph(self.model, batch, prompt)

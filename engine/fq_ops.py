@@ -108,7 +108,7 @@ class TritonOps(TorchOps):
         RMSNorm kernel, which finishes the product (same bits as GEMV + reduce + add)."""
         if self.use_gemv.get((False, a.shape[0]) + tuple(w.shape)):
             return self.add_rmsnorm_partials(x, self._gemv.linear_partials(a.contiguous(), w), norm_w, eps)
-        return self.add_rmsnorm(x, F.linear(a, w), norm_w, eps)
+        return super().linear_add_rmsnorm(a, w, x, norm_w, eps)
 
     def tune(self, weights, rows: int, reps: int = 5) -> dict:
         """For a decode batch of `rows`, time cuBLAS against our GEMV on every
