@@ -14,6 +14,8 @@
 #   bench-m1      the GEMV sweep at one row only
 #   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
+#   attn-probe    decode attention variants: bits against the full forward, and speed
+#   kernels-attn  the decode-attention GPU tests alone
 #   check         engine speed, fidelity against native, graph == eager
 #   opswap        which op moves the logits (tiny and 4B)
 #   judge-tiny    the judge's embedded default workloads on the tiny checkpoint, official
@@ -51,6 +53,8 @@ for stage in "$@"; do
                 --ops qkv o down gate_up_silu lm_head 2>&1 | tail -12 ;;
     opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \
                  | grep -v Warn | tail -16 ;;
+    attn-probe) timeout 200 python3 scripts/gpu_attn_probe.py --out "$OUT/attn_probe.json" 2>&1 | grep -v Warn | tail -12 ;;
+    kernels-attn) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_decode_attention.py 2>&1 | tail -4 | tee "$OUT/pytest_attn.log" ;;
     profile) timeout 120 python3 scripts/gpu_profile.py --model /tmp/q4b --out "$OUT/profile.json" 2>&1 | grep -v Warn | tail -45 ;;
     check) timeout 200 python3 scripts/gpu_check.py --model /tmp/q4b --out "$OUT/gpu_check.json" 2>&1 | grep -v Warn | tail -9 ;;
     opswap) timeout 60 python3 scripts/gpu_opswap.py --model /tmp/tiny --shape 4x96x24 --out "$OUT/opswap_tiny.json" 2>&1 | grep -v Warn | tail -9

@@ -100,10 +100,19 @@ def default_num_splits(batch: int, kv_heads: int, capacity: int, head_dim: int) 
 
 
 def decode_attention_plan(
-    batch: int, heads: int, kv_heads: int, capacity: int, head_dim: int, num_splits: int | None = None
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> DecodeAttentionPlan:
-    """The launch plan for these sizes; `num_splits` None picks default_num_splits."""
-    block_n = _block_n(head_dim)
+    """The launch plan for these sizes; `num_splits` / `block_n` None pick the defaults."""
+    if block_n is None:
+        block_n = _block_n(head_dim)
+    elif isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n!r}")
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, capacity, head_dim)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
@@ -124,9 +133,39 @@ def decode_attention_plan(
 
 
 @triton.jit
+def _merge_splits(
+    acc_ptr, m_ptr, l_ptr, row0, active, o_ptr,
+    NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """Merge the NUM_SPLITS partials of one (b, h) row (rows row0 .. row0 + NUM_SPLITS - 1)
+    into o_ptr[0:D] as bf16. Only the first `active` splits hold data; the others are skipped.
+    CACHE is the loads' cache modifier (".cg" reads partials other programs of the same
+    kernel wrote, past this SM's L1)."""
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
+    row = row0 + offs_s
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    m_max = tl.max(m, axis=0)
+    # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
+    # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, axis=0)
+    denom = tl.where(l_sum > 0.0, l_sum, 1.0)
+    for d0 in tl.static_range(0, D, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0,
+                      cache_modifier=CACHE)
+        o = tl.sum(w[:, None] * acc, axis=0) / denom
+        tl.store(o_ptr + offs_d, o.to(tl.bfloat16))
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
-    acc_ptr, m_ptr, l_ptr, out_ptr,
+    acc_ptr, m_ptr, l_ptr, count_ptr, out_ptr,
     qk_scale,  # scale * log2(e): scores come out in the exp2 domain
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
@@ -135,7 +174,8 @@ def _split_kernel(
     KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr,
+    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, FMA_EXP: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SPLITS_P2: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -160,6 +200,13 @@ def _split_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
+    # Scores: with FMA_EXP the running max is kept on the unscaled scores and each
+    # exponent is one fused multiply-add, exp2(s * qk_scale - m * qk_scale), as flash
+    # attention computes it; otherwise the scores are scaled first, exp2(s' - m').
+    if FMA_EXP:
+        s_mul = 1.0
+    else:
+        s_mul = qk_scale
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -172,11 +219,11 @@ def _split_kernel(
         pos = last + offs_n
         pos_ok = (pos < length) & (pos >= 0)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * s_mul, float("-inf"))
         m_i = tl.max(s, axis=1)
 
     # An empty slice (lo >= hi) runs no iteration and leaves a partial with acc 0
-    # and l 0 that the combine kernel weighs as zero.
+    # and l 0 that the merge weighs as zero.
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     for t in range(0, n_tiles):
         if FLASH_ORDER:
@@ -189,16 +236,23 @@ def _split_kernel(
         # (even NaN), which must not reach the sums, not even as 0 * NaN.
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k)) * s_mul  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid position, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if FMA_EXP:
+            m_scaled = m_new * qk_scale
+            alpha = tl.exp2(m_i * qk_scale - m_scaled)
+            p = tl.exp2(tl.fma(s, qk_scale, -m_scaled[:, None]))
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # P is rounded to bf16 before P @ V, as the reference and flash attention do.
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
+    if FMA_EXP:
+        m_i = m_i * qk_scale  # partials carry the max in the exp2 domain
 
     if DIRECT:
         # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
@@ -212,6 +266,20 @@ def _split_kernel(
         tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + row, m_i, mask=row_ok)
         tl.store(l_ptr + row, l_i, mask=row_ok)
+        if FUSED_COMBINE:
+            # The last of the (b, kvh)'s programs to finish merges the partials: every
+            # thread's stores precede the barrier, the barrier precedes the counter's
+            # release, and the winner's loads follow its acquire and bypass L1.
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + pid_bk, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                active = tl.cdiv(length, SPLIT_LEN)
+                for g in tl.static_range(G):
+                    row0 = (b * KVH * G + h0 + g).to(tl.int64) * NUM_SPLITS
+                    o_row = out_ptr + b.to(tl.int64) * stride_ob + (h0 + g) * stride_oh
+                    _merge_splits(acc_ptr, m_ptr, l_ptr, row0, active, o_row,
+                                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK, ".cg")
+                tl.store(count_ptr + pid_bk, 0)  # zero again for the next call (and replay)
 
 
 @triton.jit
@@ -219,7 +287,7 @@ def _combine_kernel(
     acc_ptr, m_ptr, l_ptr, lengths_ptr, out_ptr,
     stride_ob, stride_oh,
     H: tl.constexpr, CAPACITY, SPLIT_LEN,
-    NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)  # one (b, h) row
     b = pid // H
@@ -228,36 +296,25 @@ def _combine_kernel(
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
     # Only splits that start below the length hold data; skip reading the others.
     active = tl.cdiv(length, SPLIT_LEN)
-
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, D)
-    s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
-    row = pid.to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-
-    m_max = tl.max(m, axis=0)
-    # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
-    # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)
-    l_sum = tl.sum(w * l, axis=0)
-    o = tl.sum(w[:, None] * acc, axis=0)
-    o = o / tl.where(l_sum > 0.0, l_sum, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(tl.bfloat16))
+    _merge_splits(acc_ptr, m_ptr, l_ptr, pid.to(tl.int64) * NUM_SPLITS, active,
+                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
+                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK, "")
 
 
 # One workspace per shape and device, allocated on first use (the warmup call) and
 # reused by every later call, so a CUDA graph capture allocates nothing and every
 # replay writes the same memory. Calls that share a key must not run concurrently
 # on different streams.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(
     batch: int, heads: int, capacity: int, head_dim: int, splits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(acc, m, l, counters): the partials and one arrival counter per (b, kv head).
+
+    The counters start at zero and every call leaves them at zero (the merging
+    program resets its own), so one allocation serves every call and replay."""
     key = (batch, heads, capacity, head_dim, splits, str(device))
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -269,7 +326,8 @@ def _workspace(
         acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
         l = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
-        ws = (acc, m, l)
+        counters = torch.zeros((batch * heads,), dtype=torch.int32, device=device)  # >= B * KVH
+        ws = (acc, m, l, counters)
         _WORKSPACES[key] = ws
     return ws
 
@@ -355,6 +413,9 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     flash_order: bool = True,
+    fma_exp: bool = False,
+    fused_combine: bool = True,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions.
 
@@ -372,6 +433,15 @@ def decode_attention(
     max of the last aligned tile (see the module docstring); False walks them
     oldest first from -inf. Same math, different rounding of P.
 
+    fma_exp: keep the running max on unscaled scores and form each exponent with one
+    fused multiply-add (flash attention's arithmetic) instead of scaling the scores first.
+
+    fused_combine: with several splits, the last program of each (sequence, KV head)
+    to finish merges the partials (one kernel); False launches a separate merge kernel.
+    The merge arithmetic and order are the same either way (same bits).
+
+    block_n: cache positions per tile (None: 64 at D <= 128, 32 above).
+
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
@@ -381,7 +451,7 @@ def decode_attention(
     _check_inputs(q, k_cache, v_cache, lengths, scale, out)
     batch, heads, head_dim = q.shape
     _, kv_heads, capacity, _ = k_cache.shape
-    plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits)
+    plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group = heads // kv_heads
@@ -389,13 +459,18 @@ def decode_attention(
     direct = plan.num_splits == 1
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
-        acc_ws, m_ws, l_ws = out, out, out
+        acc_ws, m_ws, l_ws, count_ws = out, out, out, out
     else:
-        acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+        acc_ws, m_ws, l_ws, count_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+    splits_p2 = triton.next_power_of_2(plan.num_splits)
+    # The merge holds a [splits, D_CHUNK] fp32 tile in registers: at most 4K elements
+    # (32 a thread at 4 warps), so 64 splits x D=256 merges in four chunks.
+    d_chunk = max(16, min(head_dim, 4096 // splits_p2))
+    fused = bool(fused_combine) and not direct
 
     _split_kernel[(batch * kv_heads, plan.num_splits)](
         q, k_cache, v_cache, lengths,
-        acc_ws, m_ws, l_ws, out,
+        acc_ws, m_ws, l_ws, count_ws, out,
         qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -404,19 +479,17 @@ def decode_attention(
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
-        DIRECT=direct, FLASH_ORDER=bool(flash_order),
+        DIRECT=direct, FLASH_ORDER=bool(flash_order), FMA_EXP=bool(fma_exp),
+        FUSED_COMBINE=fused, SPLITS_P2=splits_p2, D_CHUNK=d_chunk,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if not direct:
-        splits_p2 = triton.next_power_of_2(plan.num_splits)
+    if not direct and not fused:
         _combine_kernel[(batch * heads,)](
             acc_ws, m_ws, l_ws, lengths, out,
             out.stride(0), out.stride(1),
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
-            NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim,
-            # The [splits, D] fp32 tile lives in registers: 8 warps past 8K elements
-            # (64 splits x D=256 needs 185 registers a thread with 4 warps).
-            num_warps=8 if splits_p2 * head_dim > 8192 else 4,
+            NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
+            num_warps=4,
         )
     return out
 

@@ -348,9 +348,38 @@ def test_kernel_matches_reference_interpreted(
 ):
     q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=10)
     out = _check_kernel(q, k, v, lengths_t, scale, num_splits, flash_order)
-    # Same inputs, same plan: bit-identical (no atomics, fixed reduction order).
+    # Same inputs, same plan: bit-identical (the merge reads the splits in a fixed
+    # order whichever program arrives last).
     again = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, flash_order=flash_order)
     assert torch.equal(out, again)
+    # The separate merge kernel computes the same bits as the in-kernel merge.
+    separate = decode_attention(
+        q, k, v, lengths_t, scale, num_splits=num_splits, flash_order=flash_order, fused_combine=False
+    )
+    assert torch.equal(out, separate)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_n", [None, 128])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,capacity,lengths,num_splits,scale", _INTERPRETED_CASES[:3])
+def test_fma_exponent_matches_reference_interpreted(
+    interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths, num_splits, scale, block_n
+):
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=13)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, lengths_t, scale, out=out, num_splits=num_splits, fma_exp=True, block_n=block_n)
+    ref = decode_attention_reference(q, k, v, lengths_t, scale)
+    assert _ulp_error(out, ref) <= MAX_ULPS
+
+
+@needs_interpreter
+def test_merge_counters_return_to_zero_interpreted(interpreter_fixes):
+    from fqkernels.decode_attention import _WORKSPACES
+
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 200, 64, [200, 3], "cpu", seed=14)
+    decode_attention(q, k, v, lengths_t, 64**-0.5, num_splits=4)
+    counters = [ws[3] for key, ws in _WORKSPACES.items() if key[:5] == (2, 4, 200, 64, 4)]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @needs_interpreter
@@ -410,7 +439,16 @@ def test_kernel_matches_reference_gpu(batch, heads, kv_heads, head_dim, capacity
 def test_explicit_num_splits_gpu(num_splits, flash_order):
     lengths = [4096, 1, 2049, 3000]
     q, k, v, lengths_t = _make_inputs(4, 32, 8, 4096, 128, lengths, "cuda", seed=200)
-    _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits, flash_order)
+    out = _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits, flash_order)
+    separate = decode_attention(
+        q, k, v, lengths_t, 128**-0.5, num_splits=num_splits, flash_order=flash_order, fused_combine=False
+    )
+    assert torch.equal(out, separate), "in-kernel merge differs from the merge kernel"
+    for _ in range(20):  # the arrival order varies between runs; the bits must not
+        assert torch.equal(out, decode_attention(q, k, v, lengths_t, 128**-0.5, num_splits=num_splits,
+                                                 flash_order=flash_order))
+    fma = decode_attention(q, k, v, lengths_t, 128**-0.5, num_splits=num_splits, fma_exp=True, block_n=128)
+    assert _ulp_error(fma, decode_attention_reference(q, k, v, lengths_t, 128**-0.5)) <= MAX_ULPS
 
 
 @pytest.mark.gpu
