@@ -6,6 +6,9 @@ that fails on the GPU raises.
 """
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -13,7 +16,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal attention over a fresh prompt: q [B*S, H, D] against cache[:, :, :S].
 
     GQA by expanding K/V per group, then SDPA (flash backend on the GPU), as the
-    reference's sdpa path does. Returns [B*S, H*D] BF16, or with `last_only`
+    reference's sdpa path does on the platform's torch 2.5.1. Newer torch would pick
+    cuDNN attention first on Hopper (different tiles, different rounding), so the
+    backends are named: flash, then memory-efficient, then math, never cuDNN. Returns [B*S, H*D] BF16, or with `last_only`
     [B, H*D] for each sequence's last position (which sees every key, so no mask).
     """
     H, D = q.shape[1], q.shape[2]
@@ -24,7 +29,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     qh = qh.transpose(1, 2)
     k = _expand_kv(k_cache[:batch, :, :seq_len], group)
     v = _expand_kv(v_cache[:batch, :, :seq_len], group)
-    o = F.scaled_dot_product_attention(qh, k, v, is_causal=not last_only, scale=scale)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=not last_only, scale=scale)
     return o.transpose(1, 2).reshape(-1, H * D)
 
 

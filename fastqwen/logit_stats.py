@@ -241,6 +241,9 @@ def measure(
     lengths = [seq_len] * (n_seq - 1) + [positions - seq_len * (n_seq - 1)]
     sequences = text_like_ids(int(cfg["vocab_size"]), lengths, seed=seed)
 
+    from fastqwen.numerics import pin_reference_numerics
+
+    pin_reference_numerics()
     start = time.monotonic()
     model = transformers.Qwen3ForCausalLM.from_pretrained(
         str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="sdpa"

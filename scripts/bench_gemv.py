@@ -67,7 +67,7 @@ def candidate_configs(gemv, n_rows: int, k: int, silu: bool, m: int) -> list:
 
     M = 1: fma configs with one row (the 2-D accumulator kernel), block_n 8-32,
     block_k 256-1024, split-K 1-8, plus dot configs. M <= 4: fma with 4 rows and
-    dot. Larger M: dot. Only mask-free configs (block_k divides K into equal
+    dot. Larger M: dot. M > 1 also: dot_t (swapped operands), block_n 64-128. Only mask-free configs (block_k divides K into equal
     whole-block split-K chunks, block_n divides the output width) and ones whose
     accumulators fit in registers (<= 128 fp32 a thread) are tried.
     """
@@ -103,6 +103,12 @@ def candidate_configs(gemv, n_rows: int, k: int, silu: bool, m: int) -> list:
         for bk in (128, 256):
             for split in splits[:3]:
                 add(mode="dot", block_m=16, block_n=bn, block_k=bk, split_k=split)
+    if m > 1:   # swapped operands: the weight tile on the MMA's 64-row side
+        for bn in (64, 128):
+            for bk in (128, 256):
+                for split in splits:
+                    for stages in (3, 4):
+                        add(mode="dot_t", block_m=16, block_n=bn, block_k=bk, split_k=split, num_stages=stages)
     return out
 
 

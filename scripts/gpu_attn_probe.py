@@ -3,8 +3,9 @@ and what each variant costs.
 
 Fidelity: for random q/K/V at the 4B's head shape, the reference is the last row of
 SDPA's flash causal forward over the whole sequence (what native's full forward
-computes for that position). Against it: SDPA's flash decode (native's cached
-decode: one query row, K/V repeated to every head as Transformers does), our kernel
+computes for that position on the platform's torch). Against it: SDPA's flash decode
+(native's cached decode: one query row, K/V repeated to every head as Transformers
+does), cuDNN attention's full forward (what newer torch picks on Hopper), our kernel
 in several variants, and float64. Reported per variant: fraction of output elements
 bit-equal to the reference, mean and max |diff|.
 
@@ -16,6 +17,7 @@ HBM, as in a decode step), at the engine's capacity for the public shapes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,12 +40,11 @@ LAYERS = 36
 VARIANTS = {
     "default": {},
     "oldest_first": {"flash_order": False},
-    "fma": {"fma_exp": True},
-    "fma_oldest_first": {"fma_exp": True, "flash_order": False},
-    "one_split": {"num_splits": 1},
-    "fma_one_split": {"fma_exp": True, "num_splits": 1},
-    "fma_bn128": {"fma_exp": True, "block_n": 128},
-    "separate_merge": {"fused_combine": False},
+    "splits1": {"num_splits": 1},
+    "splits2": {"num_splits": 2},
+    "splits4": {"num_splits": 4},
+    "splits8": {"num_splits": 8},
+    "bn128": {"block_n": 128},
 }
 
 
@@ -60,6 +61,13 @@ def fidelity(batch: int, length: int, q_scale: float, seed: int) -> dict:
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         full = F.scaled_dot_product_attention(q_all, k_rep, v_rep, is_causal=True, scale=SCALE)[:, :, -1]
         native = F.scaled_dot_product_attention(q_all[:, :, -1:], k_rep, v_rep, scale=SCALE)[:, :, 0]
+    extra = {"native_decode": native}
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            extra["cudnn_full"] = F.scaled_dot_product_attention(
+                q_all, k_rep, v_rep, is_causal=True, scale=SCALE)[:, :, -1]
+    except RuntimeError as exc:  # no cuDNN attention on this build
+        print("cudnn attention unavailable:", str(exc).splitlines()[0][:120])
     q = q_all[:, :, -1].contiguous()
     cap = _capacity(length)
     kc = torch.zeros((batch, KVH, cap, D), dtype=torch.bfloat16, device="cuda")
@@ -68,7 +76,7 @@ def fidelity(batch: int, length: int, q_scale: float, seed: int) -> dict:
     lengths = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     scores = torch.einsum("bhd,bhnd->bhn", q.double(), k_rep.double()) * SCALE
     truth = torch.einsum("bhn,bhnd->bhd", torch.softmax(scores, -1), v_rep.double())
-    outs = {"native_decode": native}
+    outs = dict(extra)
     for name, kw in VARIANTS.items():
         outs[name] = decode_attention(q, kc, vc, lengths, SCALE, **kw)
     row = {"batch": batch, "length": length, "q_scale": q_scale, "capacity": cap,
@@ -109,7 +117,7 @@ def _graph_us(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def timing(batch: int, length: int, extra: dict) -> dict:
+def timing(batch: int, length: int, extra: dict) -> dict:  # noqa: C901
     cap = _capacity(length)
     kc = torch.randn((LAYERS, batch, KVH, cap, D), device="cuda").to(torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -119,6 +127,11 @@ def timing(batch: int, length: int, extra: dict) -> dict:
     row = {"batch": batch, "length": length, "capacity": cap,
            "kv_floor_us": 2 * batch * KVH * length * D * 2 / 4.8e12 * 1e6}
     for name, kw in {**VARIANTS, **extra}.items():
+        if "warps" in kw or "stages" in kw:
+            base = decode_attention_plan(batch, H, KVH, cap, D, kw.get("num_splits"))
+            kw = {"plan": dataclasses.replace(base, num_warps=kw.get("warps", base.num_warps),
+                                              num_stages=kw.get("stages", base.num_stages))}
+
         def run(kw=kw):
             for layer in range(LAYERS):
                 decode_attention(q, kc[layer], vc[layer], lengths, SCALE, out=out, **kw)
@@ -139,7 +152,10 @@ def main() -> None:
         report["fidelity"].append(row)
         print("fid", b, n, a, "splits", row["splits"], {k: (v["equal_frac"], round(v["mean_abs"], 6))
               for k, v in row.items() if isinstance(v, dict)}, flush=True)
-    splits_sweep = {f"splits{s}": {"num_splits": s} for s in (2, 4, 8, 16)}
+    splits_sweep = {"splits16": {"num_splits": 16}, "splits1_oldest_first": {"num_splits": 1, "flash_order": False}}
+    splits_sweep.update({f"splits1_w{w}_s{st}": {"num_splits": 1, "warps": w, "stages": st}
+                         for w in (4, 8) for st in (2, 3, 4) if (w, st) != (4, 2)})
+    splits_sweep.update({f"splits{n}_w8": {"num_splits": n, "warps": 8} for n in (2, 4)})
     splits_sweep.update({f"bn128_splits{s}": {"block_n": 128, "num_splits": s} for s in (2, 4, 8)})
     for b, n in [(1, 540), (4, 2080), (16, 576)]:
         row = timing(b, n, splits_sweep)

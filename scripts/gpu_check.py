@@ -140,6 +140,9 @@ def main():
         report["speed"].append(r)
         print(json.dumps(r), flush=True)
     from transformers import Qwen3ForCausalLM
+
+    from fastqwen.numerics import pin_reference_numerics
+    pin_reference_numerics()  # the platform's reference: flash attention, not cuDNN's
     native = Qwen3ForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     report["fidelity"] = []
     for i, shape in enumerate(parse(args.fidelity)):

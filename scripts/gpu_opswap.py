@@ -125,6 +125,9 @@ def main():
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     w = load_weights(args.model, cfg, dev)
     from transformers import Qwen3ForCausalLM
+
+    from fastqwen.numerics import pin_reference_numerics
+    pin_reference_numerics()  # the platform's reference: flash attention, not cuDNN's
     native = Qwen3ForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
     g = torch.Generator().manual_seed(5)
     prompts = torch.randint(0, cfg.vocab_size, (B, S), generator=g).to(dev)

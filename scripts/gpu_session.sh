@@ -12,6 +12,7 @@
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
 #   bench-gemv    the GEMV sweep alone, wider (per-M candidates, 150 s budget)
 #   bench-m1      the GEMV sweep at one row only
+#   bench-rows    the GEMV sweep at 4 and 16 rows (tl.dot tiles, both operand orders)
 #   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
 #   attn-probe    decode attention variants: bits against the full forward, and speed
@@ -49,6 +50,8 @@ for stage in "$@"; do
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
     bench-gemv) timeout 200 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 150 \
                   --ops qkv o down gate_up_silu lm_head 2>&1 | tail -40 ;;
+    bench-rows) timeout 220 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_rows.json" --budget-s 170 --m 4 16 \
+                  --ops qkv o down gate_up_silu 2>&1 | tail -14 ;;
     bench-m1) timeout 120 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_m1.json" --budget-s 90 --m 1 \
                 --ops qkv o down gate_up_silu lm_head 2>&1 | tail -12 ;;
     opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \

@@ -62,6 +62,15 @@ _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 
+# Where the reference's own decode runs unsplit. Flash attention's split heuristic
+# (num_splits_heuristic, as in the platform's torch 2.5.1) keeps one split once
+# batch x heads (x one 64-row query block) reaches 0.8 x 2 x the SM count; 211.2 on
+# the 132-SM H100 and H200. Unsplit, its decode walks the same 64-key tiles newest
+# first as its causal forward does for the last row, so its cached decode is
+# bit-equal to its full forward there. Ours with one split, newest first, is too
+# (results/PERF_LOG.md, session 3): there we run one split, whatever it costs.
+_UNSPLIT_ROWS = 212
+
 # Offsets inside one (b, kvh) slice are int32 in the kernel; the per-(b, kvh) base is int64.
 _INT32_LIMIT = 2**31
 
@@ -114,7 +123,10 @@ def decode_attention_plan(
     elif isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n!r}")
     if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, capacity, head_dim)
+        if batch * heads >= _UNSPLIT_ROWS:
+            num_splits = 1
+        else:
+            num_splits = default_num_splits(batch, kv_heads, capacity, head_dim)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits must be a positive int, got {num_splits!r}")
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
@@ -136,17 +148,15 @@ def decode_attention_plan(
 def _merge_splits(
     acc_ptr, m_ptr, l_ptr, row0, active, o_ptr,
     NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
-    CACHE: tl.constexpr,
 ):
     """Merge the NUM_SPLITS partials of one (b, h) row (rows row0 .. row0 + NUM_SPLITS - 1)
     into o_ptr[0:D] as bf16. Only the first `active` splits hold data; the others are skipped.
-    CACHE is the loads' cache modifier (".cg" reads partials other programs of the same
-    kernel wrote, past this SM's L1)."""
+    """
     offs_s = tl.arange(0, SPLITS_P2)
     s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
     row = row0 + offs_s
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
     # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
@@ -156,8 +166,7 @@ def _merge_splits(
     denom = tl.where(l_sum > 0.0, l_sum, 1.0)
     for d0 in tl.static_range(0, D, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
-        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0,
-                      cache_modifier=CACHE)
+        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(w[:, None] * acc, axis=0) / denom
         tl.store(o_ptr + offs_d, o.to(tl.bfloat16))
 
@@ -165,7 +174,7 @@ def _merge_splits(
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
-    acc_ptr, m_ptr, l_ptr, count_ptr, out_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr,
     qk_scale,  # scale * log2(e): scores come out in the exp2 domain
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
@@ -174,8 +183,7 @@ def _split_kernel(
     KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, FMA_EXP: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SPLITS_P2: tl.constexpr, D_CHUNK: tl.constexpr,
+    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -200,13 +208,6 @@ def _split_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
-    # Scores: with FMA_EXP the running max is kept on the unscaled scores and each
-    # exponent is one fused multiply-add, exp2(s * qk_scale - m * qk_scale), as flash
-    # attention computes it; otherwise the scores are scaled first, exp2(s' - m').
-    if FMA_EXP:
-        s_mul = 1.0
-    else:
-        s_mul = qk_scale
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -219,7 +220,7 @@ def _split_kernel(
         pos = last + offs_n
         pos_ok = (pos < length) & (pos >= 0)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * s_mul, float("-inf"))
+        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         m_i = tl.max(s, axis=1)
 
     # An empty slice (lo >= hi) runs no iteration and leaves a partial with acc 0
@@ -236,23 +237,16 @@ def _split_kernel(
         # (even NaN), which must not reach the sums, not even as 0 * NaN.
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * s_mul  # [BLOCK_G, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid position, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if FMA_EXP:
-            m_scaled = m_new * qk_scale
-            alpha = tl.exp2(m_i * qk_scale - m_scaled)
-            p = tl.exp2(tl.fma(s, qk_scale, -m_scaled[:, None]))
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # P is rounded to bf16 before P @ V, as the reference and flash attention do.
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
-    if FMA_EXP:
-        m_i = m_i * qk_scale  # partials carry the max in the exp2 domain
 
     if DIRECT:
         # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
@@ -266,20 +260,6 @@ def _split_kernel(
         tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + row, m_i, mask=row_ok)
         tl.store(l_ptr + row, l_i, mask=row_ok)
-        if FUSED_COMBINE:
-            # The last of the (b, kvh)'s programs to finish merges the partials: every
-            # thread's stores precede the barrier, the barrier precedes the counter's
-            # release, and the winner's loads follow its acquire and bypass L1.
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + pid_bk, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                active = tl.cdiv(length, SPLIT_LEN)
-                for g in tl.static_range(G):
-                    row0 = (b * KVH * G + h0 + g).to(tl.int64) * NUM_SPLITS
-                    o_row = out_ptr + b.to(tl.int64) * stride_ob + (h0 + g) * stride_oh
-                    _merge_splits(acc_ptr, m_ptr, l_ptr, row0, active, o_row,
-                                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK, ".cg")
-                tl.store(count_ptr + pid_bk, 0)  # zero again for the next call (and replay)
 
 
 @triton.jit
@@ -298,23 +278,19 @@ def _combine_kernel(
     active = tl.cdiv(length, SPLIT_LEN)
     _merge_splits(acc_ptr, m_ptr, l_ptr, pid.to(tl.int64) * NUM_SPLITS, active,
                   out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
-                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK, "")
+                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK)
 
 
 # One workspace per shape and device, allocated on first use (the warmup call) and
 # reused by every later call, so a CUDA graph capture allocates nothing and every
 # replay writes the same memory. Calls that share a key must not run concurrently
 # on different streams.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(
     batch: int, heads: int, capacity: int, head_dim: int, splits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(acc, m, l, counters): the partials and one arrival counter per (b, kv head).
-
-    The counters start at zero and every call leaves them at zero (the merging
-    program resets its own), so one allocation serves every call and replay."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     key = (batch, heads, capacity, head_dim, splits, str(device))
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -326,8 +302,7 @@ def _workspace(
         acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
         l = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
-        counters = torch.zeros((batch * heads,), dtype=torch.int32, device=device)  # >= B * KVH
-        ws = (acc, m, l, counters)
+        ws = (acc, m, l)
         _WORKSPACES[key] = ws
     return ws
 
@@ -413,9 +388,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     flash_order: bool = True,
-    fma_exp: bool = False,
-    fused_combine: bool = True,
     block_n: int | None = None,
+    plan: DecodeAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions.
 
@@ -433,14 +407,10 @@ def decode_attention(
     max of the last aligned tile (see the module docstring); False walks them
     oldest first from -inf. Same math, different rounding of P.
 
-    fma_exp: keep the running max on unscaled scores and form each exponent with one
-    fused multiply-add (flash attention's arithmetic) instead of scaling the scores first.
-
-    fused_combine: with several splits, the last program of each (sequence, KV head)
-    to finish merges the partials (one kernel); False launches a separate merge kernel.
-    The merge arithmetic and order are the same either way (same bits).
-
     block_n: cache positions per tile (None: 64 at D <= 128, 32 above).
+
+    plan: a whole launch plan (from decode_attention_plan, e.g. with other warps or
+    stages); then num_splits and block_n must be None.
 
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
@@ -451,7 +421,10 @@ def decode_attention(
     _check_inputs(q, k_cache, v_cache, lengths, scale, out)
     batch, heads, head_dim = q.shape
     _, kv_heads, capacity, _ = k_cache.shape
-    plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n)
+    if plan is None:
+        plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n)
+    else:
+        _check_plan(plan, heads // kv_heads, capacity, num_splits, block_n)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group = heads // kv_heads
@@ -459,18 +432,17 @@ def decode_attention(
     direct = plan.num_splits == 1
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
-        acc_ws, m_ws, l_ws, count_ws = out, out, out, out
+        acc_ws, m_ws, l_ws = out, out, out
     else:
-        acc_ws, m_ws, l_ws, count_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+        acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
     splits_p2 = triton.next_power_of_2(plan.num_splits)
     # The merge holds a [splits, D_CHUNK] fp32 tile in registers: at most 4K elements
     # (32 a thread at 4 warps), so 64 splits x D=256 merges in four chunks.
     d_chunk = max(16, min(head_dim, 4096 // splits_p2))
-    fused = bool(fused_combine) and not direct
 
     _split_kernel[(batch * kv_heads, plan.num_splits)](
         q, k_cache, v_cache, lengths,
-        acc_ws, m_ws, l_ws, count_ws, out,
+        acc_ws, m_ws, l_ws, out,
         qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -479,11 +451,10 @@ def decode_attention(
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
-        DIRECT=direct, FLASH_ORDER=bool(flash_order), FMA_EXP=bool(fma_exp),
-        FUSED_COMBINE=fused, SPLITS_P2=splits_p2, D_CHUNK=d_chunk,
+        DIRECT=direct, FLASH_ORDER=bool(flash_order),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if not direct and not fused:
+    if not direct:
         _combine_kernel[(batch * heads,)](
             acc_ws, m_ws, l_ws, lengths, out,
             out.stride(0), out.stride(1),
@@ -492,6 +463,16 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _check_plan(plan: object, group: int, capacity: int, num_splits: object, block_n: object) -> None:
+    if not isinstance(plan, DecodeAttentionPlan):
+        raise ValueError(f"decode_attention: plan must be a DecodeAttentionPlan, got {type(plan).__name__}")
+    if num_splits is not None or block_n is not None:
+        raise ValueError("decode_attention: pass either plan or num_splits/block_n, not both")
+    if (plan.split_len % plan.block_n or plan.num_splits * plan.split_len < capacity
+            or (plan.num_splits - 1) * plan.split_len >= capacity or plan.block_g < max(16, group)):
+        raise ValueError(f"decode_attention: plan {plan} does not cover capacity {capacity} with group {group}")
 
 
 def decode_attention_reference(

@@ -65,7 +65,7 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- configs
 
-_MODES = ("dot", "fma")
+_MODES = ("dot", "dot_t", "fma")
 _DOT_BLOCK_M = (16, 32, 64)   # tl.dot needs at least 16 rows per tile
 _FMA_BLOCK_M = (1, 2, 4)      # the fma kernel unrolls its rows by hand (see _gemv_fma_kernel)
 
@@ -77,7 +77,10 @@ class GemvConfig:
     block_n: output columns per program (for linear_silu_mul: gate columns, each
         paired with the up column I later). block_k: reduction step. split_k: K
         chunks reduced by a second kernel. mode: "dot" (tl.dot, rows padded to
-        block_m >= 16) or "fma" (load-multiply-reduce, block_m in 1, 2, 4).
+        block_m >= 16), "dot_t" (the same with the operands swapped: the weight tile
+        is the MMA's row operand, w_tile @ x_tile.T, so block_n output columns fill
+        the tensor core's 64-row side and the rows of x its narrow side) or "fma"
+        (load-multiply-reduce, block_m in 1, 2, 4).
     """
 
     block_n: int
@@ -101,12 +104,12 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.mode must be one of {_MODES}, got {self.mode!r}")
         if self.block_k < 16:
             raise ValueError(f"GemvConfig.block_k must be >= 16, got {self.block_k}")
-        if self.mode == "dot":
+        if self.mode in ("dot", "dot_t"):
             if self.block_m not in _DOT_BLOCK_M:
                 raise ValueError(
-                    f"GemvConfig.block_m must be one of {_DOT_BLOCK_M} in mode 'dot', got {self.block_m!r}")
+                    f"GemvConfig.block_m must be one of {_DOT_BLOCK_M} in mode {self.mode!r}, got {self.block_m!r}")
             if self.block_n < 16:
-                raise ValueError(f"GemvConfig.block_n must be >= 16 in mode 'dot', got {self.block_n}")
+                raise ValueError(f"GemvConfig.block_n must be >= 16 in mode {self.mode!r}, got {self.block_n}")
         elif self.block_m not in _FMA_BLOCK_M:
             raise ValueError(f"GemvConfig.block_m must be one of {_FMA_BLOCK_M} in mode 'fma', got {self.block_m!r}")
         if self.num_warps > 16:
@@ -252,8 +255,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-                     SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
     """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
+    SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
 
     x [M, K], w [N, K] (for SILU: [2N, K], up rows up_offset = N*K elements on), out [M, N] bf16,
     ws [SPLIT_K, rows, ws_cols] fp32 partials.
@@ -269,8 +273,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
         if EVEN_K:
             xt = tl.load(x_ptrs)
@@ -284,7 +292,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
             # fp32 operands hold the same values and the products stay exact.
             xt = xt.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(xt, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc)
         if SILU:
             if EVEN_K:
                 wu = tl.load(w_ptrs + up_offset, eviction_policy="evict_first")
@@ -292,9 +303,15 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                 wu = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             if INTERPRETED:
                 wu = wu.to(tl.float32)
-            acc_u = tl.dot(xt, tl.trans(wu), acc_u)
+            if SWAP:
+                acc_u = tl.dot(wu, tl.trans(xt), acc_u)
+            else:
+                acc_u = tl.dot(xt, tl.trans(wu), acc_u)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
     _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
                   ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
@@ -499,15 +516,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         ws_split_stride = ws.shape[1] * ws_cols
     else:
         ws, ws_split_stride = out, 0   # unused: the kernel writes bf16 straight to out
-    kernel = _gemv_dot_kernel if config.mode == "dot" else _gemv_fma_kernel
     grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
+    if config.mode == "fma":
+        kernel, extra = _gemv_fma_kernel, {}
+    else:
+        kernel, extra = _gemv_dot_kernel, {"SWAP": config.mode == "dot_t"}
     kernel[grid](
         x, w, out if out is not None else ws, ws, m, n, n * k, ws_split_stride, ws_cols,
         K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
         SILU=silu, INTERPRETED=_INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride

@@ -33,9 +33,9 @@ def replay(model_dir: str, items: list[dict], device: str, progress=None) -> dic
     import torch
     from transformers import Qwen3ForCausalLM
 
-    # The reference's numerics: no TF32 anywhere.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    from fastqwen.numerics import pin_reference_numerics
+
+    pin_reference_numerics()  # the platform's: no TF32, flash attention (not cuDNN's)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     model = model.to(device).eval()
     vocab = model.config.vocab_size

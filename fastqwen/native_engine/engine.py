@@ -1,6 +1,7 @@
 """The platform's native baseline as a submittable engine folder.
 
-Transformers `Qwen3ForCausalLM`, BF16, sdpa attention, TF32 off, under
+Transformers `Qwen3ForCausalLM`, BF16, sdpa attention (cuDNN's off, as on the platform's
+torch), TF32 off, under
 inference mode: one full-prompt forward with `use_cache=True`, then one
 forward per token with the returned cache and `logits_to_keep=1`; argmax of
 the last logits; `.tolist()` per step. Every step pays full Python and
@@ -15,6 +16,10 @@ class Engine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        # The platform's torch 2.5.1 never picks cuDNN attention; newer torch does on
+        # Hopper. Keep SDPA on the platform's kernels (flash) on every version.
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
         model = Qwen3ForCausalLM.from_pretrained(
             model_path, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
         )

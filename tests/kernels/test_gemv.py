@@ -47,10 +47,11 @@ SHAPES_4B = {
     "down": (2560, 9728),
     "lm_head": (151936, 2560),
 }
-# Explicit configs of the other mode, so both kernels are tested on every shape.
+# Explicit configs of the other modes, so every kernel is tested on every shape.
 FMA_CONFIGS = [
     GemvConfig(block_n=32, block_k=128, split_k=1, mode="fma", block_m=1),
     GemvConfig(block_n=32, block_k=128, split_k=2, mode="fma", block_m=4),
+    GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t"),
 ]
 
 
@@ -315,7 +316,10 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
                      PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False)
-    kernel = gemv._gemv_dot_kernel if mode == "dot" else gemv._gemv_fma_kernel
+    if mode == "dot":
+        kernel, constants["SWAP"] = gemv._gemv_dot_kernel, False
+    else:
+        kernel = gemv._gemv_fma_kernel
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
     assert ("mma.sync" in ptx) == (mode == "dot")
@@ -343,6 +347,8 @@ INTERP_CASES = [
     (1, 100, 96, GemvConfig(block_n=16, block_k=32, split_k=1, mode="fma", block_m=1)),
     (3, 64, 128, GemvConfig(block_n=32, block_k=32, split_k=4, mode="fma", block_m=2)),
     (5, 48, 100, GemvConfig(block_n=16, block_k=32, split_k=2, mode="fma", block_m=4)),
+    (3, 100, 96, GemvConfig(block_n=64, block_k=32, split_k=2, mode="dot_t")),
+    (17, 48, 100, GemvConfig(block_n=16, block_k=32, split_k=1, mode="dot_t")),
 ]
 
 
@@ -480,7 +486,7 @@ GPU_LINEAR_SHAPES = [SHAPES_4B[s] for s in ("qkv", "o", "down", "lm_head")] + [(
 @needs_gpu
 @pytest.mark.parametrize("n,k", GPU_LINEAR_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
-@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2", "dot_t-split2"])
 def test_gpu_linear_matches_torch(n, k, m, cfg):
     x, w = _gpu_inputs(m, n, k, seed=n + k + m)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -494,7 +500,7 @@ def test_gpu_linear_matches_torch(n, k, m, cfg):
 @needs_gpu
 @pytest.mark.parametrize("i,k", [(SHAPES_4B["gate_up"][0] // 2, SHAPES_4B["gate_up"][1]), (100, 96), (4096, 1000)])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
-@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2"])
+@pytest.mark.parametrize("cfg", [None] + FMA_CONFIGS, ids=["table", "fma1", "fma4-split2", "dot_t-split2"])
 def test_gpu_linear_silu_mul_matches_torch(i, k, m, cfg):
     x, w = _gpu_inputs(m, 2 * i, k, seed=i + k + m)
     out = torch.full((m, i), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -511,7 +517,7 @@ def test_gpu_linear_silu_mul_matches_torch(i, k, m, cfg):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(SHAPES_4B))
-@pytest.mark.parametrize("cfg", [1, 16] + FMA_CONFIGS, ids=["table-1row", "table-16rows", "fma1", "fma4-split2"])
+@pytest.mark.parametrize("cfg", [1, 16] + FMA_CONFIGS, ids=["table-1row", "table-16rows", "fma1", "fma4-split2", "dot_t-split2"])
 def test_gpu_deterministic_and_rows_independent_of_batch(name, cfg):
     """For one config (the table's for a row-count range, or an explicit one), a row's
     bits do not depend on the batch it is computed in."""
@@ -548,3 +554,17 @@ def test_gpu_cuda_graph_capture_and_replay(name):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fn(x, w))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("name,silu", [("o", False), ("gate_up", True)])
+def test_swapped_dot_compiles_for_sm90(name, silu):
+    """The swapped-operand tile (weight rows on the MMA's row side) compiles to tensor-core code."""
+    n, k = SHAPES_4B[name]
+    cols = n // 2 if silu else n
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")
+    constants = dict(K=k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BLOCKS_PER_SPLIT=k // 256,
+                     EVEN_N=cols % 64 == 0, EVEN_K=True, PARTIALS=True, SILU=silu, INTERPRETED=False, SWAP=True)
+    ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
+                       cfg.num_stages).asm["ptx"]
+    assert "mma" in ptx
