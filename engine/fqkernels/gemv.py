@@ -124,20 +124,22 @@ class GemvConfig:
 # on the batch (module docstring); across ranges the summation order differs.
 _FMA1 = dict(mode="fma", block_m=1, block_n=8)
 LINEAR_CONFIGS: dict[tuple[int, int], object] = {
+    # 2-16 rows: swapped-operand tiles (dot_t), results/h200-2026-11-30/session3/bench_gemv_rows.json
+    # (us at 4 / 16 rows, ours vs cuBLAS).
     (6144, 2560): (                                                     # qkv_proj (q, k, v packed)
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 9.4 us (cuBLAS 10.5)
-        (4, GemvConfig(block_n=64, block_k=128, split_k=4)),
-        (None, GemvConfig(block_n=64, block_k=256, split_k=1)),
+        (4, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),   # 11.2 (11.1)
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),  # 10.1 (10.9)
     ),
     (2560, 4096): (                                                     # o_proj
         (1, GemvConfig(block_k=1024, split_k=1, **_FMA1)),             # 7.8 us (cuBLAS 9.8)
-        (4, GemvConfig(block_n=128, block_k=128, split_k=4)),
-        (None, GemvConfig(block_n=32, block_k=128, split_k=4)),
+        (4, GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")),   # 9.4 (9.9)
+        (None, GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")),  # 9.4 (9.8)
     ),
     (2560, 9728): (                                                     # down_proj
         (1, GemvConfig(block_n=4, block_k=512, split_k=1, mode="fma", block_m=1)),  # 14.6 us (cuBLAS 16.8)
-        (4, GemvConfig(block_n=128, block_k=128, split_k=4)),
-        (None, GemvConfig(block_n=32, block_k=128, split_k=4)),
+        (4, GemvConfig(block_n=128, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 16.6 (16.9)
+        (None, GemvConfig(block_n=64, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 16.8 (17.8)
     ),
     (151936, 2560): (                                                   # lm_head (tied embedding)
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 171.5 us (cuBLAS 186.4)

@@ -302,27 +302,27 @@ MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_spl
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("name,mode,silu", [("o", "dot", False), ("gate_up", "dot", True),
+@pytest.mark.parametrize("name,mode,silu", [("o", "dot_t", False), ("gate_up", "dot", True),
                                             ("down", "fma", False), ("gate_up", "fma", True),
                                             ("o", "fma", False), ("lm_head", "fma", False)])
 def test_kernels_compile_for_sm90(name, mode, silu):
     """Catches what only the compiler sees (layouts, dot shapes, libdevice) on a machine without a GPU.
-    The table's configs: tl.dot ones for 16 rows, fma ones for one row."""
+    The table's configs: tl.dot ones (either operand order) for 16 rows, fma ones for one row."""
     n, k = SHAPES_4B[name]
     cols = n // 2 if silu else n
-    cfg = select_config(n, k, silu, 16 if mode == "dot" else 1)
+    cfg = select_config(n, k, silu, 1 if mode == "fma" else 16)
     assert cfg.mode == mode
     k_blocks = k // cfg.block_k
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
                      PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False)
-    if mode == "dot":
-        kernel, constants["SWAP"] = gemv._gemv_dot_kernel, False
-    else:
+    if mode == "fma":
         kernel = gemv._gemv_fma_kernel
+    else:
+        kernel, constants["SWAP"] = gemv._gemv_dot_kernel, mode == "dot_t"
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
-    assert ("mma.sync" in ptx) == (mode == "dot")
+    assert ("mma." in ptx) == (mode != "fma")   # mma.sync or wgmma.mma_async: tensor cores
     if silu and cfg.split_k == 1:
         # Correctly rounded division in the SiLU (PyTorch's), not Triton's default
         # approximate one (Triton 3.1 adds .ftz: subnormal inputs flush to zero).
