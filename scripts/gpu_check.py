@@ -128,6 +128,8 @@ def main():
     args = ap.parse_args()
     parse = lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x]  # noqa: E731
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from fqkernels import pdl
+    report["pdl"] = pdl.ENABLED
     t0 = time.perf_counter()
     eng = fast_engine.Engine(args.model)
     report["load_s"] = time.perf_counter() - t0

@@ -24,6 +24,8 @@
 #   judge-own     the judge, official, results/workloads/own.json, qwen3-4b
 #   judge-public-b1  the judge, official, the public batch-1 shape alone
 #   engine-gpu    the engine's GPU tests; on a failure later stages run without prefill graphs
+#   speed-nopdl   gpu_check's speed part with FASTQWEN_NO_PDL=1 (the PDL A/B, same machine)
+# A failing `kernels` stage turns PDL off for the stages after it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -45,7 +47,10 @@ judge() {  # name, then judge arguments
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
-    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log" ;;
+    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log"
+             grep -q failed "$OUT/pytest_gpu.log" && export FASTQWEN_NO_PDL=1 && echo "PDL OFF" ;;
+    speed-nopdl) FASTQWEN_NO_PDL=1 timeout 150 python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
+                   --speed 1x512x64,4x2048x32,16x512x128 --out "$OUT/gpu_check_nopdl.json" 2>&1 | grep -v Warn | tail -4 ;;
     bench) timeout 100 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 70 2>&1 | tail -25
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
     bench-gemv) timeout 200 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 150 \

@@ -24,6 +24,10 @@ def _prompts(batch, length, seed):
 def _slack(model_dir, prompts, steps):
     from transformers import Qwen3ForCausalLM
 
+    from fastqwen.numerics import pin_reference_numerics
+
+    pin_reference_numerics()
+
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.bfloat16,
                                              attn_implementation="sdpa").cuda().eval()
     out = torch.tensor(steps).T.cuda()
@@ -79,3 +83,27 @@ def test_prefill_graph_replay_equals_eager_prefill(engine):
     # A reallocated cache drops the graphs that point at the old one.
     list(engine.generate(_prompts(6, 900, seed=23), 2))
     assert (3, 80) not in engine._prefill_graphs
+
+
+@pytest.mark.parametrize("batch,seq_len", [(1, 100), (3, 257)])
+def test_prefill_attention_gqa_is_bit_equal_to_expanded_kv(batch, seq_len):
+    import sys
+
+    if str(ENGINE_DIR) not in sys.path:
+        sys.path.insert(0, str(ENGINE_DIR))
+    import fq_ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    heads, kv_heads, dim, cap = 32, 8, 128, 512
+    q = torch.randn(batch * seq_len, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
+    kc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    got = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5)
+    assert fq_ops._FLASH_GQA is True, "flash did not take the unexpanded K/V"
+    qh = q.view(batch, seq_len, heads, dim).transpose(1, 2)
+    k = kc[:batch, :, :seq_len].repeat_interleave(4, 1)
+    v = vc[:batch, :, :seq_len].repeat_interleave(4, 1)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        want = torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=dim**-0.5)
+    assert torch.equal(got, want.transpose(1, 2).reshape(-1, heads * dim))

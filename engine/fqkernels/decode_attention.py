@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fqkernels import pdl
+
 __all__ = [
     "DecodeAttentionPlan",
     "decode_attention",
@@ -186,13 +188,14 @@ def _split_kernel(
     KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr,
+    DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bk // KVH
     kvh = pid_bk % KVH
     h0 = kvh * G  # first query head of this KV head's group
+    pdl.wait(PDL)  # q, the new K/V and the lengths come from earlier kernels
 
     # Clamp on the device: a length outside [0, C] must not read outside the cache.
     length = tl.load(lengths_ptr + b)
@@ -250,6 +253,7 @@ def _split_kernel(
         # P is rounded to bf16 before P @ V, as the reference and flash attention do.
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
+    pdl.launch_dependents(PDL)
 
     if DIRECT:
         # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
@@ -271,10 +275,13 @@ def _combine_kernel(
     stride_ob, stride_oh,
     H: tl.constexpr, CAPACITY, SPLIT_LEN,
     NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # one (b, h) row
     b = pid // H
     h = pid % H
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     length = tl.load(lengths_ptr + b)
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
     # Only splits that start below the length hold data; skip reading the others.
@@ -454,8 +461,8 @@ def decode_attention(
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
-        DIRECT=direct, FLASH_ORDER=bool(flash_order),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=pdl.ENABLED,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl.LAUNCH,
     )
     if not direct:
         _combine_kernel[(batch * heads,)](
@@ -463,7 +470,7 @@ def decode_attention(
             out.stride(0), out.stride(1),
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
             NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
-            num_warps=4,
+            num_warps=4, PDL=pdl.ENABLED, **pdl.LAUNCH,
         )
     return out
 

@@ -53,6 +53,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fqkernels import pdl
+
 __all__ = [
     "GemvConfig",
     "select_config",
@@ -252,12 +254,26 @@ def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
     return pid_m, rest % SPLIT_K, rest // SPLIT_K
 
 
+@triton.jit
+def _prefetch_first_block(w_ptr, cols, k_lo, up_offset, K: tl.constexpr, SILU: tl.constexpr,
+                          PDL: tl.constexpr, LINES: tl.constexpr):
+    """L2 prefetch of this program's first weight block (LINES 128-byte lines a row), before
+    the wait for the previous kernel: weights are constant, so this may overlap its tail."""
+    if PDL:
+        k = tl.minimum(k_lo + tl.arange(0, LINES) * 64, K - 1)
+        lines = w_ptr + cols.to(tl.int64)[:, None] * K + k[None, :]
+        pdl.prefetch_l2(lines, PDL)
+        if SILU:
+            pdl.prefetch_l2(lines + up_offset, PDL)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-                     SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr,
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
     """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
     SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
 
@@ -275,6 +291,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
+    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    pdl.wait(PDL)  # x is the previous kernel's output
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -311,6 +329,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                 acc_u = tl.dot(xt, tl.trans(wu), acc_u)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    pdl.launch_dependents(PDL)
     if SWAP:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
@@ -333,7 +352,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-                     SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -352,6 +372,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    pdl.wait(PDL)  # x is the previous kernel's output
     # Row pointers, clamped to the last real row (computed, never stored).
     x0 = x_ptr + tl.minimum(m0, M - 1) * K
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1) * K
@@ -391,6 +413,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
             if BLOCK_M > 2:
                 accu2 = _row_fma(accu2, wu, x2, k, offs_k, K, EVEN_K)
                 accu3 = _row_fma(accu3, wu, x3, k, offs_k, K, EVEN_K)
+    pdl.launch_dependents(PDL)
     _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
                   ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 1:
@@ -406,7 +429,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
 @triton.jit(do_not_specialize=["M"])
 def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, ws_split_stride, ws_cols,
                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                          SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+                          SILU: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """out[row, n] = bf16(p0 + p1 + ... + p_{S-1}), partials added in split order.
 
     For SILU the up sums sit N columns right of the gate sums and the epilogue is
@@ -416,6 +439,8 @@ def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, ws_split_stride, ws_cols,
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     ptrs = ws_ptr + row * ws_cols + offs
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(ptrs + s * ws_split_stride, mask=mask, other=0.0)
@@ -528,8 +553,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
-        SILU=silu, INTERPRETED=_INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        SILU=silu, INTERPRETED=_INTERPRETED, PDL=pdl.ENABLED,
+        PREFETCH_LINES=max(1, config.block_k // 64),
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl.LAUNCH,
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -537,6 +563,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         _splitk_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             ws, out, m, n, ws_split_stride, ws_cols,
             SPLIT_K=splits, BLOCK=_REDUCE_BLOCK, SILU=silu, INTERPRETED=_INTERPRETED, num_warps=4,
+            PDL=pdl.ENABLED, **pdl.LAUNCH,
         )
     return out
 

@@ -19,15 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
+from fqkernels import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, N, eps,
                     stride_x, stride_r, stride_o, stride_split,
-                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_row = r_ptr + row * stride_r + offs
@@ -85,6 +90,7 @@ def _launch(x, r, w, eps, out, partials=False):
         x, r if r is not None else x, w, out, N, eps,
         x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
         HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+        PDL=pdl.ENABLED, **pdl.LAUNCH,
     )
     return out
 

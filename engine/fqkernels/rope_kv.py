@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fqkernels import pdl
+
 
 @triton.jit
 def _round_bf16(x):
@@ -38,11 +40,13 @@ def _qk_norm_rope_store_kernel(
     seq_len, eps,
     stride_qkv, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     head = tl.program_id(1)
     b = t // seq_len
+    pdl.wait(PDL)  # qkv and the positions come from earlier kernels
+    pdl.launch_dependents(PDL)
     p = tl.load(pos_ptr + b) + t % seq_len
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, D)
@@ -97,6 +101,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
+        PDL=pdl.ENABLED, **pdl.LAUNCH,
     )
     return q_out
 

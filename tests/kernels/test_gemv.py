@@ -315,7 +315,8 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     k_blocks = k // cfg.block_k
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
-                     PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False)
+                     PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False,
+                     PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64))
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
     else:
@@ -323,6 +324,9 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
     assert ("mma." in ptx) == (mode != "fma")   # mma.sync or wgmma.mma_async: tensor cores
+    # the dependent-launch wait, trigger and weight prefetch compile on this Triton too
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert "prefetch.global.L2" in ptx
     if silu and cfg.split_k == 1:
         # Correctly rounded division in the SiLU (PyTorch's), not Triton's default
         # approximate one (Triton 3.1 adds .ftz: subnormal inputs flush to zero).
@@ -331,7 +335,7 @@ def test_kernels_compile_for_sm90(name, mode, silu):
         reduce_sig = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                       "ws_split_stride": "i32", "ws_cols": "i32"}
         _aot_compile(gemv._splitk_reduce_kernel, reduce_sig,
-                     dict(SPLIT_K=cfg.split_k, BLOCK=gemv._REDUCE_BLOCK, SILU=silu, INTERPRETED=False),
+                     dict(SPLIT_K=cfg.split_k, BLOCK=gemv._REDUCE_BLOCK, SILU=silu, INTERPRETED=False, PDL=True),
                      ("ws_ptr", "out_ptr", "N", "ws_split_stride", "ws_cols"), 4, 1)
 
 
@@ -564,7 +568,8 @@ def test_swapped_dot_compiles_for_sm90(name, silu):
     cols = n // 2 if silu else n
     cfg = GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")
     constants = dict(K=k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BLOCKS_PER_SPLIT=k // 256,
-                     EVEN_N=cols % 64 == 0, EVEN_K=True, PARTIALS=True, SILU=silu, INTERPRETED=False, SWAP=True)
+                     EVEN_N=cols % 64 == 0, EVEN_K=True, PARTIALS=True, SILU=silu, INTERPRETED=False, SWAP=True,
+                     PDL=False, PREFETCH_LINES=2)
     ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     assert "mma" in ptx

@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the
+stream is still draining; it must not touch anything that kernel writes before
+`wait` (griddepcontrol.wait returns once every prerequisite grid has completed
+and its memory is visible). Every kernel here calls `wait` before its first
+load of an input another kernel produces, so results are the same bits with or
+without PDL. What may come before the wait: index arithmetic, and an L2
+prefetch of weights (constant during decode), so a product's first weight
+bytes are in flight while the previous kernel finishes. `launch_dependents`
+lets the next kernel be scheduled: the GEMVs and the attention call it after
+their main loop (earlier, its programs would occupy SMs the running kernel still
+needs), the small kernels right after their wait.
+
+Launching with PDL needs Triton's `launch_pdl` launch option (Triton 3.4+; our
+GPU's 3.6) and an sm_90+ GPU. Where it is missing (the platform's Triton 3.1, the
+CPU interpreter) the kernels compile without the instructions and launch as
+before: same results, no overlap. FASTQWEN_NO_PDL=1 turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = ["ENABLED", "LAUNCH", "wait", "launch_dependents", "prefetch_l2"]
+
+
+def _enabled() -> bool:
+    if os.environ.get("FASTQWEN_NO_PDL") == "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+ENABLED: bool = _enabled()
+# Launch keyword arguments for a kernel compiled with PDL=ENABLED.
+LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
+
+
+@triton.jit
+def wait(ON: tl.constexpr):
+    if ON:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents(ON: tl.constexpr):
+    if ON:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2(ptrs, ON: tl.constexpr):
+    """Ask L2 for the 128-byte line at each pointer of `ptrs` (any shape); no data returned."""
+    if ON:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

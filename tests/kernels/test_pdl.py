@@ -1,0 +1,61 @@
+"""Programmatic dependent launch: the decode step's other kernels compile with the
+wait/trigger instructions for sm_90 on the installed Triton (the platform's 3.1 in
+CI), and PDL stays off where it cannot run."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import decode_attention, gemv, pdl, rmsnorm, rope_kv  # noqa: E402
+
+from .test_gemv import _aot_compile  # noqa: E402
+
+needs_compiler = pytest.mark.skipif(gemv._INTERPRETED, reason="the interpreter does not compile")
+
+
+def test_off_without_a_gpu_or_when_asked(monkeypatch):
+    if not torch.cuda.is_available() or gemv._INTERPRETED:
+        assert not pdl.ENABLED and pdl.LAUNCH == {}
+    monkeypatch.setenv("FASTQWEN_NO_PDL", "1")
+    assert pdl._enabled() is False
+
+
+def _assert_pdl(ptx: str) -> None:
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+@needs_compiler
+def test_attention_kernels_compile_with_pdl():
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i32",
+           "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32",
+           "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+           "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_ob": "i32", "stride_oh": "i32",
+           "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
+    consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True)
+    _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
+                .asm["ptx"])
+    sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
+           "stride_ob": "i32", "stride_oh": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
+    consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True)
+    _assert_pdl(_aot_compile(decode_attention._combine_kernel, sig, consts, ("acc_ptr",), 4, 1).asm["ptx"])
+
+
+@needs_compiler
+def test_norm_and_rope_kernels_compile_with_pdl():
+    sig = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "eps": "fp32",
+           "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32"}
+    consts = dict(HAS_RESIDUAL=True, SPLITS=2, BLOCK=4096, PDL=True)
+    _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
+    sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+           "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
+           "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
+           "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32"}
+    consts = dict(H=32, KVH=8, D=128, PDL=True)
+    _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
