@@ -21,16 +21,15 @@ and a second kernel merges them; with a single split the first kernel writes the
 output directly. The grid depends only on (B, KVH, C, D): lengths are read on the
 device, so one CUDA graph serves every length up to C.
 
-Tile order (flash_order, the default). Exact arithmetic would make the order
-irrelevant; the one rounding that matters is P's to bf16, which happens relative
-to the running max at the time a tile is processed. The reference's full forward
-(flash attention, causal) walks the key tiles newest first, so its running max
-after the first tile is that of the newest tile, which in practice (a token
-attending to itself, recent tokens) is often the row's max. Each split here
-starts from that same max (one extra tile's scores) and walks its tiles newest
-first, so P is rounded at the reference's scale for most tiles. Measured on the
-synthetic Qwen3-4B (results/PERF_LOG.md): oldest-first tiles from -inf put the
-engine's logits further from the full forward than native's own cached decode.
+Tile order (flash_order). Exact arithmetic would make the order irrelevant; the
+one rounding that matters is P's to bf16, which happens relative to the running
+max at the time a tile is processed. Flash attention's forward (the reference's,
+on the platform's torch) walks the key tiles newest first from -inf; its decode
+does too, unsplit where batch x heads >= 212. With one split and newest first,
+this kernel is bit-equal to that forward's last row (results/PERF_LOG.md, session
+3), so that is the default there. With several splits no order reproduces it;
+the default walks oldest first (newest first costs one extra tile of scores and
+measured no fidelity gain).
 """
 from __future__ import annotations
 
@@ -397,7 +396,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    flash_order: bool = True,
+    flash_order: bool | None = None,
     block_n: int | None = None,
     plan: DecodeAttentionPlan | None = None,
 ) -> torch.Tensor:
@@ -415,7 +414,11 @@ def decode_attention(
 
     flash_order: walk each split's tiles newest first, starting from the running
     max of the last aligned tile (see the module docstring); False walks them
-    oldest first from -inf. Same math, different rounding of P.
+    oldest first from -inf. Same math, different rounding of P. None (the default):
+    newest first exactly when there is one split, where it reproduces flash
+    attention's bits; with several splits neither order does, and oldest first
+    skips the extra tile (0.9 us a layer at batch 1, no measurable fidelity change:
+    results/PERF_LOG.md, session 3).
 
     block_n: cache positions per tile (None: 64 at D <= 128, 32 above).
 
@@ -440,6 +443,8 @@ def decode_attention(
     group = heads // kv_heads
     qk_scale = float(scale) * _LOG2E
     direct = plan.num_splits == 1
+    if flash_order is None:
+        flash_order = direct
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
         acc_ws, m_ws, l_ws = out, out, out
@@ -450,6 +455,7 @@ def decode_attention(
     # (32 a thread at 4 warps), so 64 splits x D=256 merges in four chunks.
     d_chunk = max(16, min(head_dim, 4096 // splits_p2))
 
+    use_pdl, pdl_launch = pdl.for_rows(batch)
     _split_kernel[(batch * kv_heads, plan.num_splits)](
         q, k_cache, v_cache, lengths,
         acc_ws, m_ws, l_ws, out,
@@ -461,8 +467,8 @@ def decode_attention(
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
-        DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=pdl.ENABLED,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl.LAUNCH,
+        DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch,
     )
     if not direct:
         _combine_kernel[(batch * heads,)](
@@ -470,7 +476,7 @@ def decode_attention(
             out.stride(0), out.stride(1),
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
             NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
-            num_warps=4, PDL=pdl.ENABLED, **pdl.LAUNCH,
+            num_warps=4, PDL=use_pdl, **pdl_launch,
         )
     return out
 

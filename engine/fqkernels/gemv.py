@@ -544,6 +544,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     else:
         ws, ws_split_stride = out, 0   # unused: the kernel writes bf16 straight to out
     grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
+    use_pdl, pdl_launch = pdl.for_rows(m)
     if config.mode == "fma":
         kernel, extra = _gemv_fma_kernel, {}
     else:
@@ -553,9 +554,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
-        SILU=silu, INTERPRETED=_INTERPRETED, PDL=pdl.ENABLED,
+        SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
         PREFETCH_LINES=max(1, config.block_k // 64),
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl.LAUNCH,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -563,7 +564,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         _splitk_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             ws, out, m, n, ws_split_stride, ws_cols,
             SPLIT_K=splits, BLOCK=_REDUCE_BLOCK, SILU=silu, INTERPRETED=_INTERPRETED, num_warps=4,
-            PDL=pdl.ENABLED, **pdl.LAUNCH,
+            PDL=use_pdl, **pdl_launch,
         )
     return out
 

@@ -24,7 +24,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "wait", "launch_dependents", "prefetch_l2"]
+__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "for_rows", "wait", "launch_dependents", "prefetch_l2"]
 
 
 def _enabled() -> bool:
@@ -44,6 +44,18 @@ def _enabled() -> bool:
 ENABLED: bool = _enabled()
 # Launch keyword arguments for a kernel compiled with PDL=ENABLED.
 LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
+# Decode-sized launches only. In a prefill (thousands of rows) the kernel before a
+# norm or RoPE launch is often a cuBLAS GEMM that signals its dependents early; our
+# many-program grid then sat resident in its wait beside the GEMM's later waves:
+# TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
+MAX_ROWS = 64
+
+
+def for_rows(rows: int) -> tuple[bool, dict]:
+    """(the PDL constexpr, the launch kwargs) for a launch over `rows` tokens."""
+    if ENABLED and rows <= MAX_ROWS:
+        return True, LAUNCH
+    return False, {}
 
 
 @triton.jit

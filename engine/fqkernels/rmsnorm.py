@@ -86,11 +86,12 @@ def _launch(x, r, w, eps, out, partials=False):
     _check("out", out, 2)
     M, N = x.shape
     block = triton.next_power_of_2(N)
+    use_pdl, pdl_launch = pdl.for_rows(M)
     _rmsnorm_kernel[(M,)](
         x, r if r is not None else x, w, out, N, eps,
         x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
         HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, num_warps=4 if block <= 4096 else 8,
-        PDL=pdl.ENABLED, **pdl.LAUNCH,
+        PDL=use_pdl, **pdl_launch,
     )
     return out
 

@@ -95,13 +95,14 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         raise ValueError("cos/sin tables must be contiguous [max_pos, head_dim]")
     if q_out is None:
         q_out = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    use_pdl, pdl_launch = pdl.for_rows(T)
     _qk_norm_rope_store_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, cos, sin, positions, q_out, k_cache, v_cache,
         seq_len, eps, qkv.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
-        PDL=pdl.ENABLED, **pdl.LAUNCH,
+        PDL=use_pdl, **pdl_launch,
     )
     return q_out
 

@@ -59,3 +59,13 @@ def test_norm_and_rope_kernels_compile_with_pdl():
            "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32"}
     consts = dict(H=32, KVH=8, D=128, PDL=True)
     _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
+
+
+def test_pdl_only_for_decode_sized_launches(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "LAUNCH", {"launch_pdl": True})
+    assert pdl.for_rows(1) == (True, {"launch_pdl": True})
+    assert pdl.for_rows(pdl.MAX_ROWS) == (True, {"launch_pdl": True})
+    assert pdl.for_rows(pdl.MAX_ROWS + 1) == (False, {})  # a prefill
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.for_rows(1) == (False, {})
