@@ -132,7 +132,7 @@ def _check_kernel(
     lengths: torch.Tensor,
     scale: float,
     num_splits: int | None,
-    flash_order: bool = True,
+    flash_order: bool | None = None,
 ) -> torch.Tensor:
     """Run the kernel into a NaN-poisoned output and compare with the reference and float64."""
     out = torch.full_like(q, float("nan"))
