@@ -6,6 +6,10 @@ Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
 of token ids per step. On a CUDA device the decode step is one CUDA graph of
 fused Triton kernels and cuBLAS products; on the CPU the same model code runs
 on the torch reference ops.
+
+Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
+FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
+launch between the decode kernels; read when fqkernels is first imported).
 """
 import gc
 import os
