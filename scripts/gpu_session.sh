@@ -23,6 +23,10 @@
 #   judge-public  the judge, official, public workloads, qwen3-4b
 #   judge-own     the judge, official, results/workloads/own.json, qwen3-4b
 #   judge-public-b1  the judge, official, the public batch-1 shape alone
+#   judge-public-b4-b16  the judge, official, the public batch-4 and batch-16 shapes
+# Run every judge through this script: it puts the carried Transformers 4.51.3 first
+# on the path and stamps the commit (a bare `python3 -m fastqwen.cli judge` on the
+# machine loads its Transformers 5.x for the native side and reports no commit).
 #   engine-gpu    the engine's GPU tests; on a failure later stages run without prefill graphs
 #   speed-nopdl   gpu_check's speed part with FASTQWEN_NO_PDL=1 (the PDL A/B, same machine)
 # A failing `kernels` stage turns PDL off for the stages after it.
@@ -72,6 +76,7 @@ for stage in "$@"; do
     judge-public) judge public --model /tmp/q4b --workloads public ;;
     judge-own) judge own --model /tmp/q4b --workloads results/workloads/own.json ;;
     judge-public-b1) judge public_b1 --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
+    judge-public-b4-b16) judge public_b4_b16 --model /tmp/q4b --workloads results/workloads/public_b4_b16.json ;;
     engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
                 grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;

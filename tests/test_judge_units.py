@@ -375,3 +375,11 @@ def test_chart_is_skipped_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert write_chart({"results": []}, tmp_path / "c.png") is False
     assert not (tmp_path / "c.png").exists()
+
+
+def test_report_names_the_engine_switches_in_effect():
+    from fastqwen.judge.runner import engine_switches
+
+    env = {"FASTQWEN_NO_PDL": "1", "FASTQWEN_COMMIT": "abc", "PATH": "/bin", "FASTQWEN_NO_GRAPHS": "0"}
+    assert engine_switches(env) == {"FASTQWEN_NO_GRAPHS": "0", "FASTQWEN_NO_PDL": "1"}
+    assert engine_switches({"HOME": "/root"}) == {}

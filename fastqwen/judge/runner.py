@@ -98,6 +98,12 @@ def git_commit(repo: Path) -> dict | None:
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
+def engine_switches(environ) -> dict[str, str]:
+    """The FASTQWEN_* switches the engines inherit (FASTQWEN_NO_PDL, ...), for the report:
+    a figure measured with an optimization switched off must say so."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("FASTQWEN_") and k != "FASTQWEN_COMMIT"}
+
+
 # ------------------------------------------------------------------------------------------------
 # one side of one workload
 # ------------------------------------------------------------------------------------------------
@@ -420,6 +426,7 @@ def run_judge(settings: JudgeSettings) -> dict:
                                              "cuda_available")},
         "versions": probe.get("versions"),
         "git": git_commit(PACKAGE_ROOT),
+        "engine_switches": engine_switches(os.environ),
         "engine_dir": str(settings.engine_dir),
         "native_dir": str(settings.native_dir) if settings.native else None,
         "model": {"path": str(settings.model_dir), "config": settings.model_config,
