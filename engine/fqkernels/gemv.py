@@ -30,12 +30,17 @@ element is summed in one fixed order that M does not enter:
   - with SPLIT_K > 1 the chunks' fp32 partials go to a cached workspace
     [SPLIT_K, rows, cols] and a small kernel adds them in the order 0, 1, ..., S-1.
 So for a given config a row gives the same bits in a batch of 1 or of 16, and on
-every call. The two kernel modes ("dot": tl.dot over 16-row tiles; "fma": an
+every call. The three kernel modes ("dot": tl.dot over 16-row tiles; "dot_t": the
+same with the operands swapped, the weight tile on the MMA's row side; "fma": an
 elementwise multiply-add loop over 1-4 rows) sum in different orders. The table
 holds one config per (N, K) and row-count range (one row; 2-4; more), so a row's
 bits are independent of the batch within a range, not across ranges. The config
 is a function of the shapes alone, never of the device, so an H100 and an H200 run
 the same code (given the same Triton version).
+
+Dependent launch. Where Triton can launch with PDL (fqkernels/pdl.py), each program
+prefetches its first weight block into L2, waits for the previous kernel, and lets
+the next one be scheduled after its main loop; the arithmetic is unchanged.
 
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
