@@ -89,10 +89,7 @@ class DecodeAttentionPlan:
 
 
 def _block_n(head_dim: int) -> int:
-    # Stages: 3 (session 3, results/h200-2026-11-30/session3/attn_probe_run2.json): one
-    # split over 576 positions at batch 16 took 14.3 us with 3 stages against 19.1 with
-    # 2; splits of one or two tiles do not care.
-    # At D=128, 64 positions with 4 warps and 2 stages beat every other combination of
+    # At D=128, 64 positions with 4 warps beat every other combination of
     # block_n {32, 64, 128} x warps {4, 8} x stages {2, 3, 4} on the H200 (geometric
     # mean over five batch/context shapes). D=256 halves it to keep the K and V
     # tiles of a stage at 16 KiB each.
@@ -144,6 +141,9 @@ def decode_attention_plan(
         num_splits=effective,
         split_len=split_len,
         num_warps=4,
+        # 3 stages (results/h200-2026-11-30/session3/attn_probe_run2.json): one split over
+        # 576 positions at batch 16 took 14.3 us against 19.1 with 2; splits of one or two
+        # tiles do not care.
         num_stages=3,
     )
 
