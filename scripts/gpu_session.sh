@@ -30,6 +30,7 @@
 #   engine-gpu    the engine's GPU tests; on a failure later stages run without prefill graphs
 #   speed-nopdl   gpu_check's speed part with FASTQWEN_NO_PDL=1 (the PDL A/B, same machine)
 # A failing `kernels` stage turns PDL off for the stages after it.
+#   all-checks    kernels check judge-public judge-own
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -48,7 +49,12 @@ judge() {  # name, then judge arguments
   timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/judge_$name.json" \
     --chart "$OUT/judge_$name.png" "$@" 2>&1 | tail -22
 }
+# `all-checks`: everything the fast engine's issue asks to be shown, in one call (~10 min).
+stages=()
 for stage in "$@"; do
+  if [ "$stage" = all-checks ]; then stages+=(kernels check judge-public judge-own); else stages+=("$stage"); fi
+done
+for stage in "${stages[@]}"; do
   echo "== $stage"
   case $stage in
     kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log"
