@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -29,13 +28,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "engine"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_decode_attention import _capture, _time_graph  # noqa: E402
 from fqkernels.decode_attention import decode_attention, decode_attention_plan  # noqa: E402
 
 H, KVH, D = 32, 8, 128
 G = H // KVH
 SCALE = D**-0.5
 LAYERS = 36
+REPLAYS = 30
 
 VARIANTS = {
     "default": {},
@@ -93,31 +95,7 @@ def fidelity(batch: int, length: int, q_scale: float, seed: int) -> dict:
     return row
 
 
-def _graph_us(fn, calls: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def timing(batch: int, length: int, extra: dict) -> dict:  # noqa: C901
+def timing(batch: int, length: int, extra: dict) -> dict:
     cap = _capacity(length)
     kc = torch.randn((LAYERS, batch, KVH, cap, D), device="cuda").to(torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -135,7 +113,7 @@ def timing(batch: int, length: int, extra: dict) -> dict:  # noqa: C901
         def run(kw=kw):
             for layer in range(LAYERS):
                 decode_attention(q, kc[layer], vc[layer], lengths, SCALE, out=out, **kw)
-        row[name] = round(_graph_us(run, LAYERS), 2)
+        row[name] = round(_time_graph(_capture(run), REPLAYS) * 1e3 / LAYERS, 2)
     del kc, vc
     torch.cuda.empty_cache()
     return row

@@ -149,33 +149,6 @@ def decode_attention_plan(
 
 
 @triton.jit
-def _merge_splits(
-    acc_ptr, m_ptr, l_ptr, row0, active, o_ptr,
-    NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
-):
-    """Merge the NUM_SPLITS partials of one (b, h) row (rows row0 .. row0 + NUM_SPLITS - 1)
-    into o_ptr[0:D] as bf16. Only the first `active` splits hold data; the others are skipped.
-    """
-    offs_s = tl.arange(0, SPLITS_P2)
-    s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
-    row = row0 + offs_s
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
-    # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)
-    l_sum = tl.sum(w * l, axis=0)
-    denom = tl.where(l_sum > 0.0, l_sum, 1.0)
-    for d0 in tl.static_range(0, D, D_CHUNK):
-        offs_d = d0 + tl.arange(0, D_CHUNK)
-        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        o = tl.sum(w[:, None] * acc, axis=0) / denom
-        tl.store(o_ptr + offs_d, o.to(tl.bfloat16))
-
-
-@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
@@ -285,9 +258,26 @@ def _combine_kernel(
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
     # Only splits that start below the length hold data; skip reading the others.
     active = tl.cdiv(length, SPLIT_LEN)
-    _merge_splits(acc_ptr, m_ptr, l_ptr, pid.to(tl.int64) * NUM_SPLITS, active,
-                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
-                  NUM_SPLITS, SPLITS_P2, D, D_CHUNK)
+
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
+    row = pid.to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
+    # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, axis=0)
+    denom = tl.where(l_sum > 0.0, l_sum, 1.0)
+    o_ptr = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    # D in chunks so the [splits, D_CHUNK] fp32 tile stays in registers.
+    for d0 in tl.static_range(0, D, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0) / denom
+        tl.store(o_ptr + offs_d, o.to(tl.bfloat16))
 
 
 # One workspace per shape and device, allocated on first use (the warmup call) and
