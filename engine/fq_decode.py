@@ -24,17 +24,19 @@ class DecodeRunner:
         self.model = model
         self.batch = batch
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.lengths = torch.ones(batch, dtype=torch.int32, device=dev)
+        # positions and lengths (= positions + 1) are two rows of one buffer: one add advances both.
+        self._pos_len = torch.zeros((2, batch), dtype=torch.int32, device=dev)
+        self.positions, self.lengths = self._pos_len[0], self._pos_len[1]
+        self.lengths.fill_(1)
         self.graph = None
         if use_graph:
             self._capture()
 
     def _step(self) -> None:
-        nxt = self.model.decode(self.tokens, self.positions, self.lengths)
-        self.tokens.copy_(nxt)
-        self.positions.add_(1)
-        self.lengths.add_(1)
+        # The step's argmax writes the next tokens over the ones it read (the embedding
+        # lookup that reads them is the step's first kernel), then both counters advance.
+        self.model.decode(self.tokens, self.positions, self.lengths, out=self.tokens)
+        self._pos_len.add_(1)
 
     def _capture(self) -> None:
         # Warm up on a side stream first: Triton compiles, cuBLAS picks its

@@ -5,7 +5,7 @@ torch references on the CPU).
 Cast points are the reference's (see fqkernels/*): BF16 residual stream and
 products, RMSNorm normalized value rounded to BF16 before the weight, SiLU
 rounded before the multiply by up, RoPE products rounded before their sum,
-logits in BF16, argmax ties to the lowest index (torch.argmax's rule).
+logits in BF16, argmax ties to the lowest index and NaN first (torch.argmax's rules).
 """
 import torch
 
@@ -62,9 +62,7 @@ class Qwen3Model:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, S] int64 on the device -> first generated tokens [B] int64.
         Writes K/V for positions [0, S) of every sequence."""
-        B, S = ids.shape
-        group = max(1, PREFILL_TOKENS // S)
-        return torch.argmax(self.prefill_logits(ids), dim=-1)
+        return self.ops.argmax(self.prefill_logits(ids))
 
     def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill."""
@@ -75,9 +73,8 @@ class Qwen3Model:
     def _prefill_group(self, ids: torch.Tensor, b0: int) -> torch.Tensor:
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         nb, S = ids.shape
-        x = self.w.embed[ids.reshape(-1)]
         positions = torch.zeros(nb, dtype=torch.int32, device=self.device)
-        h = ops.rmsnorm(x, self.w.layers[0].input_norm, eps)
+        x, h = ops.embed_rmsnorm(ids.reshape(-1), self.w.embed, self.w.layers[0].input_norm, eps)
         last = len(self.w.layers) - 1
         for i, layer in enumerate(self.w.layers):
             kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
@@ -94,18 +91,19 @@ class Qwen3Model:
             h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
         return ops.linear(h, self.w.lm_head)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+               out: torch.Tensor = None) -> torch.Tensor:
         """One step for every sequence: tokens [B] int64 at positions [B] int32
-        (lengths = positions + 1, int32) -> next tokens [B] int64. Graph-safe:
-        no host reads, no shape depends on the positions."""
-        return torch.argmax(self.decode_logits(tokens, positions, lengths), dim=-1)
+        (lengths = positions + 1, int32) -> next tokens [B] int64 (into `out` if
+        given; `out` may be `tokens` itself). Graph-safe: no host reads, no shape
+        depends on the positions."""
+        return self.ops.argmax(self.decode_logits(tokens, positions, lengths), out=out)
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """BF16 logits [B, vocab] of one decode step (the step `decode` takes the argmax of)."""
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         B = tokens.shape[0]
-        x = self.w.embed[tokens]
-        h = ops.rmsnorm(x, self.w.layers[0].input_norm, eps)
+        x, h = ops.embed_rmsnorm(tokens, self.w.embed, self.w.layers[0].input_norm, eps)
         for i, layer in enumerate(self.w.layers):
             kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]
             qkv = ops.linear(h, layer.qkv)

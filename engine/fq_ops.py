@@ -69,16 +69,19 @@ class TorchOps:
     name = "torch"
 
     def __init__(self):
+        from fqkernels.argmax import argmax_reference
         from fqkernels.decode_attention import decode_attention_reference
-        from fqkernels.rmsnorm import add_rmsnorm_reference, rmsnorm_reference
+        from fqkernels.rmsnorm import add_rmsnorm_reference, embed_rmsnorm_reference, rmsnorm_reference
         from fqkernels.rope_kv import qk_norm_rope_store_reference
         from fqkernels.swiglu import silu_mul_reference
 
         self.rmsnorm = rmsnorm_reference
+        self.embed_rmsnorm = embed_rmsnorm_reference
         self.add_rmsnorm = add_rmsnorm_reference
         self.qk_norm_rope_store = qk_norm_rope_store_reference
         self.decode_attention = decode_attention_reference
         self.silu_mul = silu_mul_reference
+        self.argmax = argmax_reference
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
@@ -106,17 +109,20 @@ class TritonOps(TorchOps):
     def __init__(self):
         super().__init__()
         from fqkernels import gemv
+        from fqkernels.argmax import argmax
         from fqkernels.decode_attention import decode_attention
-        from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, rmsnorm
+        from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, embed_rmsnorm, rmsnorm
         from fqkernels.rope_kv import qk_norm_rope_store
         from fqkernels.swiglu import silu_mul
 
         self.rmsnorm = rmsnorm
+        self.embed_rmsnorm = embed_rmsnorm
         self.add_rmsnorm = add_rmsnorm
         self.add_rmsnorm_partials = add_rmsnorm_partials
         self.qk_norm_rope_store = qk_norm_rope_store
         self.decode_attention = decode_attention
         self.silu_mul = silu_mul
+        self.argmax = argmax
         self._gemv = gemv
         self.use_gemv = {}  # (fused_silu, rows, N, K) -> bool, filled by tune()
 

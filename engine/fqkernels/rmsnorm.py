@@ -9,6 +9,9 @@ Keeping y in float32 through the weight product would be "more accurate" and a
 different function: it moves a cast point the 2.0-logit margin was calibrated on.
 Shapes: x, r, out [M, N] bf16 (unit stride on N); w [N] bf16. One program per row.
 
+`embed_rmsnorm` starts a forward pass: x = table[ids] (the embedding lookup, written
+out as the residual stream) and its RMSNorm, in one kernel.
+
 `add_rmsnorm_partials` takes r as the fp32 partial sums of a split-K product
 (fqkernels.gemv.linear_partials, [S, M, N]) and first finishes that product the
 way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
@@ -23,17 +26,23 @@ from fqkernels import pdl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, N, eps,
-                    stride_x, stride_r, stride_o, stride_split,
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
+                    stride_x, stride_r, stride_o, stride_split, stride_t,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart."""
+                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
+    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if GATHER:
+        tok = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(table_ptr + tok * stride_t + offs, mask=mask, other=0.0)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_row = r_ptr + row * stride_r + offs
         if SPLITS == 0:
@@ -88,12 +97,40 @@ def _launch(x, r, w, eps, out, partials=False):
     block = triton.next_power_of_2(N)
     use_pdl, pdl_launch = pdl.for_rows(M)
     _rmsnorm_kernel[(M,)](
-        x, r if r is not None else x, w, out, N, eps,
-        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
+        x, r if r is not None else x, w, out, x, x, N, eps,          # (no gather: ids, table unused)
+        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split, 0,
         HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, num_warps=4 if block <= 4096 else 8,
         PDL=use_pdl, **pdl_launch,
     )
     return out
+
+
+def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: float,
+                  x: torch.Tensor = None, out: torch.Tensor = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = table[ids] (the residual stream's start), out = RMSNorm(x) * w: (x, out), one kernel.
+    ids [M] int64/int32, each in [0, table rows): the caller's check, the kernel does not bound it."""
+    _check("table", table, 2)
+    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"ids must be a 1-D int64/int32 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    M, N = ids.shape[0], table.shape[1]
+    if x is None:
+        x = torch.empty((M, N), dtype=table.dtype, device=table.device)
+    _check("x", x, 2)
+    if tuple(x.shape) != (M, N):
+        raise ValueError(f"x must have shape ({M}, {N}), got {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    _check("out", out, 2)
+    if w.shape[0] != N:
+        raise ValueError(f"weight has {w.shape[0]} elements, rows have {N}")
+    block = triton.next_power_of_2(N)
+    use_pdl, pdl_launch = pdl.for_rows(M)
+    _rmsnorm_kernel[(M,)](
+        x, x, w, out, ids, table, N, eps, x.stride(0), x.stride(0), out.stride(0), 0, table.stride(0),
+        HAS_RESIDUAL=False, SPLITS=0, BLOCK=block, GATHER=True, num_warps=4 if block <= 4096 else 8,
+        PDL=use_pdl, **pdl_launch,
+    )
+    return x, out
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None) -> torch.Tensor:
@@ -117,6 +154,12 @@ def rmsnorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
     xf = x.to(torch.float32)
     var = xf.pow(2).mean(-1, keepdim=True)
     return w * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def embed_rmsnorm_reference(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = table[ids]
+    return x, rmsnorm_reference(x, w, eps)
 
 
 def add_rmsnorm_reference(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 from fqkernels import gemv  # noqa: E402
 from fqkernels.rmsnorm import (add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_partials_reference,  # noqa: E402
-                               add_rmsnorm_reference, rmsnorm, rmsnorm_reference)
+                               add_rmsnorm_reference, embed_rmsnorm, embed_rmsnorm_reference, rmsnorm,
+                               rmsnorm_reference)
 from fqkernels.rope_kv import qk_norm_rope_store, qk_norm_rope_store_reference, rope_tables  # noqa: E402
 from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
 
@@ -52,6 +53,21 @@ def test_rmsnorm_and_add_rmsnorm(rows, n):
     ref = add_rmsnorm_reference(xr, r, w, 1e-6)
     assert torch.equal(xk, xr), "the BF16 residual add must be exact"
     _close_to_ulp(out, ref)
+
+
+@pytest.mark.parametrize("rows,vocab,n", [(1, 151936, 2560), (16, 151936, 2560), (5, 300, 1000), (64, 1000, 4096)])
+def test_embed_rmsnorm(rows, vocab, n):
+    """The lookup is a copy (exact), the norm the plain kernel's bits, repeats and the last row included."""
+    table = (torch.randn(vocab, n, device=DEV) * 0.05).bfloat16()
+    ids = torch.randint(0, vocab, (rows,), device=DEV)
+    ids[0], ids[-1] = vocab - 1, ids[0] if rows > 2 else vocab - 1
+    w = torch.randn(n, device=DEV).bfloat16()
+    for dtype in (torch.int64, torch.int32):
+        x, out = embed_rmsnorm(ids.to(dtype), table, w, 1e-6)
+        x_ref, out_ref = embed_rmsnorm_reference(ids, table, w, 1e-6)
+        assert torch.equal(x, x_ref)
+        assert torch.equal(out, rmsnorm(x_ref, w, 1e-6))
+        _close_to_ulp(out, out_ref)
 
 
 @pytest.mark.parametrize("rows,n,splits", [(1, 2560, 1), (4, 2560, 2), (16, 2560, 4), (3, 1000, 3)])
