@@ -24,6 +24,7 @@
 #   judge-own     the judge, official, results/workloads/own.json, qwen3-4b
 #   judge-public-b1  the judge, official, the public batch-1 shape alone
 #   judge-public-b4-b16  the judge, official, the public batch-4 and batch-16 shapes
+#   judge-public-b1-nopdl  the public batch-1 shape with PDL off (as on the platform's Triton 3.1)
 # Run every judge through this script: it puts the carried Transformers 4.51.3 first
 # on the path and stamps the commit (a bare `python3 -m fastqwen.cli judge` on the
 # machine loads its Transformers 5.x for the native side and reports no commit).
@@ -83,6 +84,7 @@ for stage in "${stages[@]}"; do
     judge-own) judge own --model /tmp/q4b --workloads results/workloads/own.json ;;
     judge-public-b1) judge public_b1 --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
     judge-public-b4-b16) judge public_b4_b16 --model /tmp/q4b --workloads results/workloads/public_b4_b16.json ;;
+    judge-public-b1-nopdl) FASTQWEN_NO_PDL=1 judge public_b1_nopdl --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
     engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
                 grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;
