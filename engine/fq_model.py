@@ -18,6 +18,10 @@ from fqkernels.rope_kv import rope_tables
 # tokens: bounds the activations (gate/up alone is 2 x intermediate x 2 B a
 # token) without changing any result, since sequences are independent.
 PREFILL_TOKENS = 16384
+# A group larger than that (one prompt longer than PREFILL_TOKENS) runs its MLP
+# over row slices of at most this many tokens: the gate/up activations (the
+# largest, 2 x intermediate x 2 B a token) stay bounded at any prompt length.
+MLP_ROWS = PREFILL_TOKENS
 ROPE_GRANULE = 4096
 
 
@@ -88,8 +92,21 @@ class Qwen3Model:
                 x = x.view(nb, S, -1)[:, -1].contiguous()
             attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last)
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
-            h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
+            h = self._prefill_mlp(h, layer, x, self._next_norm(i))
         return ops.linear(h, self.w.lm_head)
+
+    def _prefill_mlp(self, h: torch.Tensor, layer, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """x <- x + down(SwiGLU(gate_up(h))) in place; returns RMSNorm(x) * norm. Rows are
+        independent, so slicing them (at MLP_ROWS) only bounds the activations."""
+        ops, eps, rows = self.ops, self.cfg.rms_norm_eps, h.shape[0]
+        if rows <= MLP_ROWS:
+            return ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, norm, eps)
+        out = torch.empty_like(h)
+        for r0 in range(0, rows, MLP_ROWS):
+            r1 = min(rows, r0 + MLP_ROWS)
+            out[r0:r1] = ops.linear_add_rmsnorm(ops.linear_silu_mul(h[r0:r1], layer.gate_up), layer.down,
+                                                x[r0:r1], norm, eps)
+        return out
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                out: torch.Tensor = None) -> torch.Tensor:

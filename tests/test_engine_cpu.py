@@ -130,3 +130,31 @@ def test_config_errors(tmp_path, tiny_model):
     (work / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         fast.Engine(str(work))
+
+
+def test_prefill_mlp_in_row_slices_is_the_same_function(engines, monkeypatch):
+    """A prompt longer than MLP_ROWS runs its MLP in row slices (bounded activations):
+    the logits are the unsliced ones (rows are independent), the tokens the same."""
+    import fq_model
+
+    fast, _ = engines
+    prompts = _prompts(1, 40, seed=5)
+    whole = list(fast.generate(prompts, 4))
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        logits = fast.model.prefill_logits(ids)
+    calls = []
+    real = fast.model._prefill_mlp
+
+    def counting(h, *args):
+        calls.append(h.shape[0])
+        return real(h, *args)
+
+    monkeypatch.setattr(fq_model, "MLP_ROWS", 16)
+    monkeypatch.setattr(fast.model, "_prefill_mlp", counting)
+    sliced = list(fast.generate(prompts, 4))
+    with torch.inference_mode():
+        logits_sliced = fast.model.prefill_logits(ids)
+    assert 40 in calls, "the prefill's MLP never saw the whole prompt's rows"
+    assert sliced == whole
+    assert torch.equal(logits_sliced, logits)
