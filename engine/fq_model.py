@@ -82,31 +82,37 @@ class Qwen3Model:
         last = len(self.w.layers) - 1
         for i, layer in enumerate(self.w.layers):
             kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
+            # Each activation is dropped as soon as the next one exists: a long prompt's
+            # peak memory is then the larger of the attention's and the MLP's working sets.
             qkv = ops.linear(h, layer.qkv)
+            del h
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, S,
                                        kc, vc, eps, c.num_heads, c.num_kv_heads)
+            del qkv
             if i == last:
                 # Every position's K/V is cached above, but only the last position
                 # of each sequence feeds the logits: the rest of the last layer
                 # (attention output, o, MLP) runs on those rows alone.
                 x = x.view(nb, S, -1)[:, -1].contiguous()
             attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last)
+            del q
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
+            del attn
             h = self._prefill_mlp(h, layer, x, self._next_norm(i))
         return ops.linear(h, self.w.lm_head)
 
     def _prefill_mlp(self, h: torch.Tensor, layer, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """x <- x + down(SwiGLU(gate_up(h))) in place; returns RMSNorm(x) * norm. Rows are
-        independent, so slicing them (at MLP_ROWS) only bounds the activations."""
+        independent, so slicing them (at MLP_ROWS) only bounds the activations; a slice's
+        result goes over its own input rows in h, which nothing reads again."""
         ops, eps, rows = self.ops, self.cfg.rms_norm_eps, h.shape[0]
         if rows <= MLP_ROWS:
             return ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, norm, eps)
-        out = torch.empty_like(h)
         for r0 in range(0, rows, MLP_ROWS):
             r1 = min(rows, r0 + MLP_ROWS)
-            out[r0:r1] = ops.linear_add_rmsnorm(ops.linear_silu_mul(h[r0:r1], layer.gate_up), layer.down,
-                                                x[r0:r1], norm, eps)
-        return out
+            h[r0:r1] = ops.linear_add_rmsnorm(ops.linear_silu_mul(h[r0:r1], layer.gate_up), layer.down,
+                                              x[r0:r1], norm, eps)
+        return h
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                out: torch.Tensor = None) -> torch.Tensor:

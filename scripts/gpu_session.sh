@@ -25,7 +25,8 @@
 #   judge-public-b1  the judge, official, the public batch-1 shape alone
 #   judge-public-b4-b16  the judge, official, the public batch-4 and batch-16 shapes
 #   judge-long    the judge, official, results/workloads/long.json (32K and 16K prompts)
-#   memory        peak memory per shape in fresh processes, the prefill's MLP sliced and not
+#   memory        peak memory per shape in fresh processes (gpu_memory.py's default --mlp-rows 16384,0
+#                 adds the unsliced prefill MLP: the slicing A/B)
 #   judge-public-b1-nopdl  the public batch-1 shape with PDL off (as on the platform's Triton 3.1)
 # Run every judge through this script: it puts the carried Transformers 4.51.3 first
 # on the path and stamps the commit (a bare `python3 -m fastqwen.cli judge` on the
@@ -87,7 +88,7 @@ for stage in "${stages[@]}"; do
     judge-public-b1) judge public_b1 --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
     judge-public-b4-b16) judge public_b4_b16 --model /tmp/q4b --workloads results/workloads/public_b4_b16.json ;;
     judge-long) judge long --model /tmp/q4b --workloads results/workloads/long.json ;;
-    memory) timeout 300 python3 scripts/gpu_memory.py --model /tmp/q4b --out "$OUT/gpu_memory.json" 2>&1 | tail -8 ;;
+    memory) timeout 300 python3 scripts/gpu_memory.py --model /tmp/q4b --mlp-rows 16384 --out "$OUT/gpu_memory.json" 2>&1 | tail -8 ;;
     judge-public-b1-nopdl) FASTQWEN_NO_PDL=1 judge public_b1_nopdl --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
     engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
