@@ -352,6 +352,29 @@ def _row_fma(acc, w, x_row_ptr, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr
     return acc + w * x.to(tl.float32)[None, :]
 
 
+@triton.jit
+def _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """_row_fma for each of the tile's BLOCK_M rows (accumulators past BLOCK_M come back untouched)."""
+    acc0 = _row_fma(acc0, w, x0, k, offs_k, K, EVEN_K)
+    if BLOCK_M > 1:
+        acc1 = _row_fma(acc1, w, x1, k, offs_k, K, EVEN_K)
+    if BLOCK_M > 2:
+        acc2 = _row_fma(acc2, w, x2, k, offs_k, K, EVEN_K)
+        acc3 = _row_fma(acc3, w, x3, k, offs_k, K, EVEN_K)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _load_w_block(ptrs, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BN, BK] weight block at k, as fp32, streamed (evict first); masked past K when K is uneven."""
+    if EVEN_K:
+        w = tl.load(ptrs + k, eviction_policy="evict_first")
+    else:
+        w = tl.load(ptrs + k, mask=((k + offs_k) < K)[None, :], other=0.0, eviction_policy="evict_first")
+    return w.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -394,30 +417,14 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     accu3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
         k = k_lo + i * BLOCK_K
-        if EVEN_K:
-            w = tl.load(w_ptrs + k, eviction_policy="evict_first").to(tl.float32)
-        else:
-            w = tl.load(w_ptrs + k, mask=((k + offs_k) < K)[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
+        w = _load_w_block(w_ptrs, k, offs_k, K, EVEN_K)
         if SILU:
-            if EVEN_K:
-                wu = tl.load(w_ptrs + up_offset + k, eviction_policy="evict_first").to(tl.float32)
-            else:
-                wu = tl.load(w_ptrs + up_offset + k, mask=((k + offs_k) < K)[None, :], other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
-        acc0 = _row_fma(acc0, w, x0, k, offs_k, K, EVEN_K)
-        if BLOCK_M > 1:
-            acc1 = _row_fma(acc1, w, x1, k, offs_k, K, EVEN_K)
-        if BLOCK_M > 2:
-            acc2 = _row_fma(acc2, w, x2, k, offs_k, K, EVEN_K)
-            acc3 = _row_fma(acc3, w, x3, k, offs_k, K, EVEN_K)
+            wu = _load_w_block(w_ptrs + up_offset, k, offs_k, K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K, EVEN_K,
+                                           BLOCK_M)
         if SILU:
-            accu0 = _row_fma(accu0, wu, x0, k, offs_k, K, EVEN_K)
-            if BLOCK_M > 1:
-                accu1 = _row_fma(accu1, wu, x1, k, offs_k, K, EVEN_K)
-            if BLOCK_M > 2:
-                accu2 = _row_fma(accu2, wu, x2, k, offs_k, K, EVEN_K)
-                accu3 = _row_fma(accu3, wu, x3, k, offs_k, K, EVEN_K)
+            accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
+                                                   EVEN_K, BLOCK_M)
     pdl.launch_dependents(PDL)
     _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
                   ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
