@@ -71,7 +71,8 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} needs unit stride on its last dim, got strides {t.stride()}")
 
 
-def _launch(x, r, w, eps, out, partials=False):
+def _launch(x, r, w, eps, out, partials=False, gather=None):
+    """gather: (ids, table) to fill x with table[ids] first (x then is written, not read)."""
     _check("x", x, 2)
     _check("w", w, 1)
     splits, stride_split = 0, 0
@@ -96,11 +97,13 @@ def _launch(x, r, w, eps, out, partials=False):
     M, N = x.shape
     block = triton.next_power_of_2(N)
     use_pdl, pdl_launch = pdl.for_rows(M)
+    ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
     _rmsnorm_kernel[(M,)](
-        x, r if r is not None else x, w, out, x, x, N, eps,          # (no gather: ids, table unused)
-        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split, 0,
-        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, num_warps=4 if block <= 4096 else 8,
-        PDL=use_pdl, **pdl_launch,
+        x, r if r is not None else x, w, out, ids, table, N, eps,
+        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
+        table.stride(0) if gather is not None else 0,
+        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
+        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch,
     )
     return out
 
@@ -115,22 +118,9 @@ def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: 
     M, N = ids.shape[0], table.shape[1]
     if x is None:
         x = torch.empty((M, N), dtype=table.dtype, device=table.device)
-    _check("x", x, 2)
     if tuple(x.shape) != (M, N):
         raise ValueError(f"x must have shape ({M}, {N}), got {tuple(x.shape)}")
-    if out is None:
-        out = torch.empty_like(x)
-    _check("out", out, 2)
-    if w.shape[0] != N:
-        raise ValueError(f"weight has {w.shape[0]} elements, rows have {N}")
-    block = triton.next_power_of_2(N)
-    use_pdl, pdl_launch = pdl.for_rows(M)
-    _rmsnorm_kernel[(M,)](
-        x, x, w, out, ids, table, N, eps, x.stride(0), x.stride(0), out.stride(0), 0, table.stride(0),
-        HAS_RESIDUAL=False, SPLITS=0, BLOCK=block, GATHER=True, num_warps=4 if block <= 4096 else 8,
-        PDL=use_pdl, **pdl_launch,
-    )
-    return x, out
+    return x, _launch(x, None, w, eps, out, gather=(ids, table))
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None) -> torch.Tensor:
