@@ -27,10 +27,7 @@ def child(model: str, shape: str, mlp_rows: int) -> dict:
     sys.path.insert(0, os.path.join(REPO, "engine"))
     import fq_model
 
-    if mlp_rows:
-        fq_model.MLP_ROWS = mlp_rows
-    else:
-        fq_model.MLP_ROWS = 1 << 62
+    fq_model.MLP_ROWS = mlp_rows or 1 << 62   # 0: never slice
     import engine as fast_engine
 
     batch, prompt, output = (int(v) for v in shape.split("x"))

@@ -22,7 +22,7 @@ from fqkernels import pdl
 
 BLOCK = 1024          # elements a program loads at once (8 a thread at 4 warps: 16-byte BF16 loads)
 MAX_PARTS = 1024      # a row's parts, reduced by one program of the second kernel
-_NONE = 2 ** 31 - 1   # "no index yet": larger than any column
+_NONE = tl.constexpr(2 ** 31 - 1)   # "no index yet": larger than any column (kernels and host)
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _argmax_parts_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_x, PARTS,
     row = tl.program_id(0)
     part = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
-    none = tl.full([BLOCK], 2 ** 31 - 1, tl.int32)
+    none = tl.full([BLOCK], _NONE, tl.int32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = none
     first_nan = none
@@ -65,12 +65,12 @@ def _argmax_final_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, PARTS,
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     v = tl.load(val_ptr + row * PARTS + offs, mask=mask, other=float("-inf"))
-    i = tl.load(idx_ptr + row * PARTS + offs, mask=mask, other=2 ** 31 - 1)
-    n = tl.load(nan_ptr + row * PARTS + offs, mask=mask, other=2 ** 31 - 1)
+    i = tl.load(idx_ptr + row * PARTS + offs, mask=mask, other=_NONE)
+    n = tl.load(nan_ptr + row * PARTS + offs, mask=mask, other=_NONE)
     m = tl.max(v, axis=0)
-    best = tl.min(tl.where(v == m, i, 2 ** 31 - 1), axis=0)
+    best = tl.min(tl.where(v == m, i, _NONE), axis=0)
     first_nan = tl.min(n, axis=0)
-    res = tl.where(first_nan < 2 ** 31 - 1, first_nan, best)
+    res = tl.where(first_nan < _NONE, first_nan, best)
     tl.store(out_ptr + row, res.to(tl.int64))
 
 
@@ -95,7 +95,7 @@ def argmax(x: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
     M, V = x.shape
     if M == 0 or V == 0:
         raise ValueError(f"argmax of an empty tensor (shape {tuple(x.shape)})")
-    if V >= _NONE:
+    if V >= _NONE.value:
         raise ValueError(f"{V} columns do not fit the kernel's int32 indices")
     if out is None:
         out = torch.empty(M, dtype=torch.int64, device=x.device)
