@@ -71,11 +71,10 @@ class TorchOps:
     def __init__(self):
         from fqkernels.argmax import argmax_reference
         from fqkernels.decode_attention import decode_attention_reference
-        from fqkernels.rmsnorm import add_rmsnorm_reference, embed_rmsnorm_reference, rmsnorm_reference
+        from fqkernels.rmsnorm import add_rmsnorm_reference, embed_rmsnorm_reference
         from fqkernels.rope_kv import qk_norm_rope_store_reference
         from fqkernels.swiglu import silu_mul_reference
 
-        self.rmsnorm = rmsnorm_reference
         self.embed_rmsnorm = embed_rmsnorm_reference
         self.add_rmsnorm = add_rmsnorm_reference
         self.qk_norm_rope_store = qk_norm_rope_store_reference
@@ -111,11 +110,10 @@ class TritonOps(TorchOps):
         from fqkernels import gemv
         from fqkernels.argmax import argmax
         from fqkernels.decode_attention import decode_attention
-        from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, embed_rmsnorm, rmsnorm
+        from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, embed_rmsnorm
         from fqkernels.rope_kv import qk_norm_rope_store
         from fqkernels.swiglu import silu_mul
 
-        self.rmsnorm = rmsnorm
         self.embed_rmsnorm = embed_rmsnorm
         self.add_rmsnorm = add_rmsnorm
         self.add_rmsnorm_partials = add_rmsnorm_partials
