@@ -2,16 +2,69 @@
 
 Nothing past this module touches the raw dict: every dimension the engine
 uses comes from here, so any Qwen3 dense size loads (0.6B to 8B and beyond).
+
+The reference is Transformers 4.51.3's `Qwen3ForCausalLM` (BF16, sdpa). Every
+field of its `Qwen3Config` (and of `PretrainedConfig` that reaches the forward)
+was checked for what it changes in that forward. A field absent from
+config.json takes Qwen3Config's default, as Transformers does (`head_dim` is 128
+there, not hidden_size / heads). A value that changes the reference's arithmetic
+in a way the engine does not implement is refused at load with one line naming it:
+
+  shapes (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, head_dim), rms_norm_eps,
+    rope_theta, tie_word_embeddings ........ read
+  sliding_window ............................ read: a window in every layer (below)
+  use_sliding_window ........................ false only (below)
+  max_window_layers ......................... ignored, as the sdpa reference ignores it
+  rope_scaling .............................. null or rope_type "default" only
+  partial_rotary_factor ..................... absent or 1 only (it shortens the rotary part)
+  hidden_act ................................ "silu" only
+  attention_bias ............................ false only
+  output_attentions ......................... false only (true sends the reference to eager attention)
+  quantization_config ....................... refused: the engine runs unquantized weights
+  torch_dtype ............................... bfloat16, float16 or float32: the weights are cast
+                                              to BF16 at load, as the reference loads them
+  max_position_embeddings ................... not used by plain RoPE; the engine refuses calls past it
+  attention_dropout, initializer_range, use_cache, token ids, output_hidden_states: no effect
+
+Sliding window (the one non-obvious rule). 4.51.3 builds its causal mask with a
+window whenever `sliding_window` is not null, in every layer, whatever
+`use_sliding_window` and `max_window_layers` say (those two only reach the
+attention function as an argument the sdpa path ignores): query position p sees
+keys j with p - sliding_window < j <= p. Qwen3Config's own default is a window of
+4096, so a checkpoint saved from a default config carries one. The engine keeps
+the same rule (`sliding_window` below; fq_ops.prefill_attention and the decode
+attention kernels apply it). Newer Transformers drop the window when
+use_sliding_window is false and apply it per layer otherwise: that is why
+use_sliding_window=true is refused rather than guessed.
 """
 import json
 import os
 from dataclasses import dataclass
 
-_REQUIRED = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
-    "max_position_embeddings",
-)
+# Qwen3Config's defaults (transformers 4.51.3, configuration_qwen3.py), used for absent fields.
+DEFAULTS = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+
+# torch_dtype values whose tensors load as the reference loads them (cast to BF16 at load).
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -27,6 +80,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    sliding_window: int | None = None  # keys per query (itself included); None: full causal attention
 
     @property
     def q_size(self) -> int:
@@ -65,37 +119,69 @@ class ModelConfig:
             raise ValueError(f"{source}: expected a JSON object")
         if raw.get("model_type") != "qwen3":
             raise ValueError(f"{source}: model_type is {raw.get('model_type')!r}, this engine runs 'qwen3'")
-        missing = [k for k in _REQUIRED if k not in raw]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
-        scaling = raw.get("rope_scaling")
-        if scaling not in (None, {}) and (scaling.get("rope_type") or scaling.get("type")) != "default":
-            raise ValueError(f"{source}: rope_scaling {scaling!r} is not supported (only plain RoPE)")
-        if raw.get("attention_bias"):
-            raise ValueError(f"{source}: attention_bias=true is not supported (Qwen3 has no biases)")
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
-        heads, kv_heads = int(raw["num_attention_heads"]), int(raw["num_key_value_heads"])
-        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
+        _refuse_unsupported(raw, source)
+        get = {k: raw.get(k, v) for k, v in DEFAULTS.items()}.__getitem__
+
+        def positive_int(name: str) -> int:
+            value = get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
+            return value
+
+        def positive_number(name: str) -> float:
+            value = get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
+            return float(value)
+
+        heads, kv_heads = positive_int("num_attention_heads"), positive_int("num_key_value_heads")
+        head_dim = positive_int("head_dim")
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if head_dim % 2 or head_dim & (head_dim - 1):
             raise ValueError(f"{source}: head_dim {head_dim} must be a power of two")
-        dtype = raw.get("torch_dtype", "bfloat16")
-        if dtype != "bfloat16":
-            raise ValueError(f"{source}: torch_dtype {dtype!r}; this engine runs bfloat16 checkpoints")
+        window = get("sliding_window")
+        if window is not None:
+            window = positive_int("sliding_window")
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            vocab_size=positive_int("vocab_size"),
+            hidden_size=positive_int("hidden_size"),
+            intermediate_size=positive_int("intermediate_size"),
+            num_layers=positive_int("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw["rms_norm_eps"]),
-            rope_theta=float(raw["rope_theta"]),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rms_norm_eps=positive_number("rms_norm_eps"),
+            rope_theta=positive_number("rope_theta"),
+            max_position_embeddings=positive_int("max_position_embeddings"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            sliding_window=window,
         )
+
+
+def _refuse_unsupported(raw: dict, source: str) -> None:
+    """One clear line for any field value that changes the reference's forward in a way
+    the engine does not implement (see FIELDS)."""
+    scaling = raw.get("rope_scaling")
+    if scaling not in (None, {}):
+        kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "default":
+            raise ValueError(f"{source}: rope_scaling {scaling!r} is not supported (only plain RoPE)")
+    factor = raw.get("partial_rotary_factor", 1.0)
+    if factor not in (1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor {factor!r} is not supported (RoPE on the whole head only)")
+    if raw.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported (Qwen3 has no biases)")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (Transformers versions disagree on "
+                         f"which layers it windows; a window in every layer is read from sliding_window alone)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    if raw.get("output_attentions"):
+        raise ValueError(f"{source}: output_attentions=true is not supported (it makes the reference run its "
+                         f"eager attention instead of sdpa)")
+    if raw.get("quantization_config") is not None:
+        raise ValueError(f"{source}: quantization_config is set; this engine runs unquantized checkpoints only")
+    dtype = raw.get("torch_dtype", "bfloat16")
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{source}: torch_dtype {dtype!r} is not supported (one of {', '.join(WEIGHT_DTYPES)})")

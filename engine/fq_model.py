@@ -2,6 +2,9 @@
 one decode step, written once over an op set (Triton kernels on a GPU, their
 torch references on the CPU).
 
+A sliding window (config.sliding_window) applies in every layer, as in the
+reference: query position p attends to keys p - window < j <= p (fq_config).
+
 Cast points are the reference's (see fqkernels/*): BF16 residual stream and
 products, RMSNorm normalized value rounded to BF16 before the weight, SiLU
 rounded before the multiply by up, RoPE products rounded before their sum,
@@ -94,7 +97,7 @@ class Qwen3Model:
                 # of each sequence feeds the logits: the rest of the last layer
                 # (attention output, o, MLP) runs on those rows alone.
                 x = x.view(nb, S, -1)[:, -1].contiguous()
-            attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last)
+            attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last, window=c.sliding_window)
             del q
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
             del attn
@@ -132,7 +135,7 @@ class Qwen3Model:
             qkv = ops.linear(h, layer.qkv)
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, 1,
                                        kc, vc, eps, c.num_heads, c.num_kv_heads)
-            attn = ops.decode_attention(q, kc, vc, lengths, self.scale)
+            attn = ops.decode_attention(q, kc, vc, lengths, self.scale, window=c.sliding_window)
             h = ops.linear_add_rmsnorm(attn.view(B, c.q_size), layer.o, x, layer.post_norm, eps)
             h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
         return ops.linear(h, self.w.lm_head)

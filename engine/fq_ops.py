@@ -12,8 +12,14 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      batch: int, seq_len: int, scale: float, last_only: bool = False) -> torch.Tensor:
+                      batch: int, seq_len: int, scale: float, last_only: bool = False,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention over a fresh prompt: q [B*S, H, D] against cache[:, :, :S].
+
+    With a sliding `window` and a prompt of at least `window` tokens, the reference
+    builds an explicit mask and SDPA runs its masked kernel: `_windowed_attention`
+    does the same. A shorter prompt loses no key to the window, and the reference
+    runs plain causal attention then, as below.
 
     SDPA's flash backend on the GPU, as the reference's sdpa path runs on the
     platform's torch 2.5.1. Newer torch would pick cuDNN attention first on Hopper
@@ -28,6 +34,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     position (which sees every key, so no mask).
     """
     global _FLASH_GQA
+    if window is not None and seq_len >= window:
+        return _windowed_attention(q, k_cache, v_cache, batch, seq_len, scale, last_only, window)
     H, D = q.shape[1], q.shape[2]
     group = H // k_cache.shape[1]
     qh = q.view(batch, seq_len, H, D)
@@ -48,6 +56,45 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     with sdpa_kernel(_SDPA_BACKENDS):
         o = F.scaled_dot_product_attention(qh, _expand_kv(k, group), _expand_kv(v, group),
                                            is_causal=not last_only, scale=scale)
+    return o.transpose(1, 2).reshape(-1, H * D)
+
+
+# Rows of the additive mask built at once (bf16): bounds a long prompt's mask to ~64 MB.
+_MASK_ELEMENTS = 1 << 25
+
+
+def _windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int,
+                        seq_len: int, scale: float, last_only: bool, window: int) -> torch.Tensor:
+    """Sliding-window prompt attention, computed as Transformers 4.51.3 computes it.
+
+    Its mask builder, for a forward over S >= window tokens, makes a BF16 [S, S] mask
+    holding finfo(bf16).min where key j is hidden from query p (j > p or j <= p - window)
+    and -0.0 elsewhere (min times False), and SDPA gets it as attn_mask on K/V repeated
+    per query head: flash takes no mask, so its memory-efficient kernel runs (math on
+    the CPU). This function makes the same call on the same values, with the query rows
+    taken in chunks so the mask stays small: each row's result depends only on its own
+    scores, and keys past a chunk's last row are masked for all of its rows (they add
+    exp(-huge) = 0 in the same key-block order), so they are left out.
+    """
+    H, D = q.shape[1], q.shape[2]
+    group = H // k_cache.shape[1]
+    k = _expand_kv(k_cache[:batch, :, :seq_len], group)
+    v = _expand_kv(v_cache[:batch, :, :seq_len], group)
+    qh = q.view(batch, seq_len, H, D).transpose(1, 2)
+    first = seq_len - 1 if last_only else 0
+    rows = max(128, _MASK_ELEMENTS // seq_len // 128 * 128)
+    outs = []
+    for q0 in range(first, seq_len, rows):
+        q1 = min(seq_len, q0 + rows)
+        pos = torch.arange(q0, q1, device=q.device)[:, None]
+        key = torch.arange(q1, device=q.device)
+        mask = torch.full((q1 - q0, q1), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=q.device)
+        mask *= (key > pos) | (key <= pos - window)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(qh[:, :, q0:q1].contiguous(), k[:, :, :q1], v[:, :, :q1],
+                                               attn_mask=mask[None, None], scale=scale)
+        outs.append(o)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return o.transpose(1, 2).reshape(-1, H * D)
 
 

@@ -15,6 +15,9 @@ from safetensors import safe_open
 
 from fq_config import ModelConfig
 
+# Checkpoint dtypes the loader takes; every weight is held in BF16 on the device.
+_LOADABLE = (torch.bfloat16, torch.float16, torch.float32)
+
 
 @dataclass
 class LayerWeights:
@@ -126,12 +129,14 @@ def load_weights(model_path: str, cfg: ModelConfig, device: torch.device) -> Mod
             t = files[shard_of[name]].get_tensor(name)
             if tuple(t.shape) != expected[name]:
                 raise ValueError(f"{shard_of[name]}: tensor {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
-            if t.dtype != torch.bfloat16:
-                raise ValueError(f"{shard_of[name]}: tensor {name} is {t.dtype}, expected torch.bfloat16")
+            if t.dtype not in _LOADABLE:
+                raise ValueError(f"{shard_of[name]}: tensor {name} is {t.dtype}; expected bfloat16, float16 or float32")
             return t
 
         def place(*names: str) -> torch.Tensor:
-            """The named tensors, read and stacked along dim 0 into one device tensor."""
+            """The named tensors, read and stacked along dim 0 into one BF16 device tensor
+            (a float16/float32 tensor is rounded to BF16 by the copy, as the reference's
+            from_pretrained(torch_dtype=bfloat16) rounds it)."""
             parts = [read(n) for n in names]
             shape = (sum(t.shape[0] for t in parts),) + tuple(parts[0].shape[1:])
             out = torch.empty(shape, dtype=torch.bfloat16, device=device)

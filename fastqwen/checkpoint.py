@@ -60,12 +60,18 @@ def _read_json(path: pathlib.Path) -> object:
         raise UserError(f"{str(path)!r} is not UTF-8 text") from None
 
 
+# Qwen3Config's head_dim default (transformers 4.51.3), used when config.json has none.
+QWEN3_DEFAULT_HEAD_DIM = 128
+
+
 def read_config(model_dir: str | pathlib.Path) -> dict:
     """`config.json` of a Qwen3 model folder, checked, as a dict.
 
     Fills the two fields Transformers defaults when absent, so every reader sees
-    the same values Transformers uses: `head_dim` (hidden_size //
-    num_attention_heads) and `tie_word_embeddings` (False in Qwen3Config).
+    the same values Transformers uses: `head_dim` (128 in 4.51.3's Qwen3Config,
+    whatever hidden_size / num_attention_heads is) and `tie_word_embeddings`
+    (False in Qwen3Config). An explicit null head_dim is an error (the reference
+    cannot build the model from it).
     Raises UserError for a missing folder, a missing or malformed config.json,
     a model_type other than qwen3, or a missing or invalid required field.
     """
@@ -97,8 +103,8 @@ def read_config(model_dir: str | pathlib.Path) -> dict:
     if act != "silu":
         raise UserError(f"{str(path)!r}: hidden_act is {act!r}; Qwen3 uses 'silu'")
     out = dict(cfg)
-    if out.get("head_dim") is None:
-        out["head_dim"] = out["hidden_size"] // heads
+    if "head_dim" not in out:
+        out["head_dim"] = QWEN3_DEFAULT_HEAD_DIM
     elif not _is_positive_int(out["head_dim"]):
         raise UserError(f"{str(path)!r}: field 'head_dim' must be a positive integer, got {out['head_dim']!r}")
     out.setdefault("tie_word_embeddings", False)
@@ -114,7 +120,7 @@ def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     hidden = int(config["hidden_size"])
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
-    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    head_dim = int(config.get("head_dim", QWEN3_DEFAULT_HEAD_DIM))
     q_out = int(config["num_attention_heads"]) * head_dim
     kv_out = int(config["num_key_value_heads"]) * head_dim
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]

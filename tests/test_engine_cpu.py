@@ -158,3 +158,112 @@ def test_prefill_mlp_in_row_slices_is_the_same_function(engines, monkeypatch):
     assert 40 in calls, "the prefill's MLP never saw the whole prompt's rows"
     assert sliced == whole
     assert torch.equal(logits_sliced, logits)
+
+
+# ---- sliding window: the reference (4.51.3) applies config.sliding_window in every layer ----
+
+WINDOW = 48
+
+
+@pytest.fixture(scope="module")
+def window_model(tiny_model, tmp_path_factory):
+    """The tiny checkpoint with `sliding_window: 48` in its config.json (same weights)."""
+    work = tmp_path_factory.mktemp("tiny_window") / "m"
+    shutil.copytree(tiny_model, work)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["sliding_window"] = WINDOW
+    (work / "config.json").write_text(json.dumps(cfg))
+    return work
+
+
+@pytest.fixture(scope="module")
+def window_engine(window_model):
+    return load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test").Engine(str(window_model))
+
+
+# (batch, prompt, steps): decode crossing the window from a short prompt; a prompt one
+# short of it (plain causal prefill in the reference); exactly the window (the masked
+# prefill, nothing masked yet); prompts well past it.
+@pytest.mark.parametrize("batch,prompt,steps", [(2, 30, 40), (2, 47, 6), (3, 48, 6), (2, 100, 30), (1, 170, 12)])
+def test_sliding_window_is_the_reference(window_engine, window_model, tiny_model, batch, prompt, steps):
+    """Tokens within the margin of the windowed reference's full forward, and the
+    prefill's logits equal to its last row; the same sequences scored without the
+    window are far off, so a missing or misplaced window cannot pass."""
+    from transformers import Qwen3ForCausalLM
+
+    prompts = _prompts(batch, prompt, seed=7000 + prompt)
+    emitted = list(window_engine.generate(prompts, steps))
+    slack = _teacher_forced_slack(window_model, prompts, emitted)
+    assert slack.max() <= 0.5, f"max slack {slack.max():.3f} against the windowed reference"
+    ref = Qwen3ForCausalLM.from_pretrained(str(window_model), torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    plain = Qwen3ForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    seq = torch.cat([torch.tensor(prompts), torch.tensor(emitted).T], dim=1)
+    with torch.inference_mode():
+        want = ref(input_ids=seq).logits[:, prompt - 1:-1].float()
+        unwindowed = plain(input_ids=seq).logits[:, prompt - 1:-1].float()
+        got = window_engine.model.prefill_logits(torch.tensor(prompts)).float()
+    assert torch.equal(got, want[:, 0]), "the prefill's logits are not the reference's"
+    if prompt + steps - 1 > WINDOW:
+        beyond = (unwindowed - want).abs().amax(-1)[:, max(0, WINDOW - prompt + 1):]  # positions >= WINDOW
+        assert beyond.max() > 5.0, "this case does not tell a window from none"
+
+
+def test_config_takes_qwen3config_defaults(tmp_path, tiny_model):
+    """Absent fields take Qwen3Config's defaults, head_dim 128 and sliding_window 4096 among them."""
+    fq_config = _engine_module("fq_config")
+    raw = json.loads((tiny_model / "config.json").read_text())
+    for field in ("head_dim", "sliding_window", "rms_norm_eps", "rope_theta"):
+        raw.pop(field)
+    cfg = fq_config.ModelConfig.from_dict(raw)
+    assert (cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps, cfg.rope_theta) == (128, 4096, 1e-6, 10000.0)
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(**raw)
+    assert (hf.head_dim, hf.sliding_window, hf.rms_norm_eps, hf.rope_theta) == (128, 4096, 1e-6, 10000.0)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("use_sliding_window", True, "use_sliding_window=true"),
+    ("sliding_window", 0, "sliding_window must be a positive integer"),
+    ("sliding_window", "4096", "sliding_window must be a positive integer"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+    ("output_attentions", True, "output_attentions"),
+    ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
+    ("attention_bias", True, "attention_bias"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("torch_dtype", "int8", "torch_dtype"),
+    ("head_dim", None, "head_dim must be a positive integer"),
+    ("head_dim", 48, "power of two"),
+])
+def test_config_refuses_what_it_does_not_compute(tiny_model, field, value, needle):
+    fq_config = _engine_module("fq_config")
+    raw = json.loads((tiny_model / "config.json").read_text())
+    raw[field] = value
+    with pytest.raises(ValueError, match=needle):
+        fq_config.ModelConfig.from_dict(raw)
+
+
+def test_float32_checkpoint_loads_as_the_reference_loads_it(engines, tiny_model, tmp_path):
+    """A float32 checkpoint is rounded to BF16 at load (from_pretrained(torch_dtype=bfloat16)
+    does the same): the engine gives the BF16 checkpoint's tokens."""
+    from safetensors.torch import load_file, save_file
+
+    work = tmp_path / "f32"
+    shutil.copytree(tiny_model, work)
+    for shard in work.glob("*.safetensors"):
+        save_file({k: v.float() for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    (work / "config.json").write_text(json.dumps(cfg))
+    fast, _ = engines
+    f32 = load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test").Engine(str(work))
+    prompts = _prompts(2, 20, seed=9)
+    assert list(f32.generate(prompts, 5)) == list(fast.generate(prompts, 5))
+
+
+def _engine_module(name):
+    load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test")  # puts engine/ on sys.path
+    import importlib
+
+    return importlib.import_module(name)

@@ -107,3 +107,76 @@ def test_prefill_attention_gqa_is_bit_equal_to_expanded_kv(batch, seq_len):
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         want = torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=dim**-0.5)
     assert torch.equal(got, want.transpose(1, 2).reshape(-1, heads * dim))
+
+
+# ---- sliding window (config.sliding_window: the reference windows every layer) ----
+
+@pytest.fixture(scope="module")
+def window_engine(tiny_model, tmp_path_factory):
+    import json
+    import shutil
+
+    work = tmp_path_factory.mktemp("tiny_window_gpu") / "m"
+    shutil.copytree(tiny_model, work)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["sliding_window"] = 48
+    (work / "config.json").write_text(json.dumps(cfg))
+    engine = load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(work))
+    engine.model_dir = work
+    return engine
+
+
+@pytest.mark.parametrize("batch,prompt,steps", [(2, 30, 60), (3, 48, 20), (4, 200, 40), (9, 100, 30)])
+def test_window_margin_against_native(window_engine, batch, prompt, steps):
+    prompts = _prompts(batch, prompt, seed=batch + prompt)
+    for _ in range(2):  # the second call replays the prefill graph
+        emitted = list(window_engine.generate(prompts, steps))
+        slack = _slack(window_engine.model_dir, prompts, emitted)
+        assert slack.max() <= 2.0, f"margin violated: max slack {slack.max():.3f}"
+
+
+def test_window_graph_equals_eager(window_engine):
+    prompts = _prompts(3, 70, seed=31)
+    graphed = list(window_engine.generate(prompts, 40))
+    window_engine.use_graphs, window_engine._runner = False, None
+    try:
+        eager = list(window_engine.generate(prompts, 40))
+    finally:
+        window_engine.use_graphs, window_engine._runner = True, None
+    assert graphed == eager
+
+
+@pytest.mark.parametrize("batch,seq_len,window", [(1, 300, 100), (2, 1000, 256), (3, 777, 777)])
+def test_windowed_prefill_attention_is_the_references_call(monkeypatch, batch, seq_len, window):
+    """The windowed prefill gives the bits of the reference's own SDPA call (the whole
+    [S, S] mask, K/V repeated per head, contiguous q/k/v), also when its query rows
+    are taken in chunks and the keys past a chunk are left out."""
+    import sys
+
+    if str(ENGINE_DIR) not in sys.path:
+        sys.path.insert(0, str(ENGINE_DIR))
+    import fq_ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    heads, kv_heads, dim, cap = 32, 8, 128, 1024
+    q = torch.randn(batch * seq_len, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
+    kc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    qh = q.view(batch, seq_len, heads, dim).transpose(1, 2).contiguous()
+    k = kc[:batch, :, :seq_len].repeat_interleave(4, 1).contiguous()
+    v = vc[:batch, :, :seq_len].repeat_interleave(4, 1).contiguous()
+    pos, key = torch.arange(seq_len, device="cuda")[:, None], torch.arange(seq_len + 1, device="cuda")
+    mask = torch.full((seq_len, seq_len + 1), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device="cuda")
+    mask *= (key > pos) | (key <= pos - window)
+    mask = mask[None, None].expand(batch, 1, -1, -1)[..., :seq_len]  # as the reference slices it
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=dim**-0.5)
+    want = want.transpose(1, 2).reshape(-1, heads * dim)
+    got = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window)
+    assert torch.equal(got, want), "one chunk: not the reference's bits"
+    monkeypatch.setattr(fq_ops, "_MASK_ELEMENTS", 128 * seq_len)  # 128-row chunks
+    assert torch.equal(fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window), want), \
+        "chunked: not the reference's bits"
+    last = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, last_only=True, window=window)
+    assert torch.equal(last, want.view(batch, seq_len, -1)[:, -1])

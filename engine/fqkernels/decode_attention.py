@@ -1,7 +1,11 @@
 """Decode attention: one new query per sequence against a static KV cache (split-KV, GQA).
 
     out[b, h, :] = softmax_j( (q[b, h] . k[b, h // G, j]) * scale ) @ v[b, h // G, :, :]
-                   over the valid positions j < lengths[b],  G = H // KVH
+                   over the valid positions lengths[b] - window <= j < lengths[b],  G = H // KVH
+
+`window` (the model's sliding_window, or None for no window) is only a start offset:
+the same tiles, masks and merge, with positions before the window masked like those
+past the length (the reference's rule: query position p sees keys p - window < j <= p).
 
 Shapes and dtypes: q [B, H, D] bf16; k_cache, v_cache [B, KVH, C, D] bf16 (unit stride
 on D; any other strides, so one layer of a [L, B, KVH, C, D] buffer is passed as a
@@ -153,6 +157,7 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
     qk_scale,  # scale * log2(e): scores come out in the exp2 domain
+    WINDOW,  # keys a query sees, itself included (>= CAPACITY: no window)
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -172,8 +177,12 @@ def _split_kernel(
     # Clamp on the device: a length outside [0, C] must not read outside the cache.
     length = tl.load(lengths_ptr + b)
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, length)
+    # The window's first position. The walk starts at the tile holding it, so tiles
+    # stay aligned to BLOCK_N from position 0 (as with no window); the positions of
+    # that tile before it are masked.
+    first = tl.maximum(length - WINDOW, 0)
+    lo = tl.maximum(split * SPLIT_LEN, (first // BLOCK_N) * BLOCK_N)
+    hi = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, length)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
@@ -196,13 +205,13 @@ def _split_kernel(
         # P then happens at the same scale as there for most tiles (module doc).
         last = ((length - 1) // BLOCK_N) * BLOCK_N
         pos = last + offs_n
-        pos_ok = (pos < length) & (pos >= 0)
+        pos_ok = (pos < length) & (pos >= first)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         m_i = tl.max(s, axis=1)
 
-    # An empty slice (lo >= hi) runs no iteration and leaves a partial with acc 0
-    # and l 0 that the merge weighs as zero.
+    # An empty slice (lo >= hi: past the length, or before the window) runs no
+    # iteration and leaves a partial with acc 0 and l 0 that the merge weighs as zero.
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     for t in range(0, n_tiles):
         if FLASH_ORDER:
@@ -210,14 +219,15 @@ def _split_kernel(
         else:
             start = lo + t * BLOCK_N
         pos = start + offs_n
-        pos_ok = pos < hi
+        pos_ok = (pos < hi) & (pos >= first)
         # Masked loads: positions past lengths[b] may hold stale or garbage K/V
         # (even NaN), which must not reach the sums, not even as 0 * NaN.
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(pos_ok[None, :], s, float("-inf"))
-        # Every tile holds at least one valid position, so m_new is finite.
+        # Every tile holds at least one valid position (lo is the window's first
+        # tile or later, and a split's bounds are whole tiles), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -389,8 +399,10 @@ def decode_attention(
     flash_order: bool | None = None,
     block_n: int | None = None,
     plan: DecodeAttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query per sequence over its first lengths[b] cached positions.
+    """Attention of one new query per sequence over its first lengths[b] cached positions
+    (the last `window` of them when a window is given).
 
     q [B, H, D] bf16; k_cache, v_cache [B, KVH, C, D] bf16 (unit stride on D); lengths
     [B] int32 on q's device, read only by the kernels (no host sync; values are
@@ -415,12 +427,16 @@ def decode_attention(
     plan: a whole launch plan (from decode_attention_plan, e.g. with other warps or
     stages); then num_splits and block_n must be None.
 
+    window: the model's sliding window (keys a query sees, itself included), or None.
+    It moves each split's start, nothing else: same tiles, plan and graph.
+
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
     """
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"decode_attention: num_splits must be a positive int or None, got {num_splits!r}")
+    _check_window(window)
     _check_inputs(q, k_cache, v_cache, lengths, scale, out)
     batch, heads, head_dim = q.shape
     _, kv_heads, capacity, _ = k_cache.shape
@@ -450,6 +466,7 @@ def decode_attention(
         q, k_cache, v_cache, lengths,
         acc_ws, m_ws, l_ws, out,
         qk_scale,
+        capacity if window is None else min(window, capacity),  # a window >= C masks nothing
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -481,16 +498,24 @@ def _check_plan(plan: object, group: int, capacity: int, num_splits: object, blo
         raise ValueError(f"decode_attention: plan {plan} does not cover capacity {capacity} with group {group}")
 
 
+def _check_window(window: object) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decode_attention: window must be a positive int or None, got {window!r}")
+
+
 def decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch decode_attention with the same cast points (slow; reads lengths on the host).
 
-    Per sequence: K/V of the first lengths[b] positions expanded to the H query heads,
+    Per sequence: K/V of positions [max(0, lengths[b] - window), lengths[b]) (all of the
+    first lengths[b] without a window) expanded to the H query heads,
     fp32 scores of the bf16 operands times scale, fp32 softmax, probabilities rounded
     to bf16, P @ V in fp32, result rounded to bf16. A zero length gives zeros.
     """
     _check_shapes_for_reference(q, k_cache, v_cache, lengths)
+    _check_window(window)
     batch, heads, head_dim = q.shape
     _, kv_heads, capacity, _ = k_cache.shape
     group = heads // kv_heads
@@ -498,8 +523,9 @@ def decode_attention_reference(
     for b, length in enumerate(lengths.tolist()):
         if not 0 <= length <= capacity:
             raise ValueError(f"decode_attention_reference: lengths[{b}] = {length} outside [0, {capacity}]")
-        k = k_cache[b, :, :length].repeat_interleave(group, dim=0).float()  # [H, L, D]
-        v = v_cache[b, :, :length].repeat_interleave(group, dim=0).float()
+        first = 0 if window is None else max(0, length - window)
+        k = k_cache[b, :, first:length].repeat_interleave(group, dim=0).float()  # [H, L, D]
+        v = v_cache[b, :, first:length].repeat_interleave(group, dim=0).float()
         scores = torch.matmul(q[b].float().unsqueeze(1), k.transpose(1, 2)) * scale  # [H, 1, L]
         probs = torch.softmax(scores, dim=-1).to(torch.bfloat16).float()
         out[b] = torch.matmul(probs, v).squeeze(1).to(torch.bfloat16)

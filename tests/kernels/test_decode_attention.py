@@ -53,9 +53,11 @@ MAX_REL_NORM = 1e-2
 
 
 def _float64_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: list[int], scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: list[int], scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Exact math written independently of the reference: float64, no bf16 rounding inside."""
+    """Exact math written independently of the reference: float64, no bf16 rounding inside.
+    With a window, query position L - 1 sees keys j > L - 1 - window (the reference's mask)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     kv_of_head = torch.arange(heads, device=q.device) // (heads // kv_heads)
@@ -63,8 +65,9 @@ def _float64_attention(
     for b, length in enumerate(lengths):
         if length == 0:
             continue
-        k = k_cache[b, :, :length].double()[kv_of_head]  # [H, L, D]
-        v = v_cache[b, :, :length].double()[kv_of_head]
+        seen = torch.arange(length) > length - 1 - (window if window is not None else length)
+        k = k_cache[b, :, :length][:, seen].double()[kv_of_head]  # [H, L, D]
+        v = v_cache[b, :, :length][:, seen].double()[kv_of_head]
         scores = torch.einsum("hd,hld->hl", q[b].double(), k) * scale
         weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -104,8 +107,10 @@ def _make_inputs(
     device: str,
     seed: int,
     layers: int = 2,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh random q and one layer of a cache, NaN past each length.
+    """Fresh random q and one layer of a cache, NaN past each length (and, with a
+    window, before each sequence's window: those positions must never be read).
 
     The cache is laid out [B, layers, KVH, C, D], so the layer view's batch stride is
     not that of a contiguous [B, KVH, C, D] tensor: the kernel must use the strides it
@@ -121,6 +126,9 @@ def _make_inputs(
     for b, length in enumerate(lengths):
         k[b, :, length:] = float("nan")
         v[b, :, length:] = float("nan")
+        if window is not None:
+            k[b, :, :max(0, length - window)] = float("nan")
+            v[b, :, :max(0, length - window)] = float("nan")
     lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device)
     return q, k, v, lengths_t
 
@@ -133,16 +141,18 @@ def _check_kernel(
     scale: float,
     num_splits: int | None,
     flash_order: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Run the kernel into a NaN-poisoned output and compare with the reference and float64."""
     out = torch.full_like(q, float("nan"))
-    result = decode_attention(q, k, v, lengths, scale, out=out, num_splits=num_splits, flash_order=flash_order)
+    result = decode_attention(q, k, v, lengths, scale, out=out, num_splits=num_splits, flash_order=flash_order,
+                              window=window)
     assert result.data_ptr() == out.data_ptr()
     assert bool(torch.isfinite(out).all()), "kernel left NaN/inf in the output"
-    ref = decode_attention_reference(q, k, v, lengths, scale)
+    ref = decode_attention_reference(q, k, v, lengths, scale, window=window)
     ulps = _ulp_error(out, ref)
     assert ulps <= MAX_ULPS, f"kernel vs reference: {ulps:.2f} bf16 ulps (limit {MAX_ULPS})"
-    exact = _float64_attention(q, k, v, lengths.tolist(), scale)
+    exact = _float64_attention(q, k, v, lengths.tolist(), scale, window)
     rel = _rel_norm(out, exact)
     assert rel < MAX_REL_NORM, f"kernel vs float64: relative error {rel:.3g}"
     return out
@@ -221,6 +231,23 @@ def test_reference_zero_length_gives_zeros():
     assert bool((ref[1] != 0).any())
 
 
+@pytest.mark.parametrize("window", [1, 5, 37, 96, 500])
+def test_reference_window_matches_float64(window):
+    lengths = [96, 37, 1]
+    q, k, v, lengths_t = _make_inputs(3, 4, 2, 96, 64, lengths, "cpu", seed=6, window=window)
+    ref = decode_attention_reference(q, k, v, lengths_t, 64**-0.5, window=window)
+    exact = _float64_attention(q, k, v, lengths, 64**-0.5, window)
+    assert bool(torch.isfinite(ref).all()), "a position before the window reached the sums"
+    assert _ulp_error(ref, exact.to(torch.bfloat16)) <= MAX_ULPS
+
+
+def test_window_one_is_the_newest_value():
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 40, 32, [40, 7], "cpu", seed=7, window=1)
+    ref = decode_attention_reference(q, k, v, lengths_t, 0.3, window=1)
+    for b, length in enumerate([40, 7]):
+        assert torch.equal(ref[b], v[b, :, length - 1].repeat_interleave(2, dim=0))
+
+
 def test_reference_rejects_length_past_capacity():
     q, k, v, _ = _make_inputs(1, 2, 1, 8, 16, [8], "cpu", seed=3)
     with pytest.raises(ValueError, match=r"lengths\[0\] = 9"):
@@ -289,6 +316,10 @@ def _bad_call(case: str) -> dict:
         args["out"] = torch.empty_like(q[:1])
     elif case == "num_splits":
         args["num_splits"] = 0
+    elif case == "window":
+        args["window"] = 0
+    elif case == "window_type":
+        args["window"] = 4.0
     else:
         raise AssertionError(case)
     return args
@@ -311,6 +342,8 @@ def _bad_call(case: str) -> dict:
         ("out_dtype", "out must be bfloat16"),
         ("out_shape", "out shape"),
         ("num_splits", "num_splits must be a positive"),
+        ("window", "window must be a positive int"),
+        ("window_type", "window must be a positive int"),
     ],
 )
 def test_wrapper_rejects_bad_arguments(case, message):
@@ -352,6 +385,16 @@ def test_kernel_matches_reference_interpreted(
     # order whichever program arrives last).
     again = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, flash_order=flash_order)
     assert torch.equal(out, again)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
+@pytest.mark.parametrize("window", [1, 20, 64, 65, 150, 1000])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_kernel_window_matches_reference_interpreted(interpreter_fixes, num_splits, window, flash_order):
+    lengths = [1, 137, 200]
+    q, k, v, lengths_t = _make_inputs(3, 4, 2, 200, 64, lengths, "cpu", seed=14, window=window)
+    _check_kernel(q, k, v, lengths_t, 64**-0.5, num_splits, flash_order, window)
 
 
 @needs_interpreter
@@ -480,6 +523,47 @@ def test_offsets_past_int32_gpu():
     _check_kernel(q, k, v, lengths_t, head_dim**-0.5, None)
     del k, v
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [1, 63, 64, 65, 1000, 4096, 5000])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_kernel_window_matches_reference_gpu(batch, window):
+    capacity = 4096
+    for i, lengths in enumerate(_length_patterns(batch, capacity)):
+        q, k, v, lengths_t = _make_inputs(batch, 32, 8, capacity, 128, lengths, "cuda", seed=500 + i, window=window)
+        for num_splits, flash_order in ((None, None), (1, True), (1, False), (7, False), (7, True)):
+            _check_kernel(q, k, v, lengths_t, 128**-0.5, num_splits, flash_order, window)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_window_past_capacity_is_no_window_gpu():
+    q, k, v, lengths_t = _make_inputs(4, 32, 8, 1024, 128, [1024, 3, 700, 64], "cuda", seed=510)
+    plain = decode_attention(q, k, v, lengths_t, 128**-0.5)
+    assert torch.equal(plain, decode_attention(q, k, v, lengths_t, 128**-0.5, window=1024))
+    assert torch.equal(plain, decode_attention(q, k, v, lengths_t, 128**-0.5, window=10**9))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_with_window_gpu():
+    batch, capacity, window = 4, 4096, 1000
+    q, k, v, lengths_t = _make_inputs(batch, 32, 8, capacity, 128, [capacity] * batch, "cuda", seed=520)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, lengths_t, 0.088, out=out, window=window)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, lengths_t, 0.088, out=out, window=window)
+    for lengths in ([1, 2, 999, 1000], [4096, 1001, 2049, 64]):
+        lengths_t.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode_attention(q, k, v, lengths_t, 0.088, window=window))
+        ref = decode_attention_reference(q, k, v, lengths_t, 0.088, window=window)
+        assert _ulp_error(out, ref) <= MAX_ULPS
 
 
 @pytest.mark.parametrize("block_n", [0, 8, 48, True, 64.0])

@@ -35,7 +35,7 @@ def _assert_pdl(ptx: str) -> None:
 def test_attention_kernels_compile_with_pdl():
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i32",
            "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32",
-           "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+           "WINDOW": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_ob": "i32", "stride_oh": "i32",
            "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
     consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True)
