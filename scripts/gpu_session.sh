@@ -35,9 +35,18 @@
 #   speed-nopdl   gpu_check's speed part with FASTQWEN_NO_PDL=1 (the PDL A/B, same machine)
 # A failing `kernels` stage turns PDL off for the stages after it.
 #   all-checks    kernels check judge-public judge-own
+# Exactness (issue 11):
+#   ckpt-hf       /tmp/q4b_hf: the 4B shape with Transformers' own init, final norm raised to 7
+#   ckpt-window   /tmp/q4b_w4096: /tmp/q4b's weights under a config with sliding_window 4096
+#   opswap-a      which op moves the batch logits, /tmp/q4b (the project's init), batch 16 and 64
+#   opswap-b      the same on /tmp/q4b_hf, batch 4, 16, 32 and 64
+#   judge-window  the judge (public mode, 1 sample) on /tmp/q4b_w4096, results/workloads/window.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Wheels and checkpoints once per machine, under a lock (gpu_parallel.sh runs two sessions at once).
+exec 9>/tmp/fastqwen-ckpt.lock; flock 9
+[ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FASTQWEN_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -48,6 +57,7 @@ if [ ! -f /tmp/q4b/config.json ]; then
   /usr/bin/time -f "synth_qwen3-4b_s %e" python3 -m fastqwen.cli synth --preset qwen3-4b --out /tmp/q4b --device cuda 2>&1 \
     | tail -1 >> "$OUT/gpu.txt"
 fi
+flock -u 9
 judge() {  # name, then judge arguments
   local name=$1; shift
   timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/judge_$name.json" \
@@ -93,6 +103,27 @@ for stage in "${stages[@]}"; do
     engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
                 grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;
+    ckpt-hf) flock /tmp/fastqwen-ckpt.lock python3 - <<'PY' 2>&1 | tail -2
+import dataclasses, os, time
+from fastqwen.presets import get_preset
+from fastqwen.synth import plain_init, synthesize
+if not os.path.exists("/tmp/q4b_hf/config.json"):
+    t = time.time()
+    scheme = dataclasses.replace(plain_init(get_preset("qwen3-4b")), final_norm_scale=7.0)
+    synthesize("qwen3-4b", "/tmp/q4b_hf", seed=1, device="cuda", progress=False, init=scheme)
+    print(f"synth q4b_hf {time.time() - t:.1f} s")
+PY
+             ;;
+    ckpt-window) mkdir -p /tmp/q4b_w4096 && ln -sf /tmp/q4b/*.safetensors /tmp/q4b/model.safetensors.index.json \
+                   /tmp/q4b/generation_config.json /tmp/q4b_w4096/ && \
+                 python3 -c "import json; c=json.load(open('/tmp/q4b/config.json')); c['sliding_window']=4096; \
+json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
+    opswap-a) timeout 300 python3 scripts/gpu_opswap.py --model /tmp/q4b --shapes 16x512x128,64x256x48 \
+                --out "$OUT/opswap_a.json" 2>&1 | grep -v Warn | tail -34 ;;
+    opswap-b) timeout 420 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 16x512x128,64x256x48,4x2048x64,32x512x64 \
+                --out "$OUT/opswap_b.json" 2>&1 | grep -v Warn | tail -68 ;;
+    judge-window) timeout 300 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_window.json" \
+                    --chart "$OUT/judge_window.png" --model /tmp/q4b_w4096 --workloads results/workloads/window.json 2>&1 | tail -14 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
