@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--shapes", default="16x512x128", help="comma-separated BxSxN")
     ap.add_argument("--variants", default="torch_unpacked,torch,engine,engine_cublas,engine_sdpa_attention,"
                     "engine_cublas_qkv,engine_cublas_o,engine_cublas_gate_up,engine_cublas_down,"
-                    "engine_cublas_lm_head,engine_gemv,engine_torch_norms,engine_torch_rope")
+                    "engine_cublas_lm_head,engine_gemv,engine_attention_1split,engine_torch_norms,engine_torch_rope")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the torch variants only (a smoke test)")
