@@ -17,6 +17,21 @@ out as the residual stream) and its RMSNorm, in one kernel.
 way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
 order. So `linear` + `add_rmsnorm` and `linear_partials` + `add_rmsnorm_partials`
 give the same bits, with one kernel fewer.
+
+The mean of squares is summed in PyTorch's own order (`mean_of_squares_torch_order`).
+The reference computes `x.pow(2).mean(-1)` with ATen's CUDA reduce kernel. For a row
+of N contiguous fp32 values and at least 16 rows (every reference forward: its rows
+are batch x sequence), that kernel's configuration is fixed: one warp per row; lane t
+keeps four accumulators, a_i = sum over j of x[128 j + 4 t + i] in increasing j when
+N > 128 (4-wide vector loads), or a_i = sum over k of x[128 k + 32 i + t] when N <= 128;
+the lane's value is ((a_0 + a_1) + a_2) + a_3; the 32 lanes are combined by the
+shuffle-down tree (adjacent pairs, lower lane first, five levels); the mean is that sum
+times float32(1 / N). Every decode row here is summed that way, so the normalized
+values are the full forward's bits for the same input row, at any batch (measured:
+with another order the engine's logits sat ~5% further from the full forward than
+native's own cached decode at batch 16-64, results/PERF_LOG.md, session 5). The
+kernels compile without FMA contraction (enable_fp_fusion=False) so that the mean
+times 1/N and the + eps stay two roundings, as in the reference.
 """
 import torch
 import triton
@@ -25,9 +40,49 @@ import triton.language as tl
 from fqkernels import pdl
 
 
+# Lanes of the warp that reduces one row in ATen's reduce kernel (module doc).
+_LANES = 32
+
+
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
-                    stride_x, stride_r, stride_o, stride_split, stride_t,
+def _square(ptr, offs, N: tl.constexpr):
+    x = tl.load(ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    return x * x
+
+
+@triton.jit
+def _mean_of_squares(row_ptr, inv_n, N: tl.constexpr):
+    """mean(float32(row)^2) for one row of N bf16 values, summed in ATen's order (module doc)."""
+    t = tl.arange(0, 32)
+    a0 = tl.zeros([32], dtype=tl.float32)
+    a1 = tl.zeros([32], dtype=tl.float32)
+    a2 = tl.zeros([32], dtype=tl.float32)
+    a3 = tl.zeros([32], dtype=tl.float32)
+    for j in tl.static_range(0, (N + 127) // 128):
+        if N > 128:   # 4-wide vector loads: lane t's accumulator i takes x[128 j + 4 t + i]
+            base = 128 * j + 4 * t
+            a0 = a0 + _square(row_ptr, base, N)
+            a1 = a1 + _square(row_ptr, base + 1, N)
+            a2 = a2 + _square(row_ptr, base + 2, N)
+            a3 = a3 + _square(row_ptr, base + 3, N)
+        else:         # scalar loads, 4 unrolled: accumulator i takes x[128 j + 32 i + t]
+            base = 128 * j + t
+            a0 = a0 + _square(row_ptr, base, N)
+            a1 = a1 + _square(row_ptr, base + 32, N)
+            a2 = a2 + _square(row_ptr, base + 64, N)
+            a3 = a3 + _square(row_ptr, base + 96, N)
+    v = ((a0 + a1) + a2) + a3
+    # The shuffle-down tree: each level adds adjacent pairs (one fp add per output).
+    v = tl.sum(tl.reshape(v, (16, 2)), axis=1)
+    v = tl.sum(tl.reshape(v, (8, 2)), axis=1)
+    v = tl.sum(tl.reshape(v, (4, 2)), axis=1)
+    v = tl.sum(tl.reshape(v, (2, 2)), axis=1)
+    return tl.sum(v, axis=0) * inv_n
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
+                    stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                     GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
@@ -37,12 +92,15 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
     mask = offs < N
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
+    x_row = x_ptr + row * stride_x
     if GATHER:
         tok = tl.load(ids_ptr + row).to(tl.int64)
-        x = tl.load(table_ptr + tok * stride_t + offs, mask=mask, other=0.0)
-        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+        src = table_ptr + tok * stride_t   # the mean reads the table row: x_row is being written
+        x = tl.load(src + offs, mask=mask, other=0.0)
+        tl.store(x_row + offs, x, mask=mask)
     else:
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        src = x_row
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_row = r_ptr + row * stride_r + offs
         if SPLITS == 0:
@@ -53,13 +111,45 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
                 acc += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
             r = acc.to(tl.bfloat16)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+        tl.store(x_row + offs, x, mask=mask)
+        tl.debug_barrier()  # the mean below reads the new row back in ATen's lane order
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
+    var = _mean_of_squares(src, inv_n, N)
     y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
+def _inverse(n: int) -> float:
+    """float32(1 / n), as ATen's mean computes its factor (float(outputs) / float(inputs)):
+    one IEEE float32 division (the float64 value passed converts back to it exactly)."""
+    one, count = torch.tensor(1.0, dtype=torch.float32), torch.tensor(float(n), dtype=torch.float32)
+    return float(one / count)
+
+
+def mean_of_squares_torch_order(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M] = mean(float32(x)^2) over the last dim of x [M, N] (any float dtype),
+    summed in the order the kernel sums (ATen's CUDA order, module doc), in torch's
+    IEEE float32 arithmetic on any device. What the kernel must equal bit for bit; on a
+    GPU, torch's own mean equals it too for 16 rows or more (tested)."""
+    m, n = x.shape
+    sq = x.float().square()
+    blocks = -(-n // 128)
+    sq = torch.nn.functional.pad(sq, (0, blocks * 128 - n))
+    # [M, blocks, lane, i] when vectorized (element 128 j + 4 t + i), else [M, blocks, i, lane]
+    # (element 128 k + 32 i + t): accumulators a_i of lane t, summed block by block in order.
+    if n > 128:
+        parts = sq.view(m, blocks, _LANES, 4).transpose(2, 3)
+    else:
+        parts = sq.view(m, blocks, 4, _LANES)
+    acc = torch.zeros(m, 4, _LANES, dtype=torch.float32, device=x.device)
+    for j in range(blocks):
+        acc = acc + parts[:, j]
+    v = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]
+    while v.shape[1] > 1:
+        v = v[:, 0::2] + v[:, 1::2]
+    return v[:, 0] * torch.tensor(_inverse(n), dtype=torch.float32, device=x.device)
 
 
 def _check(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -99,11 +189,11 @@ def _launch(x, r, w, eps, out, partials=False, gather=None):
     use_pdl, pdl_launch = pdl.for_rows(M)
     ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
     _rmsnorm_kernel[(M,)](
-        x, r if r is not None else x, w, out, ids, table, N, eps,
+        x, r if r is not None else x, w, out, ids, table, _inverse(N), eps,
         x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
-        table.stride(0) if gather is not None else 0,
+        table.stride(0) if gather is not None else 0, N=N,
         HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
-        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch,
+        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
     )
     return out
 

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 
 from fqkernels import gemv  # noqa: E402
 from fqkernels.rmsnorm import (add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_partials_reference,  # noqa: E402
-                               add_rmsnorm_reference, embed_rmsnorm, embed_rmsnorm_reference, rmsnorm,
-                               rmsnorm_reference)
+                               add_rmsnorm_reference, embed_rmsnorm, embed_rmsnorm_reference,
+                               mean_of_squares_torch_order, rmsnorm, rmsnorm_reference)
 from fqkernels.rope_kv import qk_norm_rope_store, qk_norm_rope_store_reference, rope_tables  # noqa: E402
 from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
 
@@ -97,6 +97,36 @@ def test_gemv_partials_into_add_rmsnorm_equal_gemv_then_add_rmsnorm(name, n, k, 
     fused = add_rmsnorm_partials(x1, gemv.linear_partials(a, wt), nw, 1e-6)
     plain = add_rmsnorm(x2, gemv.linear(a, wt), nw, 1e-6)
     assert torch.equal(x1, x2) and torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("rows", [16, 64, 2048])
+@pytest.mark.parametrize("n", [2560, 4096, 1024, 1000, 128, 64])
+def test_atens_mean_sums_in_the_modelled_order(rows, n):
+    """The premise of the norm kernel: on this torch, x.pow(2).mean(-1) over 16 rows or
+    more is mean_of_squares_torch_order's bits (one warp per row, ATen's lane order)."""
+    x = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
+    assert torch.equal(x.float().pow(2).mean(-1), mean_of_squares_torch_order(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("n", [2560, 1024, 128])
+def test_norms_give_the_full_forwards_bits(rows, n):
+    """Whatever the row count, each norm kernel gives the bits the reference gives for
+    the same rows inside a forward (16 rows or more there): the references run on the
+    rows padded to at least 16 with other rows."""
+    pad = max(16, rows)
+    x = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    r = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    parts = torch.randn(3, pad, n, device=DEV) * 3
+    w = torch.randn(n, device=DEV).bfloat16()
+    assert torch.equal(rmsnorm(x[:rows], w, 1e-6), rmsnorm_reference(x, w, 1e-6)[:rows])
+    xk, xr = x[:rows].clone(), x.clone()
+    assert torch.equal(add_rmsnorm(xk, r[:rows], w, 1e-6), add_rmsnorm_reference(xr, r, w, 1e-6)[:rows])
+    xk, xr = x[:rows].clone(), x.clone()
+    got = add_rmsnorm_partials(xk, parts[:, :rows].contiguous(), w, 1e-6)
+    assert torch.equal(got, add_rmsnorm_partials_reference(xr, parts, w, 1e-6)[:rows])
+    ids = torch.randint(0, pad, (pad,), device=DEV)
+    assert torch.equal(embed_rmsnorm(ids[:rows], x, w, 1e-6)[1], embed_rmsnorm_reference(ids, x, w, 1e-6)[1][:rows])
 
 
 def test_add_rmsnorm_partials_bad_shape_names_partials():

@@ -1,0 +1,103 @@
+"""The order the RMSNorm kernel sums its squares in (fqkernels/rmsnorm.py, module doc):
+the pure-torch emulation against an independent scalar loop of ATen's reduce kernel,
+always; the Triton kernel against the emulation bit for bit under the CPU interpreter
+(Triton >= 3.4). On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
+own mean equals the emulation and that the kernels give the reference's bits."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import rmsnorm as rn  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+def _aten_loop(row: torch.Tensor) -> torch.Tensor:
+    """ATen's reduce for one row, written as scalar float32 steps: lane t of one warp,
+    four accumulators (4-wide vector loads above 128 elements, 4 unrolled scalar loads
+    at or below), combined ((a0 + a1) + a2) + a3, then the shuffle-down tree, times
+    float32(1 / n)."""
+    n = row.numel()
+    sq = [v * v for v in row.float()]
+    lanes = []
+    for t in range(32):
+        acc = [torch.tensor(0.0)] * 4
+        for j in range(-(-n // 128)):
+            for i in range(4):
+                e = 128 * j + 4 * t + i if n > 128 else 128 * j + 32 * i + t
+                if e < n:
+                    acc[i] = acc[i] + sq[e]
+        lanes.append(((acc[0] + acc[1]) + acc[2]) + acc[3])
+    while len(lanes) > 1:
+        lanes = [lanes[k] + lanes[k + 1] for k in range(0, len(lanes), 2)]
+    return lanes[0] * (torch.tensor(1.0) / torch.tensor(float(n)))
+
+
+@pytest.mark.parametrize("n", [2560, 1000, 128, 64, 40])
+def test_emulation_is_atens_loop(n):
+    x = (torch.randn(3, n, generator=torch.Generator().manual_seed(n)) * 4).bfloat16()
+    got = rn.mean_of_squares_torch_order(x)
+    for m in range(3):
+        assert torch.equal(got[m], _aten_loop(x[m])), f"row {m}"
+
+
+def test_order_matters():
+    """The emulated order is not just any order: the plain float64-rounded mean and a
+    sequential float32 sum disagree with it on some rows (so the GPU tests can fail)."""
+    x = (torch.randn(256, 2560, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    ours = rn.mean_of_squares_torch_order(x)
+    exact = x.double().square().mean(-1).float()
+    sequential = x.float().square().cumsum(-1)[:, -1] * (torch.tensor(1.0) / 2560)
+    assert not torch.equal(ours, exact) and not torch.equal(ours, sequential)
+
+
+@pytest.fixture
+def interpreter_bf16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original_cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def _expected(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = rn.mean_of_squares_torch_order(x)[:, None] + torch.tensor(eps, dtype=torch.float32)
+    return (w.float() * (x.float() * torch.rsqrt(var)).bfloat16().float()).bfloat16()
+
+
+@pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+                    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("rows,n", [(5, 2560), (4, 128), (3, 64), (2, 4096), (3, 1000)])
+def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, rows, n):
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    r = torch.randn(rows, n, generator=g).bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    assert torch.equal(rn.rmsnorm(x, w, 1e-6), _expected(x, w, 1e-6))
+    xk = x.clone()
+    out = rn.add_rmsnorm(xk, r, w, 1e-6)
+    s = (x.float() + r.float()).bfloat16()
+    assert torch.equal(xk, s) and torch.equal(out, _expected(s, w, 1e-6))
+    ids = torch.randint(0, rows, (rows,), generator=g)
+    xe, oute = rn.embed_rmsnorm(ids, x, w, 1e-6)
+    assert torch.equal(xe, x[ids]) and torch.equal(oute, _expected(x[ids], w, 1e-6))
