@@ -41,6 +41,9 @@
 #   opswap-a      which op moves the batch logits, /tmp/q4b (the project's init), batch 16 and 64
 #   opswap-b      the same on /tmp/q4b_hf, batch 4, 16, 32 and 64
 #   judge-window  the judge (public mode, 1 sample) on /tmp/q4b_w4096, results/workloads/window.json
+#   opswap-a2, opswap-b2  the engine against native after a change: fewer variants, batch 1-64
+#   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
+#                 carried), alternating twice on the same GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Wheels and checkpoints once per machine, under a lock (gpu_parallel.sh runs two sessions at once).
@@ -122,6 +125,21 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                 --out "$OUT/opswap_a.json" 2>&1 | grep -v Warn | tail -34 ;;
     opswap-b) timeout 420 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 16x512x128,64x256x48,4x2048x64,32x512x64 \
                 --out "$OUT/opswap_b.json" 2>&1 | grep -v Warn | tail -68 ;;
+    opswap-a2) timeout 300 python3 scripts/gpu_opswap.py --model /tmp/q4b --shapes 1x512x64,16x512x128,64x256x48 \
+                 --variants torch,engine,engine_torch_norms,engine_cublas --out "$OUT/opswap_a2.json" 2>&1 | grep -v Warn | tail -24 ;;
+    opswap-b2) timeout 420 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 4x2048x64,16x512x128,32x512x64,64x256x48 \
+                 --variants torch,engine,engine_torch_norms,engine_cublas --out "$OUT/opswap_b2.json" 2>&1 | grep -v Warn | tail -32 ;;
+    speed-ab) for rep in 1 2; do
+                for tree in . base; do
+                  [ -d "$tree/engine" ] || continue
+                  (cd "$tree" && timeout 150 python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
+                     --speed 1x512x64,16x512x128,64x256x48 --out "$OUT/speed_$(basename $(realpath $tree))_$rep.json" 2>&1 \
+                     | grep -v Warn | python3 -c "import sys, json
+for l in sys.stdin:
+    if l.startswith('{'):
+        r = json.loads(l); print('$tree', '$rep', r['shape'], 'step %.4f ms' % r['graph_step_ms'], 'tpot %.3f' % r['tpot_ms'])")
+                done
+              done ;;
     judge-window) timeout 300 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_window.json" \
                     --chart "$OUT/judge_window.png" --model /tmp/q4b_w4096 --workloads results/workloads/window.json 2>&1 | tail -14 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
