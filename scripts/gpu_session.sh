@@ -42,6 +42,8 @@
 #   opswap-b      the same on /tmp/q4b_hf, batch 4, 16, 32 and 64
 #   judge-window  the judge (public mode, 1 sample) on /tmp/q4b_w4096, results/workloads/window.json
 #   opswap-a2, opswap-b2  the engine against native after a change: fewer variants, batch 1-64
+#   reduce-probe  which summation order torch's CUDA mean uses (scripts/gpu_reduce_order_probe.py),
+#                 norm kernel per-launch time, and the norm kernel tests with every failure listed
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
 set -uo pipefail
@@ -64,7 +66,7 @@ flock -u 9
 judge() {  # name, then judge arguments
   local name=$1; shift
   timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/judge_$name.json" \
-    --chart "$OUT/judge_$name.png" "$@" 2>&1 | tail -22
+    --chart "$OUT/judge_$name.png" "$@" 2>&1 | tail -60  # speed table, fidelity table, score and comparison lines
 }
 # `all-checks`: everything the fast engine's issue asks to be shown, in one call (~10 min).
 stages=()
@@ -140,6 +142,9 @@ for l in sys.stdin:
         r = json.loads(l); print('$tree', '$rep', r['shape'], 'step %.4f ms' % r['graph_step_ms'], 'tpot %.3f' % r['tpot_ms'])")
                 done
               done ;;
+    reduce-probe) timeout 200 python3 scripts/gpu_reduce_order_probe.py --out "$OUT/reduce_probe.json" 2>&1 | grep -v Warn | tail -30
+                  timeout 200 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
+                    | tail -40 | tee "$OUT/pytest_norms.log" ;;
     judge-window) timeout 300 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_window.json" \
                     --chart "$OUT/judge_window.png" --model /tmp/q4b_w4096 --workloads results/workloads/window.json 2>&1 | tail -14 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
