@@ -81,6 +81,54 @@ def test_native_passes_every_gate_against_itself(native_engine_dir, tiny_model, 
     assert report["versions"]["torch"] and report["model"]["weight_bytes"] > 0
 
 
+def test_baseline_is_a_third_side_timed_replayed_and_compared(native_engine_dir, tiny_model, tmp_path, capsys):
+    """--baseline through the CLI: all three sides are the native folder, so on the same prompts they
+    emit the same tokens and their replay figures must be identical; each goes first once in three."""
+    from fastqwen.cli import main
+
+    wl_file = tmp_path / "wl.json"
+    wl_file.write_text(json.dumps({"name": "t", "workloads": [{"name": "b2", "batch": 2, "prompt": 16, "output": 4}]}))
+    out = tmp_path / "report.json"
+    rc = main(["judge", "--engine", str(native_engine_dir), "--baseline", str(native_engine_dir), "--model",
+               str(tiny_model), "--workloads", str(wl_file), "--samples", "3", "--device", "cpu", "--seed", "11",
+               "--out", str(out), "--load-timeout", "120", "--sample-timeout", "60"])
+    report = json.loads(out.read_text())
+    r = report["results"][0]
+    assert rc == 0 and r["codes"] == []
+    assert [s["went"] for s in r["engine"]["samples"]] == ["first", "second", "second"]
+    assert [s["went"] for s in r["native"]["samples"]] == ["third", "first", "third"]
+    assert [s["went"] for s in r["baseline"]["samples"]] == ["second", "third", "first"]
+    assert r["baseline"]["summary"]["samples"] == 3 and r["baseline"]["log"].endswith("-baseline.log")
+    assert r["agreement_with_baseline"]["identical"] == 6 and r["agreement_with_native"]["identical"] == 6
+    sides = r["replay"]["sides"]
+    assert sides["baseline"]["positions"] == 3 * 2 * 4
+    assert 0 <= sides["engine"]["argmax_agree"] <= sides["engine"]["positions"]
+    figures = r["fidelity"]["sides"]
+    assert figures["engine"] == figures["native"] == figures["baseline"]
+    assert r["fidelity"]["worst_slack_within_native_allowance"] == {"engine": True, "baseline": True}
+    assert all(v > 0 for v in r["ratios_vs_baseline"].values())
+    run = report["fidelity"]
+    assert run["sides"]["engine"]["positions"] == 24 and run["sides"]["baseline"] == run["sides"]["engine"]
+    assert run["noise_vs_native"]["by_side"]["engine"]["holds"] and not run["noise_vs_native"]["gated"]
+    assert report["baseline"]["dir"] == str(native_engine_dir.resolve())
+    assert report["baseline"]["ratios_geomean"]["throughput"] == pytest.approx(r["ratios_vs_baseline"]["throughput"])
+    printed = capsys.readouterr().out
+    assert "engine/baseline" in printed and "noise vs native, engine (diagnostic, not a gate)" in printed
+    assert "baseline (not gated;" in printed
+
+
+def test_a_failing_baseline_is_reported_and_never_gated(native_engine_dir, tiny_model, tmp_path):
+    report = judge(native_engine_dir, tiny_model, tmp_path, shapes=((1, 16, 4),),
+                   baseline_dir=FIXTURES / "wrong_token")
+    r = report["results"][0]
+    assert codes(report) == [] and report["passed"] and report["score"]["valid"]
+    assert r["replay"]["sides"]["baseline"]["violation_count"] == 1
+    assert r["replay"]["sides"]["baseline"]["argmax_agree"] == 3  # the wrong token, and only it, disagrees
+    assert "beyond 2.0 logits" in r["baseline_problems"][0]
+    assert any("(baseline, not gated)" in note for note in report["notes"])
+    assert r["agreement_with_baseline"] == {"sequences": 1, "identical": 0, "earliest_divergence_step": 2}
+
+
 def test_wrong_token_is_incorrect_output_at_its_position(tiny_model, tmp_path):
     report = judge(FIXTURES / "wrong_token", tiny_model, tmp_path, shapes=((2, 24, 6),), samples=2)
     assert codes(report) == ["incorrect_output"]

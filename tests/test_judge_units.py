@@ -1,4 +1,5 @@
-"""The judge's pure parts: roofline arithmetic, gates and score, workload files, prompts, input checks.
+"""The judge's pure parts: roofline arithmetic, gates and score, replay figures and fidelity, sample
+order, the report's rendering, workload files, prompts, input checks.
 
 No engine process is launched here; everything runs in milliseconds except the tokenizer-trained
 prompt test and the cached-checkpoint test (a second or two each).
@@ -164,6 +165,223 @@ def test_score_is_a_geometric_mean_and_needs_every_workload():
 
 
 # ------------------------------------------------------------------------------------------------
+# replay figures, fidelity comparison, sample order
+# ------------------------------------------------------------------------------------------------
+def _logits_and_emitted():
+    """Two sequences of three steps over a 5-token vocabulary, every case the figures distinguish.
+
+    The values are exact in bf16, so each slack is known to the bit.
+    """
+    import torch
+
+    logits = torch.tensor([
+        [[0.0, 4.0, 1.0, 0.0, 0.0],    # emitted 1: the argmax, slack 0, agrees
+         [3.0, 0.0, 0.0, 3.0, 0.0],    # emitted 3: ties the max at a higher index, slack 0, disagrees
+         [0.0, 0.0, 2.0, 0.0, 1.0]],   # emitted 4: slack 1.0 (> 0.75), disagrees
+        [[0.0, 0.0, 0.0, 1.0, 0.25],   # emitted 3: the argmax
+         [1.0, 0.25, 0.0, 0.0, 0.0],   # emitted 1: slack 0.75, not over 0.75
+         [2.5, 0.0, 0.0, 0.0, 0.0]],   # emitted 2: slack 2.5, a violation
+    ], dtype=torch.bfloat16)
+    emitted = torch.tensor([[1, 3, 4], [3, 1, 2]])
+    return logits, emitted
+
+
+def test_replay_scores_slack_and_argmax_agreement_with_ties_to_the_lowest_index():
+    import torch
+
+    from fastqwen.judge.replay import score_positions, summarize_side
+
+    logits, emitted = _logits_and_emitted()
+    slack, argmax = score_positions(logits, emitted)
+    assert slack.tolist() == [[0.0, 0.0, 1.0], [0.0, 0.75, 2.5]]
+    assert argmax.tolist() == [[1, 0, 2], [3, 0, 0]]  # the tie at step 1 goes to index 0
+    agree = argmax == emitted
+    figures = summarize_side(list(slack), list(agree), violations=[{"slack": 2.5}], sequences=2)
+    assert figures["positions"] == 6
+    assert figures["argmax_agree"] == 2 and figures["argmax_agree_fraction"] == pytest.approx(2 / 6)
+    assert figures["count_gt_0_75"] == 2  # 1.0 and 2.5; exactly 0.75 is not over
+    assert figures["count_gt_0"] == 3  # the tie has slack 0 yet disagrees: agreement is not count_gt_0's complement
+    assert figures["max_slack"] == 2.5 and figures["violation_count"] == 1
+    # Every position agreeing: fraction exactly 1.
+    perfect = summarize_side([torch.zeros(4)], [torch.ones(4, dtype=torch.bool)], [], 1)
+    assert (perfect["argmax_agree"], perfect["argmax_agree_fraction"], perfect["count_gt_0_75"]) == (4, 1.0, 0)
+
+
+def _replayed(positions: int, over: int, worst: float, agree: int) -> dict:
+    return {"sequences": 1, "positions": positions, "max_slack": worst, "p999_slack": worst, "count_gt_0_75": over,
+            "count_gt_0": over, "argmax_agree": agree, "argmax_agree_fraction": agree / positions,
+            "violation_count": 0, "violations": []}
+
+
+def _fid_result(name: str, sides: dict) -> dict:
+    from fastqwen.judge.fidelity import workload_fidelity
+
+    return {"workload": {"name": name}, "fidelity": workload_fidelity(sides)}
+
+
+def test_fidelity_sums_and_the_noise_comparison_at_its_boundaries():
+    from fastqwen.judge.fidelity import run_fidelity
+
+    results = [
+        _fid_result("a", {"engine": _replayed(10, 1, 0.875, 9), "native": _replayed(10, 2, 0.625, 10),
+                          "baseline": _replayed(10, 3, 1.0, 8)}),
+        _fid_result("b", {"engine": _replayed(20, 1, 0.5, 20), "native": _replayed(20, 0, 0.25, 19),
+                          "baseline": _replayed(20, 0, 0.25, 20)}),
+    ]
+    # Per workload: engine 0.875 <= 0.625 + 0.25 holds at equality; baseline 1.0 does not.
+    assert results[0]["fidelity"]["worst_slack_within_native_allowance"] == {"engine": True, "baseline": False}
+    assert results[0]["fidelity"]["sides"]["engine"] == {
+        "positions": 10, "count_gt_0_75": 1, "max_slack": 0.875, "argmax_agree": 9, "argmax_agree_fraction": 0.9}
+    run = run_fidelity(results, ["engine", "native", "baseline"])
+    engine, native = run["sides"]["engine"], run["sides"]["native"]
+    assert (engine["positions"], engine["count_gt_0_75"], engine["argmax_agree"]) == (30, 2, 29)
+    assert engine["max_slack"] == 0.875
+    assert engine["argmax_agree_fraction"] == pytest.approx(29 / 30) and native["argmax_agree"] == 29
+    noise = run["noise_vs_native"]
+    assert noise["gated"] is False and "0.75" in noise["claim"] and "0.25" in noise["claim"]
+    # Engine: 2 over 0.75 against native's 2 (<=), both workloads within: holds.
+    assert noise["by_side"]["engine"]["count_within_native"] and noise["by_side"]["engine"]["holds"]
+    # Baseline: 3 > 2, and workload a beyond the allowance.
+    base = noise["by_side"]["baseline"]
+    assert not base["count_within_native"] and base["worst_slack_within_native_allowance"] == {"a": False, "b": True}
+    assert not base["holds"]
+
+
+def test_fidelity_without_native_or_with_a_missing_replay():
+    from fastqwen.judge.fidelity import run_fidelity
+
+    alone = [_fid_result("a", {"engine": _replayed(4, 0, 0.0, 4)})]
+    assert alone[0]["fidelity"]["worst_slack_within_native_allowance"] == {"engine": None}
+    run = run_fidelity(alone, ["engine"])
+    assert run["sides"]["engine"]["positions"] == 4 and run["noise_vs_native"]["by_side"] == {}
+    # The engine failed in workload b (no replay): its sums cover one workload and the claim cannot hold.
+    partial = [_fid_result("a", {"engine": _replayed(4, 0, 0.0, 4), "native": _replayed(4, 0, 0.0, 4)}),
+               _fid_result("b", {"native": _replayed(4, 0, 0.0, 4)})]
+    run = run_fidelity(partial, ["engine", "native"])
+    assert run["sides"]["engine"]["workloads"] == 1 and run["sides"]["native"]["workloads"] == 2
+    assert not run["noise_vs_native"]["by_side"]["engine"]["holds"]
+    # A side with no replay anywhere: zero positions, no fraction.
+    nothing = run_fidelity([{"workload": {"name": "a"}, "fidelity": None}], ["engine"])
+    assert nothing["sides"]["engine"]["positions"] == 0 and nothing["sides"]["engine"]["argmax_agree_fraction"] is None
+
+
+def test_sample_order_rotates_who_goes_first():
+    from fastqwen.judge.runner import sample_order
+
+    # Two sides: the platform's alternation, unchanged.
+    assert [sample_order(["engine", "native"], i) for i in range(3)] == [
+        ["engine", "native"], ["native", "engine"], ["engine", "native"]]
+    assert sample_order(["engine"], 5) == ["engine"]
+    three = ["engine", "native", "baseline"]
+    orders = [sample_order(three, i) for i in range(12)]
+    assert orders[:3] == [["engine", "baseline", "native"], ["native", "engine", "baseline"],
+                          ["baseline", "engine", "native"]]
+    # Engine before native exactly when i is even, as with two sides.
+    assert all((o.index("engine") < o.index("native")) == (i % 2 == 0) for i, o in enumerate(orders))
+    # Each side first once in every block of three, and in each position twice in six.
+    for block in range(0, 12, 3):
+        assert sorted(o[0] for o in orders[block:block + 3]) == sorted(three)
+    for label in three:
+        assert sorted(o.index(label) for o in orders[:6]) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="got 4"):
+        sample_order(three + ["other"], 0)
+
+
+def test_baseline_geomean_needs_every_workload():
+    from fastqwen.judge.runner import baseline_summary
+
+    def result(ratios, throughput=100.0):
+        return {"ratios_vs_baseline": ratios, "baseline": {"summary": {"throughput": throughput}}}
+
+    both = [result({"ttft": 1.0, "tpot": 0.98, "throughput": 1.02}),
+            result({"ttft": 4.0, "tpot": 1.0, "throughput": 1.0}, throughput=400.0)]
+    summary = baseline_summary(both, pathlib.Path("/b"))
+    assert summary["ratios_geomean"]["ttft"] == pytest.approx(2.0)
+    assert summary["ratios_geomean"]["tpot"] == pytest.approx(0.98 ** 0.5)
+    assert summary["throughput_geomean"] == pytest.approx(200.0) and summary["gated"] is False
+    failed = baseline_summary([both[0], result(None, throughput=None)], pathlib.Path("/b"))
+    assert failed["ratios_geomean"] == {"ttft": None, "tpot": None, "throughput": None}
+    assert failed["throughput_geomean"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# the report's rendering
+# ------------------------------------------------------------------------------------------------
+def _side_json(ttft, tpot, throughput) -> dict:
+    return {"summary": {"samples": 2, "ttft_s": ttft, "tpot_s": tpot, "total_s": 1.0, "throughput": throughput,
+                        "spread": 0.01}, "memory_gated_bytes": 2**29}
+
+
+def _rendered_report() -> dict:
+    from fastqwen.judge.fidelity import run_fidelity
+
+    r = _fid_result("wl-a", {"engine": _replayed(40, 1, 0.5, 39), "native": _replayed(40, 2, 0.625, 40),
+                             "baseline": _replayed(40, 3, 1.0, 37)})
+    r.update({"workload": {"name": "wl-a"}, "passed": True, "codes": [], "roofline": None,
+              "engine": _side_json(0.010, 0.002, 500.0), "native": _side_json(0.020, 0.004, 250.0),
+              "baseline": _side_json(0.010, 0.002, 490.0),
+              "ratios": {"ttft": 0.5, "tpot": 0.5, "throughput": 2.0},
+              "ratios_vs_baseline": {"ttft": 1.0, "tpot": 1.0, "throughput": 500 / 490}})
+    return {"results": [r], "mode": "public", "samples": 2, "notes": [],
+            "score": {"valid": True, "engine": 500.0, "native": 250.0, "ratio": 2.0},
+            "baseline": {"dir": "/old/engine", "gated": False, "throughput_geomean": 490.0,
+                         "ratios_geomean": {"ttft": 1.0, "tpot": 1.0, "throughput": 500 / 490}},
+            "fidelity": run_fidelity([r], ["engine", "native", "baseline"])}
+
+
+def _row(lines: list[str], *cells: str) -> list[str]:
+    """The one table line whose leading cells are `cells` (blank cells dropped)."""
+    found = [line.split() for line in lines if line.split()[:len(cells)] == list(cells)]
+    assert len(found) == 1, (cells, lines)
+    return found[0]
+
+
+def test_report_renders_speed_and_fidelity_tables_and_the_comparisons():
+    from fastqwen.judge.report import format_table
+
+    text = format_table(_rendered_report())
+    lines = text.splitlines()
+    fidelity_at = next(i for i, line in enumerate(lines) if line.startswith("fidelity:"))
+    totals_at = next(i for i, line in enumerate(lines) if line.startswith("all workloads"))
+    speed, per_workload, totals = lines[:fidelity_at], lines[fidelity_at:totals_at], lines[totals_at:]
+    assert _row(speed, "wl-a", "engine")[2:5] == ["10.00", "2.00", "500.0"]
+    assert _row(speed, "baseline")[-2:] == ["not", "gated"]
+    assert _row(speed, "engine/native")[1:4] == ["0.50x", "0.50x", "2.00x"]
+    assert _row(speed, "engine/baseline")[1:4] == ["1.00x", "1.00x", "1.02x"]
+    # The fidelity table: positions, count over 0.75, worst slack, agreement, the allowance check.
+    assert "slack > 0.75" in per_workload[1] and "worst <= native + 0.25" in per_workload[1]
+    assert _row(per_workload, "wl-a", "engine") == ["wl-a", "engine", "40", "1", "0.500", "39/40", "(97.5%)", "yes"]
+    assert _row(per_workload, "native") == ["native", "40", "2", "0.625", "40/40", "(100.0%)"]
+    assert _row(per_workload, "baseline") == ["baseline", "40", "3", "1.000", "37/40", "(92.5%)", "NO"]
+    assert _row(totals, "all", "workloads", "engine")[3:] == ["40", "1", "0.500", "39/40", "(97.5%)", "1/1",
+                                                              "workloads"]
+    assert _row(totals, "baseline", "40")[-2:] == ["0/1", "workloads"]
+    engine_line = next(line for line in lines if line.startswith("noise vs native, engine"))
+    assert "not a gate" in engine_line and "1 position(s), native 2 (<= native)" in engine_line
+    assert engine_line.endswith("1/1 workload(s): holds")
+    assert next(line for line in lines if line.startswith("noise vs native, baseline")).endswith("DOES NOT HOLD")
+    base_line = next(line for line in lines if line.startswith("baseline (not gated"))
+    assert "/old/engine" in base_line and "TTFT 1.000x, TPOT 1.000x, tok/s 1.020x" in base_line
+
+
+def test_report_without_native_or_baseline_has_no_comparison_rows():
+    from fastqwen.judge.fidelity import run_fidelity
+    from fastqwen.judge.report import format_table
+
+    report = _rendered_report()
+    r = report["results"][0]
+    r.update({"native": None, "baseline": None, "ratios": None, "ratios_vs_baseline": None})
+    r.update(_fid_result("wl-a", {"engine": _replayed(40, 1, 0.5, 39)}))
+    report.update({"baseline": None, "fidelity": run_fidelity([r], ["engine"]),
+                   "score": {"valid": True, "engine": 500.0, "native": None, "ratio": None}})
+    lines = format_table(report).splitlines()
+    assert not any("native" in line.split()[:2] or "baseline" in line.split()[:2] for line in lines if line.split())
+    assert not any(line.startswith(("noise vs native", "baseline (")) for line in lines)
+    assert _row(lines, "wl-a", "engine", "40")[-1] == "-"  # no native to compare with
+    assert _row(lines, "all", "workloads", "engine")[-1] == "(97.5%)"  # nor a count of workloads within
+
+
+# ------------------------------------------------------------------------------------------------
 # the child's yield checks
 # ------------------------------------------------------------------------------------------------
 def test_step_checks_want_plain_lists_of_plain_ints():
@@ -312,6 +530,26 @@ def test_bad_engine_folders(tmp_path, capsys, no_launch, tiny_model):
     assert "defines no top-level class Engine" in _cli_error(
         capsys, ["--engine", str(_engine(tmp_path, "class Engin:\n    pass\n"))] + model)
     assert "does not parse" in _cli_error(capsys, ["--engine", str(_engine(tmp_path, "class Engine(:\n"))] + model)
+
+
+def test_baseline_folder_gets_the_engine_checks_and_names_its_flag(tmp_path, capsys, no_launch, native_engine_dir,
+                                                                   tiny_model):
+    from fastqwen.judge.cli import add_arguments, build_settings
+
+    base = ["--engine", str(native_engine_dir), "--model", str(tiny_model)]
+    assert "--baseline folder" in _cli_error(capsys, base + ["--baseline", str(tmp_path / "nope")])
+    assert "does not exist" in _cli_error(capsys, base + ["--baseline", str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    assert "has no engine.py" in _cli_error(capsys, base + ["--baseline", str(tmp_path / "empty")])
+    assert "defines no top-level class Engine" in _cli_error(
+        capsys, base + ["--baseline", str(_engine(tmp_path, "class Engin:\n    pass\n"))])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = ["--out", str(tmp_path / "r.json")]
+    assert build_settings(parser.parse_args(base + out)).baseline_dir is None
+    relative = pathlib.Path(__file__).parent.parent / "fastqwen" / "native_engine" / ".." / "native_engine"
+    settings = build_settings(parser.parse_args(base + out + ["--baseline", str(relative)]))
+    assert settings.baseline_dir == native_engine_dir.resolve()
 
 
 def test_engine_detection_reads_source_without_importing(tmp_path):

@@ -1,4 +1,4 @@
-"""A PNG of each workload's throughput: engine, native and the physical floor, side by side."""
+"""A PNG of each workload's throughput: engine, native, the baseline if any, and the physical floor."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,6 +20,9 @@ def write_chart(report: dict, path: Path) -> bool:
     if any(r.get("native") for r in results):
         series.append(("native", [(r.get("native") or {}).get("summary", {}).get("throughput") for r in results],
                        "#ff7f0e"))
+    if any(r.get("baseline") for r in results):
+        series.append(("baseline", [(r.get("baseline") or {}).get("summary", {}).get("throughput") for r in results],
+                       "#2ca02c"))
     if any(r.get("roofline") for r in results):
         series.append(("floor (limit)", [((r.get("roofline") or {}).get("floors") or {}).get("throughput")
                                          for r in results], "#7f7f7f"))

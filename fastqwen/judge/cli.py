@@ -31,6 +31,10 @@ PUBLIC_SAMPLES = 1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", type=Path, default=None,
                         help=f"engine folder holding engine.py (default: the repository's {DEFAULT_ENGINE_DIR.name}/)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="a second engine folder (say an earlier commit's engine/) timed and replayed as a "
+                             "third side in the same run, on the same prompts; never gated, reported with the "
+                             "engine/baseline ratios")
     parser.add_argument("--model", type=Path, default=None,
                         help="Qwen3 model folder (default: the 'tiny' synthetic checkpoint, created once in a cache)")
     parser.add_argument("--workloads", default="default",
@@ -74,15 +78,19 @@ def _defines_engine(tree: ast.Module) -> bool:
     return False
 
 
-def check_engine_dir(path: Path) -> Path:
-    """The engine folder, resolved; UserError unless it holds an engine.py defining Engine."""
+def check_engine_dir(path: Path, role: str = "engine") -> Path:
+    """The engine folder, resolved; UserError unless it holds an engine.py defining Engine.
+
+    `role` names the folder in the errors ("engine", "--baseline"), so a bad baseline is not
+    mistaken for a bad engine.
+    """
     if not path.exists():
-        raise UserError(f"engine folder {str(path)!r} does not exist")
+        raise UserError(f"{role} folder {str(path)!r} does not exist")
     if not path.is_dir():
-        raise UserError(f"engine path {str(path)!r} is not a folder")
+        raise UserError(f"{role} path {str(path)!r} is not a folder")
     engine_py = path / "engine.py"
     if not engine_py.is_file():
-        raise UserError(f"engine folder {str(path)!r} has no engine.py")
+        raise UserError(f"{role} folder {str(path)!r} has no engine.py")
     try:
         tree = ast.parse(engine_py.read_bytes(), filename=str(engine_py))
     except SyntaxError as exc:
@@ -129,6 +137,7 @@ def build_settings(args: argparse.Namespace) -> "JudgeSettings":
     from fastqwen.judge.workloads import load_workloads
 
     engine_dir = check_engine_dir(args.engine if args.engine is not None else DEFAULT_ENGINE_DIR)
+    baseline_dir = check_engine_dir(args.baseline, "--baseline") if args.baseline is not None else None
     if args.samples is not None and args.samples < 1:
         raise UserError(f"--samples must be >= 1, got {args.samples}")
     for flag, value in (("--load-timeout", args.load_timeout), ("--sample-timeout", args.sample_timeout)):
@@ -159,6 +168,7 @@ def build_settings(args: argparse.Namespace) -> "JudgeSettings":
         sample_timeout_s=args.sample_timeout,
         memory_limit_gib=args.memory_limit_gib,
         native=not args.no_native,
+        baseline_dir=baseline_dir,
         seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**31),
         log_dir=out.parent / f"{out.stem}_logs",
     )

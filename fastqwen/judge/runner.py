@@ -1,10 +1,15 @@
 """The trusted parent: runs every workload on the engine and on native, replays, gates and scores.
 
-Per workload, as the platform does: a fresh process per side; both load and warm up (load plus
+Per workload, as the platform does: a fresh process per side; all load and warm up (load plus
 warmup within the load budget); prompts drawn only after loading, never reused; samples alternate
-which side goes first (sample i: engine first when i is even); both processes are ended and
-waited for before the replay process checks every emitted sequence. A broken engine never stops
-the run: its code is recorded and the next workload starts.
+which side goes first (see `sample_order`); every process is ended and waited for before the
+replay process checks every emitted sequence. A broken engine never stops the run: its code is
+recorded and the next workload starts.
+
+An optional third side, the baseline (`--baseline DIR`: say an earlier commit's engine folder),
+gets its own fresh process, the same prompts and its turn in the rotation, and is replayed like the
+others, so "as fast as the previous version" is measured in one run, under one machine's
+conditions. It is never gated: its figures and the engine/baseline ratios are reported, nothing more.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastqwen.errors import UserError
-from fastqwen.judge import gates, roofline
+from fastqwen.judge import fidelity, gates, roofline
 from fastqwen.judge.process import ChildFailure, EngineProcess, Generation
 from fastqwen.judge.prompts import PromptSource
 from fastqwen.judge.workloads import Workload, WorkloadSet
@@ -48,6 +53,7 @@ class JudgeSettings:
     memory_limit_gib: float | None = None
     native: bool = True
     native_dir: Path = NATIVE_ENGINE_DIR
+    baseline_dir: Path | None = None  # a third, never-gated side (an earlier version of the engine)
     seed: int = 0
     log_dir: Path | None = None  # engine logs; a fresh temporary folder when None
     replay_timeout_s: float = 1800.0
@@ -102,6 +108,34 @@ def engine_switches(environ) -> dict[str, str]:
     """The FASTQWEN_* switches the engines inherit (FASTQWEN_NO_PDL, ...), for the report:
     a figure measured with an optimization switched off must say so."""
     return {k: v for k, v in sorted(environ.items()) if k.startswith("FASTQWEN_") and k != "FASTQWEN_COMMIT"}
+
+
+# ------------------------------------------------------------------------------------------------
+# who goes first
+# ------------------------------------------------------------------------------------------------
+POSITION_WORDS = ("first", "second", "third")
+
+
+def sample_order(labels: list[str], i: int) -> list[str]:
+    """The order in which the sides run sample i; `labels` is [engine, native?, baseline?].
+
+    Whoever runs first pays for a cold cache and a clock that has not ramped up, so the order rotates.
+    Two sides (the platform's case): the engine first when i is even, the other side otherwise.
+    Three sides (engine, native, baseline): the engine and native keep exactly that relation (engine
+    before native when i is even), and the baseline takes position (i + 1) mod 3 among them:
+    E B N, N E B, B E N, N B E, E N B, B N E, then again. Every side goes first once in each
+    block of three samples (sample 0 engine, 1 native, 2 baseline, ...) and holds each position
+    twice in six; a one-sample run times the engine first, as before.
+    """
+    if len(labels) == 1:
+        return list(labels)
+    pair = list(labels[:2]) if i % 2 == 0 else [labels[1], labels[0]]
+    if len(labels) == 2:
+        return pair
+    if len(labels) == 3:
+        pair.insert((i + 1) % 3, labels[2])
+        return pair
+    raise ValueError(f"sample_order handles 1 to 3 sides, got {len(labels)}: {labels}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,9 +237,9 @@ def run_replay(settings: JudgeSettings, device: str, sides: list[Side], work_dir
     return json.loads(result_path.read_text()), None
 
 
-def agreement(engine: Side, native: Side) -> dict | None:
-    """How often the engine emitted exactly native's tokens for the same prompts (a diagnostic)."""
-    theirs = {(s, q): emitted for (s, q, _, emitted) in native.sequences}
+def agreement(engine: Side, other: Side) -> dict | None:
+    """How often the engine emitted exactly the other side's tokens for the same prompts (a diagnostic)."""
+    theirs = {(s, q): emitted for (s, q, _, emitted) in other.sequences}
     pairs = [(emitted, theirs[(s, q)]) for (s, q, _, emitted) in engine.sequences if (s, q) in theirs]
     if not pairs:
         return None
@@ -216,6 +250,30 @@ def agreement(engine: Side, native: Side) -> dict | None:
             "earliest_divergence_step": min(diverged) if diverged else None}
 
 
+def speed_ratios(engine: gates.SideSummary, other: gates.SideSummary) -> dict:
+    """engine / other for the median TTFT, TPOT (below 1: the engine is faster) and throughput
+    (above 1: the engine is faster); None where either figure is missing."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    return {"ttft": ratio(engine.ttft_s, other.ttft_s), "tpot": ratio(engine.tpot_s, other.tpot_s),
+            "throughput": ratio(engine.throughput, other.throughput)}
+
+
+def baseline_summary(results: list[dict], baseline_dir: Path) -> dict:
+    """The run-level engine/baseline comparison: each ratio's geometric mean over the workloads.
+
+    A geometric mean needs every workload (as the score does): a workload whose baseline failed,
+    or a one-step output with no TPOT, leaves that mean None rather than quietly narrowing it.
+    """
+    geo = {}
+    for key in ("ttft", "tpot", "throughput"):
+        values = [(r.get("ratios_vs_baseline") or {}).get(key) for r in results]
+        geo[key] = gates.geomean(values) if all(v is not None for v in values) else None
+    return {"dir": str(baseline_dir), "gated": False, "ratios_geomean": geo,
+            "throughput_geomean": gates.geomean([r["baseline"]["summary"]["throughput"] for r in results])}
+
+
 def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: PromptSource, probe: dict,
                  env: dict[str, str], log_dir: Path, shape: roofline.ModelShape, memory_limit: int | None) -> dict:
     say = settings.progress
@@ -223,13 +281,14 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
     device = probe["device"]
     vocab = shape.vocab
     wall_start = time.perf_counter()
+    labels = [("engine", settings.engine_dir)] + ([("native", settings.native_dir)] if settings.native else []) \
+        + ([("baseline", settings.baseline_dir)] if settings.baseline_dir is not None else [])
     say(f"{tag} batch {wl.batch}, prompt {wl.prompt}, output {wl.output}: loading "
-        f"{'engine and native' if settings.native else 'engine'}")
-    labels = [("engine", settings.engine_dir)] + ([("native", settings.native_dir)] if settings.native else [])
+        + ", ".join(label for label, _ in labels))
     sides = [Side(label, path, settings, env, log_dir / f"{index:02d}-{wl.name}-{label}.log") for label, path in labels]
     by_label = {s.label: s for s in sides}
 
-    # Both processes load at once; each has its own load + warmup budget from its own start.
+    # All processes load at once; each has its own load + warmup budget from its own start.
     for side in sides:
         deadline = side.process.started + settings.load_timeout_s
         try:
@@ -258,7 +317,7 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
 
     for i in range(settings.samples):
         prompts = source.draw(wl.batch, wl.prompt)
-        order = sides if i % 2 == 0 else list(reversed(sides))
+        order = [by_label[label] for label in sample_order([s.label for s in sides], i)]
         parts = []
         for position, side in enumerate(order):
             if not side.ok:
@@ -275,7 +334,7 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
             side.record_pending(gen, f"sample {i}")
             side.samples.append({
                 "index": i,
-                "went": "first" if position == 0 else "second",
+                "went": POSITION_WORDS[position],
                 **{k: v for k, v in fig.__dict__.items()},
                 "step_arrivals_s": [round(t - gen.send_t, 7) for t in gen.arrivals],
             })
@@ -284,7 +343,7 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
             parts.append(_sample_line(side.label, fig))
         say(f"{tag} sample {i + 1}/{settings.samples}: " + " | ".join(parts))
 
-    # Both processes must be dead before the replay starts.
+    # Every process must be dead before the replay starts.
     for side in sides:
         side.exit_code = side.process.stop()
 
@@ -294,9 +353,10 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
         replay_result, replay_error = run_replay(settings, device, sides, Path(work), env)
     replay_sides = (replay_result or {}).get("sides", {})
 
-    engine, native = by_label["engine"], by_label.get("native")
+    engine, native, baseline = by_label["engine"], by_label.get("native"), by_label.get("baseline")
     eng_summary = gates.summarize(engine.figures)
     nat_summary = gates.summarize(native.figures) if native is not None else None
+    base_summary = gates.summarize(baseline.figures) if baseline is not None else None
     codes = gates.check_gates(
         official=settings.official,
         engine=eng_summary,
@@ -329,6 +389,15 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
                        f"are wrong, so this workload's correctness verdict cannot be trusted")
             judge_problems.append(problem)
             codes.append({"code": "harness_error", "detail": problem})
+    # The baseline is never gated: its failures are reported for the person comparing, nothing more.
+    baseline_problems: list[str] = []
+    if baseline is not None:
+        if not baseline.ok:
+            baseline_problems.append(f"baseline failed ({baseline.failure.code}): {baseline.failure.detail}")
+        base_replay = replay_sides.get("baseline")
+        if base_replay and base_replay["violation_count"]:
+            baseline_problems.append(f"baseline has {base_replay['violation_count']} position(s) beyond "
+                                     f"{gates.MARGIN_LOGITS} logits (max slack {base_replay['max_slack']:.3f})")
 
     floors = None
     roof = None
@@ -337,39 +406,43 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
         floors = roofline.floors(shape, ceilings, wl.batch, wl.prompt, wl.output)
         roof = {"floors": floors.to_json(),
                 "engine": roofline.distance(floors, eng_summary.ttft_s, eng_summary.tpot_s, eng_summary.total_s)}
-        if nat_summary is not None:
-            roof["native"] = roofline.distance(floors, nat_summary.ttft_s, nat_summary.tpot_s, nat_summary.total_s)
+        for label, summary in (("native", nat_summary), ("baseline", base_summary)):
+            if summary is not None:
+                roof[label] = roofline.distance(floors, summary.ttft_s, summary.tpot_s, summary.total_s)
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
-    ratios = None
-    if nat_summary is not None:
-        ratios = {"ttft": ratio(eng_summary.ttft_s, nat_summary.ttft_s),
-                  "tpot": ratio(eng_summary.tpot_s, nat_summary.tpot_s),
-                  "throughput": ratio(eng_summary.throughput, nat_summary.throughput)}
+    ratios = speed_ratios(eng_summary, nat_summary) if nat_summary is not None else None
+    ratios_vs_baseline = speed_ratios(eng_summary, base_summary) if base_summary is not None else None
+    fid = fidelity.workload_fidelity(replay_sides)
 
     passed = not codes
     if replay_result is not None:
         say(f"{tag} replay: " + ", ".join(
-            f"{label} max slack {r['max_slack']:.3f}, {r['violation_count']} violation(s)"
+            f"{label} max slack {r['max_slack']:.3f}, {r['count_gt_0_75']} over {fidelity.NOISE_SLACK}, argmax "
+            f"{r['argmax_agree']}/{r['positions']}, {r['violation_count']} violation(s)"
             for label, r in replay_sides.items()))
     say(f"{tag} {'PASS' if passed else 'FAIL: ' + '; '.join(c['code'] for c in codes)}")
     for c in codes:
         say(f"{tag}   {c['code']}: {c['detail'].splitlines()[-1] if c['detail'] else ''}")
     for problem in judge_problems:
         say(f"{tag}   judge: {problem.splitlines()[0]}")
+    for problem in baseline_problems:
+        say(f"{tag}   baseline (not gated): {problem.splitlines()[0]}")
     return {
         "workload": wl.to_json(),
         "passed": passed,
         "codes": codes,
         "engine": engine.to_json(device, memory_limit),
         "native": native.to_json(device, None) if native is not None else None,
+        "baseline": baseline.to_json(device, None) if baseline is not None else None,
         "ratios": ratios,
+        "ratios_vs_baseline": ratios_vs_baseline,
         "agreement_with_native": agreement(engine, native) if native is not None else None,
+        "agreement_with_baseline": agreement(engine, baseline) if baseline is not None else None,
         "replay": replay_result,
         "replay_error": replay_error,
+        "fidelity": fid,
         "judge_problems": judge_problems,
+        "baseline_problems": baseline_problems,
         "roofline": roof,
         "seconds": time.perf_counter() - wall_start,
     }
@@ -397,16 +470,19 @@ def run_judge(settings: JudgeSettings) -> dict:
         + (f", copy {ceilings['bandwidth_bytes_s'] / 1e9:.1f} GB/s, bf16 matmul "
            f"{ceilings['matmul_flops_s'] / 1e12:.2f} TFLOP/s" if ceilings else "")
         + f"; {'official' if settings.official else 'public'} mode, {settings.samples} sample(s); "
-        f"prompts: {source.kind}; memory gate: {memory_basis}")
+        f"prompts: {source.kind}; memory gate: {memory_basis}"
+        + (f"; baseline (not gated): {settings.baseline_dir}" if settings.baseline_dir is not None else ""))
 
     results = []
     for index, wl in enumerate(settings.workloads.workloads):
         results.append(run_workload(settings, wl, index, source, probe, env, log_dir, shape, memory_limit))
 
     all_passed = all(r["passed"] for r in results)
+    labels = ["engine"] + (["native"] if settings.native else []) + (["baseline"] if settings.baseline_dir else [])
     engine_tp = [r["engine"]["summary"]["throughput"] for r in results]
     native_tp = [r["native"]["summary"]["throughput"] for r in results] if settings.native else None
     notes = [f"{r['workload']['name']}: {p}" for r in results for p in r["judge_problems"]]
+    notes += [f"{r['workload']['name']}: {p} (baseline, not gated)" for r in results for p in r["baseline_problems"]]
     if not settings.native:
         notes.append("--no-native: no ratios and no latency gate")
     if not settings.official:
@@ -429,6 +505,7 @@ def run_judge(settings: JudgeSettings) -> dict:
         "engine_switches": engine_switches(os.environ),
         "engine_dir": str(settings.engine_dir),
         "native_dir": str(settings.native_dir) if settings.native else None,
+        "baseline": baseline_summary(results, settings.baseline_dir) if settings.baseline_dir is not None else None,
         "model": {"path": str(settings.model_dir), "config": settings.model_config,
                   **roofline.model_summary(shape)},
         "workload_set": {"name": settings.workloads.name, "source": settings.workloads.source,
@@ -439,6 +516,7 @@ def run_judge(settings: JudgeSettings) -> dict:
                      "spread_limit": gates.SPREAD_LIMIT, "prompts": source.kind},
         "ceilings": ceilings,
         "results": results,
+        "fidelity": fidelity.run_fidelity(results, labels),
         "notes": notes,
         "log_dir": str(log_dir),
         "seconds": time.perf_counter() - start,
