@@ -18,20 +18,22 @@ way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
 order. So `linear` + `add_rmsnorm` and `linear_partials` + `add_rmsnorm_partials`
 give the same bits, with one kernel fewer.
 
-The mean of squares is summed in PyTorch's own order (`mean_of_squares_torch_order`).
-The reference computes `x.pow(2).mean(-1)` with ATen's CUDA reduce kernel. For a row
-of N contiguous fp32 values and at least 16 rows (every reference forward: its rows
-are batch x sequence), that kernel's configuration is fixed: one warp per row; lane t
-keeps four accumulators, a_i = sum over j of x[128 j + 4 t + i] in increasing j when
-N > 128 (4-wide vector loads), or a_i = sum over k of x[128 k + 32 i + t] when N <= 128;
-the lane's value is ((a_0 + a_1) + a_2) + a_3; the 32 lanes are combined by the
-shuffle-down tree (adjacent pairs, lower lane first, five levels); the mean is that sum
-times float32(1 / N). Every decode row here is summed that way, so the normalized
-values are the full forward's bits for the same input row, at any batch (measured:
-with another order the engine's logits sat ~5% further from the full forward than
-native's own cached decode at batch 16-64, results/PERF_LOG.md, session 5). The
-kernels compile without FMA contraction (enable_fp_fusion=False) so that the mean
-times 1/N and the + eps stay two roundings, as in the reference.
+The mean of squares is summed in PyTorch's own order. The reference computes
+`x.pow(2).mean(-1)` with ATen's CUDA reduce kernel; for a row of N contiguous fp32
+values and 16 rows or more (every reference forward: its rows are batch x sequence) that
+kernel runs one warp per row: lane t keeps four accumulators, a_i = sum over blocks j of
+x[128 j + 4 t + i] (4-wide vector loads) or x[128 j + 32 i + t] (scalar loads, 4 unrolled),
+in increasing j; the lane's value is ((a_0 + a_1) + a_2) + a_3; the 32 lanes are combined
+by a warp shuffle tree; the mean is that sum times float32(1 / N). Which loads and which
+tree (halves first, or adjacent pairs first) differ between torch versions, so
+`torch_order` compares the installed torch's own mean with each candidate once per width
+and the kernel sums that way (on torch 2.11: 4-wide from 128 elements, halves first,
+results/PERF_LOG.md, session 5). Every decode row is then normalized with the full
+forward's bits for the same input row, at any batch. Measured before: with Triton's own
+order the engine's logits sat ~5% further from the full forward than native's own cached
+decode at batch 16-64, the one op that separated them. The kernel compiles without FMA
+contraction (enable_fp_fusion=False) so that the mean times 1/N and the + eps stay two
+roundings, as in the reference.
 """
 import torch
 import triton
@@ -45,80 +47,88 @@ _LANES = 32
 
 
 @triton.jit
-def _square(ptr, offs, N: tl.constexpr):
-    x = tl.load(ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    return x * x
+def _tile(block: tl.constexpr, VEC: tl.constexpr):
+    """Element offsets [32 lanes, 4 accumulators] of one 128-element block of the row:
+    128 block + 4 t + i with 4-wide vector loads (VEC), else 128 block + 32 i + t."""
+    t = tl.arange(0, 32)[:, None]
+    i = tl.arange(0, 4)[None, :]
+    if VEC:
+        return 128 * block + 4 * t + i
+    return 128 * block + 32 * i + t
 
 
 @triton.jit
-def _mean_of_squares(row_ptr, inv_n, N: tl.constexpr):
-    """mean(float32(row)^2) for one row of N bf16 values, summed in ATen's order (module doc)."""
-    t = tl.arange(0, 32)
-    a0 = tl.zeros([32], dtype=tl.float32)
-    a1 = tl.zeros([32], dtype=tl.float32)
-    a2 = tl.zeros([32], dtype=tl.float32)
-    a3 = tl.zeros([32], dtype=tl.float32)
-    for j in tl.static_range(0, (N + 127) // 128):
-        if N > 128:   # 4-wide vector loads: lane t's accumulator i takes x[128 j + 4 t + i]
-            base = 128 * j + 4 * t
-            a0 = a0 + _square(row_ptr, base, N)
-            a1 = a1 + _square(row_ptr, base + 1, N)
-            a2 = a2 + _square(row_ptr, base + 2, N)
-            a3 = a3 + _square(row_ptr, base + 3, N)
-        else:         # scalar loads, 4 unrolled: accumulator i takes x[128 j + 32 i + t]
-            base = 128 * j + t
-            a0 = a0 + _square(row_ptr, base, N)
-            a1 = a1 + _square(row_ptr, base + 32, N)
-            a2 = a2 + _square(row_ptr, base + 64, N)
-            a3 = a3 + _square(row_ptr, base + 96, N)
-    v = ((a0 + a1) + a2) + a3
-    # The shuffle-down tree: each level adds adjacent pairs (one fp add per output).
-    v = tl.sum(tl.reshape(v, (16, 2)), axis=1)
-    v = tl.sum(tl.reshape(v, (8, 2)), axis=1)
-    v = tl.sum(tl.reshape(v, (4, 2)), axis=1)
-    v = tl.sum(tl.reshape(v, (2, 2)), axis=1)
-    return tl.sum(v, axis=0) * inv_n
+def _lane_tree(v, HALVES: tl.constexpr):
+    """Sum of the 32 lane values v [32] as ATen's warp shuffle combines them: halves first
+    (lane t + 16, then + 8, ...) or adjacent pairs first; one fp add per output each level."""
+    if HALVES:
+        v = tl.sum(tl.reshape(v, (2, 16)), axis=0)
+        v = tl.sum(tl.reshape(v, (2, 8)), axis=0)
+        v = tl.sum(tl.reshape(v, (2, 4)), axis=0)
+        v = tl.sum(tl.reshape(v, (2, 2)), axis=0)
+    else:
+        v = tl.sum(tl.reshape(v, (16, 2)), axis=1)
+        v = tl.sum(tl.reshape(v, (8, 2)), axis=1)
+        v = tl.sum(tl.reshape(v, (4, 2)), axis=1)
+        v = tl.sum(tl.reshape(v, (2, 2)), axis=1)
+    return tl.sum(v, axis=0)
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
                     stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr,
                     GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
+    """One warp per row, in two passes over [32, 4] tiles laid out as ATen's lanes and
+    accumulators (module doc). Pass 1 makes the row (lookup, residual add) and sums its
+    squares, each lane's four accumulators block by block; pass 2 normalizes.
+    SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     x_row = x_ptr + row * stride_x
     if GATHER:
-        tok = tl.load(ids_ptr + row).to(tl.int64)
-        src = table_ptr + tok * stride_t   # the mean reads the table row: x_row is being written
-        x = tl.load(src + offs, mask=mask, other=0.0)
-        tl.store(x_row + offs, x, mask=mask)
+        src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
     else:
         src = x_row
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
+    acc = tl.zeros([32, 4], dtype=tl.float32)
+    for block in tl.static_range(0, (N + 127) // 128):
+        offs = _tile(block, VEC)
+        mask = offs < N
+        x = tl.load(src + offs, mask=mask, other=0.0)
+        if GATHER:
+            tl.store(x_row + offs, x, mask=mask)
+        if HAS_RESIDUAL:
+            r_row = r_ptr + row * stride_r + offs
+            if SPLITS == 0:
+                r = tl.load(r_row, mask=mask, other=0.0)
+            else:
+                part = tl.load(r_row, mask=mask, other=0.0)
+                for s in tl.static_range(1, SPLITS):
+                    part += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
+                r = part.to(tl.bfloat16)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
+            tl.store(x_row + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        acc = acc + xf * xf
+    # Each lane's value ((a0 + a1) + a2) + a3; a column is taken out exactly as a sum
+    # with three zeros.
+    col = tl.arange(0, 4)[None, :]
+    v = tl.sum(tl.where(col == 0, acc, 0.0), axis=1)
+    for i in tl.static_range(1, 4):
+        v = v + tl.sum(tl.where(col == i, acc, 0.0), axis=1)
+    inv = tl.rsqrt(_lane_tree(v, HALVES) * inv_n + eps)
     if HAS_RESIDUAL:
-        r_row = r_ptr + row * stride_r + offs
-        if SPLITS == 0:
-            r = tl.load(r_row, mask=mask, other=0.0)
-        else:
-            acc = tl.load(r_row, mask=mask, other=0.0)
-            for s in tl.static_range(1, SPLITS):
-                acc += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
-            r = acc.to(tl.bfloat16)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-        tl.store(x_row + offs, x, mask=mask)
-        tl.debug_barrier()  # the mean below reads the new row back in ATen's lane order
-    xf = x.to(tl.float32)
-    var = _mean_of_squares(src, inv_n, N)
-    y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+        tl.debug_barrier()  # pass 2 reads back the row pass 1 wrote
+        src = x_row
+    for block in tl.static_range(0, (N + 127) // 128):
+        offs = _tile(block, VEC)
+        mask = offs < N
+        x = tl.load(src + offs, mask=mask, other=0.0)
+        y = (x.to(tl.float32) * inv).to(tl.bfloat16)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
 
 
 def _inverse(n: int) -> float:
@@ -128,18 +138,16 @@ def _inverse(n: int) -> float:
     return float(one / count)
 
 
-def mean_of_squares_torch_order(x: torch.Tensor) -> torch.Tensor:
+def mean_of_squares_torch_order(x: torch.Tensor, vec: bool = True, halves: bool = True) -> torch.Tensor:
     """float32 [M] = mean(float32(x)^2) over the last dim of x [M, N] (any float dtype),
-    summed in the order the kernel sums (ATen's CUDA order, module doc), in torch's
-    IEEE float32 arithmetic on any device. What the kernel must equal bit for bit; on a
-    GPU, torch's own mean equals it too for 16 rows or more (tested)."""
+    summed in the order the kernel sums with (VEC, HALVES) = (vec, halves) (module doc),
+    in torch's IEEE float32 arithmetic on any device: what the kernel must equal bit for bit."""
     m, n = x.shape
     sq = x.float().square()
     blocks = -(-n // 128)
     sq = torch.nn.functional.pad(sq, (0, blocks * 128 - n))
-    # [M, blocks, lane, i] when vectorized (element 128 j + 4 t + i), else [M, blocks, i, lane]
-    # (element 128 k + 32 i + t): accumulators a_i of lane t, summed block by block in order.
-    if n > 128:
+    # [M, block, i, lane]: accumulator i of lane t, summed block by block in order.
+    if vec:
         parts = sq.view(m, blocks, _LANES, 4).transpose(2, 3)
     else:
         parts = sq.view(m, blocks, 4, _LANES)
@@ -148,8 +156,39 @@ def mean_of_squares_torch_order(x: torch.Tensor) -> torch.Tensor:
         acc = acc + parts[:, j]
     v = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]
     while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
+        half = v.shape[1] // 2
+        v = v[:, :half] + v[:, half:] if halves else v[:, 0::2] + v[:, 1::2]
     return v[:, 0] * torch.tensor(_inverse(n), dtype=torch.float32, device=x.device)
+
+
+# (width, device) -> (vec, halves, matched): the order torch's own mean uses here, found once.
+_ORDERS: dict = {}
+
+
+def torch_order(n: int, device: torch.device) -> tuple[bool, bool, bool]:
+    """The (VEC, HALVES) order under which the kernel sums a row of width n as this torch's
+    CUDA `pow(2).mean(-1)` does for 16 rows or more (every forward of the reference), and
+    whether one matched. Measured, not assumed: ATen's lane tree and its vectorization
+    threshold differ between torch versions (halves first and 4-wide from 128 elements on
+    torch 2.11, results/PERF_LOG.md session 5). Found by comparing torch's mean with each
+    candidate on 64 random rows; with no match, the 2.11 order is used (and reported)."""
+    key = (n, str(device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return (n % 4 == 0 and n >= 128, True, False)   # compiling without a GPU: nothing to measure
+    if key not in _ORDERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"rmsnorm: order for width {n} not known during graph capture; call once before")
+        gen = torch.Generator(device=device).manual_seed(12345)
+        x = (torch.randn((64, n), generator=gen, device=device) * 4).to(torch.bfloat16)
+        want = x.float().pow(2).mean(-1)
+        vec_ok = n % 4 == 0 and n >= 128
+        found = None
+        for vec in ((True, False) if vec_ok else (False,)):
+            for halves in (True, False):
+                if found is None and torch.equal(mean_of_squares_torch_order(x, vec, halves), want):
+                    found = (vec, halves, True)
+        _ORDERS[key] = found or (vec_ok, True, False)
+    return _ORDERS[key]
 
 
 def _check(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -185,15 +224,15 @@ def _launch(x, r, w, eps, out, partials=False, gather=None):
         out = torch.empty_like(x)
     _check("out", out, 2)
     M, N = x.shape
-    block = triton.next_power_of_2(N)
+    vec, halves, _ = torch_order(N, x.device)
     use_pdl, pdl_launch = pdl.for_rows(M)
     ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
     _rmsnorm_kernel[(M,)](
         x, r if r is not None else x, w, out, ids, table, _inverse(N), eps,
         x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
         table.stride(0) if gather is not None else 0, N=N,
-        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
-        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
+        HAS_RESIDUAL=r is not None, SPLITS=splits, VEC=vec, HALVES=halves, GATHER=gather is not None,
+        num_warps=1, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
     )
     return out
 

@@ -101,11 +101,15 @@ def test_gemv_partials_into_add_rmsnorm_equal_gemv_then_add_rmsnorm(name, n, k, 
 
 @pytest.mark.parametrize("rows", [16, 64, 2048])
 @pytest.mark.parametrize("n", [2560, 4096, 1024, 1000, 128, 64])
-def test_atens_mean_sums_in_the_modelled_order(rows, n):
-    """The premise of the norm kernel: on this torch, x.pow(2).mean(-1) over 16 rows or
-    more is mean_of_squares_torch_order's bits (one warp per row, ATen's lane order)."""
+def test_torch_order_is_found_and_holds(rows, n):
+    """The premise of the norm kernel: one of its summation orders is this torch's own
+    x.pow(2).mean(-1) over 16 rows or more, bit for bit, on fresh rows."""
+    from fqkernels.rmsnorm import torch_order
+
+    vec, halves, matched = torch_order(n, DEV)
+    assert matched, f"no candidate order matches torch {torch.__version__}'s mean at width {n}"
     x = (torch.randn(rows, n, device=DEV) * 4).bfloat16()
-    assert torch.equal(x.float().pow(2).mean(-1), mean_of_squares_torch_order(x))
+    assert torch.equal(x.float().pow(2).mean(-1), mean_of_squares_torch_order(x, vec, halves))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])

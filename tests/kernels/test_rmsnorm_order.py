@@ -24,10 +24,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
-def _aten_loop(row: torch.Tensor) -> torch.Tensor:
+def _aten_loop(row: torch.Tensor, vec: bool, halves: bool) -> torch.Tensor:
     """ATen's reduce for one row, written as scalar float32 steps: lane t of one warp,
-    four accumulators (4-wide vector loads above 128 elements, 4 unrolled scalar loads
-    at or below), combined ((a0 + a1) + a2) + a3, then the shuffle-down tree, times
+    four accumulators (4-wide vector loads, or 4 unrolled scalar loads), combined
+    ((a0 + a1) + a2) + a3, then the shuffle tree (halves or adjacent pairs first), times
     float32(1 / n)."""
     n = row.numel()
     sq = [v * v for v in row.float()]
@@ -36,21 +36,26 @@ def _aten_loop(row: torch.Tensor) -> torch.Tensor:
         acc = [torch.tensor(0.0)] * 4
         for j in range(-(-n // 128)):
             for i in range(4):
-                e = 128 * j + 4 * t + i if n > 128 else 128 * j + 32 * i + t
+                e = 128 * j + 4 * t + i if vec else 128 * j + 32 * i + t
                 if e < n:
                     acc[i] = acc[i] + sq[e]
         lanes.append(((acc[0] + acc[1]) + acc[2]) + acc[3])
     while len(lanes) > 1:
-        lanes = [lanes[k] + lanes[k + 1] for k in range(0, len(lanes), 2)]
+        half = len(lanes) // 2
+        if halves:
+            lanes = [lanes[k] + lanes[k + half] for k in range(half)]
+        else:
+            lanes = [lanes[k] + lanes[k + 1] for k in range(0, len(lanes), 2)]
     return lanes[0] * (torch.tensor(1.0) / torch.tensor(float(n)))
 
 
+@pytest.mark.parametrize("vec,halves", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("n", [2560, 1000, 128, 64, 40])
-def test_emulation_is_atens_loop(n):
+def test_emulation_is_atens_loop(n, vec, halves):
     x = (torch.randn(3, n, generator=torch.Generator().manual_seed(n)) * 4).bfloat16()
-    got = rn.mean_of_squares_torch_order(x)
+    got = rn.mean_of_squares_torch_order(x, vec, halves)
     for m in range(3):
-        assert torch.equal(got[m], _aten_loop(x[m])), f"row {m}"
+        assert torch.equal(got[m], _aten_loop(x[m], vec, halves)), f"row {m}"
 
 
 def test_order_matters():
@@ -61,6 +66,7 @@ def test_order_matters():
     exact = x.double().square().mean(-1).float()
     sequential = x.float().square().cumsum(-1)[:, -1] * (torch.tensor(1.0) / 2560)
     assert not torch.equal(ours, exact) and not torch.equal(ours, sequential)
+    assert not torch.equal(ours, rn.mean_of_squares_torch_order(x, halves=False))
 
 
 @pytest.fixture
@@ -81,14 +87,20 @@ def interpreter_bf16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _expected(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    var = rn.mean_of_squares_torch_order(x)[:, None] + torch.tensor(eps, dtype=torch.float32)
+    vec, halves, _ = rn.torch_order(x.shape[1], x.device)
+    var = rn.mean_of_squares_torch_order(x, vec, halves)[:, None] + torch.tensor(eps, dtype=torch.float32)
     return (w.float() * (x.float() * torch.rsqrt(var)).bfloat16().float()).bfloat16()
 
 
 @pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
                     reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("order", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("rows,n", [(5, 2560), (4, 128), (3, 64), (2, 4096), (3, 1000)])
-def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, rows, n):
+def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n, order):
+    vec, halves = order
+    if vec and n % 4:
+        pytest.skip("4-wide loads need a width divisible by 4")
+    monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
     r = torch.randn(rows, n, generator=g).bfloat16()
