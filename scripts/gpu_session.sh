@@ -44,6 +44,10 @@
 #   opswap-a2, opswap-b2  the engine against native after a change: fewer variants, batch 1-64
 #   reduce-probe  which summation order torch's CUDA mean uses (scripts/gpu_reduce_order_probe.py),
 #                 norm kernel per-launch time, and the norm kernel tests with every failure listed
+#   judge-fid1-a/-b, judge-fid2-a/-b  the judge, official, results/workloads/fidelity_{1,2}.json on /tmp/q4b (a)
+#                 or /tmp/q4b_hf (b), with base/engine (an earlier commit's engine, if carried) as --baseline
+#   judge-public-ab, judge-window-official, judge-massive  the same for the public set, the windowed
+#                 checkpoint and /tmp/q4b_massive (ckpt-massive)
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
 set -uo pipefail
@@ -76,7 +80,8 @@ done
 for stage in "${stages[@]}"; do
   echo "== $stage"
   case $stage in
-    kernels) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 | tail -6 | tee "$OUT/pytest_gpu.log"
+    kernels) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 \
+               | grep -E "FAILED|passed|failed|Error" | tail -30 | tee "$OUT/pytest_gpu.log"
              grep -q failed "$OUT/pytest_gpu.log" && export FASTQWEN_NO_PDL=1 && echo "PDL OFF" ;;
     speed-nopdl) FASTQWEN_NO_PDL=1 timeout 150 python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
                    --speed 1x512x64,4x2048x32,16x512x128 --out "$OUT/gpu_check_nopdl.json" 2>&1 | grep -v Warn | tail -4 ;;
@@ -145,6 +150,13 @@ for l in sys.stdin:
     reduce-probe) timeout 200 python3 scripts/gpu_reduce_order_probe.py --out "$OUT/reduce_probe.json" 2>&1 | grep -v Warn | tail -30
                   timeout 200 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -40 | tee "$OUT/pytest_norms.log" ;;
+    judge-fid1-a) judge fid1_a --model /tmp/q4b --workloads results/workloads/fidelity_1.json --baseline base/engine ;;
+    judge-fid1-b) judge fid1_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_1.json --baseline base/engine ;;
+    judge-fid2-a) judge fid2_a --model /tmp/q4b --workloads results/workloads/fidelity_2.json --baseline base/engine ;;
+    judge-fid2-b) judge fid2_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_2.json --baseline base/engine ;;
+    judge-public-ab) judge public_ab --model /tmp/q4b --workloads public --baseline base/engine ;;
+    judge-window-official) judge window --model /tmp/q4b_w4096 --workloads results/workloads/window.json --baseline base/engine ;;
+    judge-massive) judge massive --model /tmp/q4b_massive --workloads results/workloads/massive.json --baseline base/engine ;;
     judge-window) timeout 300 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_window.json" \
                     --chart "$OUT/judge_window.png" --model /tmp/q4b_w4096 --workloads results/workloads/window.json 2>&1 | tail -14 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
