@@ -14,7 +14,9 @@ mkdir -p "$OUT/g0" "$OUT/g1"
 OUT="$OUT/g0" bash scripts/gpu_session.sh $1 2>&1 | tee "$OUT/g0/first.log" | tail -5
 for g in 0 1; do
   stages=$([ $g = 0 ] && echo "$2" || echo "$3")
-  (CUDA_VISIBLE_DEVICES=$g OUT="$OUT/g$g" bash scripts/gpu_session.sh $stages > "$OUT/g$g/session.log" 2>&1) &
+  # SESSION_TIMEOUT (s) ends a side that runs long, so what it finished still comes back.
+  (CUDA_VISIBLE_DEVICES=$g OUT="$OUT/g$g" timeout "${SESSION_TIMEOUT:-100000}" bash scripts/gpu_session.sh $stages \
+     > "$OUT/g$g/session.log" 2>&1) &
 done
 wait
 for g in 0 1; do echo "===== GPU $g"; tail -c 5000 "$OUT/g$g/session.log"; done

@@ -75,60 +75,64 @@ def _lane_tree(v, HALVES: tl.constexpr):
 
 
 @triton.jit
+def _row_values(src, r_ptr, stride_split, offs, mask,
+                HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr):
+    """The row's bf16 values at `offs`: src's, plus the residual (bf16 r, or the sum of
+    SPLITS fp32 partials rounded to bf16) added in fp32 and rounded, as the reference adds."""
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        if SPLITS == 0:
+            r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        else:
+            part = tl.load(r_ptr + offs, mask=mask, other=0.0)
+            for s in tl.static_range(1, SPLITS):
+                part += tl.load(r_ptr + s * stride_split + offs, mask=mask, other=0.0)
+            r = part.to(tl.bfloat16)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
                     stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    VEC: tl.constexpr, HALVES: tl.constexpr,
                     GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """One warp per row, in two passes over [32, 4] tiles laid out as ATen's lanes and
-    accumulators (module doc). Pass 1 makes the row (lookup, residual add) and sums its
-    squares, each lane's four accumulators block by block; pass 2 normalizes.
+    """Two passes over the row. Pass 1 only reads: it forms the row's values in [32, 4]
+    tiles laid out as ATen's lanes and accumulators and sums their squares block by block
+    (module doc). Pass 2 forms them again over the whole row at once (the same bits),
+    writes the residual stream and the normalized output. Nothing is stored before the
+    last load of pass 1, so its loads need not wait for stores to the same row.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
     row = tl.program_id(0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    x_row = x_ptr + row * stride_x
     if GATHER:
         src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
     else:
-        src = x_row
+        src = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
     acc = tl.zeros([32, 4], dtype=tl.float32)
     for block in tl.static_range(0, (N + 127) // 128):
         offs = _tile(block, VEC)
-        mask = offs < N
-        x = tl.load(src + offs, mask=mask, other=0.0)
-        if GATHER:
-            tl.store(x_row + offs, x, mask=mask)
-        if HAS_RESIDUAL:
-            r_row = r_ptr + row * stride_r + offs
-            if SPLITS == 0:
-                r = tl.load(r_row, mask=mask, other=0.0)
-            else:
-                part = tl.load(r_row, mask=mask, other=0.0)
-                for s in tl.static_range(1, SPLITS):
-                    part += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
-                r = part.to(tl.bfloat16)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-            tl.store(x_row + offs, x, mask=mask)
-        xf = x.to(tl.float32)
+        xf = _row_values(src, r_row, stride_split, offs, offs < N, HAS_RESIDUAL, SPLITS).to(tl.float32)
         acc = acc + xf * xf
-    # Each lane's value ((a0 + a1) + a2) + a3; a column is taken out exactly as a sum
+    # Each lane's value ((a0 + a1) + a2) + a3; a column is taken out exactly, as a sum
     # with three zeros.
     col = tl.arange(0, 4)[None, :]
     v = tl.sum(tl.where(col == 0, acc, 0.0), axis=1)
     for i in tl.static_range(1, 4):
         v = v + tl.sum(tl.where(col == i, acc, 0.0), axis=1)
     inv = tl.rsqrt(_lane_tree(v, HALVES) * inv_n + eps)
-    if HAS_RESIDUAL:
-        tl.debug_barrier()  # pass 2 reads back the row pass 1 wrote
-        src = x_row
-    for block in tl.static_range(0, (N + 127) // 128):
-        offs = _tile(block, VEC)
-        mask = offs < N
-        x = tl.load(src + offs, mask=mask, other=0.0)
-        y = (x.to(tl.float32) * inv).to(tl.bfloat16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = _row_values(src, r_row, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
+    if GATHER or HAS_RESIDUAL:
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    y = (x.to(tl.float32) * inv).to(tl.bfloat16)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
 
 
 def _inverse(n: int) -> float:
@@ -225,14 +229,15 @@ def _launch(x, r, w, eps, out, partials=False, gather=None):
     _check("out", out, 2)
     M, N = x.shape
     vec, halves, _ = torch_order(N, x.device)
+    block = triton.next_power_of_2(N)
     use_pdl, pdl_launch = pdl.for_rows(M)
     ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
     _rmsnorm_kernel[(M,)](
         x, r if r is not None else x, w, out, ids, table, _inverse(N), eps,
         x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
         table.stride(0) if gather is not None else 0, N=N,
-        HAS_RESIDUAL=r is not None, SPLITS=splits, VEC=vec, HALVES=halves, GATHER=gather is not None,
-        num_warps=1, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
+        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, VEC=vec, HALVES=halves, GATHER=gather is not None,
+        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
     )
     return out
 

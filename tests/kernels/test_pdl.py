@@ -53,7 +53,7 @@ def test_norm_and_rope_kernels_compile_with_pdl():
            "table_ptr": "*bf16", "inv_n": "fp32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32",
            "stride_split": "i32", "stride_t": "i32"}
     for gather in (False, True):
-        consts = dict(N=2560, HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, VEC=True, HALVES=True, GATHER=gather,
+        consts = dict(N=2560, HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, VEC=True, HALVES=True, GATHER=gather,
                       PDL=True)
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
