@@ -18,7 +18,9 @@ way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
 order. So `linear` + `add_rmsnorm` and `linear_partials` + `add_rmsnorm_partials`
 give the same bits, with one kernel fewer.
 
-The mean of squares is summed in PyTorch's own order. The reference computes
+The mean of squares. By default it is Triton's tl.sum over the row. With
+FASTQWEN_TORCH_ORDER_NORM=1 it is summed in PyTorch's own order instead (the second
+kernel below, `_rmsnorm_torch_order_kernel`). The reference computes
 `x.pow(2).mean(-1)` with ATen's CUDA reduce kernel; for a row of N contiguous fp32
 values and 16 rows or more (every reference forward: its rows are batch x sequence) that
 kernel runs one warp per row: lane t keeps four accumulators, a_i = sum over blocks j of
@@ -29,18 +31,27 @@ tree (halves first, or adjacent pairs first) differ between torch versions, so
 `torch_order` compares the installed torch's own mean with each candidate once per width
 and the kernel sums that way (on torch 2.11: 4-wide from 128 elements, halves first,
 results/PERF_LOG.md, session 5). Every decode row is then normalized with the full
-forward's bits for the same input row, at any batch. Measured before: with Triton's own
-order the engine's logits sat ~5% further from the full forward than native's own cached
-decode at batch 16-64, the one op that separated them. The kernel compiles without FMA
-contraction (enable_fp_fusion=False) so that the mean times 1/N and the + eps stay two
-roundings, as in the reference.
+forward's bits for the same input row, at any batch (GPU tests). Why it exists: swapping
+the torch reference norm into the engine was the one change that brought its decode
+logits to native's distance from the full forward at batch 16-64 (mean max |diff| ~5%
+closer, results/h200-2026-11-30/session5). Why it is off: in official judge runs it cost
+3-6% TPOT and moved no fidelity count measurably (same PERF_LOG entry). That kernel
+compiles without FMA contraction (enable_fp_fusion=False) so that the mean times 1/N
+and the + eps stay two roundings, as in the reference.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from fqkernels import pdl
 
+
+# FASTQWEN_TORCH_ORDER_NORM=1 (read at import): sum the squares in the installed torch's
+# own order (module doc). Off by default: measured 3-6% slower per decode step with no
+# change in the judge's fidelity counts (results/PERF_LOG.md, session 5).
+TORCH_ORDER: bool = os.environ.get("FASTQWEN_TORCH_ORDER_NORM") == "1"
 
 # Lanes of the warp that reduces one row in ATen's reduce kernel (module doc).
 _LANES = 32
@@ -75,6 +86,43 @@ def _lane_tree(v, HALVES: tl.constexpr):
 
 
 @triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
+                    stride_x, stride_r, stride_o, stride_split, stride_t,
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
+    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if GATHER:
+        tok = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(table_ptr + tok * stride_t + offs, mask=mask, other=0.0)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_row = r_ptr + row * stride_r + offs
+        if SPLITS == 0:
+            r = tl.load(r_row, mask=mask, other=0.0)
+        else:
+            acc = tl.load(r_row, mask=mask, other=0.0)
+            for s in tl.static_range(1, SPLITS):
+                acc += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
+            r = acc.to(tl.bfloat16)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
+@triton.jit
 def _row_values(src, r_ptr, stride_split, offs, mask,
                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr):
     """The row's bf16 values at `offs`: src's, plus the residual (bf16 r, or the sum of
@@ -93,7 +141,7 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
+def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
                     stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                     VEC: tl.constexpr, HALVES: tl.constexpr,
@@ -228,17 +276,20 @@ def _launch(x, r, w, eps, out, partials=False, gather=None):
         out = torch.empty_like(x)
     _check("out", out, 2)
     M, N = x.shape
-    vec, halves, _ = torch_order(N, x.device)
     block = triton.next_power_of_2(N)
     use_pdl, pdl_launch = pdl.for_rows(M)
     ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
-    _rmsnorm_kernel[(M,)](
-        x, r if r is not None else x, w, out, ids, table, _inverse(N), eps,
-        x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
-        table.stride(0) if gather is not None else 0, N=N,
-        HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, VEC=vec, HALVES=halves, GATHER=gather is not None,
-        num_warps=4 if block <= 4096 else 8, PDL=use_pdl, enable_fp_fusion=False, **pdl_launch,
-    )
+    rows = (x, r if r is not None else x, w, out, ids, table)
+    strides = (x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
+               table.stride(0) if gather is not None else 0)
+    flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
+                 num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
+    if TORCH_ORDER:
+        vec, halves, _ = torch_order(N, x.device)
+        _rmsnorm_torch_order_kernel[(M,)](*rows, _inverse(N), eps, *strides, N=N, VEC=vec, HALVES=halves,
+                                          enable_fp_fusion=False, **flags)
+    else:
+        _rmsnorm_kernel[(M,)](*rows, N, eps, *strides, **flags)
     return out
 
 

@@ -114,10 +114,13 @@ def test_torch_order_is_found_and_holds(rows, n):
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
 @pytest.mark.parametrize("n", [2560, 1024, 128])
-def test_norms_give_the_full_forwards_bits(rows, n):
-    """Whatever the row count, each norm kernel gives the bits the reference gives for
+def test_norms_give_the_full_forwards_bits(monkeypatch, rows, n):
+    """With FASTQWEN_TORCH_ORDER_NORM, whatever the row count, each norm kernel gives the bits the reference gives for
     the same rows inside a forward (16 rows or more there): the references run on the
     rows padded to at least 16 with other rows."""
+    import fqkernels.rmsnorm as rn
+
+    monkeypatch.setattr(rn, "TORCH_ORDER", True)
     pad = max(16, rows)
     x = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
     r = (torch.randn(pad, n, device=DEV) * 4).bfloat16()

@@ -49,13 +49,16 @@ def test_attention_kernels_compile_with_pdl():
 
 @needs_compiler
 def test_norm_and_rope_kernels_compile_with_pdl():
-    sig = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
-           "table_ptr": "*bf16", "inv_n": "fp32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32",
-           "stride_split": "i32", "stride_t": "i32"}
+    base = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
+            "table_ptr": "*bf16"}
+    strides = {"stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32", "stride_t": "i32"}
     for gather in (False, True):
-        consts = dict(N=2560, HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, VEC=True, HALVES=True, GATHER=gather,
-                      PDL=True)
-        _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
+        flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True)
+        sig = {**base, "N": "i32", "eps": "fp32", **strides}
+        _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
+        sig = {**base, "inv_n": "fp32", "eps": "fp32", **strides}
+        consts = dict(flags, N=2560, VEC=True, HALVES=True)
+        _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
            "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",

@@ -1,7 +1,7 @@
 """The order the RMSNorm kernel sums its squares in (fqkernels/rmsnorm.py, module doc):
 the pure-torch emulation against an independent scalar loop of ATen's reduce kernel,
 always; the Triton kernel against the emulation bit for bit under the CPU interpreter
-(Triton >= 3.4). On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
+(Triton >= 3.4), FASTQWEN_TORCH_ORDER_NORM's kernel. On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
 own mean equals the emulation and that the kernels give the reference's bits."""
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding
     vec, halves = order
     if vec and n % 4:
         pytest.skip("4-wide loads need a width divisible by 4")
+    monkeypatch.setattr(rn, "TORCH_ORDER", True)
     monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * 3).bfloat16()

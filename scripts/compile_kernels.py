@@ -1,0 +1,787 @@
+"""Compile every Triton kernel launch the engine makes, for sm_90, with the installed
+Triton, down to a cubin, on a machine without a GPU.
+
+Why: the platform runs the engine on Triton 3.1 (H100, sm_90); our GPU runs Triton
+3.6. A kernel (or a constexpr combination of one) that only builds on the newer
+Triton would pass every GPU test here and fail on the platform. CI has no GPU, so
+this compiles what the engine would launch, exactly as Triton 3.1 would compile it
+at the first launch, and fails naming the kernel and its specialization.
+
+How:
+  1. Capture. The engine's own code runs: fq_config.ModelConfig.from_dir,
+     fq_weights.load_weights, fq_model.Qwen3Model over fq_ops.TritonOps and
+     fq_decode.DecodeRunner, prefill and a decode step, over a sweep of shapes
+     (GENERATE_SHAPES, DECODE_BATCHES x DECODE_CAPACITIES below), each with our
+     GEMV and with cuBLAS for the decode products (the choice TritonOps.tune
+     makes at warmup), for the presets in DEFAULT_MODELS. Tensors are meta tensors that report device "cuda"
+     (MetaAsCuda), so nothing is allocated and the wrappers' CUDA checks pass.
+     Each launch goes through Triton's own JITFunction.run, which builds the
+     signature, the constexprs, the specialization (divisibility by 16, == 1,
+     do_not_specialize) and the options exactly as on a GPU, with a driver stub
+     that names the target (sm_90); JITFunction.cache_hook records the result
+     and stops run() before it compiles or launches. A tensor argument reaches
+     Triton as a stand-in whose data_ptr is its byte offset into an allocation
+     aligned as torch's CUDA allocator aligns one (512 bytes), so a view's
+     pointer is divisible by 16 exactly when it would be on a GPU.
+  2. Compile. Each distinct specialization (Triton's own cache key) goes through
+     triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) with the
+     options run() parsed: the call run() makes, through ptxas to a cubin, in a
+     process pool, into a fresh Triton cache directory.
+  3. Coverage. Every @triton.jit function defined in engine/fqkernels/*.py must
+     have been launched, or be called from another one (a device helper such as
+     pdl.wait): a kernel that no scenario reaches fails the run.
+
+The sweep runs the model at two layers (the first and the last, which differ in
+prefill): every layer launches the same kernels with the same arguments, and the
+cache's per-layer views are 16-byte aligned. One shape per model also runs at full
+depth and must produce the same specializations (the run fails otherwise);
+--full-depth runs the whole sweep at full depth.
+
+PDL. On Triton 3.1 fqkernels/pdl.py turns dependent launch off (no launch_pdl
+option), so the engine launches every kernel with PDL=False: --pdl off, the
+default. --pdl on forces pdl.ENABLED (and the launch option only where this
+Triton has it), which compiles the decode-sized launches with the griddepcontrol
+instructions as the engine runs them on Triton 3.4+; --pdl both does both.
+
+Usage:
+    python scripts/compile_kernels.py [--target sm_90] [--models qwen3-4b tiny ...]
+        [--pdl off|on|both] [--jobs N] [--json PATH] [--capture-only] [--full-depth]
+Exit status: 0 every specialization compiled and every kernel was launched; 1 a
+compile failed or a kernel was never launched; 2 usage, or a Triton other than 3.1
+(the capture mirrors Triton 3.1's launch path).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import importlib
+import json
+import multiprocessing
+import os
+import pathlib
+import pkgutil
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Iterator
+
+import torch
+import triton
+from torch.overrides import TorchFunctionMode
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ENGINE_DIR = REPO / "engine"
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))            # fastqwen, when it is not installed
+
+
+def use_engine_dir(folder: pathlib.Path) -> None:
+    """Import the engine from `folder` (its modules import each other by absolute name)."""
+    global ENGINE_DIR
+    ENGINE_DIR = pathlib.Path(folder).resolve()
+    loaded = sys.modules.get("fqkernels")
+    if loaded is not None and not pathlib.Path(loaded.__path__[0]).resolve().is_relative_to(ENGINE_DIR):
+        raise RuntimeError(f"fqkernels is already imported from {loaded.__path__[0]}, not {ENGINE_DIR}")
+    sys.path.insert(0, str(ENGINE_DIR))
+
+
+use_engine_dir(ENGINE_DIR)
+
+# The models whose launches are captured: a preset name, optionally with config.json
+# fields overridden ("preset:field=value,..."). qwen3-4b is the platform's model; an
+# odd sliding window covers the attention kernel's window argument when it is not a
+# multiple of 16; qwen3-8b (untied LM head, default GEMV configs) is the size whose
+# products take split-K through the GEMV's own reduce kernel; tiny is the CPU tests'
+# model (head_dim 64).
+DEFAULT_MODELS = ("qwen3-4b", "qwen3-4b:sliding_window=1000", "qwen3-8b", "tiny")
+
+# Engine.generate shapes (batch, prompt, new tokens): the prefill, then one decode
+# step (every step launches the same kernels). Shapes past the model's
+# max_position_embeddings are skipped, as Engine.generate refuses them.
+GENERATE_SHAPES = (
+    (1, 512, 32), (4, 2048, 32), (16, 512, 128),   # the public workloads
+    (1, 1, 2),           # a one-token prompt
+    (3, 1000, 40),       # a prompt length that is not a multiple of 16
+    (2, 16384, 8),       # one full 16,384-token prefill group
+    (3, 9000, 4),        # prefill groups of fewer sequences than the batch
+    (1, 20000, 4),       # a prompt longer than a group: the MLP in row slices
+    (65, 64, 4),         # past the decode GEMV's and PDL's 64 rows
+)
+# Decode steps: every batch of 1..65 (the GEMV configs change with the row count up
+# to 64, and PDL and the GEMV stop at 64) at every cache capacity the attention's
+# split plan distinguishes: whole 256-position granules up to 4096 (64 splits of
+# 64 positions), then two larger ones and a long-context one.
+DECODE_BATCHES = tuple(range(1, 66))
+DECODE_CAPACITIES = tuple(range(256, 4097, 256)) + (4352, 8192, 32768)
+# The depth of the sweep's model (see the module docstring).
+SWEEP_LAYERS = 2
+
+ALLOCATION_ALIGNMENT = 512   # bytes; torch's CUDA caching allocator rounds every block to this
+CUDA = torch.device("cuda", 0)
+
+
+def unsupported_reason() -> str | None:
+    """Why this Triton cannot be checked here, or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: the interpreter compiles nothing"
+    if not triton.__version__.startswith("3.1."):
+        return (f"the capture mirrors Triton 3.1's launch path (the platform's); Triton {triton.__version__} "
+                f"is installed")
+    return None
+
+
+def parse_target(text: str):
+    from triton.backends.compiler import GPUTarget
+
+    match = re.fullmatch(r"sm_(\d+)", text)
+    if not match:
+        raise ValueError(f"target must look like sm_90, got {text!r}")
+    return GPUTarget("cuda", int(match.group(1)), 32)
+
+
+# ----------------------------------------------------------------------------- meta tensors that say "cuda"
+
+def _names_cuda(device: object) -> bool:
+    return ((isinstance(device, torch.device) and device.type == "cuda")
+            or (isinstance(device, str) and device.split(":")[0] == "cuda"))
+
+
+class MetaAsCuda(TorchFunctionMode):
+    """Tensors made for device "cuda" are made on "meta" (shapes, strides and dtypes
+    only), and meta tensors answer `.device` with cuda:0 and `.is_cuda` with True.
+
+    FakeTensorMode cannot stand in here: it keeps a real CUDA device on the tensor,
+    and Python indexing then sets that device (a CUDA call, which fails without a
+    driver). Host reads of values (.item(), .tolist()) fail, as they would inside
+    a CUDA graph: the model's prefill and decode make none.
+    """
+
+    _DEVICE = torch.Tensor.device.__get__
+    _IS_CUDA = torch.Tensor.is_cuda.__get__
+    _IS_META = torch.Tensor.is_meta.__get__
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == self._DEVICE:
+            device = func(*args)
+            return CUDA if device.type == "meta" else device
+        if func == self._IS_CUDA:
+            return func(*args) or self._IS_META(args[0])
+        if "device" in kwargs and _names_cuda(kwargs["device"]):   # factories: torch.empty(..., device=)
+            kwargs = dict(kwargs, device="meta")
+        if func is torch.Tensor.to:                                # the one method taking a device positionally
+            args = tuple("meta" if _names_cuda(a) else a for a in args)
+        elif func is torch.Tensor.cuda:
+            return args[0].to("meta")
+        return func(*args, **kwargs)
+
+
+class _MetaCheckpoint:
+    """safetensors.safe_open over a checkpoint that holds every tensor `shapes` names, as BF16 meta tensors."""
+
+    def __init__(self, shapes: dict):
+        self.shapes = shapes
+
+    def __call__(self, path, framework="pt", device="cpu"):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return list(self.shapes)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return torch.empty(self.shapes[name], dtype=torch.bfloat16, device="meta")
+
+
+# ----------------------------------------------------------------------------- capture
+
+def _option_defaults() -> dict:
+    """CUDAOptions' field defaults, less those the backend derives from the target."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    derived = {"extern_libs", "allow_fp8e4nv", "allow_fp8e4b15", "max_num_imprecise_acc_default"}
+    return {f.name: f.default for f in dataclasses.fields(CUDAOptions) if f.name not in derived}
+
+
+_OPTION_DEFAULTS = _option_defaults()
+
+
+@dataclasses.dataclass(eq=False)
+class Spec:
+    """One specialization of one kernel: what Triton would compile at its first launch."""
+
+    kernel: object          # the JITFunction
+    key: str                # Triton's cache key for the launch (signature, specialization, constexprs, options)
+    signature: dict         # non-constexpr argument -> Triton type
+    constants: dict         # constexprs, and the arguments specialized to a constant (== 1, None)
+    attrs: object           # AttrsDescriptor: divisible_by_16, equal_to_1 (argument indices)
+    options: dict           # the backend options run() parsed (num_warps, num_stages, ...)
+    scenario: str           # the first scenario that launched it
+    site: str               # where the engine launched it
+    launches: int = 1
+    pdl: bool = False       # captured with PDL forced on
+    # filled by compile_all
+    ok: bool | None = None
+    seconds: float = 0.0
+    cubin_bytes: int = 0
+    error: str = ""
+
+    @property
+    def name(self) -> str:
+        module = self.kernel.__module__.removeprefix("fqkernels.")
+        return f"{module}.{self.kernel.__name__}"
+
+    def _arg_names(self, indices) -> list[str]:
+        names = self.kernel.arg_names
+        return [names[i] for i in sorted(indices)]
+
+    def launch_options(self) -> str:
+        """num_warps, num_stages, and every other option the launch set away from Triton's default."""
+        def is_default(k, v):   # run() passes debug=None for "not set"
+            d = _OPTION_DEFAULTS[k]
+            return v == d or (v in (None, False) and d in (None, False))
+
+        shown = {k: v for k, v in self.options.items()
+                 if k in ("num_warps", "num_stages") or (k in _OPTION_DEFAULTS and not is_default(k, v))}
+        return " ".join(f"{k}={v}" for k, v in shown.items())
+
+    def specialization(self) -> str:
+        """Constexprs, launch options, and the arguments Triton did not assume 16-aligned."""
+        consts = " ".join(f"{k}={v}" for k, v in self.constants.items())
+        opts = self.launch_options()
+        aligned = set(self._arg_names(self.attrs.divisible_by_16))
+        unaligned = [n for n, t in self.signature.items()
+                     if n not in aligned and n not in self.constants and not t.startswith("fp")]
+        return f"{consts} | {opts} | not /16: {','.join(unaligned) or '-'}"
+
+    def describe(self) -> str:
+        aligned = set(self._arg_names(self.attrs.divisible_by_16))
+        sig = ", ".join(f"{n}: {t}{' /16' if n in aligned else ''}" for n, t in self.signature.items()
+                        if n not in self.constants)
+        return (f"{self.name} ({pathlib.Path(self.kernel.fn.__code__.co_filename).name})\n"
+                f"  constexprs: {self.constants}\n"
+                f"  arguments:  {sig}\n"
+                f"  options:    {self.launch_options()}\n"
+                f"  launched by {self.scenario}, at {self.site}")
+
+    def to_json(self) -> dict:
+        return {
+            "kernel": self.name, "constants": {k: repr(v) if not isinstance(v, (int, float, bool, str)) else v
+                                               for k, v in self.constants.items()},
+            "signature": self.signature, "divisible_by_16": self._arg_names(self.attrs.divisible_by_16),
+            "equal_to_1": self._arg_names(self.attrs.equal_to_1),
+            "options": self.launch_options(),
+            "pdl": self.pdl, "scenario": self.scenario, "site": self.site, "launches": self.launches,
+            "ok": self.ok, "seconds": round(self.seconds, 3), "cubin_bytes": self.cubin_bytes, "error": self.error,
+        }
+
+
+class _Pointer:
+    """What Triton's launch path reads of a tensor argument: its dtype and its address.
+    The address is the tensor's byte offset into an allocation at ALLOCATION_ALIGNMENT."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype = t.dtype
+        self._address = ALLOCATION_ALIGNMENT + t.storage_offset() * t.element_size()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+class _SpecOnlyDriver:
+    """The three driver calls JITFunction.run makes before it compiles: device 0, stream 0, the target."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _as_tuples(value):
+    """JSON lists back to the tuples Triton's options hold."""
+    if isinstance(value, list):
+        return tuple(_as_tuples(v) for v in value)
+    return value
+
+
+def _launch_site() -> str:
+    """file:line (function) of the innermost frame outside Triton and this file: the engine's launch."""
+    triton_dir = str(pathlib.Path(triton.__file__).parent)
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(triton_dir) and filename != __file__:
+            path = pathlib.Path(filename)
+            shown = path.relative_to(ENGINE_DIR) if path.is_relative_to(ENGINE_DIR) else path.name
+            return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+class Recorder:
+    """Collects the distinct specializations launched while `recording()` is active."""
+
+    def __init__(self):
+        self.specs: dict[tuple, Spec] = {}
+        self.scenario = "?"   # set by the caller before each scenario
+        self.pdl = False
+
+    def hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        """JITFunction.cache_hook: record the specialization; True stops run() before compile and launch."""
+        kernel = fn.jit_function
+        spec = self.specs.get((kernel, key))
+        if spec is not None:
+            spec.launches += 1
+            return True
+        options = {k: _as_tuples(v) for k, v in json.loads(compile["specialization_data"])["options"].items()}
+        self.specs[(kernel, key)] = Spec(kernel=kernel, key=key, signature=dict(compile["signature"]),
+                                         constants=dict(compile["constants"]), attrs=compile["configs"][0],
+                                         options=options, scenario=self.scenario, site=_launch_site(),
+                                         pdl=self.pdl)
+        return True
+
+    def keys(self) -> set:
+        return {(spec.kernel, spec.key) for spec in self.specs.values()}
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder, target) -> Iterator[None]:
+    """Within: every Triton launch is bound by Triton's own JITFunction.run for `target` and
+    recorded by `recorder`; nothing compiles, nothing launches, no GPU or driver is needed."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    original_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        with torch._C.DisableTorchFunction():   # plain tensor reads, outside MetaAsCuda
+            args = tuple(_Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: _Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    previous_driver, previous_hook = driver.active, JITFunction.cache_hook
+    capturing = torch.cuda.is_current_stream_capturing
+    JITFunction.run = run
+    JITFunction.cache_hook = recorder.hook
+    driver.set_active(_SpecOnlyDriver(target))
+    torch.cuda.is_current_stream_capturing = lambda: False   # asked by decode attention's workspace
+    try:
+        yield
+    finally:
+        JITFunction.run = original_run
+        JITFunction.cache_hook = previous_hook
+        driver.set_active(previous_driver)
+        torch.cuda.is_current_stream_capturing = capturing
+
+
+# ----------------------------------------------------------------------------- driving the engine
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A fastqwen preset's config.json, with fields overridden: "preset[:field=json,...]"."""
+
+    preset: str
+    overrides: tuple = ()   # (config field, value) pairs
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelSpec":
+        preset, _, rest = text.partition(":")
+        overrides = []
+        for item in filter(None, rest.split(",")):
+            field, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"model {text!r}: override {item!r} is not field=value")
+            overrides.append((field, json.loads(value)))
+        return cls(preset, tuple(overrides))
+
+    def __str__(self) -> str:
+        return self.preset + (":" + ",".join(f"{k}={json.dumps(v)}" for k, v in self.overrides)
+                              if self.overrides else "")
+
+
+class _GemvChoice(dict):
+    """TritonOps.use_gemv as its warmup `tune` could leave it: our GEMV (on) or cuBLAS (off)
+    for every decode-sized product (keys are (fused, rows, N, K); tune covers rows up to
+    TritonOps.GEMV_MAX_ROWS and leaves larger ones to cuBLAS)."""
+
+    def __init__(self, on: bool, max_rows: int):
+        super().__init__()
+        self.on, self.max_rows = on, max_rows
+
+    def get(self, key, default=None):
+        return self.on if key[1] <= self.max_rows else default
+
+
+class EngineDriver:
+    """The engine's model code for one config, on meta tensors that say "cuda"."""
+
+    def __init__(self, model: ModelSpec, folder: pathlib.Path, layers: int | None):
+        import fastqwen.presets
+        import fq_config
+        import fq_model
+        import fq_ops
+        import fq_weights
+
+        raw = fastqwen.presets.get_preset(model.preset)
+        raw.update(dict(model.overrides))
+        if layers is not None:
+            raw["num_hidden_layers"] = layers
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(raw))
+        (folder / "model.safetensors").touch()
+        self.cfg = fq_config.ModelConfig.from_dir(str(folder))
+        real_safe_open = fq_weights.safe_open
+        fq_weights.safe_open = _MetaCheckpoint(fq_weights.expected_shapes(self.cfg))
+        try:
+            weights = fq_weights.load_weights(str(folder), self.cfg, CUDA)
+        finally:
+            fq_weights.safe_open = real_safe_open
+        self.ops = fq_ops.ops_for(CUDA)
+        self.model = fq_model.Qwen3Model(self.cfg, weights, CUDA, self.ops)
+
+    def use_gemv(self, on: bool) -> None:
+        self.ops.use_gemv = _GemvChoice(on, self.ops.GEMV_MAX_ROWS)
+
+    def _prepare(self, batch: int, positions: int):
+        """Engine._prepare's buffers in a fresh engine process (each workload gets one): RoPE
+        tables for `positions`, a cache of the engine's rounded capacity for them."""
+        import engine
+        import fq_decode
+
+        self.model.ensure_rope(positions)
+        self.model.allocate_cache(batch, engine._rounded_capacity(positions))
+        return fq_decode.DecodeRunner(self.model, batch, use_graph=False)
+
+    def generate(self, batch: int, prompt: int, steps: int) -> None:
+        """Engine.generate's launches: the prefill and the first decode step."""
+        runner = self._prepare(batch, prompt + steps - 1)
+        ids = torch.zeros((batch, prompt), dtype=torch.int64, device=CUDA)
+        runner.start(self.model.prefill(ids), prompt)
+        runner.step()
+
+    def decode_step(self, batch: int, capacity: int) -> None:
+        self._prepare(batch, capacity).step()
+
+    def fits(self, prompt: int, steps: int) -> bool:
+        return prompt + steps <= self.cfg.max_position_embeddings
+
+
+Scenario = tuple[str, Callable[[], None]]
+
+
+def sweep(drv: EngineDriver, label: str) -> Iterator[Scenario]:
+    """The launches captured for one model: see GENERATE_SHAPES and DECODE_*."""
+    for gemv in (True, False):
+        tag = "gemv" if gemv else "cublas"
+        for batch, prompt, steps in GENERATE_SHAPES:
+            if drv.fits(prompt, steps):
+                yield (f"{label} generate {batch}x{prompt}x{steps} ({tag})",
+                       lambda b=batch, p=prompt, s=steps, g=gemv: (drv.use_gemv(g), drv.generate(b, p, s)))
+    # FASTQWEN_TORCH_ORDER_NORM=1 launches the norm kernel that sums in torch's order.
+    for batch, prompt, steps in GENERATE_SHAPES:
+        if drv.fits(prompt, steps):
+            yield (f"{label} generate {batch}x{prompt}x{steps} (gemv, torch-order norm)",
+                   lambda b=batch, p=prompt, s=steps: _with_torch_order_norm(
+                       lambda: (drv.use_gemv(True), drv.generate(b, p, s))))
+    for batch in DECODE_BATCHES:
+        yield (f"{label} decode B={batch} C=1024 (cublas)",
+               lambda b=batch: (drv.use_gemv(False), drv.decode_step(b, 1024)))
+        for capacity in DECODE_CAPACITIES:
+            if drv.fits(capacity, 0):
+                yield (f"{label} decode B={batch} C={capacity} (gemv)",
+                       lambda b=batch, c=capacity: (drv.use_gemv(True), drv.decode_step(b, c)))
+
+
+def _with_torch_order_norm(run: Callable[[], None]) -> None:
+    from fqkernels import rmsnorm
+
+    saved, rmsnorm.TORCH_ORDER = rmsnorm.TORCH_ORDER, True
+    try:
+        run()
+    finally:
+        rmsnorm.TORCH_ORDER = saved
+
+
+@contextlib.contextmanager
+def pdl_forced(on: bool) -> Iterator[None]:
+    """fqkernels.pdl as on a Triton that can (on) or cannot (off) launch with PDL."""
+    from fqkernels import pdl
+
+    saved = pdl.ENABLED, pdl.LAUNCH
+    pdl.ENABLED = on
+    pdl.LAUNCH = {}
+    if on:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "launch_pdl" in CUDAOptions.__dataclass_fields__:
+            pdl.LAUNCH = {"launch_pdl": True}
+    try:
+        yield
+    finally:
+        pdl.ENABLED, pdl.LAUNCH = saved
+
+
+def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
+                   progress: Callable[[str], None] = lambda line: None) -> tuple[list[Spec], list[str]]:
+    """Every distinct kernel specialization the engine launches over the sweep, and the
+    problems found while capturing (a scenario that raised, a depth mismatch)."""
+    recorder = Recorder()
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="fq_compile_models_") as tmp, MetaAsCuda(), torch.inference_mode():
+        folders = (pathlib.Path(tmp) / str(i) for i in range(1 << 30))
+        for model in models:
+            for pdl_on in pdl_modes:
+                label = f"{model}{' PDL' if pdl_on else ''}:"
+                start, before = time.perf_counter(), len(recorder.specs)
+                with pdl_forced(pdl_on):
+                    drv = EngineDriver(model, next(folders), None if full_depth else SWEEP_LAYERS)
+                    recorder.pdl = pdl_on
+                    with recording(recorder, target):
+                        for name, run in sweep(drv, label):
+                            recorder.scenario = name
+                            try:
+                                run()
+                            except Exception as exc:   # a wrapper refusing what the engine sends is a finding
+                                problems.append(f"{name}: {type(exc).__name__}: {exc}")
+                    if not full_depth:
+                        problems += _depth_check(drv, EngineDriver(model, next(folders), None), label, target)
+                progress(f"{label} {len(recorder.specs) - before} new specializations "
+                         f"({time.perf_counter() - start:.1f} s)")
+    return list(recorder.specs.values()), problems
+
+
+def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:
+    """One generate shape at the config's full depth must launch what the shallow model launches."""
+    batch, prompt, steps = GENERATE_SHAPES[0]
+    found = []
+    for drv in (shallow, full):
+        recorder = Recorder()
+        with recording(recorder, target):
+            for gemv in (True, False):
+                drv.use_gemv(gemv)
+                drv.generate(batch, prompt, steps)
+        found.append(recorder.keys())
+    if found[0] != found[1]:
+        names = sorted({kernel.__name__ for kernel, _ in found[0] ^ found[1]})
+        return [f"{label} the {shallow.cfg.num_layers}-layer sweep model and the {full.cfg.num_layers}-layer "
+                f"model launch different specializations of {', '.join(names)}: run with --full-depth"]
+    return []
+
+
+# ----------------------------------------------------------------------------- coverage
+
+def engine_kernels() -> list:
+    """Every @triton.jit function defined in engine/fqkernels/*.py."""
+    import fqkernels
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for info in pkgutil.iter_modules(fqkernels.__path__):
+        module = importlib.import_module(f"fqkernels.{info.name}")
+        found += [obj for obj in vars(module).values()
+                  if isinstance(obj, JITFunction) and obj.__module__ == module.__name__]
+    return found
+
+
+def never_launched(specs: list[Spec]) -> list[str]:
+    """Engine kernels that neither were launched nor are called by another @triton.jit function."""
+    functions = engine_kernels()
+    launched = {spec.kernel for spec in specs}
+    missing = []
+    for fn in functions:
+        if fn in launched:
+            continue
+        call = re.compile(rf"\b{re.escape(fn.__name__)}\s*\(")
+        if not any(call.search(other.src) for other in functions if other is not fn):
+            missing.append(f"{fn.__module__.removeprefix('fqkernels.')}.{fn.__name__}")
+    return missing
+
+
+# ----------------------------------------------------------------------------- compile
+
+def _importable(kernel) -> bool:
+    """Whether a fresh process finds `kernel` as <its module>.<its name> (so a worker can compile it)."""
+    module = sys.modules.get(kernel.__module__)
+    return (module is not None and getattr(module, kernel.__name__, None) is kernel
+            and getattr(module, "__file__", None) is not None)
+
+
+def _compile_task(spec: Spec, target) -> tuple:
+    return (spec.kernel.__module__, spec.kernel.__name__, spec.kernel.fn.__code__.co_filename, spec.signature,
+            spec.constants, spec.attrs, spec.options, target)
+
+
+def _init_worker(path: list[str]) -> None:
+    sys.path[:] = path   # the parent's, so a worker imports the engine the parent captured
+
+
+def _compile_one(module: str, name: str, filename: str, signature: dict, constants: dict, attrs, options: dict,
+                 target, kernel=None) -> tuple:
+    """(ok, seconds, cubin bytes, error): the compile JITFunction.run makes at a first launch."""
+    from triton.compiler import ASTSource
+
+    start = time.perf_counter()
+    try:
+        if kernel is None:
+            kernel = getattr(importlib.import_module(module), name)
+            if kernel.fn.__code__.co_filename != filename:
+                raise RuntimeError(f"the worker imported {module}.{name} from {kernel.fn.__code__.co_filename}, "
+                                   f"not {filename}")
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
+        return True, time.perf_counter() - start, len(compiled.asm["cubin"]), ""
+    except Exception as exc:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return False, time.perf_counter() - start, 0, text
+
+
+def compile_all(specs: list[Spec], target, jobs: int = 0, cache_dir: str | None = None,
+                progress: Callable[[str], None] = lambda line: None) -> None:
+    """Compile every spec for `target` into `cache_dir` (default: a fresh temporary one, so
+    every compile really runs) and fill in ok / seconds / cubin_bytes / error.
+
+    jobs: worker processes (0: one per CPU; 1: all in this process). Workers are spawned,
+    not forked (a fork of a process that has compiled before can deadlock in the
+    compiler's thread pool); they import each kernel by its module's name, so a kernel
+    no fresh process can import compiles in this process."""
+    jobs = jobs or os.cpu_count() or 1
+    own_dir = cache_dir is None
+    cache_dir = cache_dir or tempfile.mkdtemp(prefix="fq_triton_cache_")
+    saved_env = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir   # read at each compile; spawned workers inherit it
+    done = 0
+
+    def finish(spec: Spec, result: tuple) -> None:
+        nonlocal done
+        spec.ok, spec.seconds, spec.cubin_bytes, spec.error = result
+        done += 1
+        progress(f"[{done}/{len(specs)}] {'ok  ' if spec.ok else 'FAIL'} {spec.seconds:5.1f} s  {spec.name}")
+
+    try:
+        pooled = {id(s) for s in specs if jobs > 1 and _importable(s.kernel)}
+        with contextlib.ExitStack() as stack:
+            futures = {}
+            if pooled:
+                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    max_workers=min(jobs, len(pooled)), mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker, initargs=(list(sys.path),)))
+                futures = {pool.submit(_compile_one, *_compile_task(s, target)): s for s in specs if id(s) in pooled}
+            for spec in specs:
+                if id(spec) not in pooled:
+                    finish(spec, _compile_one(*_compile_task(spec, target), kernel=spec.kernel))
+            for future in concurrent.futures.as_completed(futures):
+                finish(futures[future], future.result())
+    finally:
+        if saved_env is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved_env
+        if own_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def failure_report(spec: Spec, target, error_lines: int = 30) -> str:
+    lines = spec.error.splitlines()
+    if len(lines) > error_lines:
+        lines = ["..."] + lines[-error_lines:]
+    error = "\n".join("    " + line for line in lines)
+    return (f"COMPILE FAILED for sm_{target.arch} with Triton {triton.__version__}: {spec.describe()}\n"
+            f"  error:\n{error}")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _table(specs: list[Spec]) -> str:
+    rows = sorted(specs, key=lambda s: (s.name, s.pdl, s.specialization()))
+    width = max(len(s.name) for s in rows)
+    lines = [f"{'kernel':<{width}}  {'s':>5}  {'status':<6} specialization   [first launched by]"]
+    for s in rows:
+        status = "ok" if s.ok else ("FAIL" if s.ok is False else "-")
+        lines.append(f"{s.name:<{width}}  {s.seconds:5.1f}  {status:<6} {s.specialization()}"
+                     f"{' | PDL forced' if s.pdl else ''}   [{s.scenario}]")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="sm_90", help="GPU architecture to compile for (default sm_90)")
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
+                   help="presets, optionally preset:field=value,... (default: %(default)s)")
+    p.add_argument("--pdl", choices=("off", "on", "both"), default="off",
+                   help="off: as the engine launches on Triton 3.1 (default); on: PDL forced on")
+    p.add_argument("--jobs", type=int, default=0, help="compile processes (default: one per CPU)")
+    p.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one)")
+    p.add_argument("--json", help="write every specialization and its result to this file")
+    p.add_argument("--capture-only", action="store_true", help="list the specializations, compile nothing")
+    p.add_argument("--engine-dir", help="the engine folder to check (default: this repository's engine/)")
+    p.add_argument("--full-depth", action="store_true", help=f"sweep the models at full depth, not {SWEEP_LAYERS}")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    reason = unsupported_reason()
+    if reason:
+        print(f"compile_kernels: cannot check here: {reason}", file=sys.stderr)
+        return 2
+    try:
+        target = parse_target(args.target)
+        models = [ModelSpec.parse(m) for m in args.models]
+    except ValueError as exc:
+        p.error(str(exc))
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
+    if args.engine_dir:
+        use_engine_dir(pathlib.Path(args.engine_dir))
+
+    t0 = time.perf_counter()
+    pdl_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.pdl]
+    specs, problems = capture_engine(models, target, pdl_modes, args.full_depth, progress=say)
+    missing = never_launched(specs)
+    t_capture = time.perf_counter() - t0
+    say(f"captured {len(specs)} specializations of {len({s.kernel for s in specs})} kernels from "
+        f"{sum(s.launches for s in specs)} launches in {t_capture:.1f} s")
+    if not args.capture_only:
+        compile_all(specs, target, args.jobs, args.cache_dir, progress=say)
+    t_total = time.perf_counter() - t0
+
+    print(_table(specs))
+    failed = [s for s in specs if s.ok is False]
+    for spec in failed:
+        print("\n" + failure_report(spec, target))
+    for problem in problems:
+        print(f"\nCAPTURE PROBLEM: {problem}")
+    for name in missing:
+        print(f"\nNEVER LAUNCHED: {name} is an @triton.jit kernel in engine/fqkernels that no scenario of "
+              f"scripts/compile_kernels.py reaches (and no other kernel calls): add a scenario that launches it")
+    kernels = len({s.kernel for s in specs})
+    if args.capture_only:
+        print(f"\nTriton {triton.__version__}, sm_{target.arch}: {len(specs)} specializations of {kernels} kernels "
+              f"captured (not compiled) in {t_capture:.1f} s")
+    else:
+        print(f"\nTriton {triton.__version__}, sm_{target.arch}: {sum(1 for s in specs if s.ok)}/{len(specs)} "
+              f"specializations of {kernels} kernels compiled to cubins, {len(failed)} failed; capture "
+              f"{t_capture:.1f} s, compile {sum(s.seconds for s in specs):.1f} s of CPU, wall {t_total:.1f} s")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "triton": triton.__version__, "target": args.target, "models": [str(m) for m in models],
+            "pdl": args.pdl, "capture_s": round(t_capture, 2), "wall_s": round(t_total, 2),
+            "never_launched": missing, "problems": problems, "specs": [s.to_json() for s in specs],
+        }, indent=1))
+    return 1 if failed or missing or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
