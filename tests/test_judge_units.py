@@ -43,6 +43,19 @@ def test_qwen3_4b_parameter_and_cache_bytes():
     assert roofline.non_embedding_params(s) == 4_022_468_096 - 388_956_160
 
 
+def test_sliding_window_bounds_the_attention_floors():
+    """A windowed config reads at most `window` cached positions a step and attends a band in prefill."""
+    full = roofline.ModelShape.from_config(QWEN3_4B)
+    win = roofline.ModelShape.from_config({**QWEN3_4B, "sliding_window": 1024})
+    assert win.window == 1024 and full.window is None
+    assert roofline.decode_step_bytes(win, 2, 500) == roofline.decode_step_bytes(full, 2, 500)
+    assert roofline.decode_step_bytes(win, 2, 5000) == roofline.decode_step_bytes(full, 2, 1024)
+    per_pair = 2 * 2 * 36 * 32 * 128
+    band = 1024 * 1024 / 2 + (4096 - 1024) * 1024
+    assert roofline.prefill_flops(full, 1, 4096) - roofline.prefill_flops(win, 1, 4096) == \
+        per_pair * (4096 * 4096 / 2 - band)
+
+
 def test_untied_head_is_counted_twice_and_biases_add():
     tied = roofline.ModelShape.from_config(QWEN3_4B)
     untied = roofline.ModelShape.from_config({**QWEN3_4B, "tie_word_embeddings": False})

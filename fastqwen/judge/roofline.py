@@ -27,6 +27,7 @@ class ModelShape:
     intermediate: int
     tied: bool
     attention_bias: bool
+    window: int | None = None  # sliding_window: keys a query sees (Transformers 4.51.3 windows every layer)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
@@ -42,6 +43,7 @@ class ModelShape:
             intermediate=int(cfg["intermediate_size"]),
             tied=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
         )
 
 
@@ -78,10 +80,19 @@ def kv_bytes_per_token(s: ModelShape) -> int:
     return 2 * s.layers * s.kv_heads * s.head_dim * BF16_BYTES
 
 
+def attended_keys(s: ModelShape, context: float) -> float:
+    """Keys one query at this context length must read: all of them, or the window's."""
+    return context if s.window is None else min(context, s.window)
+
+
 def prefill_flops(s: ModelShape, batch: int, prompt: int) -> float:
-    """Matmul FLOPs of one prefill: dense layers, causal attention (half the square), last-token LM head."""
+    """Matmul FLOPs of one prefill: dense layers, causal attention (half the square, or the
+    window's band), last-token LM head."""
     dense = 2 * non_embedding_params(s) * batch * prompt
-    attention = 2 * 2 * s.layers * s.heads * s.head_dim * prompt * prompt / 2 * batch
+    pairs = prompt * prompt / 2
+    if s.window is not None and prompt > s.window:
+        pairs = s.window * s.window / 2 + (prompt - s.window) * s.window
+    attention = 2 * 2 * s.layers * s.heads * s.head_dim * pairs * batch
     lm_head = 2 * s.vocab * s.hidden * batch
     return dense + attention + lm_head
 
@@ -111,7 +122,7 @@ class Floors:
 
 
 def decode_step_bytes(s: ModelShape, batch: int, context: float) -> float:
-    return weight_bytes(s) + batch * context * kv_bytes_per_token(s)
+    return weight_bytes(s) + batch * attended_keys(s, context) * kv_bytes_per_token(s)
 
 
 def floors(s: ModelShape, c: Ceilings, batch: int, prompt: int, output: int) -> Floors:
