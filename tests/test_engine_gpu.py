@@ -85,20 +85,32 @@ def test_prefill_graph_replay_equals_eager_prefill(engine):
     assert (3, 80) not in engine._prefill_graphs
 
 
-@pytest.mark.parametrize("batch,seq_len", [(1, 100), (3, 257)])
-def test_prefill_attention_gqa_is_bit_equal_to_expanded_kv(batch, seq_len):
+def _fq_ops():
     import sys
 
     if str(ENGINE_DIR) not in sys.path:
         sys.path.insert(0, str(ENGINE_DIR))
     import fq_ops
+
+    return fq_ops
+
+
+def _prompt_attention_inputs(batch, seq_len, capacity, heads=32, kv_heads=8, dim=128):
+    """Random q [B*S, H, D] and K/V caches [B + 1, KVH, capacity, D] (one spare sequence), bf16."""
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    q = torch.randn(batch * seq_len, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
+    kc = torch.randn(batch + 1, kv_heads, capacity, dim, generator=g, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(batch + 1, kv_heads, capacity, dim, generator=g, device="cuda").to(torch.bfloat16)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("batch,seq_len", [(1, 100), (3, 257)])
+def test_prefill_attention_gqa_is_bit_equal_to_expanded_kv(batch, seq_len):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = torch.Generator(device="cuda").manual_seed(seq_len)
-    heads, kv_heads, dim, cap = 32, 8, 128, 512
-    q = torch.randn(batch * seq_len, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
-    kc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
-    vc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    fq_ops = _fq_ops()
+    heads, dim = 32, 128
+    q, kc, vc = _prompt_attention_inputs(batch, seq_len, capacity=512)
     got = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5)
     assert fq_ops._FLASH_GQA is True, "flash did not take the unexpanded K/V"
     qh = q.view(batch, seq_len, heads, dim).transpose(1, 2)
@@ -151,18 +163,11 @@ def test_windowed_prefill_attention_is_the_references_call(monkeypatch, batch, s
     """The windowed prefill gives the bits of the reference's own SDPA call (the whole
     [S, S] mask, K/V repeated per head, contiguous q/k/v), also when its query rows
     are taken in chunks and the keys past a chunk are left out."""
-    import sys
-
-    if str(ENGINE_DIR) not in sys.path:
-        sys.path.insert(0, str(ENGINE_DIR))
-    import fq_ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = torch.Generator(device="cuda").manual_seed(seq_len)
-    heads, kv_heads, dim, cap = 32, 8, 128, 1024
-    q = torch.randn(batch * seq_len, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
-    kc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
-    vc = torch.randn(batch + 1, kv_heads, cap, dim, generator=g, device="cuda").to(torch.bfloat16)
+    fq_ops = _fq_ops()
+    heads, dim = 32, 128
+    q, kc, vc = _prompt_attention_inputs(batch, seq_len, capacity=1024)
     qh = q.view(batch, seq_len, heads, dim).transpose(1, 2).contiguous()
     k = kc[:batch, :, :seq_len].repeat_interleave(4, 1).contiguous()
     v = vc[:batch, :, :seq_len].repeat_interleave(4, 1).contiguous()
