@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -45,8 +46,13 @@ def test_tiny_loads_in_transformers_with_no_missing_or_unexpected_keys(tiny_mode
 def test_tiny_folder_layout(tiny_model: pathlib.Path):
     names = sorted(p.name for p in tiny_model.iterdir())
     assert names == [
-        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+        "config.json", "fastqwen_synth.json", "generation_config.json", "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
     ]
+    prov = synth.read_provenance(tiny_model)
+    assert prov["init"]["name"] == "fastqwen" and prov["massive_activations"] is None
+    assert (prov["preset"], prov["seed"], prov["device"], prov["sliding_window"]) == ("tiny", 0, "cpu", None)
+    assert prov["init"]["final_norm_scale"] == synth.init_scheme(get_preset("tiny")).final_norm_scale
     assert json.loads((tiny_model / "config.json").read_text()) == get_preset("tiny")
     assert json.loads((tiny_model / "generation_config.json").read_text()) == get_generation_config("tiny")
     with safe_open(str(tiny_model / "model-00001-of-00001.safetensors"), framework="pt") as f:
@@ -243,6 +249,244 @@ def test_cuda_generation_is_deterministic(tmp_path: pathlib.Path):
     check_tensors(a)
 
 
+# --- sliding window, init families, provenance ------------------------------------------------
+
+def test_sliding_window_goes_into_config_json_and_nowhere_else(tmp_path: pathlib.Path, tiny_model: pathlib.Path):
+    out = synth.synthesize("tiny", tmp_path / "w", progress=False, sliding_window=48)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg == get_preset("tiny") | {"sliding_window": 48}
+    assert cfg["use_sliding_window"] is False  # 4.51.3 windows every layer by sliding_window alone
+    assert synth.read_provenance(out)["sliding_window"] == 48
+    # Same weights as the window-free folder: the window is a config field only.
+    assert _digests(out)["model-00001-of-00001.safetensors"] == _digests(tiny_model)["model-00001-of-00001.safetensors"]
+    model, _ = _load_hf(out)
+    assert model.config.sliding_window == 48
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, "64", True])
+def test_sliding_window_must_be_a_positive_int(tmp_path: pathlib.Path, window: object):
+    with pytest.raises(UserError, match=f"sliding window must be a positive integer.*got {re.escape(repr(window))}"):
+        synth.synthesize("tiny", tmp_path / "m", progress=False, sliding_window=window)
+    assert not (tmp_path / "m").exists()
+
+
+def test_transformers_init_is_plain_init_with_a_raised_final_norm(tmp_path: pathlib.Path):
+    cfg = get_preset("tiny")
+    out = synth.synthesize("tiny", tmp_path / "t", progress=False, init="transformers")
+    t = load_file(str(weight_files(out)[0]))
+    assert torch.equal(t["model.norm.weight"], torch.full((128,), 7.0, dtype=torch.bfloat16))
+    plain = synth.plain_init(cfg)
+    for name, shape in expected_tensors(cfg):
+        if name == "model.norm.weight":
+            continue
+        assert torch.equal(t[name], synth.make_tensor(name, shape, plain, 0, "cpu")), name
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.k_norm.weight"):
+        assert (t[name] == 1).all()  # every other RMSNorm weight exactly 1
+    for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"):
+        assert t[name].float().std().item() == pytest.approx(0.02, rel=0.03), name  # N(0, initializer_range)
+    prov = synth.read_provenance(out)["init"]
+    assert (prov["name"], prov["final_norm_scale"], prov["norm_jitter"], prov["target_median_gap"]) == ("transformers", 7.0, 0.0, None)
+    again = synth.synthesize("tiny", tmp_path / "t2", progress=False, init="transformers")
+    assert _digests(again) == _digests(out)
+
+
+def test_final_norm_scale_replaces_the_families_final_norm(tmp_path: pathlib.Path):
+    out = synth.synthesize("tiny", tmp_path / "t", progress=False, init="transformers", final_norm_scale=3)
+    assert (load_file(str(weight_files(out)[0]))["model.norm.weight"] == 3).all()
+    ours = synth.build_scheme(get_preset("tiny"), "fastqwen", final_norm_scale=20.0)
+    final = synth.make_tensor("model.norm.weight", (128,), ours, 0, "cpu").float()
+    assert final.mean().item() == pytest.approx(20.0, rel=0.05) and final.std() > 0.5  # jittered as before
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"init": "xavier"}, "unknown init 'xavier'"),
+        ({"final_norm_scale": 0}, "got 0"),
+        ({"final_norm_scale": -7.0}, "got -7.0"),
+        ({"final_norm_scale": float("nan")}, "got nan"),
+        ({"final_norm_scale": "7"}, "got '7'"),
+        ({"massive_activations": True, "config": get_preset("tiny") | {"num_hidden_layers": 2, "max_window_layers": 2}},
+         "num_hidden_layers=2"),
+    ],
+)
+def test_bad_init_arguments_name_the_value(tmp_path: pathlib.Path, kwargs: dict, needle: str):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        synth.synthesize("tiny", tmp_path / "m", progress=False, **kwargs)
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_takes_the_new_options(tmp_path: pathlib.Path):
+    parser = argparse.ArgumentParser()
+    synth.add_arguments(parser)
+    base = ["--preset", "tiny", "--out", str(tmp_path / "m")]
+    args = parser.parse_args(base + ["--init", "transformers", "--final-norm-scale", "5", "--massive-activations",
+                                     "--sliding-window", "96"])
+    assert synth.run(args) == 0
+    prov = synth.read_provenance(tmp_path / "m")
+    assert (prov["init"]["name"], prov["init"]["final_norm_scale"], prov["sliding_window"]) == ("transformers", 5.0, 96)
+    assert prov["massive_activations"]["plant_layer"] == synth.PLANT_LAYER
+    check_tensors(tmp_path / "m")
+    with pytest.raises(UserError, match="got 0"):
+        synth.run(parser.parse_args(["--preset", "tiny", "--out", str(tmp_path / "z"), "--sliding-window", "0"]))
+    for bad in (["--sliding-window", "x"], ["--init", "xavier"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(base + bad)
+
+
+# --- massive activations and attention sinks ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def massive_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return synth.synthesize("tiny", tmp_path_factory.mktemp("massive") / "m", progress=False, massive_activations=True)
+
+
+def _massive_forward(folder: pathlib.Path, n: int = 256):
+    """Eager forward (attention weights too) over a judge-like prompt; returns (outputs, trigger mask, layout dict)."""
+    from transformers import Qwen3ForCausalLM
+
+    from fastqwen.judge.prompts import synthetic_stream
+
+    plant = synth.read_provenance(folder)["massive_activations"]
+    triggers = set(plant["trigger_ids"])
+    stream = synthetic_stream(4096)
+    # The first window of the judge's stream with a few trigger tokens in it, after a bos (a sink too).
+    start = next(k for k in range(0, len(stream) - n, 64) if 2 <= sum(i in triggers for i in stream[k:k + n - 1]) <= 8)
+    ids = [get_preset("tiny")["bos_token_id"]] + stream[start:start + n - 1]
+    mask = torch.tensor([i in triggers for i in ids])
+    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+    return out, mask, plant
+
+
+def test_massive_activations_form_at_the_plant_layer_and_are_carried(massive_model: pathlib.Path):
+    out, mask, plant = _massive_forward(massive_model)
+    big = plant["massive_channels"]
+    layer = plant["plant_layer"]
+    # hidden_states[i] enters layer i: before the plant's MLP the massive channels are ordinary...
+    for i in range(layer + 1):
+        assert out.hidden_states[i][0][:, big].abs().max() < 10, i
+    # ...from its output on they hold the planted values at every trigger token, and nowhere else.
+    for i in range(layer + 1, len(out.hidden_states) - 1):
+        h = out.hidden_states[i][0].float()
+        trig, other = h[mask].abs().max(), h[~mask].abs().max()
+        assert trig > 100 * other, (i, trig, other)
+        got = h[mask][:, big]
+        want = torch.tensor(plant["massive_values"])
+        assert ((got - want).abs() <= 0.1 * want.abs()).all(), i
+
+
+def test_trigger_tokens_are_attention_sinks_with_small_values(massive_model: pathlib.Path):
+    out, mask, plant = _massive_forward(massive_model)
+    first = int(mask.nonzero()[0])
+    key_share = (mask.float().cumsum(0) / torch.arange(1, len(mask) + 1))[first:].mean()
+    for i in range(plant["plant_layer"] + 1, len(out.attentions)):
+        mass = out.attentions[i][0, :, first:, :][:, :, mask].sum(-1).mean(-1)  # per head
+        assert mass.mean() > 5 * key_share, (i, mass, key_share)
+        assert mass.max() > 0.2, (i, mass)
+    for i in range(plant["plant_layer"] + 1):
+        assert out.attentions[i][0, :, first:, :][:, :, mask].sum(-1).mean() < 3 * key_share, i
+
+
+def test_massive_plant_weights(massive_model: pathlib.Path):
+    plant = synth.read_provenance(massive_model)["massive_activations"]
+    t = load_file(str(weight_files(massive_model)[0]))
+    big, trig, const = plant["massive_channels"], plant["trigger_channel"], plant["constant_channel"]
+    reserved = big + [trig, const]
+    assert len(set(reserved)) == len(reserved)
+    # The tied head never reads the planted channels.
+    assert (t["model.norm.weight"][reserved] == 0).all() and (t["model.norm.weight"].float().mean() > 40)
+    emb = t["model.embed_tokens.weight"].float()
+    assert get_preset("tiny")["bos_token_id"] in plant["trigger_ids"]
+    assert sorted(emb[:, trig].nonzero()[:, 0].tolist()) == plant["trigger_ids"]
+    assert len(plant["trigger_ids"]) == plant["trigger_count"] == round(0.01 * 4096)
+    assert (emb[:, const] == emb[0, const]).all() and emb[0, const] > 0
+    small = torch.tensor(1 / math.sqrt(128), dtype=torch.bfloat16)
+    for i in range(4):
+        for kind in ("self_attn.o_proj", "mlp.down_proj"):
+            rows = t[f"model.layers.{i}.{kind}.weight"][[trig, const]]
+            assert (rows == 0).all(), (i, kind)  # only the embedding writes t and c
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w = t[f"model.layers.{i}.{norm}.weight"][big + [trig]]
+            assert (w == small).all() == (i > plant["plant_layer"]), (i, norm)
+    n = plant["plant_neuron"]
+    down = t[f"model.layers.{plant['plant_layer']}.mlp.down_proj.weight"][:, n].float()
+    assert down.nonzero()[:, 0].tolist() == sorted(big)
+    gate = t[f"model.layers.{plant['plant_layer']}.mlp.gate_proj.weight"][n].float()
+    assert gate.nonzero()[:, 0].tolist() == [trig]
+    s, d = plant["sink_dim"], 64
+    assert s == d // 2 - 1  # the lowest RoPE frequency
+    q = t["model.layers.2.self_attn.q_proj.weight"].float().view(4, d, 128)[:, s]
+    assert (q[:, const] > 0).all() and (q.count_nonzero(dim=-1) == 1).all()
+    k = t["model.layers.2.self_attn.k_proj.weight"].float().view(2, d, 128)[:, s]
+    assert (k.count_nonzero(dim=-1) == len(big)).all()
+
+
+def test_massive_bytes_are_deterministic_and_follow_the_seed(tmp_path: pathlib.Path, massive_model: pathlib.Path):
+    again = synth.synthesize("tiny", tmp_path / "a", progress=False, massive_activations=True)
+    assert _digests(again) == _digests(massive_model)
+    other = synth.synthesize("tiny", tmp_path / "b", progress=False, massive_activations=True, seed=1)
+    p0, p1 = synth.read_provenance(massive_model)["massive_activations"], synth.read_provenance(other)["massive_activations"]
+    assert (p0["massive_channels"], p0["trigger_ids"]) != (p1["massive_channels"], p1["trigger_ids"])
+    # Every tensor is still a pure function of its name: drawn alone it is what the file holds.
+    scheme = synth.build_scheme(get_preset("tiny"), massive_activations=True)
+    on_disk = load_file(str(weight_files(massive_model)[0]))
+    for name, shape in reversed(expected_tensors(get_preset("tiny"))[:14]):
+        assert torch.equal(synth.make_tensor(name, shape, scheme, 0, "cpu"), on_disk[name]), name
+
+
+def test_trigger_tokens_occur_in_the_judges_prompts_a_few_per_512(massive_model: pathlib.Path):
+    from fastqwen.judge.prompts import synthetic_stream
+
+    plant = synth.read_provenance(massive_model)["massive_activations"]
+    for seed in (0, 1, 2):
+        layout = synth.massive_layout(synth.build_scheme(get_preset("tiny"), massive_activations=True).massive, seed)
+        stream = torch.tensor(synthetic_stream(4096))
+        rate = torch.isin(stream, torch.tensor(layout.trigger_ids)).float().mean().item() * 512
+        assert 2.0 <= rate <= synth.TRIGGER_RATE_PER_512 + 0.5, (seed, rate)
+        assert rate == pytest.approx(layout.judge_stream_rate_per_512, abs=1e-6)
+    assert plant["judge_stream_rate_per_512"] >= 0.9 * synth.TRIGGER_RATE_PER_512
+
+
+def test_massive_checkpoint_is_stable_and_does_not_predict_triggers(massive_model: pathlib.Path):
+    from fastqwen import logit_stats
+
+    model, _ = _load_hf(massive_model)
+    plant = synth.read_provenance(massive_model)["massive_activations"]
+    from fastqwen.judge.prompts import synthetic_stream
+
+    ids = synthetic_stream(4096)[5000:5000 + 192]
+    with torch.inference_mode():
+        cached, full = logit_stats.cached_and_full_logits(model, ids, 160)
+    cmp = logit_stats.compare_cached_full(cached, full)
+    assert cmp["max_abs_diff"].max() < 0.5 and cmp["slack"].max() < 0.25
+    top1 = full.argmax(-1)
+    assert torch.isin(top1, torch.tensor(plant["trigger_ids"])).float().mean() < 0.05
+
+
+def test_massive_plant_on_the_transformers_init_and_an_untied_head(tmp_path: pathlib.Path):
+    out = synth.synthesize("tiny", tmp_path / "t", progress=False, init="transformers", massive_activations=True)
+    o, mask, plant = _massive_forward(out, n=128)
+    h = o.hidden_states[plant["plant_layer"] + 1][0].float()
+    assert h[mask].abs().max() > 100 * h[~mask].abs().max()
+    cfg = get_preset("tiny") | {"tie_word_embeddings": False}
+    untied = synth.synthesize("tiny", tmp_path / "u", progress=False, config=cfg, massive_activations=True)
+    assert "lm_head.weight" in check_tensors(untied)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_massive_generation_is_deterministic_with_the_cpu_layout(tmp_path: pathlib.Path):
+    kwargs = {"progress": False, "massive_activations": True, "init": "transformers"}
+    a = synth.synthesize("tiny", tmp_path / "a", device="cuda", **kwargs)
+    b = synth.synthesize("tiny", tmp_path / "b", device="cuda", **kwargs)
+    assert _digests(a) == _digests(b)
+    cpu = synth.synthesize("tiny", tmp_path / "c", device="cpu", **kwargs)
+    # Channels, neuron and trigger ids come from CPU generators: the same on every device.
+    assert synth.read_provenance(a)["massive_activations"] == synth.read_provenance(cpu)["massive_activations"]
+
+
 # --- model-folder checks (fastqwen.checkpoint) -------------------------------------------------
 
 @pytest.fixture()
@@ -264,7 +508,8 @@ def test_read_config_accepts_tiny_and_fills_defaults(tiny_copy: pathlib.Path):
     assert read_config(tiny_copy)["head_dim"] == 64
     _edit_config(tiny_copy, head_dim=..., tie_word_embeddings=...)
     cfg = read_config(tiny_copy)
-    assert cfg["head_dim"] == 128 // 4 and cfg["tie_word_embeddings"] is False
+    # Qwen3Config's defaults (4.51.3): head_dim 128 whatever hidden_size / heads is, untied.
+    assert cfg["head_dim"] == 128 and cfg["tie_word_embeddings"] is False
 
 
 def test_read_config_missing_folder_and_file(tmp_path: pathlib.Path):
