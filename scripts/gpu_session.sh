@@ -37,6 +37,7 @@
 #   all-checks    kernels check judge-public judge-own
 # Exactness (issue 11):
 #   ckpt-hf       /tmp/q4b_hf: the 4B shape with Transformers' own init, final norm raised to 7
+#   ckpt-massive  /tmp/q4b_massive: the 4B shape with planted massive activations (synth --massive-activations)
 #   ckpt-window   /tmp/q4b_w4096: /tmp/q4b's weights under a config with sliding_window 4096
 #   opswap-a      which op moves the batch logits, /tmp/q4b (the project's init), batch 16 and 64
 #   opswap-b      the same on /tmp/q4b_hf, batch 4, 16, 32 and 64
@@ -113,17 +114,10 @@ for stage in "${stages[@]}"; do
     engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
                 grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;
-    ckpt-hf) flock /tmp/fastqwen-ckpt.lock python3 - <<'PY' 2>&1 | tail -2
-import dataclasses, os, time
-from fastqwen.presets import get_preset
-from fastqwen.synth import plain_init, synthesize
-if not os.path.exists("/tmp/q4b_hf/config.json"):
-    t = time.time()
-    scheme = dataclasses.replace(plain_init(get_preset("qwen3-4b")), final_norm_scale=7.0)
-    synthesize("qwen3-4b", "/tmp/q4b_hf", seed=1, device="cuda", progress=False, init=scheme)
-    print(f"synth q4b_hf {time.time() - t:.1f} s")
-PY
-             ;;
+    ckpt-hf) [ -f /tmp/q4b_hf/config.json ] || flock /tmp/fastqwen-ckpt.lock python3 -m fastqwen.cli synth \
+               --preset qwen3-4b --init transformers --seed 1 --device cuda --out /tmp/q4b_hf 2>&1 | tail -1 ;;
+    ckpt-massive) [ -f /tmp/q4b_massive/config.json ] || flock /tmp/fastqwen-ckpt.lock python3 -m fastqwen.cli synth \
+                    --preset qwen3-4b --massive-activations --device cuda --out /tmp/q4b_massive 2>&1 | tail -1 ;;
     ckpt-window) mkdir -p /tmp/q4b_w4096 && ln -sf /tmp/q4b/*.safetensors /tmp/q4b/model.safetensors.index.json \
                    /tmp/q4b/generation_config.json /tmp/q4b_w4096/ && \
                  python3 -c "import json; c=json.load(open('/tmp/q4b/config.json')); c['sliding_window']=4096; \
