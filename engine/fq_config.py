@@ -42,7 +42,9 @@ import json
 import os
 from dataclasses import dataclass
 
-# Qwen3Config's defaults (transformers 4.51.3, configuration_qwen3.py), used for absent fields.
+# Qwen3Config's defaults (transformers 4.51.3, configuration_qwen3.py) for the fields the
+# engine reads, used when config.json lacks them. The refused fields' defaults are the values
+# `_refuse_unsupported` accepts.
 DEFAULTS = {
     "vocab_size": 151936,
     "hidden_size": 4096,
@@ -51,16 +53,11 @@ DEFAULTS = {
     "num_attention_heads": 32,
     "num_key_value_heads": 32,
     "head_dim": 128,
-    "hidden_act": "silu",
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "attention_bias": False,
-    "use_sliding_window": False,
     "sliding_window": 4096,
-    "max_window_layers": 28,
 }
 
 # torch_dtype values whose tensors load as the reference loads them (cast to BF16 at load).
@@ -161,7 +158,7 @@ class ModelConfig:
 
 def _refuse_unsupported(raw: dict, source: str) -> None:
     """One clear line for any field value that changes the reference's forward in a way
-    the engine does not implement (see FIELDS)."""
+    the engine does not implement (the table in the module doc)."""
     scaling = raw.get("rope_scaling")
     if scaling not in (None, {}):
         kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None

@@ -446,8 +446,13 @@ def run(args: argparse.Namespace) -> int:
         result["note"] = args.note
     print(format_table(result))
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+        write_report(result, args.out)
     return 0
+
+
+def write_report(result: dict, path: str | pathlib.Path) -> None:
+    """`result` as indented JSON at `path` (parent folders made), and a line on stderr saying so."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)

@@ -30,7 +30,6 @@ the seed would make) give the baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import random
 import sys
@@ -246,10 +245,7 @@ def main() -> int:
     result["seconds"] = seconds
     print(summary(result))
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+        logit_stats.write_report(result, args.out)
     return 0
 
 

@@ -39,6 +39,7 @@ closer, results/h200-2026-11-30/session5). Why it is off: in official judge runs
 compiles without FMA contraction (enable_fp_fusion=False) so that the mean times 1/N
 and the + eps stay two roundings, as in the reference.
 """
+import functools
 import os
 
 import torch
@@ -183,6 +184,7 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _inverse(n: int) -> float:
     """float32(1 / n), as ATen's mean computes its factor (float(outputs) / float(inputs)):
     one IEEE float32 division (the float64 value passed converts back to it exactly)."""
