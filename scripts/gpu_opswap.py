@@ -117,6 +117,9 @@ def build_variants(cfg, w, rows, names):
                                              add_rmsnorm=rn.add_rmsnorm_reference,
                                              add_rmsnorm_partials=rn.add_rmsnorm_partials_reference),
         "engine_torch_rope": lambda: engine(qk_norm_rope_store=rope_kv.qk_norm_rope_store_reference),
+        "engine_torch_order_norm": lambda: engine(embed_rmsnorm=_torch_order(rn.embed_rmsnorm),
+                                                  add_rmsnorm=_torch_order(rn.add_rmsnorm),
+                                                  add_rmsnorm_partials=_torch_order(rn.add_rmsnorm_partials)),
     }
     for name, key in keys.items():
         makers[f"engine_cublas_{name}"] = lambda key=key: with_gemv({key: False})
@@ -125,6 +128,19 @@ def build_variants(cfg, w, rows, names):
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(makers)}")
     choice = {name: ("gemv" if tuned.use_gemv.get(key) else "cublas") for name, key in keys.items()}
     return {n: makers[n] for n in names}, {"choice": choice, "tune_us": timing}
+
+
+def _torch_order(norm):
+    """The engine's norm launch with FASTQWEN_TORCH_ORDER_NORM's kernel (fqkernels/rmsnorm.py)."""
+    from fqkernels import rmsnorm as rn
+
+    def run(*args, **kwargs):
+        saved, rn.TORCH_ORDER = rn.TORCH_ORDER, True
+        try:
+            return norm(*args, **kwargs)
+        finally:
+            rn.TORCH_ORDER = saved
+    return run
 
 
 def _attn(*args, **kwargs):

@@ -49,6 +49,9 @@
 #                 or /tmp/q4b_hf (b), with base/engine (an earlier commit's engine, if carried) as --baseline
 #   judge-public-ab, judge-window-official, judge-massive  the same for the public set, the windowed
 #                 checkpoint and /tmp/q4b_massive (ckpt-massive)
+#   opswap-b3     /tmp/q4b_hf, batch 4-64: the engine with torch's norms, with its own torch-order norm kernel
+#                 and with one-split attention
+#   norm-speed    graphed decode-step time per RMSNorm kernel variant (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
 set -uo pipefail
@@ -130,6 +133,11 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --variants torch,engine,engine_torch_norms,engine_cublas --out "$OUT/opswap_a2.json" 2>&1 | grep -v Warn | tail -24 ;;
     opswap-b2) timeout 420 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 4x2048x64,16x512x128,32x512x64,64x256x48 \
                  --variants torch,engine,engine_torch_norms,engine_cublas --out "$OUT/opswap_b2.json" 2>&1 | grep -v Warn | tail -32 ;;
+    opswap-b3) timeout 300 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 4x2048x64,16x512x128,64x256x48 \
+                 --variants engine,engine_torch_norms,engine_torch_order_norm,engine_attention_1split \
+                 --out "$OUT/opswap_b3.json" 2>&1 | grep -v Warn | tail -24 ;;
+    norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
+                  | grep -v Warn | tail -8 ;;
     speed-ab) for rep in 1 2; do
                 for tree in . base; do
                   [ -d "$tree/engine" ] || continue
