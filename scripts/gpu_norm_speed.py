@@ -1,6 +1,6 @@
 """Graphed decode-step time of the engine with each RMSNorm kernel variant, on one
 loaded model: the default kernel (Triton's tl.sum) and the torch-order kernel
-(FASTQWEN_TORCH_ORDER_NORM) at several warps per program. Variants are timed in
+(FASTQWEN_TORCH_ORDER_NORM), one-pass and two-pass, at several warps per program. Variants are timed in
 rotation, several rounds, each round a fresh graph capture; the median per variant
 is reported. Each torch-order variant is first checked bit for bit against the
 emulation of torch's order (fqkernels.rmsnorm.mean_of_squares_torch_order) on the
@@ -25,13 +25,13 @@ from engine import Engine  # noqa: E402
 from fq_decode import DecodeRunner  # noqa: E402
 from fqkernels import rmsnorm as rn  # noqa: E402
 
-# name -> (TORCH_ORDER, TORCH_ORDER_WARPS)
-VARIANTS = {"default": (False, None), "torch_order_w4": (True, 4), "torch_order_w1": (True, 1),
-            "torch_order_w2": (True, 2), "torch_order_w8": (True, 8)}
+# name -> (TORCH_ORDER, TORCH_ORDER_WARPS, TORCH_ORDER_ONE_PASS)
+VARIANTS = {"default": (False, None, True), "one_pass_w4": (True, 4, True), "one_pass_w8": (True, 8, True),
+            "one_pass_w2": (True, 2, True), "two_pass_w4": (True, 4, False), "two_pass_w8": (True, 8, False)}
 
 
 def _set(variant: str) -> None:
-    rn.TORCH_ORDER, rn.TORCH_ORDER_WARPS = VARIANTS[variant]
+    rn.TORCH_ORDER, rn.TORCH_ORDER_WARPS, rn.TORCH_ORDER_ONE_PASS = VARIANTS[variant]
 
 
 def bits_ok(rows: int, n: int, splits: int = 4) -> bool:
@@ -47,7 +47,10 @@ def bits_ok(rows: int, n: int, splits: int = 4) -> bool:
         acc += parts[s]
     s_ = (x.float() + acc.bfloat16().float()).bfloat16()
     vec, halves, _ = rn.torch_order(n, x.device)
-    var = rn.mean_of_squares_torch_order(s_, vec, halves)[:, None] + torch.tensor(1e-6, device="cuda")
+    mean = rn.mean_of_squares_torch_order(s_, vec, halves)
+    if not torch.equal(rn.torch_order_mean_of_squares(x, parts, partials=True), mean):
+        return False
+    var = mean[:, None] + torch.tensor(1e-6, device="cuda")
     want = (w.float() * (s_.float() * torch.rsqrt(var)).bfloat16().float()).bfloat16()
     return bool(torch.equal(xk, s_) and torch.equal(out, want))
 

@@ -56,6 +56,8 @@ TORCH_ORDER: bool = os.environ.get("FASTQWEN_TORCH_ORDER_NORM") == "1"
 
 # Warps per program of the torch-order kernel (None: as the default kernel's).
 TORCH_ORDER_WARPS = None
+# The torch-order kernel's one-pass form (rows up to 64 x 128 wide); else two passes.
+TORCH_ORDER_ONE_PASS = True
 
 # Lanes of the warp that reduces one row in ATen's reduce kernel (module doc).
 _LANES = 32
@@ -150,18 +152,85 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
 
 
 @triton.jit
-def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, inv_n, eps,
+def _halves(t):
+    """t [C, 2K] -> (t[:, :K], t[:, K:]), moved, not computed."""
+    C: tl.constexpr = t.shape[0]
+    K: tl.constexpr = t.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(t, (C, 2, K)), (0, 2, 1)))
+
+
+@triton.jit
+def _seq2(acc, t):
+    """acc + t[:, 0] + t[:, 1], left to right (t [C, 2])."""
+    a, b = tl.split(t)
+    return (acc + a) + b
+
+
+@triton.jit
+def _seq4(acc, t):
+    a, b = _halves(t)
+    return _seq2(_seq2(acc, a), b)
+
+
+@triton.jit
+def _seq8(acc, t):
+    a, b = _halves(t)
+    return _seq4(_seq4(acc, a), b)
+
+
+@triton.jit
+def _seq16(acc, t):
+    a, b = _halves(t)
+    return _seq8(_seq8(acc, a), b)
+
+
+@triton.jit
+def _seq32(acc, t):
+    a, b = _halves(t)
+    return _seq16(_seq16(acc, a), b)
+
+
+@triton.jit
+def _seq64(acc, t):
+    a, b = _halves(t)
+    return _seq32(_seq32(acc, a), b)
+
+
+@triton.jit
+def _column_sums(t, NB: tl.constexpr):
+    """[C] = each row of t [C, NB] summed left to right from 0 (NB a power of two <= 64), as
+    ATen's accumulators run over the blocks: every add is one program-ordered fp add."""
+    acc = tl.zeros([t.shape[0]], dtype=tl.float32)
+    if NB == 1:
+        return acc + tl.sum(t, axis=1)
+    elif NB == 2:
+        return _seq2(acc, t)
+    elif NB == 4:
+        return _seq4(acc, t)
+    elif NB == 8:
+        return _seq8(acc, t)
+    elif NB == 16:
+        return _seq16(acc, t)
+    elif NB == 32:
+        return _seq32(acc, t)
+    else:
+        return _seq64(acc, t)
+
+
+@triton.jit
+def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, stats_ptr, inv_n, eps,
                     stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    VEC: tl.constexpr, HALVES: tl.constexpr,
-                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+                    VEC: tl.constexpr, HALVES: tl.constexpr, ONE_PASS: tl.constexpr = False,
+                    STATS: tl.constexpr = False, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """Two passes over the row. Pass 1 only reads: it forms the row's values in [32, 4]
     tiles laid out as ATen's lanes and accumulators and sums their squares block by block
     (module doc). Pass 2 forms them again over the whole row at once (the same bits),
     writes the residual stream and the normalized output. Nothing is stored before the
     last load of pass 1, so its loads need not wait for stores to the same row.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
-    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
+    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
+    STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests)."""
     row = tl.program_id(0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -170,12 +239,40 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     else:
         src = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
+    if ONE_PASS:
+        # The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
+        # order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
+        # accumulator c // 32.
+        NB: tl.constexpr = (BLOCK + 127) // 128
+        offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        mask = offs < N
+        x = _row_values(src, r_row, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
+        xf = x.to(tl.float32)
+        cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
+        if VEC:
+            lanes = tl.reshape(cols, (32, 4))
+        else:
+            lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
+        mean = _lane_sum(lanes, HALVES) * inv_n
+        if STATS:
+            tl.store(stats_ptr + row, mean)
+        inv = tl.rsqrt(mean + eps)
+        if GATHER or HAS_RESIDUAL:
+            tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+        y = (xf * inv).to(tl.bfloat16)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16),
+                 mask=mask)
+        return
     acc = tl.zeros([32, 4], dtype=tl.float32)
     for block in tl.static_range(0, (N + 127) // 128):
         offs = _tile(block, VEC)
         xf = _row_values(src, r_row, stride_split, offs, offs < N, HAS_RESIDUAL, SPLITS).to(tl.float32)
         acc = acc + xf * xf
-    inv = tl.rsqrt(_lane_sum(acc, HALVES) * inv_n + eps)
+    mean = _lane_sum(acc, HALVES) * inv_n
+    if STATS:
+        tl.store(stats_ptr + row, mean)
+    inv = tl.rsqrt(mean + eps)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = _row_values(src, r_row, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
@@ -256,8 +353,9 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} needs unit stride on its last dim, got strides {t.stride()}")
 
 
-def _launch(x, r, w, eps, out, partials=False, gather=None):
-    """gather: (ids, table) to fill x with table[ids] first (x then is written, not read)."""
+def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
+    """gather: (ids, table) to fill x with table[ids] first (x then is written, not read).
+    stats: an fp32 [M] tensor for each row's mean of squares (the torch-order kernel only)."""
     _check("x", x, 2)
     _check("w", w, 1)
     splits, stride_split = 0, 0
@@ -288,11 +386,13 @@ def _launch(x, r, w, eps, out, partials=False, gather=None):
                table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
                  num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
-    if TORCH_ORDER:
+    if TORCH_ORDER or stats is not None:
         vec, halves, _ = torch_order(N, x.device)
         if TORCH_ORDER_WARPS:
             flags["num_warps"] = TORCH_ORDER_WARPS
-        _rmsnorm_torch_order_kernel[(M,)](*rows, _inverse(N), eps, *strides, N=N, VEC=vec, HALVES=halves,
+        _rmsnorm_torch_order_kernel[(M,)](*rows, stats if stats is not None else x, _inverse(N), eps, *strides,
+                                          N=N, VEC=vec, HALVES=halves, STATS=stats is not None,
+                                          ONE_PASS=TORCH_ORDER_ONE_PASS and N <= 64 * 128,
                                           enable_fp_fusion=False, **flags)
     else:
         _rmsnorm_kernel[(M,)](*rows, N, eps, *strides, **flags)
@@ -328,6 +428,16 @@ def add_rmsnorm_partials(x: torch.Tensor, partials: torch.Tensor, w: torch.Tenso
                          out: torch.Tensor = None) -> torch.Tensor:
     """x <- bf16(x + bf16(sum of the fp32 partials [S, M, N] in order)); returns RMSNorm(x) * w."""
     return _launch(x, partials, w, eps, out, partials=True)
+
+
+def torch_order_mean_of_squares(x: torch.Tensor, r: torch.Tensor = None, partials: bool = False) -> torch.Tensor:
+    """fp32 [M]: the mean of squares the torch-order kernel normalizes each row of bf16(x + r)
+    with (r bf16, or fp32 partials [S, M, N] with partials=True; x is not modified). For the
+    tests: the outputs alone rarely show a one-ulp difference in it."""
+    stats = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    w = torch.ones(x.shape[1], dtype=torch.bfloat16, device=x.device)
+    _launch(x.clone(), r, w, 1e-6, None, partials=partials, stats=stats)
+    return stats
 
 
 def rmsnorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

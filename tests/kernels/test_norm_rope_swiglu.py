@@ -136,6 +136,28 @@ def test_norms_give_the_full_forwards_bits(monkeypatch, rows, n):
     assert torch.equal(embed_rmsnorm(ids[:rows], x, w, 1e-6)[1], embed_rmsnorm_reference(ids, x, w, 1e-6)[1][:rows])
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("n", [2560, 4096, 1024, 1000, 5120])
+def test_torch_order_kernel_mean_is_torchs(monkeypatch, rows, n, one_pass):
+    """The torch-order kernel's mean of squares itself (both forms), with a bf16 residual and
+    with fp32 partials, equals torch's own mean over the same rows inside a forward (16 rows
+    or more), bit for bit: stronger than the outputs, which a one-ulp change rarely moves."""
+    import fqkernels.rmsnorm as rn
+
+    monkeypatch.setattr(rn, "TORCH_ORDER_ONE_PASS", one_pass)
+    pad = max(16, rows)
+    x = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    r = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    parts = torch.randn(3, pad, n, device=DEV) * 3
+    assert torch.equal(rn.torch_order_mean_of_squares(x[:rows]), x.float().pow(2).mean(-1)[:rows])
+    s = (x.float() + r.float()).bfloat16()
+    assert torch.equal(rn.torch_order_mean_of_squares(x[:rows], r[:rows]), s.float().pow(2).mean(-1)[:rows])
+    s = (x.float() + (parts[0] + parts[1] + parts[2]).bfloat16().float()).bfloat16()
+    got = rn.torch_order_mean_of_squares(x[:rows], parts[:, :rows].contiguous(), partials=True)
+    assert torch.equal(got, s.float().pow(2).mean(-1)[:rows])
+
+
 def test_add_rmsnorm_partials_bad_shape_names_partials():
     x = torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16)
     w = torch.ones(64, device=DEV, dtype=torch.bfloat16)

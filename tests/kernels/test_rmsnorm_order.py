@@ -94,13 +94,16 @@ def _expected(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
                     reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("order", [(True, True), (True, False), (False, True), (False, False)])
-@pytest.mark.parametrize("rows,n", [(5, 2560), (4, 128), (3, 64), (2, 4096), (3, 1000)])
-def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n, order):
+@pytest.mark.parametrize("rows,n", [(5, 2560), (4, 128), (3, 64), (2, 4096), (3, 1000), (2, 5120)])
+def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n, order,
+                                                       one_pass):
     vec, halves = order
     if vec and n % 4:
         pytest.skip("4-wide loads need a width divisible by 4")
     monkeypatch.setattr(rn, "TORCH_ORDER", True)
+    monkeypatch.setattr(rn, "TORCH_ORDER_ONE_PASS", one_pass)
     monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
@@ -114,3 +117,24 @@ def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding
     ids = torch.randint(0, rows, (rows,), generator=g)
     xe, oute = rn.embed_rmsnorm(ids, x, w, 1e-6)
     assert torch.equal(xe, x[ids]) and torch.equal(oute, _expected(x[ids], w, 1e-6))
+
+
+@pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+                    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("order", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("n", [2560, 1000, 5120])
+def test_kernel_mean_of_squares_is_the_emulation_interpreted(interpreter_bf16_rounding, monkeypatch, n, order, one_pass):
+    """The mean itself, bit for bit, on 64 rows: one changed association in the kernel's sum
+    changes it on a few rows, where the normalized outputs almost never show it."""
+    vec, halves = order
+    if vec and n % 4:
+        pytest.skip("4-wide loads need a width divisible by 4")
+    monkeypatch.setattr(rn, "TORCH_ORDER_ONE_PASS", one_pass)
+    monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(64, n, generator=g) * 3).bfloat16()
+    r = torch.randn(64, n, generator=g).bfloat16()
+    s = (x.float() + r.float()).bfloat16()
+    assert torch.equal(rn.torch_order_mean_of_squares(x), rn.mean_of_squares_torch_order(x, vec, halves))
+    assert torch.equal(rn.torch_order_mean_of_squares(x, r), rn.mean_of_squares_torch_order(s, vec, halves))
