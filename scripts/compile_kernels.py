@@ -494,11 +494,11 @@ def sweep(drv: EngineDriver, label: str) -> Iterator[Scenario]:
             if drv.fits(prompt, steps):
                 yield (f"{label} generate {batch}x{prompt}x{steps} ({tag})",
                        lambda b=batch, p=prompt, s=steps, g=gemv: (drv.use_gemv(g), drv.generate(b, p, s)))
-    # FASTQWEN_TORCH_ORDER_NORM=1 launches the norm kernel that sums in torch's order.
+    # FASTQWEN_TORCH_ORDER_NORM=0 launches the norm kernel that sums with Triton's tl.sum.
     for batch, prompt, steps in GENERATE_SHAPES:
         if drv.fits(prompt, steps):
-            yield (f"{label} generate {batch}x{prompt}x{steps} (gemv, torch-order norm)",
-                   lambda b=batch, p=prompt, s=steps: _with_torch_order_norm(
+            yield (f"{label} generate {batch}x{prompt}x{steps} (gemv, tl.sum norm)",
+                   lambda b=batch, p=prompt, s=steps: _with_tl_sum_norm(
                        lambda: (drv.use_gemv(True), drv.generate(b, p, s))))
     for batch in DECODE_BATCHES:
         yield (f"{label} decode B={batch} C=1024 (cublas)",
@@ -509,10 +509,10 @@ def sweep(drv: EngineDriver, label: str) -> Iterator[Scenario]:
                        lambda b=batch, c=capacity: (drv.use_gemv(True), drv.decode_step(b, c)))
 
 
-def _with_torch_order_norm(run: Callable[[], None]) -> None:
+def _with_tl_sum_norm(run: Callable[[], None]) -> None:
     from fqkernels import rmsnorm
 
-    saved, rmsnorm.TORCH_ORDER = rmsnorm.TORCH_ORDER, True
+    saved, rmsnorm.TORCH_ORDER = rmsnorm.TORCH_ORDER, False
     try:
         run()
     finally:

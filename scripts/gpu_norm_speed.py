@@ -1,6 +1,7 @@
 """Graphed decode-step time of the engine with each RMSNorm kernel variant, on one
-loaded model: the default kernel (Triton's tl.sum) and the torch-order kernel
-(FASTQWEN_TORCH_ORDER_NORM), one-pass and two-pass, at several warps per program. Variants are timed in
+loaded model: the torch-order kernel (the default) and Triton's tl.sum
+(FASTQWEN_TORCH_ORDER_NORM=0). Session 6 measured with this script the torch-order
+kernel's earlier two-pass form and other warp counts (results/PERF_LOG.md). Variants are timed in
 rotation, several rounds, each round a fresh graph capture; the median per variant
 is reported. Each torch-order variant is first checked bit for bit against the
 emulation of torch's order (fqkernels.rmsnorm.mean_of_squares_torch_order) on the
@@ -25,13 +26,12 @@ from engine import Engine  # noqa: E402
 from fq_decode import DecodeRunner  # noqa: E402
 from fqkernels import rmsnorm as rn  # noqa: E402
 
-# name -> (TORCH_ORDER, TORCH_ORDER_WARPS, TORCH_ORDER_ONE_PASS)
-VARIANTS = {"default": (False, None, True), "one_pass_w4": (True, 4, True), "one_pass_w8": (True, 8, True),
-            "one_pass_w2": (True, 2, True), "two_pass_w4": (True, 4, False), "two_pass_w8": (True, 8, False)}
+# name -> TORCH_ORDER
+VARIANTS = {"tl_sum": False, "torch_order": True}
 
 
 def _set(variant: str) -> None:
-    rn.TORCH_ORDER, rn.TORCH_ORDER_WARPS, rn.TORCH_ORDER_ONE_PASS = VARIANTS[variant]
+    rn.TORCH_ORDER = VARIANTS[variant]
 
 
 def bits_ok(rows: int, n: int, splits: int = 4) -> bool:
@@ -92,7 +92,7 @@ def main() -> None:
         times = {n: [] for n in names}
         for n in names:
             _set(n)
-            if VARIANTS[n][0]:
+            if VARIANTS[n]:
                 report["bits"][f"{n}_b{batch}"] = bits_ok(batch, hidden)
         for _ in range(args.rounds):
             for n in names:
@@ -100,10 +100,10 @@ def main() -> None:
                 times[n].append(step_ms(eng, batch, args.prompt, args.steps))
         med = {n: statistics.median(v) for n, v in times.items()}
         report["step_ms"][str(batch)] = {"median": med, "all": times}
-        base = med.get("default")
+        base = med.get("tl_sum")
         print(f"b{batch}: " + "  ".join(f"{n} {m:.4f} ms" + (f" ({(m / base - 1) * 100:+.1f}%)" if base else "")
                                         for n, m in med.items()), flush=True)
-    _set("default")
+    rn.TORCH_ORDER = True
     report["seconds"] = time.perf_counter() - t0
     print("bits", report["bits"], flush=True)
     with open(args.out, "w") as f:

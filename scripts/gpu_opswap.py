@@ -117,9 +117,9 @@ def build_variants(cfg, w, rows, names):
                                              add_rmsnorm=rn.add_rmsnorm_reference,
                                              add_rmsnorm_partials=rn.add_rmsnorm_partials_reference),
         "engine_torch_rope": lambda: engine(qk_norm_rope_store=rope_kv.qk_norm_rope_store_reference),
-        "engine_torch_order_norm": lambda: engine(embed_rmsnorm=_torch_order(rn.embed_rmsnorm),
-                                                  add_rmsnorm=_torch_order(rn.add_rmsnorm),
-                                                  add_rmsnorm_partials=_torch_order(rn.add_rmsnorm_partials)),
+        "engine_tl_sum_norm": lambda: engine(embed_rmsnorm=_tl_sum(rn.embed_rmsnorm),
+                                             add_rmsnorm=_tl_sum(rn.add_rmsnorm),
+                                             add_rmsnorm_partials=_tl_sum(rn.add_rmsnorm_partials)),
     }
     for name, key in keys.items():
         makers[f"engine_cublas_{name}"] = lambda key=key: with_gemv({key: False})
@@ -130,12 +130,12 @@ def build_variants(cfg, w, rows, names):
     return {n: makers[n] for n in names}, {"choice": choice, "tune_us": timing}
 
 
-def _torch_order(norm):
-    """The engine's norm launch with FASTQWEN_TORCH_ORDER_NORM's kernel (fqkernels/rmsnorm.py)."""
+def _tl_sum(norm):
+    """The engine's norm launch with FASTQWEN_TORCH_ORDER_NORM=0's kernel (Triton's tl.sum, fqkernels/rmsnorm.py)."""
     from fqkernels import rmsnorm as rn
 
     def run(*args, **kwargs):
-        saved, rn.TORCH_ORDER = rn.TORCH_ORDER, True
+        saved, rn.TORCH_ORDER = rn.TORCH_ORDER, False
         try:
             return norm(*args, **kwargs)
         finally:

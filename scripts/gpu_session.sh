@@ -46,12 +46,12 @@
 #   reduce-probe  which summation order torch's CUDA mean uses (scripts/gpu_reduce_order_probe.py),
 #                 norm kernel per-launch time, and the norm kernel tests with every failure listed
 #   judge-fid1-a/-b, judge-fid2-a/-b  the judge, official, results/workloads/fidelity_{1,2}.json on /tmp/q4b (a)
-#                 or /tmp/q4b_hf (b), with base/engine (an earlier commit's engine, if carried) as --baseline
+#                 or /tmp/q4b_hf (b); with FID_BASELINE=1, base/engine (an earlier commit's engine) as --baseline
 #   judge-public-ab, judge-window-official, judge-massive  the same for the public set, the windowed
 #                 checkpoint and /tmp/q4b_massive (ckpt-massive)
-#   opswap-b3     /tmp/q4b_hf, batch 4-64: the engine with torch's norms, with its own torch-order norm kernel
+#   opswap-b3     /tmp/q4b_hf, batch 4-64: the engine, with the tl.sum norm kernel, with torch's norms
 #                 and with one-split attention
-#   norm-speed    graphed decode-step time per RMSNorm kernel variant (scripts/gpu_norm_speed.py), /tmp/q4b
+#   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
 set -uo pipefail
@@ -134,7 +134,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     opswap-b2) timeout 420 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 4x2048x64,16x512x128,32x512x64,64x256x48 \
                  --variants torch,engine,engine_torch_norms,engine_cublas --out "$OUT/opswap_b2.json" 2>&1 | grep -v Warn | tail -32 ;;
     opswap-b3) timeout 300 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 4x2048x64,16x512x128,64x256x48 \
-                 --variants engine,engine_torch_norms,engine_torch_order_norm,engine_attention_1split \
+                 --variants engine,engine_tl_sum_norm,engine_torch_norms,engine_attention_1split \
                  --out "$OUT/opswap_b3.json" 2>&1 | grep -v Warn | tail -24 ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
                   | grep -v Warn | tail -8 ;;
@@ -152,10 +152,10 @@ for l in sys.stdin:
     reduce-probe) timeout 200 python3 scripts/gpu_reduce_order_probe.py --out "$OUT/reduce_probe.json" 2>&1 | grep -v Warn | tail -30
                   timeout 200 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -40 | tee "$OUT/pytest_norms.log" ;;
-    judge-fid1-a) judge fid1_a --model /tmp/q4b --workloads results/workloads/fidelity_1.json --baseline base/engine ;;
-    judge-fid1-b) judge fid1_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_1.json --baseline base/engine ;;
-    judge-fid2-a) judge fid2_a --model /tmp/q4b --workloads results/workloads/fidelity_2.json --baseline base/engine ;;
-    judge-fid2-b) judge fid2_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_2.json --baseline base/engine ;;
+    judge-fid1-a) judge fid1_a --model /tmp/q4b --workloads results/workloads/fidelity_1.json ${FID_BASELINE:+--baseline base/engine} ;;
+    judge-fid1-b) judge fid1_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_1.json ${FID_BASELINE:+--baseline base/engine} ;;
+    judge-fid2-a) judge fid2_a --model /tmp/q4b --workloads results/workloads/fidelity_2.json ${FID_BASELINE:+--baseline base/engine} ;;
+    judge-fid2-b) judge fid2_b --model /tmp/q4b_hf --workloads results/workloads/fidelity_2.json ${FID_BASELINE:+--baseline base/engine} ;;
     judge-public-ab) judge public_ab --model /tmp/q4b --workloads public --baseline base/engine ;;
     judge-window-official) judge window --model /tmp/q4b_w4096 --workloads results/workloads/window.json --baseline base/engine ;;
     judge-massive) judge massive --model /tmp/q4b_massive --workloads results/workloads/massive.json --baseline base/engine ;;

@@ -18,26 +18,29 @@ way the GEMV's own reduce kernel does: r = bf16(p0 + p1 + ... + p_{S-1}) in that
 order. So `linear` + `add_rmsnorm` and `linear_partials` + `add_rmsnorm_partials`
 give the same bits, with one kernel fewer.
 
-The mean of squares. By default it is Triton's tl.sum over the row. With
-FASTQWEN_TORCH_ORDER_NORM=1 it is summed in PyTorch's own order instead (the second
-kernel below, `_rmsnorm_torch_order_kernel`). The reference computes
-`x.pow(2).mean(-1)` with ATen's CUDA reduce kernel; for a row of N contiguous fp32
-values and 16 rows or more (every reference forward: its rows are batch x sequence) that
-kernel runs one warp per row: lane t keeps four accumulators, a_i = sum over blocks j of
-x[128 j + 4 t + i] (4-wide vector loads) or x[128 j + 32 i + t] (scalar loads, 4 unrolled),
-in increasing j; the lane's value is ((a_0 + a_1) + a_2) + a_3; the 32 lanes are combined
-by a warp shuffle tree; the mean is that sum times float32(1 / N). Which loads and which
-tree (halves first, or adjacent pairs first) differ between torch versions, so
-`torch_order` compares the installed torch's own mean with each candidate once per width
-and the kernel sums that way (on torch 2.11: 4-wide from 128 elements, halves first,
-results/PERF_LOG.md, session 5). Every decode row is then normalized with the full
-forward's bits for the same input row, at any batch (GPU tests). Why it exists: swapping
-the torch reference norm into the engine was the one change that brought its decode
-logits to native's distance from the full forward at batch 16-64 (mean max |diff| ~5%
-closer, results/h200-2026-11-30/session5). Why it is off: in official judge runs it cost
-3-6% TPOT and moved no fidelity count measurably (same PERF_LOG entry). That kernel
-compiles without FMA contraction (enable_fp_fusion=False) so that the mean times 1/N
-and the + eps stay two roundings, as in the reference.
+The mean of squares is summed in PyTorch's own order (`_rmsnorm_torch_order_kernel`).
+The reference computes `x.pow(2).mean(-1)` with ATen's CUDA reduce kernel; for a row of
+N contiguous fp32 values and 16 rows or more (every reference forward: its rows are
+batch x sequence) that kernel runs one warp per row: lane t keeps four accumulators,
+a_i = sum over blocks j of x[128 j + 4 t + i] (4-wide vector loads) or x[128 j + 32 i + t]
+(scalar loads, 4 unrolled), in increasing j; the lane's value is ((a_0 + a_1) + a_2) + a_3;
+the 32 lanes are combined by a warp shuffle tree; the mean is that sum times
+float32(1 / N). Which loads and which tree (halves first, or adjacent pairs first) differ
+between torch versions, so `torch_order` compares the installed torch's own mean with each
+candidate once per width and the kernel sums that way (on torch 2.11: 4-wide from 128
+elements, halves first, results/PERF_LOG.md, session 5). The kernel holds the row as
+[blocks, 128]; column c (lane c // 4, accumulator c % 4 for 4-wide loads) is summed over
+the blocks in program order by a tree of `tl.split`s that only moves values, so the
+order is the program's on any Triton, not the compiler's choice for a tl.sum. Every row,
+in a decode step of any batch or in a prefill, is then normalized with the bits the full
+forward gives the same input row (GPU tests). Why: with Triton's own tl.sum (the other
+kernel, `_rmsnorm_kernel`) the decode logits at batch 16-64 were ~5% further from the
+full forward (mean max |diff|) than native's, and swapping in this order was the one op
+change that closed it (results/h200-2026-11-30/session5 and session6). It costs nothing
+measurable per decode step (session 6). The torch-order kernel compiles without FMA
+contraction (enable_fp_fusion=False) so that the mean times 1/N and the + eps stay two
+roundings, as in the reference. FASTQWEN_TORCH_ORDER_NORM=0 selects the tl.sum kernel
+(the engine's norm before session 6), which also serves rows wider than 64 x 128.
 """
 import functools
 import os
@@ -49,29 +52,14 @@ import triton.language as tl
 from fqkernels import pdl
 
 
-# FASTQWEN_TORCH_ORDER_NORM=1 (read at import): sum the squares in the installed torch's
-# own order (module doc). Off by default: measured 3-6% slower per decode step with no
-# change in the judge's fidelity counts (results/PERF_LOG.md, session 5).
-TORCH_ORDER: bool = os.environ.get("FASTQWEN_TORCH_ORDER_NORM") == "1"
-
-# Warps per program of the torch-order kernel (None: as the default kernel's).
-TORCH_ORDER_WARPS = None
-# The torch-order kernel's one-pass form (rows up to 64 x 128 wide); else two passes.
-TORCH_ORDER_ONE_PASS = True
+# FASTQWEN_TORCH_ORDER_NORM=0 (read at import): sum the squares with Triton's tl.sum, the
+# engine's norm before session 6, instead of in the installed torch's order (module doc).
+TORCH_ORDER: bool = os.environ.get("FASTQWEN_TORCH_ORDER_NORM", "1") != "0"
+# Widest row the torch-order kernel takes (64 blocks of 128); wider rows use tl.sum.
+TORCH_ORDER_MAX_N = 64 * 128
 
 # Lanes of the warp that reduces one row in ATen's reduce kernel (module doc).
 _LANES = 32
-
-
-@triton.jit
-def _tile(block: tl.constexpr, VEC: tl.constexpr):
-    """Element offsets [32 lanes, 4 accumulators] of one 128-element block of the row:
-    128 block + 4 t + i with 4-wide vector loads (VEC), else 128 block + 32 i + t."""
-    t = tl.arange(0, 32)[:, None]
-    i = tl.arange(0, 4)[None, :]
-    if VEC:
-        return 128 * block + 4 * t + i
-    return 128 * block + 32 * i + t
 
 
 @triton.jit
@@ -219,15 +207,13 @@ def _column_sums(t, NB: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, stats_ptr, inv_n, eps,
-                    stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    VEC: tl.constexpr, HALVES: tl.constexpr, ONE_PASS: tl.constexpr = False,
-                    STATS: tl.constexpr = False, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Two passes over the row. Pass 1 only reads: it forms the row's values in [32, 4]
-    tiles laid out as ATen's lanes and accumulators and sums their squares block by block
-    (module doc). Pass 2 forms them again over the whole row at once (the same bits),
-    writes the residual stream and the normalized output. Nothing is stored before the
-    last load of pass 1, so its loads need not wait for stores to the same row.
+                                stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
+                                HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                                VEC: tl.constexpr, HALVES: tl.constexpr, STATS: tl.constexpr = False,
+                                GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
+    order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
+    accumulator c // 32, and the lanes go through ATen's tree (module doc).
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
     STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests)."""
@@ -238,47 +224,23 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
         src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
     else:
         src = x_ptr + row * stride_x
-    r_row = r_ptr + row * stride_r
-    if ONE_PASS:
-        # The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
-        # order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
-        # accumulator c // 32.
-        NB: tl.constexpr = (BLOCK + 127) // 128
-        offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        mask = offs < N
-        x = _row_values(src, r_row, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
-        xf = x.to(tl.float32)
-        cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
-        if VEC:
-            lanes = tl.reshape(cols, (32, 4))
-        else:
-            lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
-        mean = _lane_sum(lanes, HALVES) * inv_n
-        if STATS:
-            tl.store(stats_ptr + row, mean)
-        inv = tl.rsqrt(mean + eps)
-        if GATHER or HAS_RESIDUAL:
-            tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-        y = (xf * inv).to(tl.bfloat16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16),
-                 mask=mask)
-        return
-    acc = tl.zeros([32, 4], dtype=tl.float32)
-    for block in tl.static_range(0, (N + 127) // 128):
-        offs = _tile(block, VEC)
-        xf = _row_values(src, r_row, stride_split, offs, offs < N, HAS_RESIDUAL, SPLITS).to(tl.float32)
-        acc = acc + xf * xf
-    mean = _lane_sum(acc, HALVES) * inv_n
+    NB: tl.constexpr = (BLOCK + 127) // 128
+    offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = offs < N
+    x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
+    xf = x.to(tl.float32)
+    cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
+    if VEC:
+        lanes = tl.reshape(cols, (32, 4))
+    else:
+        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
+    mean = _lane_sum(lanes, HALVES) * inv_n
     if STATS:
         tl.store(stats_ptr + row, mean)
     inv = tl.rsqrt(mean + eps)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = _row_values(src, r_row, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    y = (x.to(tl.float32) * inv).to(tl.bfloat16)
+    y = (xf * inv).to(tl.bfloat16)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
 
@@ -355,7 +317,7 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
 
 def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
     """gather: (ids, table) to fill x with table[ids] first (x then is written, not read).
-    stats: an fp32 [M] tensor for each row's mean of squares (the torch-order kernel only)."""
+    stats: an fp32 [M] tensor for each row's mean of squares (runs the torch-order kernel)."""
     _check("x", x, 2)
     _check("w", w, 1)
     splits, stride_split = 0, 0
@@ -386,13 +348,10 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
                table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
                  num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
-    if TORCH_ORDER or stats is not None:
+    if (TORCH_ORDER or stats is not None) and N <= TORCH_ORDER_MAX_N:
         vec, halves, _ = torch_order(N, x.device)
-        if TORCH_ORDER_WARPS:
-            flags["num_warps"] = TORCH_ORDER_WARPS
         _rmsnorm_torch_order_kernel[(M,)](*rows, stats if stats is not None else x, _inverse(N), eps, *strides,
                                           N=N, VEC=vec, HALVES=halves, STATS=stats is not None,
-                                          ONE_PASS=TORCH_ORDER_ONE_PASS and N <= 64 * 128,
                                           enable_fp_fusion=False, **flags)
     else:
         _rmsnorm_kernel[(M,)](*rows, N, eps, *strides, **flags)
@@ -434,6 +393,8 @@ def torch_order_mean_of_squares(x: torch.Tensor, r: torch.Tensor = None, partial
     """fp32 [M]: the mean of squares the torch-order kernel normalizes each row of bf16(x + r)
     with (r bf16, or fp32 partials [S, M, N] with partials=True; x is not modified). For the
     tests: the outputs alone rarely show a one-ulp difference in it."""
+    if x.shape[1] > TORCH_ORDER_MAX_N:
+        raise ValueError(f"the torch-order kernel takes rows up to {TORCH_ORDER_MAX_N} wide, got {x.shape[1]}")
     stats = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     w = torch.ones(x.shape[1], dtype=torch.bfloat16, device=x.device)
     _launch(x.clone(), r, w, 1e-6, None, partials=partials, stats=stats)

@@ -56,8 +56,8 @@ def test_norm_and_rope_kernels_compile_with_pdl():
         flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True)
         sig = {**base, "N": "i32", "eps": "fp32", **strides}
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
-        sig = {**base, "inv_n": "fp32", "eps": "fp32", **strides}
-        consts = dict(flags, N=2560, VEC=True, HALVES=True)
+        sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
+        consts = dict(flags, N=2560, VEC=True, HALVES=True, STATS=False)
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",

@@ -1,7 +1,7 @@
 """The order the RMSNorm kernel sums its squares in (fqkernels/rmsnorm.py, module doc):
 the pure-torch emulation against an independent scalar loop of ATen's reduce kernel,
 always; the Triton kernel against the emulation bit for bit under the CPU interpreter
-(Triton >= 3.4), FASTQWEN_TORCH_ORDER_NORM's kernel. On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
+(Triton >= 3.4), the torch-order kernel (the default). On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
 own mean equals the emulation and that the kernels give the reference's bits."""
 from __future__ import annotations
 
@@ -94,16 +94,13 @@ def _expected(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
                     reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
-@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("order", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("rows,n", [(5, 2560), (4, 128), (3, 64), (2, 4096), (3, 1000), (2, 5120)])
-def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n, order,
-                                                       one_pass):
+def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n, order):
     vec, halves = order
     if vec and n % 4:
         pytest.skip("4-wide loads need a width divisible by 4")
     monkeypatch.setattr(rn, "TORCH_ORDER", True)
-    monkeypatch.setattr(rn, "TORCH_ORDER_ONE_PASS", one_pass)
     monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
@@ -121,16 +118,14 @@ def test_kernels_sum_in_the_emulated_order_interpreted(interpreter_bf16_rounding
 
 @pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
                     reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
-@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("order", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("n", [2560, 1000, 5120])
-def test_kernel_mean_of_squares_is_the_emulation_interpreted(interpreter_bf16_rounding, monkeypatch, n, order, one_pass):
+def test_kernel_mean_of_squares_is_the_emulation_interpreted(interpreter_bf16_rounding, monkeypatch, n, order):
     """The mean itself, bit for bit, on 64 rows: one changed association in the kernel's sum
     changes it on a few rows, where the normalized outputs almost never show it."""
     vec, halves = order
     if vec and n % 4:
         pytest.skip("4-wide loads need a width divisible by 4")
-    monkeypatch.setattr(rn, "TORCH_ORDER_ONE_PASS", one_pass)
     monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (vec, halves, True))
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(64, n, generator=g) * 3).bfloat16()
