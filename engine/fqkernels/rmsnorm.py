@@ -85,43 +85,6 @@ def _lane_sum(acc, HALVES: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
-                    stride_x, stride_r, stride_o, stride_split, stride_t,
-                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
-    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    if GATHER:
-        tok = tl.load(ids_ptr + row).to(tl.int64)
-        x = tl.load(table_ptr + tok * stride_t + offs, mask=mask, other=0.0)
-        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    else:
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r_row = r_ptr + row * stride_r + offs
-        if SPLITS == 0:
-            r = tl.load(r_row, mask=mask, other=0.0)
-        else:
-            acc = tl.load(r_row, mask=mask, other=0.0)
-            for s in tl.static_range(1, SPLITS):
-                acc += tl.load(r_row + s * stride_split, mask=mask, other=0.0)
-            r = acc.to(tl.bfloat16)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
-
-
-@triton.jit
 def _row_values(src, r_ptr, stride_split, offs, mask,
                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr):
     """The row's bf16 values at `offs`: src's, plus the residual (bf16 r, or the sum of
@@ -137,6 +100,34 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
             r = part.to(tl.bfloat16)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
     return x
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
+                    stride_x, stride_r, stride_o, stride_split, stride_t,
+                    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """FASTQWEN_TORCH_ORDER_NORM=0's kernel: the mean of squares is Triton's tl.sum.
+    SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
+    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if GATHER:
+        src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
+    else:
+        src = x_ptr + row * stride_x
+    x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
+    if GATHER or HAS_RESIDUAL:
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
 @triton.jit

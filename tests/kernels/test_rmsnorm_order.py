@@ -133,3 +133,28 @@ def test_kernel_mean_of_squares_is_the_emulation_interpreted(interpreter_bf16_ro
     s = (x.float() + r.float()).bfloat16()
     assert torch.equal(rn.torch_order_mean_of_squares(x), rn.mean_of_squares_torch_order(x, vec, halves))
     assert torch.equal(rn.torch_order_mean_of_squares(x, r), rn.mean_of_squares_torch_order(s, vec, halves))
+
+
+@pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+                    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("rows,n", [(5, 2560), (3, 1000), (2, 9000)])
+def test_tl_sum_kernel_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n):
+    """FASTQWEN_TORCH_ORDER_NORM=0's kernel (and rows wider than the torch-order kernel takes):
+    the residual stream exact, the output within one bf16 ulp of the reference (another
+    summation order moves the mean by an ulp or so, which rarely moves an output)."""
+    monkeypatch.setattr(rn, "TORCH_ORDER", n > rn.TORCH_ORDER_MAX_N)
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    parts = torch.randn(3, rows, n, generator=g)
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    xk, xr = x.clone(), x.clone()
+    out = rn.add_rmsnorm_partials(xk, parts, w, 1e-6)
+    want = rn.add_rmsnorm_partials_reference(xr, parts, w, 1e-6)
+    assert torch.equal(xk, xr)
+    diff = (out.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2.0 ** -7 + 1e-30).all() and (diff > 0).float().mean() < 1e-3
+    ids = torch.randint(0, rows, (rows,), generator=g)
+    xe, oute = rn.embed_rmsnorm(ids, x, w, 1e-6)
+    assert torch.equal(xe, x[ids])
+    diff = (oute.float() - rn.rmsnorm_reference(x[ids], w, 1e-6).float()).abs()
+    assert (diff <= oute.float().abs() * 2.0 ** -7 + 1e-30).all()
