@@ -53,6 +53,7 @@
 #                 and with one-split attention
 #   opswap-b4     /tmp/q4b_hf, the fidelity set's (16, 1024, 192), (16, 512, 128) and (4, 2048, 160): the engine,
 #                 with the tl.sum norm kernel and with torch's norms
+#   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
@@ -141,6 +142,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     opswap-b4) timeout 240 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 16x1024x192,16x512x128,4x2048x160 \
                  --variants engine,engine_tl_sum_norm,engine_torch_norms \
                  --out "$OUT/opswap_b4.json" 2>&1 | grep -v Warn | tail -24 ;;
+    gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
+                  | grep -v Warn | tail -24 ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
                   | grep -v Warn | tail -8 ;;
     speed-ab) for rep in 1 2; do
