@@ -14,3 +14,14 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformer
       tokenizers==0.21.1 numpy pytest matplotlib
   .venv/bin/python -m pip install -q --no-deps -e .
 fi
+# The Qwen3.5 reference (Transformers 5.17.0, which needs newer huggingface-hub and
+# tokenizers than 4.51.3 does) in a target folder over the same torch: prepended to
+# PYTHONPATH only where the Qwen3.5 reference runs (fastqwen/refenv.py).
+QWEN35=.venv-qwen35
+if ! PYTHONPATH=$QWEN35 .venv/bin/python -c "import transformers as t; assert t.__version__ == '5.17.0'; \
+    from transformers import Qwen3_5ForCausalLM" >/dev/null 2>&1; then
+  echo "setting up $QWEN35 (Transformers 5.17.0 for the Qwen3.5 reference)" >&2
+  rm -rf "$QWEN35"
+  .venv/bin/python -m pip install -q --target "$QWEN35" transformers==5.17.0 "huggingface-hub>=1.5,<2" \
+      "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" typer
+fi
