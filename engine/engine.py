@@ -1,5 +1,7 @@
 """fastqwen's engine: greedy Qwen3 generation, exact to native Transformers'
-argmax within the platform's margin, on one GPU.
+argmax within the platform's margin, on one GPU. Qwen3.5 checkpoints (model_type
+qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model, for now eager
+on the torch reference ops.
 
 `Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
 Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
@@ -12,10 +14,12 @@ FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported).
 """
 import gc
+import json
 import os
 
 import torch
 
+import fq_qwen35
 from fq_config import ModelConfig
 from fq_decode import DecodeRunner, PrefillGraph
 from fq_model import Qwen3Model
@@ -41,7 +45,9 @@ def _rounded_capacity(positions: int) -> int:
 
 class Engine:
     def __init__(self, model_path: str):
-        self.cfg = ModelConfig.from_dir(model_path)
+        with open(os.path.join(model_path, "config.json")) as f:
+            qwen35 = json.load(f).get("model_type") in fq_qwen35.MODEL_TYPES
+        self.cfg = fq_qwen35.Qwen35Config.from_dir(model_path) if qwen35 else ModelConfig.from_dir(model_path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in
         # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
@@ -49,9 +55,14 @@ class Engine:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         with torch.inference_mode():
-            weights = load_weights(model_path, self.cfg, self.device)
-        self.model = Qwen3Model(self.cfg, weights, self.device, ops_for(self.device))
-        self.use_graphs = self.device.type == "cuda" and os.environ.get("FASTQWEN_NO_GRAPHS") != "1"
+            if qwen35:  # the hybrid family: eager, on the torch reference ops for now (fq_qwen35.py)
+                self.model = fq_qwen35.Qwen35Model(
+                    self.cfg, fq_qwen35.load_weights(model_path, self.cfg, self.device), self.device)
+            else:
+                self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
+                                        ops_for(self.device))
+        self.use_graphs = (self.device.type == "cuda" and not qwen35
+                           and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
         self.use_prefill_graphs = self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
@@ -101,8 +112,8 @@ class Engine:
         if self.device.type != "cuda" or self.model.cache_fits(batch, positions):
             return
         capacity = _rounded_capacity(positions)
-        need = 2 * self.cfg.num_layers * batch * self.cfg.kv_size * capacity * 2
-        held = 0 if self.model.k_cache is None else 2 * self.model.k_cache.numel() * 2
+        need = self.model.cache_bytes(batch, capacity)
+        held = 0 if self.model.k_cache is None else self.model.cache_bytes(*self.model.k_cache.shape[1:4:2])
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free + held:
             raise ValueError(f"batch {batch} x {capacity} positions needs {need / 2**30:.1f} GiB of KV cache; "

@@ -52,6 +52,10 @@ class Qwen3Model:
         return (self.k_cache is not None and self.k_cache.shape[1] == batch
                 and self.k_cache.shape[3] >= capacity)
 
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        """Bytes of the K and V caches for `batch` sequences of `capacity` positions."""
+        return 2 * self.cfg.num_layers * batch * self.cfg.kv_size * capacity * 2
+
     def allocate_cache(self, batch: int, capacity: int) -> None:
         """One [L, B, KVH, C, D] buffer each for K and V. Contents are never read
         past a sequence's length, so nothing needs clearing between calls."""

@@ -973,15 +973,19 @@ def synthesize(
 # CLI
 # ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", required=True, help="model shape: " + ", ".join(PRESETS))
+    from fastqwen import synth35
+
+    parser.add_argument("--preset", required=True,
+                        help="model shape: " + ", ".join(list(PRESETS) + list(synth35.PRESETS)))
     parser.add_argument("--out", required=True, help="folder to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--device", default="cpu", help="where to generate: cpu or cuda (different values for the same seed)")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     parser.add_argument(
-        "--init", choices=INITS, default="fastqwen",
-        help="weight family: fastqwen (default: the project's stable, realistic scheme) or transformers "
-             "(Transformers' own init, norm weights 1, final norm --final-norm-scale)",
+        "--init", choices=INITS, default=None,
+        help="weight family: fastqwen (default for Qwen3: the project's stable, realistic scheme) or transformers "
+             "(Transformers' own init, norm weights 1, final norm --final-norm-scale; the one init of the "
+             "Qwen3.5 presets, fastqwen.synth35)",
     )
     parser.add_argument(
         "--final-norm-scale", type=float, metavar="S",
@@ -1001,10 +1005,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fastqwen import synth35
+
+    if args.preset in synth35.PRESETS:
+        for flag, used in (("--init fastqwen", args.init == "fastqwen"), ("--massive-activations",
+                           args.massive_activations), ("--sliding-window", args.sliding_window is not None)):
+            if used:
+                raise UserError(f"{flag} is for the Qwen3 presets; {args.preset} takes --seed, --device, "
+                                "--final-norm-scale")
+        out = synth35.synthesize(args.preset, args.out, seed=args.seed, device=args.device, force=args.force,
+                                 final_norm_scale=args.final_norm_scale)
+        print(out)
+        return 0
     out = synthesize(
         args.preset, args.out, seed=args.seed, device=args.device, progress=True, force=args.force,
-        init=args.init, final_norm_scale=args.final_norm_scale, massive_activations=args.massive_activations,
-        sliding_window=args.sliding_window,
+        init=args.init or "fastqwen", final_norm_scale=args.final_norm_scale,
+        massive_activations=args.massive_activations, sliding_window=args.sliding_window,
     )
     print(out)
     return 0

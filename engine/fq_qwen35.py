@@ -1,0 +1,330 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet layers and gated full-attention layers), behind the
+same interface as fq_model.Qwen3Model: prefill over a fresh prompt, one decode step,
+static caches. For now on the pure-torch reference ops (fqkernels/gdn.py and the
+existing references), on any device, eager: the Triton kernels and the graphs come next.
+
+The reference is Transformers 5.17.0's Qwen3_5ForCausalLM with its torch fallback
+(../shared/QWEN35.md, checked against the source). Per layer, h += mixer(norm1(h)), then
+h += MLP(norm2(h)), adds in BF16; every norm but the gated one is (1 + w): fp32 x *
+rsqrt(mean x^2 + eps) * (1 + w) rounded once.
+- Gated attention (every `full_attention` layer): q_proj gives per head [query | gate];
+  (1 + w) q/k norms over head_dim; RoPE on the first head_dim * partial_rotary_factor
+  dims (rotate-half, cos/sin of fp32 angles rounded to BF16; text positions make the
+  interleaved M-RoPE plain RoPE); causal GQA attention; output times sigmoid(gate); o_proj.
+- Gated DeltaNet (`linear_attention`): in_proj_qkv -> causal conv (width 4) + SiLU ->
+  q | k | v heads; beta = sigmoid(b) in BF16, g = -exp(A_log) softplus(a + dt_bias) in
+  fp32; q/k heads repeated to the value heads; the delta rule on an fp32 state (chunked
+  over a prompt, one step at a time in decode, as the reference); gated RMSNorm with
+  silu(z); out_proj.
+Caches: K/V [L_attn, B, KVH, C, D] BF16 for the attention layers; per GDN layer the conv
+state [B, conv_dim, 4] (the last 4 inputs of the conv) and the recurrent state
+[B, Hv, Dk, Dv] fp32. Tokens of one call share their positions (the engine's contract).
+"""
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fq_ops import prefill_attention
+from fqkernels import gdn
+from fqkernels.argmax import argmax_reference
+from fqkernels.decode_attention import decode_attention_reference
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# The released multimodal checkpoints keep the text model under this prefix and carry
+# vision and multi-token-prediction weights the text engine does not run.
+_WRAPPED = "model.language_model."
+_SKIPPED = ("mtp.", "model.visual.", "visual.")
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_types: tuple
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    conv_width: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    model_type = "qwen3_5_text"
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "Qwen35Config":
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Qwen35Config":
+        if raw.get("model_type") == "qwen3_5":
+            tie = raw.get("tie_word_embeddings", raw.get("text_config", {}).get("tie_word_embeddings", False))
+            raw = dict(raw.get("text_config") or {}, tie_word_embeddings=tie)
+        def need(key):
+            if key not in raw:
+                raise ValueError(f"config.json: Qwen3.5 field {key!r} is missing")
+            return raw[key]
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: rope_type {rope.get('rope_type')!r} is not supported (default only)")
+        if raw.get("attention_bias", False):
+            raise ValueError("config.json: attention_bias true is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+        layers = int(need("num_hidden_layers"))
+        types = tuple(raw.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                                 for i in range(layers)])
+        bad = sorted(set(types) - {"full_attention", "linear_attention"})
+        if bad or len(types) != layers:
+            raise ValueError(f"config.json: layer_types must list {layers} of full_attention / linear_attention, "
+                             f"got {bad or len(types)}")
+        head_dim = int(raw.get("head_dim", 256))
+        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+        return cls(
+            vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")), num_layers=layers, layer_types=types,
+            num_heads=int(need("num_attention_heads")), num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim, rotary_dim=int(head_dim * partial), rope_theta=float(rope.get("rope_theta", 10000.0)),
+            linear_k_heads=int(need("linear_num_key_heads")), linear_v_heads=int(need("linear_num_value_heads")),
+            linear_k_dim=int(need("linear_key_head_dim")), linear_v_dim=int(need("linear_value_head_dim")),
+            conv_width=int(raw.get("linear_conv_kernel_dim", 4)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+
+def load_weights(model_dir: str, cfg: Qwen35Config, device: torch.device) -> dict:
+    """name -> BF16 tensor on the device, text-model names (`model.layers.3.self_attn.q_proj.weight`);
+    the released wrapper's prefix is removed, its vision and MTP weights skipped (one line)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    out, skipped = {}, 0
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(_SKIPPED) or name.startswith(_WRAPPED.replace("language_model.", "visual.")):
+                    skipped += 1
+                    continue
+                key = "model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name
+                out[key] = f.get_tensor(name).to(device=device, dtype=torch.bfloat16)
+    if skipped:
+        print(f"fastqwen: skipped {skipped} vision / multi-token-prediction tensors", flush=True)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    missing = [n for n in _expected_names(cfg) if n not in out]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    return out
+
+
+def _expected_names(cfg: Qwen35Config) -> list:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        mixer = (["linear_attn." + s for s in ("dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight",
+                                              "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                              "in_proj_a.weight")]
+                 if kind == "linear_attention" else
+                 ["self_attn." + s + ".weight" for s in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")])
+        names += [p + s for s in mixer + ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                                           "input_layernorm.weight", "post_attention_layernorm.weight"]]
+    return names
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """(1 + w) RMSNorm: fp32 throughout, rounded once."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims (rotate-half, BF16 products), the rest passed through."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    half = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
+    return torch.cat([xr * cos + half * sin, xp], dim=-1)
+
+
+class Qwen35Model:
+    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device):
+        self.cfg, self.w, self.device = cfg, weights, device
+        self.attn_layers = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        self.gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        self.scale = cfg.head_dim ** -0.5
+        self.cos = self.sin = None
+        self.k_cache = self.v_cache = self.conv_state = self.state = None
+        self.ops = _NoTuning()
+
+    # ---- buffers -----------------------------------------------------------------
+    def ensure_rope(self, length: int) -> bool:
+        if self.cos is not None and self.cos.shape[0] >= length:
+            return False
+        c = self.cfg
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float) / c.rotary_dim))
+        freqs = torch.arange(length, dtype=torch.float)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(self.device, torch.bfloat16)
+        self.sin = emb.sin().to(self.device, torch.bfloat16)
+        return True
+
+    def cache_fits(self, batch: int, capacity: int) -> bool:
+        return self.k_cache is not None and self.k_cache.shape[1] == batch and self.k_cache.shape[3] >= capacity
+
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        c = self.cfg
+        kv = 2 * len(self.attn_layers) * batch * c.kv_size * capacity * 2
+        states = len(self.gdn_layers) * batch * (c.conv_dim * c.conv_width * 2
+                                                 + c.linear_v_heads * c.linear_k_dim * c.linear_v_dim * 4)
+        return kv + states
+
+    def allocate_cache(self, batch: int, capacity: int) -> None:
+        c, dev = self.cfg, self.device
+        self.k_cache = self.v_cache = self.conv_state = self.state = None
+        shape = (len(self.attn_layers), batch, c.num_kv_heads, capacity, c.head_dim)
+        self.k_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        self.v_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        self.conv_state = torch.zeros((len(self.gdn_layers), batch, c.conv_dim, c.conv_width),
+                                      dtype=torch.bfloat16, device=dev)
+        self.state = torch.zeros((len(self.gdn_layers), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
+                                 dtype=torch.float32, device=dev)
+
+    # ---- forward passes ------------------------------------------------------------
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return argmax_reference(self.prefill_logits(ids))
+
+    def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache."""
+        B, S = ids.shape
+        x = self.w["model.embed_tokens.weight"][ids]                      # [B, S, hidden]
+        cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
+        for i in range(self.cfg.num_layers):
+            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps)
+            if i in self.gdn_layers:
+                h = self._gdn(i, h, prompt=True)
+            else:
+                h = self._attention_prefill(i, h, cos, sin)
+            x = x + h
+            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                       self.cfg.rms_norm_eps))
+        return self._logits(x[:, -1])
+
+    def decode(self, tokens, positions, lengths, out=None):
+        nxt = argmax_reference(self.decode_logits(tokens, positions, lengths))
+        if out is None:
+            return nxt
+        out.copy_(nxt)
+        return out
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        B = tokens.shape[0]
+        x = self.w["model.embed_tokens.weight"][tokens].unsqueeze(1)      # [B, 1, hidden]
+        cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
+        for i in range(self.cfg.num_layers):
+            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps)
+            if i in self.gdn_layers:
+                h = self._gdn(i, h, prompt=False)
+            else:
+                h = self._attention_step(i, h, cos, sin, positions, lengths)
+            x = x + h
+            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                       self.cfg.rms_norm_eps))
+        return self._logits(x[:, 0])
+
+    # ---- pieces ----------------------------------------------------------------------
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_norm(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps), self.w["lm_head.weight"])
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
+                        self.w[p + "down_proj.weight"])
+
+    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin):
+        """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE; gate [B, T, H * D]."""
+        c, p = self.cfg, f"model.layers.{i}.self_attn."
+        B, T, _ = h.shape
+        q, gate = torch.chunk(F.linear(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim), 2, dim=-1)
+        q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
+        k = _norm(F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim), self.w[p + "k_norm.weight"],
+                  c.rms_norm_eps).transpose(1, 2)
+        v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(B, T, -1)
+
+    def _attention_prefill(self, i: int, h, cos, sin):
+        B, S, _ = h.shape
+        q, k, v, gate = self._qkv_gate(i, h, cos, sin)
+        slot = self.attn_layers.index(i)
+        kc, vc = self.k_cache[slot], self.v_cache[slot]
+        kc[:, :, :S], vc[:, :, :S] = k, v
+        attn = prefill_attention(q.transpose(1, 2).reshape(B * S, -1, self.cfg.head_dim), kc, vc, B, S, self.scale)
+        return self._attention_out(i, attn.view(B, S, -1), gate)
+
+    def _attention_step(self, i: int, h, cos, sin, positions, lengths):
+        B = h.shape[0]
+        q, k, v, gate = self._qkv_gate(i, h, cos, sin)
+        slot = self.attn_layers.index(i)
+        kc, vc = self.k_cache[slot], self.v_cache[slot]
+        rows = torch.arange(B, device=h.device)
+        kc[rows, :, positions.long()] = k[:, :, 0]
+        vc[rows, :, positions.long()] = v[:, :, 0]
+        attn = decode_attention_reference(q[:, :, 0], kc, vc, lengths, self.scale)  # [B, H, D]
+        return self._attention_out(i, attn.reshape(B, 1, -1), gate)
+
+    def _attention_out(self, i: int, attn, gate):
+        return F.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+
+    def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
+        c, p = self.cfg, f"model.layers.{i}.linear_attn."
+        B, T, _ = h.shape
+        slot = self.gdn_layers.index(i)
+        mixed = F.linear(h, self.w[p + "in_proj_qkv.weight"]).transpose(1, 2)      # [B, conv_dim, T]
+        z = F.linear(h, self.w[p + "in_proj_z.weight"]).reshape(B, T, -1, c.linear_v_dim)
+        b = F.linear(h, self.w[p + "in_proj_b.weight"])
+        a = F.linear(h, self.w[p + "in_proj_a.weight"])
+        conv_w = self.w[p + "conv1d.weight"].squeeze(1)
+        mixed, new_conv = gdn.causal_conv_reference(mixed, conv_w, None if prompt else self.conv_state[slot])
+        self.conv_state[slot].copy_(new_conv)
+        kd = c.linear_k_heads * c.linear_k_dim
+        q, k, v = torch.split(mixed.transpose(1, 2), [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
+        q = gdn.expand_heads(q.reshape(B, T, -1, c.linear_k_dim), c.linear_v_heads)
+        k = gdn.expand_heads(k.reshape(B, T, -1, c.linear_k_dim), c.linear_v_heads)
+        v = v.reshape(B, T, -1, c.linear_v_dim)
+        g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
+        rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
+        o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot])
+        self.state[slot].copy_(state)
+        o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                        self.w[p + "norm.weight"], c.rms_norm_eps)
+        return F.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
+
+
+class _NoTuning:
+    """The op set's tuning hook (engine._prepare): the Qwen3.5 path has no GEMV choices yet."""
+
+    def tune(self, weights, rows: int) -> dict:
+        return {}

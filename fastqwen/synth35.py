@@ -1,0 +1,171 @@
+"""Synthetic Qwen3.5 (hybrid Gated DeltaNet + gated attention) checkpoints.
+
+The folder is what Transformers 5.17.0's `Qwen3_5ForCausalLM.save_pretrained` writes
+for a text model (model_type qwen3_5_text, tied embeddings: no lm_head tensor), in
+bf16. Weights follow Transformers' own init (normal(0, 0.02) for every projection, the
+embedding and the conv; the (1 + w) norms' w at 0; the gated norm's plain weight at 1;
+dt_bias 1; A = uniform(0.01, 16) drawn in fp32 and stored as bf16 log A, which 5.17
+loads as bf16 too) with the final norm raised to `final_norm_scale` (its w =
+scale - 1) for a realistic spread of top-1 gaps (`../shared` anchors: native Qwen3.5
+measured on that scheme). Deterministic: every tensor has its own seed from (seed, name).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import pathlib
+
+from fastqwen.errors import UserError
+
+FULL_ATTENTION_INTERVAL = 4
+DEFAULT_FINAL_NORM_SCALE = 7.0
+STD = 0.02
+
+
+def _layer_types(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(layers)]
+
+
+def _config(**fields: object) -> dict:
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "eos_token_id": None,
+        "hidden_act": "silu",
+        "initializer_range": STD,
+        "linear_conv_kernel_dim": 4,
+        "model_type": "qwen3_5_text",
+        "pad_token_id": None,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "transformers_version": "5.17.0",
+        "use_cache": True,
+        **fields,
+    }
+    cfg["layer_types"] = _layer_types(int(cfg["num_hidden_layers"]))
+    return dict(sorted(cfg.items()))
+
+
+PRESETS: dict[str, dict] = {
+    # The 4B shape (../shared/QWEN35.md section 0): 24 GDN + 8 gated-attention layers.
+    "qwen3.5-4b": _config(
+        head_dim=256, hidden_size=2560, intermediate_size=9216, linear_key_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_value_head_dim=128, max_position_embeddings=262144,
+        num_attention_heads=16, num_hidden_layers=32, num_key_value_heads=4,
+        rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                         "rope_theta": 10000000.0, "rope_type": "default"},
+        vocab_size=248320,
+    ),
+    # CPU-test size: two of each layer pattern (3 GDN + 1 attention), value heads twice the
+    # q/k heads as in the 4B, 16 rotary dims of 64, sizes that fill whole chunks.
+    "qwen3.5-tiny": _config(
+        head_dim=64, hidden_size=128, intermediate_size=256, linear_key_head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_value_head_dim=32, max_position_embeddings=4096,
+        num_attention_heads=4, num_hidden_layers=8, num_key_value_heads=2,
+        rope_parameters={"mrope_interleaved": True, "mrope_section": [3, 3, 2], "partial_rotary_factor": 0.25,
+                         "rope_theta": 10000000.0, "rope_type": "default"},
+        vocab_size=1024,
+    ),
+}
+GENERATION_CONFIG = {"transformers_version": "5.17.0", "use_cache": True}
+
+
+def get_preset(name: str) -> dict:
+    if name not in PRESETS:
+        raise UserError(f"unknown Qwen3.5 preset {name!r}; known: {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Qwen3.5 text checkpoint, (name, shape), in model order (tied: no lm_head)."""
+    h, inter, vocab = (int(config[k]) for k in ("hidden_size", "intermediate_size", "vocab_size"))
+    hd, heads, kvh = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    kd, vd = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    kh, vh = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    conv_dim, width = 2 * kh * kd + vh * vd, int(config["linear_conv_kernel_dim"])
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i, kind in enumerate(config.get("layer_types") or _layer_types(int(config["num_hidden_layers"]))):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            specs += [(a + "dt_bias", (vh,)), (a + "A_log", (vh,)), (a + "conv1d.weight", (conv_dim, 1, width)),
+                      (a + "norm.weight", (vd,)), (a + "out_proj.weight", (h, vh * vd)),
+                      (a + "in_proj_qkv.weight", (conv_dim, h)), (a + "in_proj_z.weight", (vh * vd, h)),
+                      (a + "in_proj_b.weight", (vh, h)), (a + "in_proj_a.weight", (vh, h))]
+        elif kind == "full_attention":
+            a = p + "self_attn."
+            specs += [(a + "q_proj.weight", (2 * heads * hd, h)), (a + "k_proj.weight", (kvh * hd, h)),
+                      (a + "v_proj.weight", (kvh * hd, h)), (a + "o_proj.weight", (h, heads * hd)),
+                      (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+        else:
+            raise UserError(f"layer {i}: unknown layer type {kind!r}")
+        specs += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                  (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                  (p + "post_attention_layernorm.weight", (h,))]
+    specs.append(("model.norm.weight", (h,)))
+    if not config.get("tie_word_embeddings", False):
+        specs.append(("lm_head.weight", (vocab, h)))
+    return specs
+
+
+def make_tensor(name: str, shape: tuple[int, ...], seed: int, final_norm_scale: float, device: str):
+    """One bf16 tensor of the init described in the module doc."""
+    import torch
+
+    from fastqwen.synth import tensor_seed
+
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    if name.endswith("A_log"):
+        a = torch.empty(shape, dtype=torch.float32, device=device).uniform_(0.01, 16, generator=gen)
+        return torch.log(a).to(torch.bfloat16)
+    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    if name == "model.norm.weight":
+        return torch.full(shape, final_norm_scale - 1.0, dtype=torch.bfloat16, device=device)
+    if name.endswith("norm.weight"):   # the (1 + w) norms: input, post-attention, q/k
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    return (torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * STD).to(torch.bfloat16)
+
+
+def synthesize(preset: str, out_dir: str | pathlib.Path, seed: int = 0, device: str = "cpu", force: bool = False,
+               final_norm_scale: float | None = None, progress: bool = True) -> pathlib.Path:
+    """Write a synthetic Qwen3.5 checkpoint of `preset` into `out_dir` (see the module doc)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fastqwen.synth import (BF16_BYTES, MAX_SHARD_BYTES, _prepare_out_dir, _write_json, check_device,
+                                plan_shards, shard_name)
+
+    cfg = get_preset(preset)
+    device = check_device(device)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise UserError(f"seed must be a non-negative integer, got {seed!r}")
+    scale = DEFAULT_FINAL_NORM_SCALE if final_norm_scale is None else final_norm_scale
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise UserError(f"final norm scale must be a positive number, got {final_norm_scale!r}")
+    out = pathlib.Path(out_dir)
+    _prepare_out_dir(out, force)
+    specs = expected_tensors(cfg)
+    shards = plan_shards(specs, MAX_SHARD_BYTES)
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, start=1):
+        fname = shard_name(k, len(shards))
+        tensors = {name: make_tensor(name, shape, seed, scale, device).cpu() for name, shape in shard}
+        weight_map.update({name: fname for name in tensors})
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        if progress:
+            print(f"synth: wrote {fname} ({k}/{len(shards)})", flush=True, file=__import__("sys").stderr)
+        del tensors
+    total = sum(math.prod(s) * BF16_BYTES for _, s in specs)
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                       "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", dict(GENERATION_CONFIG))
+    _write_json(out / "fastqwen_synth.json", {"preset": preset, "seed": seed, "device": device,
+                                              "init": "transformers", "final_norm_scale": scale,
+                                              "torch": torch.__version__})
+    return out
