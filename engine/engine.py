@@ -43,10 +43,20 @@ def _rounded_capacity(positions: int) -> int:
     return -(-positions // CAPACITY_GRANULE) * CAPACITY_GRANULE
 
 
+def _model_type(model_path: str):
+    """config.json's model_type, or None where it cannot be read (ModelConfig.from_dir then
+    reports what is wrong, naming it)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
 class Engine:
     def __init__(self, model_path: str):
-        with open(os.path.join(model_path, "config.json")) as f:
-            qwen35 = json.load(f).get("model_type") in fq_qwen35.MODEL_TYPES
+        qwen35 = _model_type(model_path) in fq_qwen35.MODEL_TYPES
         self.cfg = fq_qwen35.Qwen35Config.from_dir(model_path) if qwen35 else ModelConfig.from_dir(model_path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in

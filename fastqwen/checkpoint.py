@@ -82,8 +82,11 @@ def read_config(model_dir: str | pathlib.Path) -> dict:
     if not isinstance(cfg, dict):
         raise UserError(f"{str(path)!r} must hold a JSON object, not {type(cfg).__name__}")
     model_type = cfg.get("model_type")
+    if model_type in QWEN35_MODEL_TYPES:
+        return _read_qwen35_config(path, cfg)
     if model_type != "qwen3":
-        raise UserError(f"{str(path)!r}: model_type is {model_type!r}; only 'qwen3' is supported")
+        raise UserError(f"{str(path)!r}: model_type is {model_type!r}; supported: 'qwen3', "
+                        + ", ".join(repr(t) for t in sorted(QWEN35_MODEL_TYPES)))
     for field in REQUIRED_INT_FIELDS:
         if field not in cfg:
             raise UserError(f"{str(path)!r}: required field {field!r} is missing")
@@ -111,12 +114,37 @@ def read_config(model_dir: str | pathlib.Path) -> dict:
     return out
 
 
+QWEN35_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
+QWEN35_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim")
+
+
+def _read_qwen35_config(path: pathlib.Path, cfg: dict) -> dict:
+    """A Qwen3.5 config.json (the text model's, or the released wrapper's text_config with
+    its tie_word_embeddings), its shape fields checked; model_type qwen3_5_text."""
+    if cfg.get("model_type") == "qwen3_5":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise UserError(f"{str(path)!r}: model_type 'qwen3_5' needs a text_config object")
+        cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+               "model_type": "qwen3_5_text"}
+    for field in QWEN35_INT_FIELDS:
+        if not _is_positive_int(cfg.get(field)):
+            raise UserError(f"{str(path)!r}: field {field!r} must be a positive integer, got {cfg.get(field)!r}")
+    return dict(cfg)
+
+
 def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor a Qwen3 checkpoint holds for `config`, as (name, shape), in model order.
 
     `lm_head.weight` is listed only when embeddings are not tied (Hugging Face
-    omits it from tied checkpoints).
+    omits it from tied checkpoints). Qwen3.5 configs: fastqwen.synth35.expected_tensors.
     """
+    if config.get("model_type") in QWEN35_MODEL_TYPES:
+        from fastqwen import synth35
+
+        return synth35.expected_tensors(config)
     hidden = int(config["hidden_size"])
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])

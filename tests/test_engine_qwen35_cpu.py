@@ -137,3 +137,24 @@ def test_config_errors_name_the_field(change, match):
         del raw["vocab_size"]
     with pytest.raises(ValueError, match=match):
         fq_qwen35.Qwen35Config.from_dict(raw)
+
+
+def test_the_judge_runs_on_the_preset(tiny, tmp_path):
+    """`fastqwen judge` on a Qwen3.5 checkpoint: native is Transformers 5.17.0's (its own
+    folder, its own environment), the replay runs 5.17.0's full forward, the roofline knows
+    the recurrent state; the engine passes with zero violations."""
+    from fastqwen.cli import main
+
+    wl = tmp_path / "wl.json"
+    wl.write_text(json.dumps({"name": "t", "workloads": [{"name": "b2", "batch": 2, "prompt": 70, "output": 6}]}))
+    out = tmp_path / "report.json"
+    assert main(["judge", "--model", str(tiny), "--workloads", str(wl), "--samples", "1", "--device", "cpu",
+                 "--seed", "3", "--out", str(out), "--load-timeout", "120", "--sample-timeout", "60"]) == 0
+    report = json.loads(out.read_text())
+    assert report["versions"]["transformers"] == "5.17.0"
+    assert report["native_dir"].endswith("native_engine_qwen35")
+    (result,) = report["results"]
+    assert result["passed"] and result["replay"]["sides"]["engine"]["violation_count"] == 0
+    assert result["replay"]["sides"]["native"]["positions"] == 12
+    assert report["model"]["parameters"] == sum(
+        __import__("math").prod(s) for _, s in synth35.expected_tensors(synth35.get_preset("qwen3.5-tiny")))

@@ -9,6 +9,7 @@ The engine's fraction of the floor is floor / actual: 1.0 would be the hardware 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 BF16_BYTES = 2
@@ -30,7 +31,9 @@ class ModelShape:
     window: int | None = None  # sliding_window: keys a query sees (Transformers 4.51.3 windows every layer)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelShape":
+    def from_config(cls, cfg: dict) -> "ModelShape | HybridShape":
+        if cfg.get("model_type") in ("qwen3_5_text", "qwen3_5"):
+            return HybridShape.from_config(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(
@@ -45,6 +48,55 @@ class ModelShape:
             attention_bias=bool(cfg.get("attention_bias", False)),
             window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
         )
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """Qwen3.5 (../shared/QWEN35.md section 5): Gated DeltaNet layers with an fp32 state per
+    value head that a decode step reads and writes whole, a conv state, and gated
+    full-attention layers with a KV cache."""
+
+    vocab: int
+    hidden: int
+    attn_layers: int
+    gdn_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_dim: int
+    conv_width: int
+    parameters: int
+    embedding: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "HybridShape":
+        from fastqwen import synth35
+
+        cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "qwen3_5" else cfg
+        specs = synth35.expected_tensors(cfg)
+        kinds = cfg.get("layer_types") or synth35._layer_types(int(cfg["num_hidden_layers"]))
+        kh, kd, vh, vd = (int(cfg[k]) for k in ("linear_num_key_heads", "linear_key_head_dim",
+                                                  "linear_num_value_heads", "linear_value_head_dim"))
+        vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+        return cls(vocab=vocab, hidden=hidden, attn_layers=kinds.count("full_attention"),
+                   gdn_layers=kinds.count("linear_attention"), heads=int(cfg["num_attention_heads"]),
+                   kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]), v_heads=vh, k_dim=kd,
+                   v_dim=vd, conv_dim=2 * kh * kd + vh * vd, conv_width=int(cfg.get("linear_conv_kernel_dim", 4)),
+                   parameters=sum(math.prod(shape) for _, shape in specs),
+                   embedding=vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2))
+
+    def state_bytes_per_sequence(self) -> int:
+        """Read and written by every decode step: the fp32 recurrent states and the bf16 conv states."""
+        recurrent = self.gdn_layers * self.v_heads * self.k_dim * self.v_dim * 4
+        conv = self.gdn_layers * self.conv_dim * self.conv_width * BF16_BYTES
+        return 2 * (recurrent + conv)
+
+    def gdn_flops_per_token(self) -> float:
+        """The chunked delta rule (chunk 64) per token: the within-chunk products and the state's."""
+        return self.gdn_layers * self.v_heads * (4 * 64 * (self.k_dim + self.v_dim) + 4 * self.k_dim * self.v_dim)
 
 
 def layer_params(s: ModelShape) -> int:
@@ -64,11 +116,13 @@ def embedding_params(s: ModelShape) -> int:
 
 
 def parameter_count(s: ModelShape) -> int:
+    if isinstance(s, HybridShape):
+        return s.parameters
     return embedding_params(s) + s.layers * layer_params(s) + s.hidden  # + final norm
 
 
 def non_embedding_params(s: ModelShape) -> int:
-    return parameter_count(s) - embedding_params(s)
+    return parameter_count(s) - (s.embedding if isinstance(s, HybridShape) else embedding_params(s))
 
 
 def weight_bytes(s: ModelShape) -> int:
@@ -76,13 +130,14 @@ def weight_bytes(s: ModelShape) -> int:
 
 
 def kv_bytes_per_token(s: ModelShape) -> int:
-    # K and V, every layer, every KV head, bf16.
-    return 2 * s.layers * s.kv_heads * s.head_dim * BF16_BYTES
+    # K and V, every (attention) layer, every KV head, bf16.
+    layers = s.attn_layers if isinstance(s, HybridShape) else s.layers
+    return 2 * layers * s.kv_heads * s.head_dim * BF16_BYTES
 
 
 def attended_keys(s: ModelShape, context: float) -> float:
     """Keys one query at this context length must read: all of them, or the window's."""
-    return context if s.window is None else min(context, s.window)
+    return context if isinstance(s, HybridShape) or s.window is None else min(context, s.window)
 
 
 def prefill_flops(s: ModelShape, batch: int, prompt: int) -> float:
@@ -90,6 +145,9 @@ def prefill_flops(s: ModelShape, batch: int, prompt: int) -> float:
     window's band), last-token LM head."""
     dense = 2 * non_embedding_params(s) * batch * prompt
     pairs = prompt * prompt / 2
+    if isinstance(s, HybridShape):
+        attention = 2 * 2 * s.attn_layers * s.heads * s.head_dim * pairs * batch
+        return dense + attention + s.gdn_flops_per_token() * batch * prompt + 2 * s.vocab * s.hidden * batch
     if s.window is not None and prompt > s.window:
         pairs = s.window * s.window / 2 + (prompt - s.window) * s.window
     attention = 2 * 2 * s.layers * s.heads * s.head_dim * pairs * batch
@@ -122,7 +180,8 @@ class Floors:
 
 
 def decode_step_bytes(s: ModelShape, batch: int, context: float) -> float:
-    return weight_bytes(s) + batch * attended_keys(s, context) * kv_bytes_per_token(s)
+    state = s.state_bytes_per_sequence() if isinstance(s, HybridShape) else 0
+    return weight_bytes(s) + batch * (attended_keys(s, context) * kv_bytes_per_token(s) + state)
 
 
 def floors(s: ModelShape, c: Ceilings, batch: int, prompt: int, output: int) -> Floors:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fastqwen import refenv
 from fastqwen.errors import UserError
 from fastqwen.judge import fidelity, gates, roofline
 from fastqwen.judge.process import ChildFailure, EngineProcess, Generation
@@ -32,6 +33,7 @@ from fastqwen.judge.workloads import Workload, WorkloadSet
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the fastqwen package
 NATIVE_ENGINE_DIR = Path(__file__).resolve().parents[1] / "native_engine"
+NATIVE_QWEN35_DIR = Path(__file__).resolve().parents[1] / "native_engine_qwen35"
 PROBE_TIMEOUT_S = 300.0
 
 
@@ -285,7 +287,9 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
         + ([("baseline", settings.baseline_dir)] if settings.baseline_dir is not None else [])
     say(f"{tag} batch {wl.batch}, prompt {wl.prompt}, output {wl.output}: loading "
         + ", ".join(label for label, _ in labels))
-    sides = [Side(label, path, settings, env, log_dir / f"{index:02d}-{wl.name}-{label}.log") for label, path in labels]
+    ref_env = refenv.reference_env(settings.model_config.get("model_type", "qwen3"), env)
+    sides = [Side(label, path, settings, ref_env if label == "native" else env,
+                  log_dir / f"{index:02d}-{wl.name}-{label}.log") for label, path in labels]
     by_label = {s.label: s for s in sides}
 
     # All processes load at once; each has its own load + warmup budget from its own start.
@@ -350,7 +354,7 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
     replay_result, replay_error = None, None
     with tempfile.TemporaryDirectory(prefix="fastqwen-replay-") as work:
         say(f"{tag} replay: {sum(len(s.sequences) for s in sides)} sequences, teacher-forced through Transformers")
-        replay_result, replay_error = run_replay(settings, device, sides, Path(work), env)
+        replay_result, replay_error = run_replay(settings, device, sides, Path(work), ref_env)
     replay_sides = (replay_result or {}).get("sides", {})
 
     engine, native, baseline = by_label["engine"], by_label.get("native"), by_label.get("baseline")
@@ -457,7 +461,9 @@ def run_judge(settings: JudgeSettings) -> dict:
     start = time.perf_counter()
     env = child_env("cpu" if settings.device == "cpu" else "auto")
     say(f"judge: probing the device ({settings.device})")
-    probe = probe_device(settings.device, settings.measure_ceilings, env)
+    # In the reference's environment, so the report names the Transformers that judged.
+    probe = probe_device(settings.device, settings.measure_ceilings,
+                         refenv.reference_env(settings.model_config.get("model_type", "qwen3"), env))
     device = probe["device"]
     env = child_env(device)
     shape = roofline.ModelShape.from_config(settings.model_config)
