@@ -62,6 +62,42 @@ def forced(tiny, tmp_path_factory):
     return seq, torch.load(work / "ref.pt", weights_only=True)
 
 
+_SAVE_NATIVE_INIT = r"""
+import sys, torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+torch.manual_seed(0)
+cfg = Qwen3_5TextConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                        tie_word_embeddings=True, max_position_embeddings=4096)
+model = Qwen3_5ForCausalLM(cfg)
+with torch.no_grad():
+    model.model.norm.weight.fill_(6.0)  # the final (1 + w) norm at 7: a realistic spread of top-1 gaps
+model.to(torch.bfloat16).save_pretrained(sys.argv[1])
+"""
+
+
+def test_a_checkpoint_saved_by_transformers_itself(tmp_path):
+    """A tiny hybrid made and saved by Transformers 5.17.0 (its own init and file layout, not
+    fastqwen synth's): the engine's teacher-forced logits track its full forward as on the preset."""
+    env = refenv.reference_env("qwen3_5_text")
+    run = subprocess.run([sys.executable, "-c", _SAVE_NATIVE_INIT, str(tmp_path / "native")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seq = torch.randint(0, 1024, (B, S + N), generator=torch.Generator().manual_seed(4))
+    torch.save(seq, tmp_path / "seq.pt")
+    run = subprocess.run([sys.executable, "-c", _REFERENCE, str(tmp_path / "native"), str(tmp_path / "seq.pt"),
+                          str(tmp_path / "ref.pt"), str(S)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    got = engine_logits(Engine(str(tmp_path / "native")).model, seq)
+    engine_vs_full = (got - ref["full"]).abs().max().item()
+    native_vs_full = (ref["cached"] - ref["full"]).abs().max().item()
+    assert engine_vs_full <= native_vs_full + 0.125 and engine_vs_full <= 0.25, (engine_vs_full, native_vs_full)
+    toks = list(Engine(str(tmp_path / "native")).generate(seq[:, :S].tolist(), 8))
+    assert torch.equal(torch.tensor(toks).T, ref["greedy"])
+
+
 def engine_logits(model, seq: torch.Tensor) -> torch.Tensor:
     """[B, N, vocab]: the prompt's last-position logits, then one decode step per forced token."""
     with torch.inference_mode():
