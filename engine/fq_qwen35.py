@@ -10,7 +10,8 @@ rsqrt(mean x^2 + eps) * (1 + w) rounded once.
 - Gated attention (every `full_attention` layer): q_proj gives per head [query | gate];
   (1 + w) q/k norms over head_dim; RoPE on the first head_dim * partial_rotary_factor
   dims (rotate-half, cos/sin of fp32 angles rounded to BF16; text positions make the
-  interleaved M-RoPE plain RoPE); causal GQA attention; output times sigmoid(gate); o_proj.
+  interleaved M-RoPE plain RoPE); causal attention through SDPA with the K/V heads shared
+  (enable_gqa, as 5.17's sdpa path); output times sigmoid(gate); o_proj.
 - Gated DeltaNet (`linear_attention`): in_proj_qkv -> causal conv (width 4) + SiLU ->
   q | k | v heads; beta = sigmoid(b) in BF16, g = -exp(A_log) softplus(a + dt_bias) in
   fp32; q/k heads repeated to the value heads; the delta rule on an fp32 state (chunked
@@ -27,10 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fq_ops import prefill_attention
 from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
-from fqkernels.decode_attention import decode_attention_reference
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 # The released multimodal checkpoints keep the text model under this prefix and carry
@@ -279,10 +278,11 @@ class Qwen35Model:
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_layers.index(i)
-        kc, vc = self.k_cache[slot], self.v_cache[slot]
-        kc[:, :, :S], vc[:, :, :S] = k, v
-        attn = prefill_attention(q.transpose(1, 2).reshape(B * S, -1, self.cfg.head_dim), kc, vc, B, S, self.scale)
-        return self._attention_out(i, attn.view(B, S, -1), gate)
+        self.k_cache[slot, :, :, :S], self.v_cache[slot, :, :, :S] = k, v
+        # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
+        # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return self._attention_out(i, attn.transpose(1, 2).reshape(B, S, -1), gate)
 
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
@@ -292,7 +292,14 @@ class Qwen35Model:
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
         vc[rows, :, positions.long()] = v[:, :, 0]
-        attn = decode_attention_reference(q[:, :, 0], kc, vc, lengths, self.scale)  # [B, H, D]
+        # One query over the cached prefix, unmasked when every sequence has the same length
+        # (always, in the engine's calls), as 5.17's cached step; a mask otherwise.
+        L = int(lengths.max())
+        mask = None
+        if int(lengths.min()) != L:
+            mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
+        attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
         return self._attention_out(i, attn.reshape(B, 1, -1), gate)
 
     def _attention_out(self, i: int, attn, gate):
