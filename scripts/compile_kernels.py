@@ -564,7 +564,27 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         problems += _depth_check(drv, EngineDriver(model, next(folders), None), label, target)
                 progress(f"{label} {len(recorder.specs) - before} new specializations "
                          f"({time.perf_counter() - start:.1f} s)")
+        # Kernels written ahead of the engine's use of them (the Qwen3.5 GDN decode step),
+        # launched at the 4B's shapes so they compile with the platform's Triton too.
+        recorder.pdl = False
+        with recording(recorder, target):
+            for batch in (1, 16):
+                recorder.scenario = name = f"qwen3.5-4b gdn.decode_step B={batch} (not launched by the engine yet)"
+                try:
+                    _gdn_decode_step(batch)
+                except Exception as exc:
+                    problems.append(f"{name}: {type(exc).__name__}: {exc}")
     return list(recorder.specs.values()), problems
+
+
+def _gdn_decode_step(batch: int) -> None:
+    from fqkernels import gdn
+
+    qk = torch.empty((batch, 16, 128), dtype=torch.bfloat16, device=CUDA)
+    v = torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA)
+    g = torch.empty((batch, 32), dtype=torch.float32, device=CUDA)
+    state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
+    gdn.decode_step(qk, qk, v, g, g.to(torch.bfloat16), state)
 
 
 def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 CHUNK = 64
 EPS = 1e-6
@@ -145,3 +147,77 @@ def gated_rmsnorm_reference(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, e
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = w * xf.to(dtype)
     return (y * F.silu(z.to(torch.float32))).to(dtype)
+
+
+# ---------------------------------------------------------------------------------- kernels
+# The decode step of the rule as one Triton kernel (checked under the interpreter against
+# the references and the float64 oracle's gates, tests/kernels/test_gdn_kernels.py; its
+# GPU bits and speed are not measured yet, and the engine does not call it yet).
+
+
+@triton.jit
+def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
+                        stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_ob, stride_oh,
+                        stride_sb, stride_sh, stride_sk,
+                        HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (sequence, value head, BLOCK_V columns of the state). q/k head
+    hv // RATIO; q and k l2-normalized in fp32 over DK, q divided by sqrt(DK) (the
+    reference's recurrent form divides); S <- exp(g) S; u = beta (v - S^T k);
+    S <- S + k u^T; o = S^T q, rounded to bf16. S is read and written once, in place."""
+    pid = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_V
+    b = pid // HV
+    hv = pid % HV
+    hk = hv // RATIO
+    offs_k = tl.arange(0, DK)
+    offs_v = col0 + tl.arange(0, BLOCK_V)
+    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q / tl.sqrt_rn(DK * 1.0)
+    v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + offs_v).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + hv)
+    beta = tl.load(beta_ptr + b * stride_gb + hv).to(tl.float32)
+    s_ptrs = state_ptr + b * stride_sb + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s = tl.load(s_ptrs) * tl.exp(g)
+    u = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * u[None, :]
+    tl.store(s_ptrs, s)
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, o.to(tl.bfloat16))
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, block_v: int = 32) -> torch.Tensor:
+    """One token of the rule for every sequence: q, k [B, Hk, Dk] bf16 (the conv's output,
+    not normalized, heads not repeated), v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv]
+    bf16, state [B, Hv, Dk, Dv] fp32 (updated in place). Returns o [B, Hv, Dv] bf16."""
+    B, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if q.shape != k.shape or v.shape[0] != B or Hv % Hk:
+        raise ValueError(f"gdn.decode_step: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if state.dtype != torch.float32 or tuple(state.shape) != (B, Hv, Dk, Dv) or not state.is_contiguous():
+        raise ValueError(f"gdn.decode_step: state must be contiguous float32 {(B, Hv, Dk, Dv)}, "
+                         f"got {state.dtype} {tuple(state.shape)}")
+    if g.dtype != torch.float32 or tuple(g.shape) != (B, Hv) or tuple(beta.shape) != (B, Hv):
+        raise ValueError(f"gdn.decode_step: g must be float32 {(B, Hv)} and beta {(B, Hv)}, "
+                         f"got {g.dtype} {tuple(g.shape)} and {tuple(beta.shape)}")
+    if Dk & (Dk - 1) or Dv % block_v:
+        raise ValueError(f"gdn.decode_step: Dk must be a power of two and Dv a multiple of {block_v}")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    _decode_step_kernel[(B * Hv, Dv // block_v)](
+        q, k, v, g, beta, state, out, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        HV=Hv, RATIO=Hv // Hk, DK=Dk, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def decode_step_reference(q, k, v, g, beta, state):
+    """decode_step through the recurrent reference (heads repeated, T = 1); state updated in place."""
+    Hv = v.shape[1]
+    o, s = delta_rule_recurrent_reference(expand_heads(q[:, None], Hv), expand_heads(k[:, None], Hv), v[:, None],
+                                          g[:, None], beta[:, None], state=state)
+    state.copy_(s)
+    return o[:, 0]

@@ -1,0 +1,85 @@
+"""The Gated DeltaNet decode-step kernel (fqkernels/gdn.py, decode_step) against its torch
+reference and within the float64 oracle's error gates (tests/test_gdn.py) over many steps:
+under Triton's CPU interpreter (Triton >= 3.4) for the logic, on a GPU for the bits."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import gdn  # noqa: E402
+
+from test_gdn import GATE_OUT, GATE_STATE, inputs, oracle_recurrent, rel  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+
+
+@pytest.fixture(autouse=True)
+def bf16_rounding(monkeypatch):
+    """Triton 3.6's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even."""
+    if not INTERPRET:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def _steps(B, T, Hk, Hv, D, seed):
+    q, k, v, g, beta, s0 = inputs(B, T, Hk, Hv, D, seed=seed, state=True)
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("B,Hk,Hv,D", [(1, 2, 4, 32), (3, 2, 2, 64), (2, 1, 4, 128)])
+def test_decode_steps_track_the_reference_and_the_oracle(B, Hk, Hv, D):
+    T = 12
+    g_ = torch.Generator().manual_seed(D + B)
+    qk = [(torch.randn(B, T, Hk, D, generator=g_)).bfloat16() for _ in range(2)]
+    q, k = qk
+    _, _, v, g, beta, s0 = inputs(B, T, Hk, Hv, D, seed=D, state=True)
+    state_k = s0.clone().to(DEV)
+    state_r = s0.clone()
+    outs_k, outs_r = [], []
+    for t in range(T):
+        outs_k.append(gdn.decode_step(q[:, t].to(DEV), k[:, t].to(DEV), v[:, t].to(DEV), g[:, t].to(DEV),
+                                      beta[:, t].to(DEV), state_k).cpu())
+        outs_r.append(gdn.decode_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state_r))
+    o_k, o_r = torch.stack(outs_k, 1), torch.stack(outs_r, 1)
+    # the rule's float64 oracle over the same T steps from the same state
+    o64, s64 = oracle_recurrent(gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta, s0)
+    assert rel(o_k, o64) <= GATE_OUT and rel(state_k.cpu(), s64) <= GATE_STATE, (rel(o_k, o64), rel(state_k.cpu(), s64))
+    # and close to the reference: another fp32 summation order, bf16 outputs within an ulp
+    assert rel(state_k.cpu(), state_r) <= 1e-5
+    a, b = o_k.float(), o_r.float()
+    assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-12).all()
+
+
+def test_bad_shapes_are_named():
+    q = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
+    v = torch.zeros(1, 4, 32, dtype=torch.bfloat16)
+    g = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="state must be contiguous float32"):
+        gdn.decode_step(q, q, v, g, g.bfloat16(), torch.zeros(1, 4, 32, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="do not fit"):
+        gdn.decode_step(q, q, torch.zeros(1, 3, 32, dtype=torch.bfloat16), g, g, torch.zeros(1, 3, 32, 32))
