@@ -569,7 +569,7 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
         recorder.pdl = False
         with recording(recorder, target):
             for batch in (1, 16):
-                recorder.scenario = name = f"qwen3.5-4b gdn.decode_step B={batch} (not launched by the engine yet)"
+                recorder.scenario = name = f"qwen3.5-4b GDN decode B={batch} (not launched by the engine yet)"
                 try:
                     _gdn_decode_step(batch)
                 except Exception as exc:
@@ -585,6 +585,12 @@ def _gdn_decode_step(batch: int) -> None:
     g = torch.empty((batch, 32), dtype=torch.float32, device=CUDA)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn.decode_step(qk, qk, v, g, g.to(torch.bfloat16), state)
+    mixed = torch.empty((batch, 8192), dtype=torch.bfloat16, device=CUDA)
+    conv_state = torch.empty((batch, 8192, 4), dtype=torch.bfloat16, device=CUDA)
+    ab = torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA)
+    per_head = torch.empty(32, dtype=torch.bfloat16, device=CUDA)
+    gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), ab, ab,
+                        per_head, per_head)
 
 
 def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:

@@ -221,3 +221,66 @@ def decode_step_reference(q, k, v, g, beta, state):
                                           g[:, None], beta[:, None], state=state)
     state.copy_(s)
     return o[:, 0]
+
+
+@triton.jit
+def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
+                            g_ptr, beta_ptr, C, stride_mb, stride_sb, stride_sc, stride_xb, stride_ab,
+                            HV: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per (sequence, BLOCK_C channels): the conv's window is the state's last
+    W - 1 inputs and the new one; out = bf16(silu(bf16(sum_j w_j x_j))), the products summed
+    in fp32 in window order; the state shifts by one in place. Program (b, 0) also forms the
+    sequence's gates: beta = bf16(sigmoid(b)), g = -exp(A_log) * softplus(a + dt_bias) in fp32."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < C
+    new = tl.load(mixed_ptr + b * stride_mb + offs, mask=ok, other=0.0)
+    state = conv_state_ptr + b * stride_sb + offs * stride_sc
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W - 1):
+        xj = tl.load(state + j + 1, mask=ok, other=0.0)
+        acc += tl.load(conv_w_ptr + offs * W + j, mask=ok, other=0.0).to(tl.float32) * xj.to(tl.float32)
+        tl.store(state + j, xj, mask=ok)
+    acc += tl.load(conv_w_ptr + offs * W + W - 1, mask=ok, other=0.0).to(tl.float32) * new.to(tl.float32)
+    tl.store(state + W - 1, new, mask=ok)
+    conv = acc.to(tl.bfloat16).to(tl.float32)
+    tl.store(x_ptr + b * stride_xb + offs, (conv / (1.0 + tl.exp(-conv))).to(tl.bfloat16), mask=ok)
+    if tl.program_id(1) == 0:
+        h = tl.arange(0, HV)
+        bb = tl.load(b_ptr + b * stride_ab + h).to(tl.float32)
+        tl.store(beta_ptr + b * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(tl.bfloat16))
+        s = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+        softplus = tl.where(s > 20.0, s, tl.log(1.0 + tl.exp(tl.minimum(s, 20.0))))
+        tl.store(g_ptr + b * HV + h, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
+
+
+def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, block_c: int = 512):
+    """A decode step's conv (state updated in place) and gates: mixed [B, C] bf16 (in_proj_qkv's
+    output), conv_state [B, C, W] bf16, conv_w [C, W] bf16; a, b [B, Hv] bf16; a_log, dt_bias
+    [Hv] bf16. Returns (x [B, C] bf16, g [B, Hv] fp32, beta [B, Hv] bf16)."""
+    B, C = mixed.shape
+    Hv = a.shape[1]
+    W = conv_w.shape[1]
+    if tuple(conv_state.shape) != (B, C, W) or conv_state.stride(2) != 1 or tuple(conv_w.shape) != (C, W):
+        raise ValueError(f"gdn.conv_gates_step: conv_state {tuple(conv_state.shape)} and conv_w "
+                         f"{tuple(conv_w.shape)} do not fit mixed {tuple(mixed.shape)}")
+    if tuple(b.shape) != (B, Hv) or tuple(a_log.shape) != (Hv,) or tuple(dt_bias.shape) != (Hv,) or Hv & (Hv - 1):
+        raise ValueError(f"gdn.conv_gates_step: gates a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
+                         f"{tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} (heads a power of two)")
+    mixed, a, b, conv_w = (t.contiguous() for t in (mixed, a, b, conv_w))
+    x = torch.empty_like(mixed)
+    g = torch.empty((B, Hv), dtype=torch.float32, device=mixed.device)
+    beta = torch.empty((B, Hv), dtype=torch.bfloat16, device=mixed.device)
+    _conv_gates_step_kernel[(B, triton.cdiv(C, block_c))](
+        mixed, conv_state, conv_w, x, a, b, a_log, dt_bias, g, beta, C, mixed.stride(0), conv_state.stride(0),
+        conv_state.stride(1), x.stride(0), a.stride(0), HV=Hv, W=W, BLOCK_C=block_c, num_warps=4)
+    return x, g, beta
+
+
+def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
+    """conv_gates_step through the references (conv_state updated in place)."""
+    x, new_state = causal_conv_reference(mixed[:, :, None], conv_w, conv_state)
+    conv_state.copy_(new_state)
+    g, beta = gates_reference(a, b, a_log, dt_bias)
+    return x[:, :, 0], g, beta

@@ -83,3 +83,29 @@ def test_bad_shapes_are_named():
         gdn.decode_step(q, q, v, g, g.bfloat16(), torch.zeros(1, 4, 32, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="do not fit"):
         gdn.decode_step(q, q, torch.zeros(1, 3, 32, dtype=torch.bfloat16), g, g, torch.zeros(1, 3, 32, 32))
+
+
+@pytest.mark.parametrize("B,C,Hv", [(1, 320, 4), (3, 8192, 32)])
+def test_conv_gates_step_is_the_reference(B, C, Hv):
+    """Several steps: the state shifts as the reference's; outputs within one bf16 ulp (the
+    four products' fp32 sum may round differently), g within fp32 rounding, beta within an ulp."""
+    g_ = torch.Generator().manual_seed(C)
+    w = (torch.randn(C, 4, generator=g_) * 0.5).bfloat16()
+    a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16()
+    dt_bias = (torch.rand(Hv, generator=g_) * 2).bfloat16()
+    st_k = torch.randn(B, C, 4, generator=g_).bfloat16()
+    st_r = st_k.clone()
+    st_k = st_k.to(DEV)
+    for step in range(5):
+        mixed = torch.randn(B, C, generator=g_).bfloat16()
+        # the last step's large a reaches softplus's linear branch (past 20), where exp would overflow past 88
+        a = (torch.randn(B, Hv, generator=g_) * (100 if step == 4 else 1)).bfloat16()
+        b = torch.randn(B, Hv, generator=g_).bfloat16()
+        xk, gk, bk = gdn.conv_gates_step(mixed.to(DEV), st_k, w.to(DEV), a.to(DEV), b.to(DEV), a_log.to(DEV),
+                                         dt_bias.to(DEV))
+        xr, gr, br = gdn.conv_gates_step_reference(mixed, st_r, w, a, b, a_log, dt_bias)
+        assert torch.equal(st_k.cpu(), st_r)
+        for got, want in ((xk.cpu(), xr), (bk.cpu(), br)):
+            d, m = (got.float() - want.float()).abs(), torch.maximum(got.float().abs(), want.float().abs())
+            assert (d <= m * 2.0 ** -7 + 1e-30).all() and (d > 0).float().mean() < 0.01
+        assert rel(gk.cpu(), gr) <= 1e-6
