@@ -23,8 +23,9 @@ from test_gdn import GATE_OUT, GATE_STATE, inputs, oracle_recurrent, rel  # noqa
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+pytestmark = [pytest.mark.gpu,   # selected by the GPU sessions' `-m gpu`; also runs under the interpreter
+              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
 
 
 @pytest.fixture(autouse=True)
