@@ -53,6 +53,8 @@
 #                 and with one-split attention
 #   opswap-b4     /tmp/q4b_hf, the fidelity set's (16, 1024, 192), (16, 512, 128) and (4, 2048, 160): the engine,
 #                 with the tl.sum norm kernel and with torch's norms
+#   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
+#                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -142,6 +144,14 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     opswap-b4) timeout 240 python3 scripts/gpu_opswap.py --model /tmp/q4b_hf --shapes 16x1024x192,16x512x128,4x2048x160 \
                  --variants engine,engine_tl_sum_norm,engine_torch_norms \
                  --out "$OUT/opswap_b4.json" 2>&1 | grep -v Warn | tail -24 ;;
+    judge-q35) # Qwen3.5-4B (synth) in public mode: native and the replay on the machine's own Transformers
+               # 5.17 (its site-packages first on PYTHONPATH, through fastqwen/refenv.py), the engine eager.
+               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
+                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                 --out /tmp/q35_4b 2>&1 | tail -1
+               timeout 560 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_q35.json" \
+                 --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
