@@ -591,6 +591,8 @@ def _gdn_decode_step(batch: int) -> None:
     per_head = torch.empty(32, dtype=torch.bfloat16, device=CUDA)
     gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), ab, ab,
                         per_head, per_head)
+    rows = torch.empty((batch * 32, 128), dtype=torch.bfloat16, device=CUDA)
+    gdn.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
 
 
 def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fqkernels.rmsnorm import _inverse, _lane_sum, torch_order
+
 CHUNK = 64
 EPS = 1e-6
 
@@ -284,3 +286,38 @@ def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
     conv_state.copy_(new_state)
     g, beta = gates_reference(a, b, a_log, dt_bias)
     return x[:, :, 0], g, beta
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_n, eps, D: tl.constexpr, VEC: tl.constexpr,
+                          HALVES: tl.constexpr):
+    """One program per row of D = 128 values: the mean of squares summed in torch's own order
+    for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the lane
+    tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, D)
+    x = tl.load(x_ptr + row * D + offs).to(tl.float32)
+    sq = x * x
+    if VEC:
+        lanes = tl.reshape(sq, (32, 4))
+    else:
+        lanes = tl.permute(tl.reshape(sq, (4, 32)), (1, 0))
+    mean = _lane_sum(lanes, HALVES) * inv_n
+    y = (x * tl.rsqrt(mean + eps)).to(tl.bfloat16)
+    wy = (tl.load(w_ptr + offs).to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
+    z = tl.load(z_ptr + row * D + offs).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, (wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16))
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """gated_rmsnorm_reference as one kernel for heads of 128: x, z [R, 128] bf16, w [128] bf16."""
+    R, D = x.shape
+    if D != 128 or tuple(z.shape) != (R, D) or tuple(w.shape) != (D,):
+        raise ValueError(f"gdn.gated_rmsnorm: x {tuple(x.shape)}, z {tuple(z.shape)}, w {tuple(w.shape)}: "
+                         "rows of 128 (the 4B's value head) with one weight per column")
+    x, z = x.contiguous(), z.contiguous()
+    out = torch.empty_like(x)
+    vec, halves, _ = torch_order(D, x.device)
+    _gated_rmsnorm_kernel[(R,)](x, z, w, out, _inverse(D), eps, D=D, VEC=vec, HALVES=halves, num_warps=1,
+                                enable_fp_fusion=False)
+    return out
