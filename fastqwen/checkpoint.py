@@ -13,6 +13,7 @@ import pathlib
 import struct
 
 from fastqwen.errors import UserError
+from fastqwen.refenv import QWEN35_MODEL_TYPES
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -114,7 +115,6 @@ def read_config(model_dir: str | pathlib.Path) -> dict:
     return out
 
 
-QWEN35_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
 QWEN35_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim")

@@ -154,10 +154,6 @@ def build_settings(args: argparse.Namespace) -> "JudgeSettings":
         model_dir = default_model()
         config = read_config(model_dir)
     workloads = load_workloads(args.workloads, config.get("max_position_embeddings"))
-    from fastqwen.checkpoint import QWEN35_MODEL_TYPES
-    from fastqwen.judge.runner import NATIVE_ENGINE_DIR, NATIVE_QWEN35_DIR
-
-    native_dir = NATIVE_QWEN35_DIR if config.get("model_type") in QWEN35_MODEL_TYPES else NATIVE_ENGINE_DIR
     samples = args.samples if args.samples is not None else (OFFICIAL_SAMPLES if args.official else PUBLIC_SAMPLES)
     out = args.out
     return JudgeSettings(
@@ -172,7 +168,6 @@ def build_settings(args: argparse.Namespace) -> "JudgeSettings":
         sample_timeout_s=args.sample_timeout,
         memory_limit_gib=args.memory_limit_gib,
         native=not args.no_native,
-        native_dir=native_dir,
         baseline_dir=baseline_dir,
         seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**31),
         log_dir=out.parent / f"{out.stem}_logs",

@@ -65,25 +65,13 @@ def summarize_side(slacks: list, agrees: list, violations: list[dict], sequences
 
 
 def replay(model_dir: str, items: list[dict], device: str, progress=None) -> dict:
-    import json
-    import os
-
     import torch
 
+    from fastqwen.native_engine.engine import load_model
     from fastqwen.numerics import pin_reference_numerics
 
     pin_reference_numerics()  # the platform's: no TF32, flash attention (not cuDNN's)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type in ("qwen3_5_text", "qwen3_5"):  # Transformers 5.17.0 (the judge's .venv-qwen35)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-    else:
-        from transformers import Qwen3ForCausalLM
-
-        model = Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    model = model.to(device).eval()
+    model = load_model(model_dir).to(device).eval()
     vocab = model.config.vocab_size
 
     slacks: dict[str, list] = {}

@@ -32,7 +32,9 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape | HybridShape":
-        if cfg.get("model_type") in ("qwen3_5_text", "qwen3_5"):
+        from fastqwen.refenv import QWEN35_MODEL_TYPES
+
+        if cfg.get("model_type") in QWEN35_MODEL_TYPES:
             return HybridShape.from_config(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

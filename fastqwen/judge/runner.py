@@ -33,7 +33,6 @@ from fastqwen.judge.workloads import Workload, WorkloadSet
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the fastqwen package
 NATIVE_ENGINE_DIR = Path(__file__).resolve().parents[1] / "native_engine"
-NATIVE_QWEN35_DIR = Path(__file__).resolve().parents[1] / "native_engine_qwen35"
 PROBE_TIMEOUT_S = 300.0
 
 
