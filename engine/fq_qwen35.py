@@ -125,7 +125,7 @@ def load_weights(model_dir: str, cfg: Qwen35Config, device: torch.device) -> dic
     for fname in files:
         with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
             for name in f.keys():
-                if name.startswith(_SKIPPED) or name.startswith(_WRAPPED.replace("language_model.", "visual.")):
+                if name.startswith(_SKIPPED):
                     skipped += 1
                     continue
                 key = "model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name
@@ -171,8 +171,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Qwen35Model:
     def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device):
         self.cfg, self.w, self.device = cfg, weights, device
-        self.attn_layers = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
-        self.gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        # layer index -> its slot in the attention layers' KV cache, or in the GDN layers' states
+        self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
+        self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
         self.scale = cfg.head_dim ** -0.5
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
@@ -195,20 +196,20 @@ class Qwen35Model:
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         c = self.cfg
-        kv = 2 * len(self.attn_layers) * batch * c.kv_size * capacity * 2
-        states = len(self.gdn_layers) * batch * (c.conv_dim * c.conv_width * 2
+        kv = 2 * len(self.attn_slot) * batch * c.kv_size * capacity * 2
+        states = len(self.gdn_slot) * batch * (c.conv_dim * c.conv_width * 2
                                                  + c.linear_v_heads * c.linear_k_dim * c.linear_v_dim * 4)
         return kv + states
 
     def allocate_cache(self, batch: int, capacity: int) -> None:
         c, dev = self.cfg, self.device
         self.k_cache = self.v_cache = self.conv_state = self.state = None
-        shape = (len(self.attn_layers), batch, c.num_kv_heads, capacity, c.head_dim)
+        shape = (len(self.attn_slot), batch, c.num_kv_heads, capacity, c.head_dim)
         self.k_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
         self.v_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
-        self.conv_state = torch.zeros((len(self.gdn_layers), batch, c.conv_dim, c.conv_width),
+        self.conv_state = torch.zeros((len(self.gdn_slot), batch, c.conv_dim, c.conv_width),
                                       dtype=torch.bfloat16, device=dev)
-        self.state = torch.zeros((len(self.gdn_layers), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
+        self.state = torch.zeros((len(self.gdn_slot), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
                                  dtype=torch.float32, device=dev)
 
     # ---- forward passes ------------------------------------------------------------
@@ -217,18 +218,10 @@ class Qwen35Model:
 
     def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache."""
-        B, S = ids.shape
-        x = self.w["model.embed_tokens.weight"][ids]                      # [B, S, hidden]
+        S = ids.shape[1]
         cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
-        for i in range(self.cfg.num_layers):
-            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps)
-            if i in self.gdn_layers:
-                h = self._gdn(i, h, prompt=True)
-            else:
-                h = self._attention_prefill(i, h, cos, sin)
-            x = x + h
-            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
-                                       self.cfg.rms_norm_eps))
+        x = self._layers(self.w["model.embed_tokens.weight"][ids], True,   # [B, S, hidden]
+                         lambda i, h: self._attention_prefill(i, h, cos, sin))
         return self._logits(x[:, -1])
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -239,19 +232,20 @@ class Qwen35Model:
         return out
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        B = tokens.shape[0]
-        x = self.w["model.embed_tokens.weight"][tokens].unsqueeze(1)      # [B, 1, hidden]
         cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        for i in range(self.cfg.num_layers):
-            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps)
-            if i in self.gdn_layers:
-                h = self._gdn(i, h, prompt=False)
-            else:
-                h = self._attention_step(i, h, cos, sin, positions, lengths)
-            x = x + h
-            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
-                                       self.cfg.rms_norm_eps))
+        x = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), False,  # [B, 1, hidden]
+                         lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
         return self._logits(x[:, 0])
+
+    def _layers(self, x: torch.Tensor, prompt: bool, attention) -> torch.Tensor:
+        """Every decoder layer over x: the GDN mixer (chunked over a prompt, one step in decode)
+        or attention(i, h), then the MLP, each behind its (1 + w) norm, adds in BF16."""
+        eps = self.cfg.rms_norm_eps
+        for i in range(self.cfg.num_layers):
+            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], eps)
+            x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
+            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"], eps))
+        return x
 
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,7 +271,7 @@ class Qwen35Model:
     def _attention_prefill(self, i: int, h, cos, sin):
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
-        slot = self.attn_layers.index(i)
+        slot = self.attn_slot[i]
         self.k_cache[slot, :, :, :S], self.v_cache[slot, :, :, :S] = k, v
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
@@ -287,7 +281,7 @@ class Qwen35Model:
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
-        slot = self.attn_layers.index(i)
+        slot = self.attn_slot[i]
         kc, vc = self.k_cache[slot], self.v_cache[slot]
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
@@ -308,7 +302,7 @@ class Qwen35Model:
     def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
-        slot = self.gdn_layers.index(i)
+        slot = self.gdn_slot[i]
         mixed = F.linear(h, self.w[p + "in_proj_qkv.weight"]).transpose(1, 2)      # [B, conv_dim, T]
         z = F.linear(h, self.w[p + "in_proj_z.weight"]).reshape(B, T, -1, c.linear_v_dim)
         b = F.linear(h, self.w[p + "in_proj_b.weight"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 import triton
@@ -29,27 +28,8 @@ pytestmark = [pytest.mark.gpu,   # selected by the GPU sessions' `-m gpu`; also 
 
 
 @pytest.fixture(autouse=True)
-def bf16_rounding(monkeypatch):
-    """Triton 3.6's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even."""
-    if not INTERPRET:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-
-
-def _steps(B, T, Hk, Hv, D, seed):
-    q, k, v, g, beta, s0 = inputs(B, T, Hk, Hv, D, seed=seed, state=True)
-    return q, k, v, g, beta, s0
+def _bf16_rounding(interpreter_bf16_rounding):
+    """tests/kernels/conftest.py: under the interpreter, fp32 -> bf16 rounds as on the GPU."""
 
 
 @pytest.mark.parametrize("B,Hk,Hv,D", [(1, 2, 4, 32), (3, 2, 2, 64), (2, 1, 4, 128)])

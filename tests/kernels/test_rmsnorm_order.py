@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 import triton
@@ -67,23 +66,6 @@ def test_order_matters():
     sequential = x.float().square().cumsum(-1)[:, -1] * (torch.tensor(1.0) / 2560)
     assert not torch.equal(ours, exact) and not torch.equal(ours, sequential)
     assert not torch.equal(ours, rn.mean_of_squares_torch_order(x, halves=False))
-
-
-@pytest.fixture
-def interpreter_bf16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.6's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original_cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original_cast(self, src, dst_type)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
 
 
 def _expected(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
