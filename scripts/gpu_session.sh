@@ -56,6 +56,9 @@
 #   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
+#   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
+#                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
+#   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
 #                 carried), alternating twice on the same GPU
@@ -154,6 +157,10 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;
+    gemm-inorder) timeout 400 python3 scripts/gpu_gemm_inorder.py --out "$OUT/gemm_inorder.json" 2>&1 \
+                    | grep -v Warn | tail -14 ;;
+    kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
+                    | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
                   | grep -v Warn | tail -8 ;;
     speed-ab) for rep in 1 2; do

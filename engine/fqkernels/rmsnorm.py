@@ -40,7 +40,9 @@ change that closed it (results/h200-2026-11-30/session5 and session6). It costs 
 measurable per decode step (session 6). The torch-order kernel compiles without FMA
 contraction (enable_fp_fusion=False) so that the mean times 1/N and the + eps stay two
 roundings, as in the reference. FASTQWEN_TORCH_ORDER_NORM=0 selects the tl.sum kernel
-(the engine's norm before session 6), which also serves rows wider than 64 x 128.
+(the engine's norm before session 6), which also serves rows wider than 64 x 128 and any
+width whose torch order is none of the kernel's (on torch 2.11 none matches at 8,192,
+session 7's GPU tests; no Qwen3 norm is that wide).
 """
 import functools
 import os
@@ -297,6 +299,12 @@ def torch_order(n: int, device: torch.device) -> tuple[bool, bool, bool]:
     return _ORDERS[key]
 
 
+def _no_order_to_measure(device: torch.device) -> bool:
+    """Compiling without a GPU, or running under the interpreter on the CPU: torch_order
+    cannot say what the GPU's torch does, and the torch-order kernel is the one to build."""
+    return device.type != "cuda" or not torch.cuda.is_available()
+
+
 def _check(name: str, t: torch.Tensor, ndim: int) -> None:
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
@@ -339,8 +347,13 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
                table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
                  num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
+    # The torch-order kernel where this torch's order at width N is one it implements
+    # (torch_order found it), or when asked for its statistics; else the tl.sum kernel.
+    use_torch_order = stats is not None
     if (TORCH_ORDER or stats is not None) and N <= TORCH_ORDER_MAX_N:
-        vec, halves, _ = torch_order(N, x.device)
+        vec, halves, matched = torch_order(N, x.device)
+        use_torch_order = use_torch_order or matched or _no_order_to_measure(x.device)
+    if use_torch_order:
         _rmsnorm_torch_order_kernel[(M,)](*rows, stats if stats is not None else x, _inverse(N), eps, *strides,
                                           N=N, VEC=vec, HALVES=halves, STATS=stats is not None,
                                           enable_fp_fusion=False, **flags)
@@ -386,6 +399,9 @@ def torch_order_mean_of_squares(x: torch.Tensor, r: torch.Tensor = None, partial
     tests: the outputs alone rarely show a one-ulp difference in it."""
     if x.shape[1] > TORCH_ORDER_MAX_N:
         raise ValueError(f"the torch-order kernel takes rows up to {TORCH_ORDER_MAX_N} wide, got {x.shape[1]}")
+    if not (torch_order(x.shape[1], x.device)[2] or _no_order_to_measure(x.device)):
+        raise ValueError(f"torch {torch.__version__} sums rows of width {x.shape[1]} in an order the torch-order "
+                         "kernel does not implement (the norms use the tl.sum kernel there)")
     stats = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     w = torch.ones(x.shape[1], dtype=torch.bfloat16, device=x.device)
     _launch(x.clone(), r, w, 1e-6, None, partials=partials, stats=stats)

@@ -106,7 +106,7 @@ def test_gemv_partials_into_add_rmsnorm_equal_gemv_then_add_rmsnorm(name, n, k, 
 
 
 @pytest.mark.parametrize("rows", [16, 64, 2048])
-@pytest.mark.parametrize("n", [2560, 4096, 1024, 1000, 128, 64])
+@pytest.mark.parametrize("n", [2560, 4096, 5120, 1024, 1000, 128, 64])
 def test_torch_order_is_found_and_holds(rows, n):
     """The premise of the norm kernel: one of its summation orders is this torch's own
     x.pow(2).mean(-1) over 16 rows or more, bit for bit, on fresh rows."""
@@ -154,12 +154,41 @@ def test_torch_order_kernel_mean_is_torchs(rows, n):
     x = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
     r = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
     parts = torch.randn(3, pad, n, device=DEV) * 3
+    if not rn.torch_order(n, DEV)[2]:
+        # This torch sums width n in an order the kernel does not implement: the kernel
+        # refuses to report a "torch order" there (the norms use the tl.sum kernel).
+        with pytest.raises(ValueError, match=f"width {n}"):
+            rn.torch_order_mean_of_squares(x[:rows])
+        return
     assert torch.equal(rn.torch_order_mean_of_squares(x[:rows]), x.float().pow(2).mean(-1)[:rows])
     s = (x.float() + r.float()).bfloat16()
     assert torch.equal(rn.torch_order_mean_of_squares(x[:rows], r[:rows]), s.float().pow(2).mean(-1)[:rows])
     s = (x.float() + (parts[0] + parts[1] + parts[2]).bfloat16().float()).bfloat16()
     got = rn.torch_order_mean_of_squares(x[:rows], parts[:, :rows].contiguous(), partials=True)
     assert torch.equal(got, s.float().pow(2).mean(-1)[:rows])
+
+
+def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch):
+    """Where torch_order finds no match (a width torch sums some other way), the norms run
+    the tl.sum kernel rather than a torch order that is not torch's."""
+    import fqkernels.rmsnorm as rn
+
+    monkeypatch.setattr(rn, "TORCH_ORDER", True)
+    n = 384
+    x = (torch.randn(16, n, device=DEV) * 4).bfloat16()
+    w = torch.randn(n, device=DEV).bfloat16()
+    monkeypatch.setattr(rn, "_no_order_to_measure", lambda device: False)
+    monkeypatch.setitem(rn._ORDERS, (n, str(x.device)), (True, True, False))
+    calls = []
+    real = rn._rmsnorm_kernel
+    monkeypatch.setattr(rn, "_rmsnorm_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+    rmsnorm(x, w, 1e-6)
+    assert calls, "the tl.sum kernel was not launched for a width without a torch order"
+    monkeypatch.setitem(rn._ORDERS, (n, str(x.device)), (True, True, True))
+    calls.clear()
+    rmsnorm(x, w, 1e-6)
+    assert not calls
 
 
 def test_add_rmsnorm_partials_bad_shape_names_partials():
