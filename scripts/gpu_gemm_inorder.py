@@ -42,7 +42,9 @@ MATRICES = [("o", 2560, 4096), ("down", 2560, 9728)]
 G = gemv.GemvConfig
 
 
-def candidates(k: int) -> dict:
+def candidates(k: int, which: str) -> dict:
+    if which == "deep":
+        return deep_candidates()
     out = {}
     for bk in (128, 256):
         for st in (3, 4, 6):
@@ -58,10 +60,26 @@ def candidates(k: int) -> dict:
     return out
 
 
+def deep_candidates() -> dict:
+    """Round 2 (after round 1 showed every in-order config exact and the fastest limited by
+    the bytes each program keeps in flight): deeper pipelines and more warps."""
+    out = {}
+    for mode, bm, bn, bk, stages in (("dot", 16, 32, 256, (6, 7, 8)), ("dot", 16, 32, 128, (8, 10, 12)),
+                                     ("dot", 16, 32, 512, (3, 4)), ("dot_t", 16, 64, 128, (6, 7, 8, 10)),
+                                     ("dot_t", 16, 32, 256, (6, 8)), ("dot_t", 16, 32, 128, (8, 12)),
+                                     ("dot", 32, 32, 256, (6,))):
+        for st in stages:
+            for nw in (4, 8):
+                out[f"{mode}/m{bm}/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
+                                                                 num_warps=nw, mode=mode, block_m=bm)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="4,8,16,32,64")
+    ap.add_argument("--rows", default="4,8,16,32,64")  # round 2: --rows 4,16
     ap.add_argument("--big", type=int, default=2048, help="rows of the large (full forward) product")
+    ap.add_argument("--set", default="wide", choices=("wide", "deep"), help="candidate configs: round 1 or 2")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_inorder.json"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -76,7 +94,7 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             x = x_big[:rows].contiguous()
             want = full[:rows]
-            variants = {"table": gemv.select_config(n, k, False, rows), **candidates(k)}
+            variants = {"table": gemv.select_config(n, k, False, rows), **candidates(k, args.set)}
             res = {"matrix": name, "N": n, "K": k, "rows": rows, "variants": {}}
             got = F.linear(x, weights[0])
             res["variants"]["cublas"] = {"equal_frac": (got == want).float().mean().item(),
