@@ -59,6 +59,7 @@
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
 #   gemm-inorder2 the same with deeper pipelines and 8 warps, at 4 and 16 rows
+#   kernels-gemv  the GEMV kernel tests alone, every failure listed
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -162,6 +163,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                     | grep -v Warn | tail -14 ;;
     gemm-inorder2) timeout 400 python3 scripts/gpu_gemm_inorder.py --set deep --rows 4,16 \
                      --out "$OUT/gemm_inorder2.json" 2>&1 | grep -v Warn | tail -14 ;;
+    kernels-gemv) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_gemv.py 2>&1 \
+                    | tail -30 | tee "$OUT/pytest_gemv.log" ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
