@@ -60,6 +60,8 @@
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
 #   gemm-inorder2 the same with deeper pipelines and 8 warps, at 4 and 16 rows
 #   kernels-gemv  the GEMV kernel tests alone, every failure listed
+#   decode-bits-a/-b  where a decode step leaves the full forward's bits, layer by layer and per op
+#                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -165,6 +167,10 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                      --out "$OUT/gemm_inorder2.json" 2>&1 | grep -v Warn | tail -14 ;;
     kernels-gemv) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_gemv.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_gemv.log" ;;
+    decode-bits-a) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,64 \
+                     --out "$OUT/decode_bits_a.json" 2>&1 | grep -v Warn | tail -24 ;;
+    decode-bits-b) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b_hf --batches 16,4,32 \
+                     --out "$OUT/decode_bits_b.json" 2>&1 | grep -v Warn | tail -24 ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
