@@ -62,6 +62,8 @@
 #   kernels-gemv  the GEMV kernel tests alone, every failure listed
 #   decode-bits-a/-b  where a decode step leaves the full forward's bits, layer by layer and per op
 #                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
+#   attn-bits     which one-split arithmetic gives flash's decode bits (scripts/gpu_attn_bits.py)
+#   decode-bits-e gpu_decode_bits.py for the engine as it is (and SDPA attention), /tmp/q4b
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -171,6 +173,9 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                      --out "$OUT/decode_bits_a.json" 2>&1 | grep -v Warn | tail -24 ;;
     decode-bits-b) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b_hf --batches 16,4,32 \
                      --out "$OUT/decode_bits_b.json" 2>&1 | grep -v Warn | tail -24 ;;
+    attn-bits) timeout 300 python3 scripts/gpu_attn_bits.py --out "$OUT/attn_bits.json" 2>&1 | grep -v Warn | tail -16 ;;
+    decode-bits-e) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,32 \
+                     --variants engine,engine_sdpa_attention --out "$OUT/decode_bits_e.json" 2>&1 | grep -v Warn | tail -8 ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \

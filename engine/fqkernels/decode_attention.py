@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import pdl
+from fqkernels.rmsnorm import _seq16
 
 __all__ = [
     "DecodeAttentionPlan",
@@ -57,6 +58,18 @@ __all__ = [
 
 # Scores are turned into exp2 arguments: exp(x) == exp2(x * log2(e)).
 _LOG2E = 1.4426950408889634
+
+# One split's arithmetic (the "FA2" path, session 7). Flash attention's forward keeps the
+# scores unscaled and exponentiates exp2(s * c - m * c) with one FMA (c = scale * log2 e,
+# computed from the fp32 scale), rescales by exp2((m_old - m_new) * c), accumulates P @ V
+# into the rescaled accumulator, keeps each row's sum as four per-thread partials (a quad of
+# lanes, each summing its 16 of a tile's 64 columns in order) that are added at the end as
+# (t0 + t2) + (t1 + t3), and multiplies by the reciprocal of the sum. Knobs for
+# scripts/gpu_attn_bits.py, which finds the combination that gives flash's bits:
+FA2 = True              # the path above where one split runs (else the older arithmetic)
+FA2_RECIP = 0           # 1 / sum: 0 Triton's division, 1 IEEE (div_rn), 2 rcp.approx.ftz
+FA2_EXP_FTZ = False     # exp2 as ex2.approx.ftz (fast-math CUDA) instead of Triton's ex2.approx
+FA2_SCALE_F32 = True    # c from the scale rounded to fp32 first, as flash's float softmax_scale
 
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
@@ -166,6 +179,7 @@ def _split_kernel(
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, PDL: tl.constexpr = False,
+    FA2_PATH: tl.constexpr = False, RECIP: tl.constexpr = 0, EXP_FTZ: tl.constexpr = False,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -195,60 +209,123 @@ def _split_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
+    if FA2_PATH:
+        _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
+                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, RECIP, EXP_FTZ)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+        if FLASH_ORDER:
+            # Start every split from the running max that flash attention's forward (the
+            # reference's full forward) has after its first tile: that of the last
+            # BLOCK_N-aligned tile, holding the newest positions. The bf16 rounding of
+            # P then happens at the same scale as there for most tiles (module doc).
+            last = ((length - 1) // BLOCK_N) * BLOCK_N
+            pos = last + offs_n
+            pos_ok = (pos < length) & (pos >= first)
+            k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+            m_i = tl.max(s, axis=1)
+
+        # An empty slice (lo >= hi: past the length, or before the window) runs no
+        # iteration and leaves a partial with acc 0 and l 0 that the merge weighs as zero.
+        n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+        for t in range(0, n_tiles):
+            if FLASH_ORDER:
+                start = lo + (n_tiles - 1 - t) * BLOCK_N   # newest tile first, as flash attention walks
+            else:
+                start = lo + t * BLOCK_N
+            pos = start + offs_n
+            pos_ok = (pos < hi) & (pos >= first)
+            # Masked loads: positions past lengths[b] may hold stale or garbage K/V
+            # (even NaN), which must not reach the sums, not even as 0 * NaN.
+            k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+            s = tl.where(pos_ok[None, :], s, float("-inf"))
+            # Every tile holds at least one valid position (lo is the window's first
+            # tile or later, and a split's bounds are whole tiles), so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # P is rounded to bf16 before P @ V, as the reference and flash attention do.
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+            m_i = m_new
+        pdl.launch_dependents(PDL)
+
+        if DIRECT:
+            # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
+            denom = tl.where(l_i > 0.0, l_i, 1.0)
+            o = acc / denom[:, None]
+            o_base = out_ptr + b.to(tl.int64) * stride_ob + h0 * stride_oh
+            tl.store(o_base + offs_g[:, None] * stride_oh + offs_d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+        else:
+            # Workspace layout: acc [B, H, NUM_SPLITS, D], m and l [B, H, NUM_SPLITS], contiguous.
+            row = (b * KVH * G + h0 + offs_g).to(tl.int64) * NUM_SPLITS + split
+            tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(m_ptr + row, m_i, mask=row_ok)
+            tl.store(l_ptr + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _exp2(x, FTZ: tl.constexpr):
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.exp2(x)
+
+
+@triton.jit
+def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
+                     length, first, qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_G: tl.constexpr, PDL: tl.constexpr, RECIP: tl.constexpr, EXP_FTZ: tl.constexpr):
+    """One split over positions [first, length), newest tile first, in flash attention's
+    arithmetic (the FA2 note at the top of the module); writes the bf16 output rows."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_g < G
+    last = ((length - 1) // BLOCK_N) * BLOCK_N
+    lo = (first // BLOCK_N) * BLOCK_N
+    n_tiles = tl.cdiv(length - lo, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    part = tl.zeros([BLOCK_G * 4], dtype=tl.float32)     # the four lanes' partial row sums
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    if FLASH_ORDER:
-        # Start every split from the running max that flash attention's forward (the
-        # reference's full forward) has after its first tile: that of the last
-        # BLOCK_N-aligned tile, holding the newest positions. The bf16 rounding of
-        # P then happens at the same scale as there for most tiles (module doc).
-        last = ((length - 1) // BLOCK_N) * BLOCK_N
-        pos = last + offs_n
+    for t in range(0, n_tiles):
+        pos = last - t * BLOCK_N + offs_n
         pos_ok = (pos < length) & (pos >= first)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        m_i = tl.max(s, axis=1)
-
-    # An empty slice (lo >= hi: past the length, or before the window) runs no
-    # iteration and leaves a partial with acc 0 and l 0 that the merge weighs as zero.
-    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
-    for t in range(0, n_tiles):
-        if FLASH_ORDER:
-            start = lo + (n_tiles - 1 - t) * BLOCK_N   # newest tile first, as flash attention walks
-        else:
-            start = lo + t * BLOCK_N
-        pos = start + offs_n
-        pos_ok = (pos < hi) & (pos >= first)
-        # Masked loads: positions past lengths[b] may hold stale or garbage K/V
-        # (even NaN), which must not reach the sums, not even as 0 * NaN.
-        k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        # Every tile holds at least one valid position (lo is the window's first
-        # tile or later, and a split's bounds are whole tiles), so m_new is finite.
+        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))   # unscaled fp32 scores
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # P is rounded to bf16 before P @ V, as the reference and flash attention do.
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        # First tile: m_i = -inf; flash takes no rescale there (alpha is then unused: part and acc are 0).
+        alpha = tl.where(m_i == float("-inf"), 1.0, _exp2((m_i - m_new) * qk_scale, EXP_FTZ))
+        max_scaled = m_new * qk_scale
+        p = _exp2(tl.math.fma(s, qk_scale, -max_scaled[:, None]), EXP_FTZ)
+        # Column 8 j + 2 u + e of the tile belongs to lane u of the row's quad, which adds its
+        # values in the order (j, e): regroup to [rows x 4 lanes, 16] and add left to right.
+        cols = tl.reshape(tl.permute(tl.reshape(p, (BLOCK_G, BLOCK_N // 8, 4, 2)), (0, 2, 1, 3)),
+                          (BLOCK_G * 4, BLOCK_N // 4))
+        part = _seq16(part * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, 4)), (BLOCK_G * 4,)), cols)
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         m_i = m_new
     pdl.launch_dependents(PDL)
-
-    if DIRECT:
-        # A zero-length sequence has l == 0: write zeros (what an empty softmax @ V gives), not NaN.
-        denom = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / denom[:, None]
-        o_base = out_ptr + b.to(tl.int64) * stride_ob + h0 * stride_oh
-        tl.store(o_base + offs_g[:, None] * stride_oh + offs_d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+    # (t0 + t2) + (t1 + t3): the quad's butterfly, lane offset 2 then 1.
+    quad = tl.reshape(part, (BLOCK_G, 2, 2))
+    l_i = tl.sum(tl.sum(quad, axis=1), axis=1)
+    if RECIP == 1:
+        inv = tl.math.div_rn(tl.full([BLOCK_G], 1.0, tl.float32), l_i)
+    elif RECIP == 2:
+        inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
+                                        is_pure=True, pack=1)
     else:
-        # Workspace layout: acc [B, H, NUM_SPLITS, D], m and l [B, H, NUM_SPLITS], contiguous.
-        row = (b * KVH * G + h0 + offs_g).to(tl.int64) * NUM_SPLITS + split
-        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(m_ptr + row, m_i, mask=row_ok)
-        tl.store(l_ptr + row, l_i, mask=row_ok)
+        inv = 1.0 / l_i
+    inv = tl.where((l_i == 0.0) | (l_i != l_i), 1.0, inv)
+    o = acc * inv[:, None]
+    o_base = out_ptr + b.to(tl.int64) * stride_ob + h0 * stride_oh
+    tl.store(o_base + offs_g[:, None] * stride_oh + offs_d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -447,10 +524,12 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group = heads // kv_heads
-    qk_scale = float(scale) * _LOG2E
     direct = plan.num_splits == 1
     if flash_order is None:
         flash_order = direct
+    fa2 = FA2 and direct and flash_order and plan.block_n == 64
+    # flash's softmax_scale is a float: c = float(float(scale) * log2 e) there.
+    qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 and FA2_SCALE_F32 else float(scale)) * _LOG2E
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
         acc_ws, m_ws, l_ws = out, out, out
@@ -475,6 +554,7 @@ def decode_attention(
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
+        FA2_PATH=fa2, RECIP=FA2_RECIP, EXP_FTZ=FA2_EXP_FTZ,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch,
     )
     if not direct:
