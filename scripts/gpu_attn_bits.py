@@ -57,30 +57,57 @@ def main():
         lengths = torch.tensor([(513, 576, 1000, 1217, 64, 65, 2048, 700)[i % 8] for i in range(B)],
                                dtype=torch.int32, device=dev)
         cases.append((B, peak, q, k, v, lengths, flash_decode(q, k, v, lengths, scale)))
-    variants = [("old", dict(FA2=False))]
-    for recip, ftz, f32 in itertools.product((0, 1, 2), (False, True), (True, False)):
-        variants.append((f"fa2/recip{recip}/ftz{int(ftz)}/scalef32{int(f32)}",
-                         dict(FA2=True, FA2_RECIP=recip, FA2_EXP_FTZ=ftz, FA2_SCALE_F32=f32)))
-    saved = {k: getattr(da, k) for k in ("FA2", "FA2_RECIP", "FA2_EXP_FTZ", "FA2_SCALE_F32")}
     report = {"torch": torch.__version__, "variants": {}}
+    # Is flash's one-row decode its causal forward's last row here? (random earlier query rows)
+    B, peak, q, k, v, lengths, want = cases[1]
+    group = H // KVH
+    fwd_equal = {}
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        for L in sorted(set(lengths.tolist())):
+            rows = (lengths == L).nonzero().flatten()
+            qs = torch.randn(len(rows), H, L, D, generator=g, device=dev).bfloat16()
+            qs[:, :, -1] = q[rows]
+            kk = k[rows, :, :L].repeat_interleave(group, dim=1)
+            vv = v[rows, :, :L].repeat_interleave(group, dim=1)
+            last = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, scale=scale)[:, :, -1]
+            fwd_equal[L] = (last == want[rows]).float().mean().item()
+    report["decode_vs_causal_forward_equal_frac"] = fwd_equal
+    print("flash decode vs causal forward last row, equal frac by length:", fwd_equal, flush=True)
+    variants = [("old", dict(FA2=False))]
+    for bn, newest, recip in itertools.product((64, 128), (True, False), (0, 2)):
+        variants.append((f"fa2/n{bn}/newest{int(newest)}/recip{recip}",
+                         dict(FA2=True, FA2_NEWEST=newest, FA2_RECIP=recip, block_n=bn)))
+    variants.append(("fa2/n64/newest1/recip0/ftz1", dict(FA2=True, FA2_EXP_FTZ=True)))
+    variants.append(("fa2/n64/newest1/recip0/scale64", dict(FA2=True, FA2_SCALE_F32=False)))
+    saved = {k: getattr(da, k) for k in ("FA2", "FA2_RECIP", "FA2_EXP_FTZ", "FA2_SCALE_F32", "FA2_NEWEST")}
     for name, knobs in variants:
+        for key, val in saved.items():
+            setattr(da, key, val)
+        knobs = dict(knobs)
+        block_n = knobs.pop("block_n", 64)
         for key, val in knobs.items():
             setattr(da, key, val)
         res = {}
         for B, peak, q, k, v, lengths, want in cases:
-            got = da.decode_attention(q, k, v, lengths, scale, num_splits=1)
+            got = da.decode_attention(q, k, v, lengths, scale, num_splits=1, block_n=block_n)
             rows_equal = (got == want).all(-1).all(-1)
+            by_len = {}
+            for L in sorted(set(lengths.tolist())):
+                sel = lengths == L
+                by_len[L] = (got[sel] == want[sel]).float().mean().item()
             res[f"B{B}_peak{peak}"] = {"equal_frac": (got == want).float().mean().item(),
-                                       "rows_equal": int(rows_equal.sum()), "rows": B,
+                                       "rows_equal": int(rows_equal.sum()), "rows": B, "by_length": by_len,
                                        "max_abs": (got.float() - want.float()).abs().max().item()}
         # time: batch 16 at 1024 positions, one split, as the engine's decode at batch 16
         B16 = cases[1]
         lens = torch.full((16,), 1024, dtype=torch.int32, device=dev)
         us = None
+        print("   by length:", {L: round(f, 4) for L, f in res["B16_peak1.0"]["by_length"].items()}, flush=True)
         try:
             import triton.testing
             us = 1e3 * triton.testing.do_bench(
-                lambda: da.decode_attention(B16[2], B16[3], B16[4], lens, scale, num_splits=1), warmup=20, rep=200)
+                lambda: da.decode_attention(B16[2], B16[3], B16[4], lens, scale, num_splits=1, block_n=block_n),
+                warmup=20, rep=200)
         except Exception as exc:  # timing is secondary to the bits
             us = f"{type(exc).__name__}: {exc}"
         report["variants"][name] = {"knobs": knobs, "cases": res, "us_b16_1024": us}

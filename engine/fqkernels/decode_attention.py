@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import pdl
-from fqkernels.rmsnorm import _seq16
+from fqkernels.rmsnorm import _seq16, _seq32
 
 __all__ = [
     "DecodeAttentionPlan",
@@ -70,6 +70,7 @@ FA2 = True              # the path above where one split runs (else the older ar
 FA2_RECIP = 0           # 1 / sum: 0 Triton's division, 1 IEEE (div_rn), 2 rcp.approx.ftz
 FA2_EXP_FTZ = False     # exp2 as ex2.approx.ftz (fast-math CUDA) instead of Triton's ex2.approx
 FA2_SCALE_F32 = True    # c from the scale rounded to fp32 first, as flash's float softmax_scale
+FA2_NEWEST = True       # tiles newest first (flash's forward), else oldest first
 
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
@@ -180,6 +181,7 @@ def _split_kernel(
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, PDL: tl.constexpr = False,
     FA2_PATH: tl.constexpr = False, RECIP: tl.constexpr = 0, EXP_FTZ: tl.constexpr = False,
+    FA2_NEWEST: tl.constexpr = True,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -211,7 +213,7 @@ def _split_kernel(
 
     if FA2_PATH:
         _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
-                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, RECIP, EXP_FTZ)
+                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, RECIP, EXP_FTZ, FA2_NEWEST)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -280,21 +282,25 @@ def _exp2(x, FTZ: tl.constexpr):
 @triton.jit
 def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
                      length, first, qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_G: tl.constexpr, PDL: tl.constexpr, RECIP: tl.constexpr, EXP_FTZ: tl.constexpr):
+                     BLOCK_G: tl.constexpr, PDL: tl.constexpr, RECIP: tl.constexpr, EXP_FTZ: tl.constexpr,
+                     NEWEST: tl.constexpr):
     """One split over positions [first, length), newest tile first, in flash attention's
     arithmetic (the FA2 note at the top of the module); writes the bf16 output rows."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_g < G
-    last = ((length - 1) // BLOCK_N) * BLOCK_N
     lo = (first // BLOCK_N) * BLOCK_N
     n_tiles = tl.cdiv(length - lo, BLOCK_N)
+    last = lo + (n_tiles - 1) * BLOCK_N
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     part = tl.zeros([BLOCK_G * 4], dtype=tl.float32)     # the four lanes' partial row sums
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     for t in range(0, n_tiles):
-        pos = last - t * BLOCK_N + offs_n
+        if NEWEST:
+            pos = last - t * BLOCK_N + offs_n
+        else:
+            pos = lo + t * BLOCK_N + offs_n
         pos_ok = (pos < length) & (pos >= first)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
@@ -308,7 +314,11 @@ def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, st
         # values in the order (j, e): regroup to [rows x 4 lanes, 16] and add left to right.
         cols = tl.reshape(tl.permute(tl.reshape(p, (BLOCK_G, BLOCK_N // 8, 4, 2)), (0, 2, 1, 3)),
                           (BLOCK_G * 4, BLOCK_N // 4))
-        part = _seq16(part * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, 4)), (BLOCK_G * 4,)), cols)
+        part = part * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, 4)), (BLOCK_G * 4,))
+        if BLOCK_N == 64:
+            part = _seq16(part, cols)
+        else:
+            part = _seq32(part, cols)
         acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         m_i = m_new
     pdl.launch_dependents(PDL)
@@ -527,7 +537,7 @@ def decode_attention(
     direct = plan.num_splits == 1
     if flash_order is None:
         flash_order = direct
-    fa2 = FA2 and direct and flash_order and plan.block_n == 64
+    fa2 = FA2 and direct and flash_order and plan.block_n in (64, 128)
     # flash's softmax_scale is a float: c = float(float(scale) * log2 e) there.
     qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 and FA2_SCALE_F32 else float(scale)) * _LOG2E
     if direct:
@@ -554,7 +564,7 @@ def decode_attention(
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
-        FA2_PATH=fa2, RECIP=FA2_RECIP, EXP_FTZ=FA2_EXP_FTZ,
+        FA2_PATH=fa2, RECIP=FA2_RECIP, EXP_FTZ=FA2_EXP_FTZ, FA2_NEWEST=FA2_NEWEST,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch,
     )
     if not direct:
