@@ -50,12 +50,13 @@ def main():
     scale = D ** -0.5
     g = torch.Generator(device=dev).manual_seed(0)
     cases = []
-    for B, peak in ((8, 1.0), (16, 1.0), (16, 3.0), (32, 1.0)):
+    # One length per case: flash's split count depends on the rows of the call (batch x heads),
+    # so the reference call must hold the whole batch, as native's decode does.
+    for B, peak, L in ((16, 1.0, 513), (16, 1.0, 1000), (16, 3.0, 2048), (8, 1.0, 700), (16, 8.0, 513)):
         q = (torch.randn(B, H, D, generator=g, device=dev) * peak).bfloat16()
         k = torch.randn(B, KVH, C, D, generator=g, device=dev).bfloat16()
         v = torch.randn(B, KVH, C, D, generator=g, device=dev).bfloat16()
-        lengths = torch.tensor([(513, 576, 1000, 1217, 64, 65, 2048, 700)[i % 8] for i in range(B)],
-                               dtype=torch.int32, device=dev)
+        lengths = torch.full((B,), L, dtype=torch.int32, device=dev)
         cases.append((B, peak, q, k, v, lengths, flash_decode(q, k, v, lengths, scale)))
     report = {"torch": torch.__version__, "variants": {}}
     # Is flash's one-row decode its causal forward's last row here? (random earlier query rows)
@@ -74,10 +75,11 @@ def main():
     report["decode_vs_causal_forward_equal_frac"] = fwd_equal
     print("flash decode vs causal forward last row, equal frac by length:", fwd_equal, flush=True)
     variants = [("old", dict(FA2=False))]
-    for bn, newest, recip in itertools.product((64, 128), (True, False), (0, 2)):
+    for bn, newest, recip in itertools.product((64, 128), (True, False), (0,)):
         variants.append((f"fa2/n{bn}/newest{int(newest)}/recip{recip}",
                          dict(FA2=True, FA2_NEWEST=newest, FA2_RECIP=recip, block_n=bn)))
     variants.append(("fa2/n64/newest1/recip0/ftz1", dict(FA2=True, FA2_EXP_FTZ=True)))
+    variants.append(("old/ftz1", dict(FA2=False, FA2_EXP_FTZ=True)))
     variants.append(("fa2/n64/newest1/recip0/scale64", dict(FA2=True, FA2_SCALE_F32=False)))
     saved = {k: getattr(da, k) for k in ("FA2", "FA2_RECIP", "FA2_EXP_FTZ", "FA2_SCALE_F32", "FA2_NEWEST")}
     for name, knobs in variants:
@@ -95,14 +97,14 @@ def main():
             for L in sorted(set(lengths.tolist())):
                 sel = lengths == L
                 by_len[L] = (got[sel] == want[sel]).float().mean().item()
-            res[f"B{B}_peak{peak}"] = {"equal_frac": (got == want).float().mean().item(),
+            res[f"B{B}_peak{peak}_L{int(lengths[0])}"] = {"equal_frac": (got == want).float().mean().item(),
                                        "rows_equal": int(rows_equal.sum()), "rows": B, "by_length": by_len,
                                        "max_abs": (got.float() - want.float()).abs().max().item()}
         # time: batch 16 at 1024 positions, one split, as the engine's decode at batch 16
         B16 = cases[1]
         lens = torch.full((16,), 1024, dtype=torch.int32, device=dev)
         us = None
-        print("   by length:", {L: round(f, 4) for L, f in res["B16_peak1.0"]["by_length"].items()}, flush=True)
+        print("   ", {c: round(r["equal_frac"], 4) for c, r in res.items()}, flush=True)
         try:
             import triton.testing
             us = 1e3 * triton.testing.do_bench(

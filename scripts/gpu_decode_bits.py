@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--device", default="cuda", help="cpu: the torch variants only (a smoke run of the script)")
+    ap.add_argument("--knobs", default="", help="extra runs of the engine variant with decode_attention knobs: "
+                    "'name:FA2=0,FA2_EXP_FTZ=1;name2:...'")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_bits.json"))
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -72,8 +74,19 @@ def main() -> None:
             ref_v = [out.past_key_values[i][1] for i in range(L)]
         del out
         makers, tuning = build_variants(cfg, w, B, args.variants.split(","))
+        from fqkernels import decode_attention as da
+        defaults = {k: getattr(da, k) for k in dir(da) if k.startswith("FA2")}
+        runs = [(name, make, {}) for name, make in makers.items()]
+        for spec in filter(None, args.knobs.split(";")):
+            kname, _, kv = spec.partition(":")
+            knobs = {k: int(v) for k, v in (item.split("=") for item in kv.split(","))}
+            runs.append((f"engine@{kname}", build_variants(cfg, w, B, ["engine"])[0]["engine"], knobs))
         res = {}
-        for name, make in makers.items():
+        for name, make, knobs in runs:
+            for k, v in defaults.items():
+                setattr(da, k, v)
+            for k, v in knobs.items():
+                setattr(da, k, type(defaults[k])(v))
             model = Qwen3Model(cfg, w, dev, make())
             model.ensure_rope(S + 1)
             model.allocate_cache(B, S + 1)

@@ -249,8 +249,8 @@ def _split_kernel(
             # Every tile holds at least one valid position (lo is the window's first
             # tile or later, and a split's bounds are whole tiles), so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            alpha = _exp2(m_i - m_new, EXP_FTZ)
+            p = _exp2(s - m_new[:, None], EXP_FTZ)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             # P is rounded to bf16 before P @ V, as the reference and flash attention do.
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
