@@ -144,15 +144,13 @@ class TorchOps:
 class TritonOps(TorchOps):
     """Fused Triton kernels for everything around the matrix products (CUDA only).
 
-    Decode products (few rows) go to our GEMV or to cuBLAS, whichever `tune`
-    measured faster for that (rows, matrix shape) on this GPU, the GEMV kept up to
-    10% slower where it gives the full forward's bits (gemv.in_order); prefill
+    Decode products (few rows) go to our split-K GEMV or to cuBLAS, whichever
+    `tune` measured faster for that (rows, matrix shape) on this GPU; prefill
     products (many rows) go to cuBLAS.
     """
 
     name = "triton"
     GEMV_MAX_ROWS = 64
-    PREFER_IN_ORDER = 1.1
 
     def __init__(self):
         super().__init__()
@@ -231,11 +229,7 @@ class TritonOps(TorchOps):
             key = (fused, rows) + tuple(ws[0].shape)
             t_ours = _time_over(ours, ws, reps)
             t_theirs = _time_over(theirs, ws, reps)
-            # From IN_ORDER_FROM_ROWS rows an in-order GEMV gives the full forward's bits,
-            # cuBLAS at decode rows does not: worth up to PREFER_IN_ORDER more time.
-            in_order = rows >= gemv.IN_ORDER_FROM_ROWS and gemv.in_order(
-                gemv.select_config(ws[0].shape[0], ws[0].shape[1], fused, rows))
-            self.use_gemv[key] = t_ours < t_theirs * (self.PREFER_IN_ORDER if in_order else 1.0)
+            self.use_gemv[key] = t_ours < t_theirs
             report[name] = (round(t_theirs, 2), round(t_ours, 2))
         return report
 

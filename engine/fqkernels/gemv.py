@@ -68,8 +68,6 @@ __all__ = [
     "linear_partials",
     "linear_reference",
     "linear_silu_mul_reference",
-    "IN_ORDER_FROM_ROWS",
-    "in_order",
 ]
 
 # ----------------------------------------------------------------------------- configs
@@ -140,26 +138,16 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
         (4, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),   # 11.2 (11.1)
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),  # 10.1 (10.9)
     ),
-    # o and down from 7 rows: K walked in order, no split-K (IN_ORDER_FROM_ROWS), which gives
-    # the full forward's bits; us of linear_partials from results/h200-2026-11-30/session7
-    # (gemm_inorder*.json), against the split-K config's and cuBLAS's at the same rows.
     (2560, 4096): (                                                     # o_proj
         (1, GemvConfig(block_k=1024, split_k=1, **_FMA1)),             # 7.8 us (cuBLAS 9.8)
         (4, GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")),   # 9.4 (9.9)
-        (6, GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")),  # 9.4 (9.8)
-        (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=8, mode="dot_t")),  # 8.2 at 16 (split 6.9,
-        #                                                                     cuBLAS 10.3); 8.7 at 32 (10.7, 10.6)
-        (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),  # 10.2 at 64
+        (None, GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")),  # 9.4 (9.8)
     ),
     (2560, 9728): (                                                     # down_proj
         (1, GemvConfig(block_n=4, block_k=512, split_k=1, mode="fma", block_m=1)),  # 14.6 us (cuBLAS 16.8)
         (4, GemvConfig(block_n=128, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 16.6 (16.9)
-        (6, GemvConfig(block_n=64, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 16.8 (17.8)
-        (16, GemvConfig(block_n=32, block_k=512, split_k=1, num_stages=4, mode="dot")),  # 15.8 at 16 (split 14.1,
-        #                                                                                   cuBLAS 17.4)
-        (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=6, mode="dot_t")),  # 18.2 at 32 (19.1, 17.2)
-        (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),  # 21.4 at 64
-    ),                                                                                                 # (cuBLAS 17.9)
+        (None, GemvConfig(block_n=64, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 16.8 (17.8)
+    ),
     (151936, 2560): (                                                   # lm_head (tied embedding)
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 171.5 us (cuBLAS 186.4)
         (4, GemvConfig(block_n=128, block_k=256, split_k=1)),
@@ -174,23 +162,6 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
         (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
     ),
 }
-
-# From this many rows the table's o and down configs walk K in order with one fp32
-# accumulator per output (an MMA mode, split_k 1). Every such product gives the bits of
-# the full forward's large-M cuBLAS product on an H200 (results/h200-2026-11-30/session7,
-# gemm_order_probe.json and gemm_inorder*.json: every in-order config, 16 or 64 rows on the
-# MMA's row side, K steps of 32-512; cuBLAS over the decode rows and split-K differ in
-# 0.2-0.5% of outputs). From 7 rows the decode attention is unsplit and the norms are in
-# torch's order, so in-order products make a decode step's logits the full forward's.
-# qkv, gate_up and lm_head are in order at every row count above one.
-IN_ORDER_FROM_ROWS = 7
-
-
-def in_order(config: GemvConfig) -> bool:
-    """Whether the config sums each output as the full forward's product does: tensor-core
-    tiles, K walked in increasing order into one accumulator (no split-K)."""
-    return config.split_k == 1 and config.mode in ("dot", "dot_t")
-
 
 # The default aims for about two waves of programs on a 132-SM GPU; it is a fixed
 # function of the shape (never of the device) so every machine computes the same bits.
