@@ -1,7 +1,8 @@
 """fastqwen's engine: greedy Qwen3 generation, exact to native Transformers'
 argmax within the platform's margin, on one GPU. Qwen3.5 checkpoints (model_type
-qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model, for now eager
-on the torch reference ops.
+qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model: on a GPU its
+decode step (attention and GDN kernels) is one CUDA graph, its prompt pass eager on the
+torch references; on the CPU all of it on the references.
 
 `Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
 Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
@@ -11,7 +12,8 @@ on the torch reference ops.
 
 Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
 FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
-launch between the decode kernels; read when fqkernels is first imported).
+launch between the decode kernels; read when fqkernels is first imported),
+FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend).
 """
 import gc
 import json
@@ -65,19 +67,29 @@ class Engine:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         with torch.inference_mode():
-            if qwen35:  # the hybrid family: eager, on the torch reference ops for now (fq_qwen35.py)
+            if qwen35:  # the hybrid family (fq_qwen35.py): torch or triton backend
                 self.model = fq_qwen35.Qwen35Model(
                     self.cfg, fq_qwen35.load_weights(model_path, self.cfg, self.device), self.device)
             else:
                 self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
                                         ops_for(self.device))
-        self.use_graphs = (self.device.type == "cuda" and not qwen35
+        # Qwen3.5's decode step is graph-safe on its triton backend (no host reads); its
+        # prompt pass (the chunked references) is not captured yet.
+        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
                            and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
-        self.use_prefill_graphs = self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
+        self.use_prefill_graphs = (self.use_graphs and not qwen35
+                                   and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1")
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
+
+    def describe(self) -> dict:
+        """What runs: the model family, its op backend, whether the decode step is a graph."""
+        qwen35 = isinstance(self.model, fq_qwen35.Qwen35Model)
+        backend = self.model.backend if qwen35 else self.model.ops.name
+        return {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
+                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs}
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:

@@ -1,7 +1,16 @@
 """Qwen3.5 (hybrid: Gated DeltaNet layers and gated full-attention layers), behind the
 same interface as fq_model.Qwen3Model: prefill over a fresh prompt, one decode step,
-static caches. For now on the pure-torch reference ops (fqkernels/gdn.py and the
-existing references), on any device, eager: the Triton kernels and the graphs come next.
+static caches.
+
+Backends, chosen explicitly (never a silent fallback), reported as `model.backend`:
+- "torch": every op the pure-torch reference (fqkernels/gdn.py and the references
+  below), on any device, eager; the decode step reads the lengths on the host. The CPU
+  default: its logits are Transformers 5.17's bit for bit (tests/test_engine_qwen35_cpu.py).
+- "triton": the decode step's attention through fqkernels.decode_attention and each GDN
+  layer's step through gdn.conv_gates_step, gdn.decode_step and (heads of 128)
+  gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
+  The CUDA default. The prompt pass stays on the references (the chunked kernel is next).
+FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default.
 
 The reference is Transformers 5.17.0's Qwen3_5ForCausalLM with its torch fallback
 (../shared/QWEN35.md, checked against the source). Per layer, h += mixer(norm1(h)), then
@@ -30,6 +39,19 @@ import torch.nn.functional as F
 
 from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(device: torch.device, requested: str | None = None) -> str:
+    """The backend for this device: `requested`, else FASTQWEN_QWEN35_BACKEND, else triton
+    on CUDA and torch elsewhere. A name outside BACKENDS is an error naming it."""
+    name = requested or os.environ.get("FASTQWEN_QWEN35_BACKEND") or ("triton" if device.type == "cuda" else "torch")
+    if name not in BACKENDS:
+        raise ValueError(f"Qwen3.5 backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("Qwen3.5 backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+    return name
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 # The released multimodal checkpoints keep the text model under this prefix and carry
@@ -169,8 +191,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Qwen35Model:
-    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device):
+    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, backend: str | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
+        self.backend = resolve_backend(device, backend)
         # layer index -> its slot in the attention layers' KV cache, or in the GDN layers' states
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
@@ -286,6 +309,11 @@ class Qwen35Model:
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
         vc[rows, :, positions.long()] = v[:, :, 0]
+        if self.backend == "triton":
+            from fqkernels.decode_attention import decode_attention
+
+            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
+            return self._attention_out(i, attn.reshape(B, 1, -1), gate)
         # One query over the cached prefix, unmasked when every sequence has the same length
         # (always, in the engine's calls), as 5.17's cached step; a mask otherwise.
         L = int(lengths.max())
@@ -300,6 +328,8 @@ class Qwen35Model:
         return F.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
+        if not prompt and self.backend == "triton":
+            return self._gdn_step_kernels(i, h)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
@@ -322,6 +352,28 @@ class Qwen35Model:
         o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                         self.w[p + "norm.weight"], c.rms_norm_eps)
         return F.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
+
+
+    def _gdn_step_kernels(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
+        The conv and recurrent states are updated in place."""
+        c, p = self.cfg, f"model.layers.{i}.linear_attn."
+        B = h.shape[0]
+        slot = self.gdn_slot[i]
+        x = h[:, 0]
+        mixed = F.linear(x, self.w[p + "in_proj_qkv.weight"])                     # [B, conv_dim]
+        z = F.linear(x, self.w[p + "in_proj_z.weight"]).reshape(-1, c.linear_v_dim)
+        b = F.linear(x, self.w[p + "in_proj_b.weight"])
+        a = F.linear(x, self.w[p + "in_proj_a.weight"])
+        mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot], self.w[p + "conv1d.weight"].squeeze(1),
+                                             a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
+        kd = c.linear_k_heads * c.linear_k_dim
+        q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
+        o = gdn.decode_step(q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim),
+                            v.reshape(B, -1, c.linear_v_dim), g, beta, self.state[slot])
+        norm = gdn.gated_rmsnorm if c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference   # the kernel's width
+        o = norm(o.reshape(-1, c.linear_v_dim), z, self.w[p + "norm.weight"], c.rms_norm_eps)
+        return F.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 
 class _NoTuning:

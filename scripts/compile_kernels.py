@@ -564,16 +564,20 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         problems += _depth_check(drv, EngineDriver(model, next(folders), None), label, target)
                 progress(f"{label} {len(recorder.specs) - before} new specializations "
                          f"({time.perf_counter() - start:.1f} s)")
-        # Kernels written ahead of the engine's use of them (the Qwen3.5 GDN decode step),
-        # launched at the 4B's shapes so they compile with the platform's Triton too.
+        # The Qwen3.5 decode step's kernels (fq_qwen35's triton backend: the GDN step and the
+        # attention at head_dim 256), and the decode attention's FA2 path (a knob, off by
+        # default), launched at the 4B's shapes so they compile with the platform's Triton too.
         recorder.pdl = False
         with recording(recorder, target):
             for batch in (1, 16):
-                recorder.scenario = name = f"qwen3.5-4b GDN decode B={batch} (not launched by the engine yet)"
-                try:
-                    _gdn_decode_step(batch)
-                except Exception as exc:
-                    problems.append(f"{name}: {type(exc).__name__}: {exc}")
+                for name, run in ((f"{EXTRA}qwen3.5-4b GDN decode B={batch}", _gdn_decode_step),
+                                  (f"{EXTRA}qwen3.5-4b attention decode B={batch}", _qwen35_attention),
+                                  (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention)):
+                    recorder.scenario = name
+                    try:
+                        run(batch)
+                    except Exception as exc:
+                        problems.append(f"{name}: {type(exc).__name__}: {exc}")
     return list(recorder.specs.values()), problems
 
 
@@ -593,6 +597,34 @@ def _gdn_decode_step(batch: int) -> None:
                         per_head, per_head)
     rows = torch.empty((batch * 32, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+
+
+# Scenario names of the launches made outside the Qwen3 engine sweep.
+EXTRA = "extra: "
+
+
+def _attention(batch: int, heads: int, kv_heads: int, head_dim: int, num_splits=None) -> None:
+    from fqkernels.decode_attention import decode_attention
+
+    q = torch.empty((batch, heads, head_dim), dtype=torch.bfloat16, device=CUDA)
+    kv = torch.empty((batch, kv_heads, 1024, head_dim), dtype=torch.bfloat16, device=CUDA)
+    decode_attention(q, kv, kv, torch.empty(batch, dtype=torch.int32, device=CUDA), head_dim ** -0.5,
+                     num_splits=num_splits)
+
+
+def _qwen35_attention(batch: int) -> None:
+    _attention(batch, 16, 4, 256)
+
+
+def _fa2_attention(batch: int) -> None:
+    """The FA2 path runs where there is one split."""
+    from fqkernels import decode_attention as da
+
+    saved, da.FA2 = da.FA2, True
+    try:
+        _attention(batch, 32, 8, 128, num_splits=1)
+    finally:
+        da.FA2 = saved
 
 
 def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:

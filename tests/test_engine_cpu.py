@@ -286,3 +286,8 @@ def test_massive_activations_checkpoint_passes_the_margin(tmp_path, init):
     emitted = list(fast.generate(prompts, 24))
     slack = _teacher_forced_slack(model, prompts, emitted)
     assert slack.max() <= 2.0, f"margin violated: max slack {slack.max():.3f}"
+
+
+def test_engine_describes_what_runs(engines):
+    info = engines[0].describe()
+    assert info == {"family": "qwen3", "backend": "torch", "decode_graph": False, "prefill_graphs": False}

@@ -191,3 +191,21 @@ def test_the_judge_runs_on_the_preset(tiny, tmp_path):
     assert result["replay"]["sides"]["native"]["positions"] == 12
     assert report["model"]["parameters"] == sum(
         __import__("math").prod(s) for _, s in synth35.expected_tensors(synth35.get_preset("qwen3.5-tiny")))
+
+
+def test_backend_is_explicit(tiny, monkeypatch):
+    """The op backend is named, never picked silently: the CPU default is the references,
+    a bad name or the kernels without a GPU (or the interpreter) are errors naming the value."""
+    monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert fq_qwen35.resolve_backend(cpu) == "torch"
+    assert fq_qwen35.resolve_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("FASTQWEN_QWEN35_BACKEND", "fla")
+    with pytest.raises(ValueError, match="'fla' is not one of torch, triton"):
+        fq_qwen35.resolve_backend(cpu)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        fq_qwen35.resolve_backend(cpu, "triton")
+    monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND")
+    info = Engine(str(tiny)).describe()
+    assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False}

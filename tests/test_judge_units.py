@@ -634,3 +634,26 @@ def test_report_names_the_engine_switches_in_effect():
     env = {"FASTQWEN_NO_PDL": "1", "FASTQWEN_COMMIT": "abc", "PATH": "/bin", "FASTQWEN_NO_GRAPHS": "0"}
     assert engine_switches(env) == {"FASTQWEN_NO_GRAPHS": "0", "FASTQWEN_NO_PDL": "1"}
     assert engine_switches({"HOME": "/root"}) == {}
+
+
+def test_child_reports_what_the_engine_describes():
+    from fastqwen.judge.child import describe
+
+    class Described:
+        def describe(self):
+            return {"family": "qwen3.5", "backend": "triton", "decode_graph": True, "x" * 300: "y" * 300}
+
+    class Broken:
+        def describe(self):
+            raise RuntimeError("no")
+
+    class Odd:
+        def describe(self):
+            return ["backend"]
+
+    info = describe(Described())
+    assert info["family"] == "qwen3.5" and info["decode_graph"] == "True"
+    assert max(len(k) for k in info) == 200 and max(len(v) for v in info.values()) == 200
+    assert describe(object()) is None
+    assert "RuntimeError" in describe(Broken())["error"]
+    assert "list" in describe(Odd())["error"]

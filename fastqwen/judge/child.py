@@ -104,6 +104,22 @@ def pending_gpu_work() -> dict | None:
     return {"stream_idle": stream_idle, "sync_ms": sync_ms, "flagged": sync_ms > PENDING_LIMIT_MS}
 
 
+def describe(engine: object) -> dict | None:
+    """What the engine says it runs (its optional `describe()`: a flat dict, e.g. the model family
+    and the op backend), for the report; strings of at most 200 characters, at most 20 keys.
+    An engine without it, or one whose describe() fails, reports nothing."""
+    fn = getattr(engine, "describe", None)
+    if not callable(fn):
+        return None
+    try:
+        info = fn()
+    except Exception:  # noqa: BLE001 - a report detail must not fail the run
+        return {"error": _traceback_tail()[-200:]}
+    if not isinstance(info, dict):
+        return {"error": f"describe() returned {type(info).__name__}, not a dict"}
+    return {str(k)[:200]: str(v)[:200] for k, v in list(info.items())[:20]}
+
+
 def _check_step(step: object, index: int) -> str | None:
     if type(step) is not list:
         return f"step {index}: yielded {type(step).__module__}.{type(step).__qualname__}, not a plain list"
@@ -159,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     channel.send({"ev": "loaded", "load_s": time.perf_counter() - start, "memory": memory_snapshot(),
-                  "engine_file": getattr(engine_module, "__file__", None)})
+                  "engine_file": getattr(engine_module, "__file__", None), "describe": describe(engine)})
 
     # Two steps per generation: the prompts arrive and are decoded first ("prompts" -> "ready");
     # the parent starts its clock only when it sends "go", so decoding a large prompt payload

@@ -102,6 +102,7 @@ class EngineProcess:
         self._cmd_w: int | None = cmd_w
         self._events = EventReader(evt_r)
         self.memory: dict = {}
+        self.describe: dict | None = None   # the engine's own describe(), when it has one
         self.loaded_t: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class EngineProcess:
             raise self._fail_event(event, during="load")
         self.loaded_t = arrived
         self.memory = event.get("memory", {})
+        self.describe = event.get("describe")
         return event
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, deadline: float, timeout_detail: str,

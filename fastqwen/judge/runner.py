@@ -142,6 +142,11 @@ def sample_order(labels: list[str], i: int) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # one side of one workload
 # ------------------------------------------------------------------------------------------------
+def _described(info: dict | None) -> str:
+    """' (family qwen3.5, backend triton, ...)' from an engine's describe(), or ''."""
+    return f" ({', '.join(f'{k} {v}' for k, v in info.items())})" if info else ""
+
+
 class Side:
     """One engine folder's process and everything measured on it for one workload."""
 
@@ -175,6 +180,7 @@ class Side:
             "dir": str(self.engine_dir),
             "loaded": self.load_s is not None,
             "load_s": self.load_s,
+            "describe": self.process.describe,
             "warmup_s": self.warmup_s,
             "summary": gates.summarize(self.figures).to_json(),
             "samples": self.samples,
@@ -300,7 +306,8 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
         except ChildFailure as failure:
             side.fail(failure)
     say(f"{tag} loaded: " + ", ".join(
-        f"{s.label} {s.load_s:.1f} s" if s.ok else f"{s.label} FAILED ({s.failure.code})" for s in sides))
+        (f"{s.label} {s.load_s:.1f} s" + _described(s.process.describe)) if s.ok
+        else f"{s.label} FAILED ({s.failure.code})" for s in sides))
 
     # Warmup: one generation of the workload's shape, on prompts drawn only now.
     warm_prompts = source.draw(wl.batch, wl.prompt)

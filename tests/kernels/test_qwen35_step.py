@@ -1,0 +1,107 @@
+"""Qwen3.5's decode step on its triton backend (fq_qwen35: fqkernels.decode_attention and the
+GDN step kernels) against the torch backend (the references, Transformers 5.17's bits on the
+CPU: tests/test_engine_qwen35_cpu.py), teacher-forced on the tiny preset past a GDN chunk:
+same prompt pass, decode logits and states within the kernels' fp32-order noise. Under
+Triton's CPU interpreter (Triton >= 3.4) for the logic; on a GPU for the bits, and there the
+step captured as a CUDA graph must replay what it computes eagerly."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import triton
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+import fq_qwen35  # noqa: E402
+
+from fastqwen import synth35  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV.type == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+
+B, S, N = 2, 70, 6
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(interpreter_fixes):
+    """tests/kernels/conftest.py: the interpreter's dot and bf16 rounding as on the GPU."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False)
+    cfg = fq_qwen35.Qwen35Config.from_dir(str(path))
+    return cfg, fq_qwen35.load_weights(str(path), cfg, DEV)
+
+
+def _forced(model, seq):
+    """Prefill logits of seq[:, :S], then N - 1 teacher-forced decode steps' logits; final states."""
+    model.ensure_rope(S + N)
+    model.allocate_cache(B, S + N)
+    with torch.inference_mode():
+        out = [model.prefill_logits(seq[:, :S])]
+        pos = torch.full((B,), S, dtype=torch.int32, device=DEV)
+        for t in range(S, S + N - 1):
+            out.append(model.decode_logits(seq[:, t].contiguous(), pos, pos + 1))
+            pos += 1
+    return torch.stack(out, 1).float(), model.conv_state.clone(), model.state.clone()
+
+
+def test_triton_step_tracks_the_reference(tiny):
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref, conv_ref, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
+    got, conv_got, state_got = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton"), seq)
+    assert torch.equal(got[:, 0], ref[:, 0]), "the prompt pass is the same code on both backends"
+    diff = (got[:, 1:] - ref[:, 1:]).abs().max().item()
+    spread = ref[:, 1:].std().item()
+    assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
+    assert (got[:, 1:].argmax(-1) == ref[:, 1:].argmax(-1)).float().mean() >= 0.8
+    # The states hold (and sum) inputs that carry the earlier layers' rounding noise.
+    conv_diff = (conv_got.float() - conv_ref.float()).abs().max().item()
+    assert conv_diff <= 0.05 * conv_ref.float().abs().max().item(), conv_diff
+    state_diff = (state_got - state_ref).abs().max().item()
+    assert state_diff <= 0.05 * state_ref.abs().max().item(), state_diff
+
+
+def test_a_wrong_gdn_step_is_caught(tiny, monkeypatch):
+    """The comparison above can fail: a decay applied twice in the kernel path is far off."""
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
+    real = fq_qwen35.gdn.decode_step
+    monkeypatch.setattr(fq_qwen35.gdn, "decode_step", lambda q, k, v, g, beta, state: real(q, k, v, 2 * g, beta, state))
+    got, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton"), seq)
+    assert (got[:, 1:] - ref[:, 1:]).abs().max().item() > 0.02 * ref[:, 1:].std().item() + 0.07
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a GPU")
+def test_the_step_replays_as_a_graph(tiny):
+    from fq_decode import DecodeRunner
+
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(5)).to(DEV)
+    toks = {}
+    for graph in (False, True):
+        model = fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton")
+        model.ensure_rope(S + N)
+        model.allocate_cache(B, S + N)
+        with torch.inference_mode():
+            runner = DecodeRunner(model, B, use_graph=graph)
+            runner.start(model.prefill(seq[:, :S]), S)
+            out = []
+            for _ in range(N):
+                runner.step()
+                out.append(runner.tokens.clone())
+        toks[graph] = torch.stack(out)
+    assert torch.equal(toks[True], toks[False])
