@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--device", default="cuda", help="cpu: the torch variants only (a smoke run of the script)")
     ap.add_argument("--knobs", default="", help="extra runs of the engine variant with decode_attention knobs: "
-                    "'name:FA2=0,FA2_EXP_FTZ=1;name2:...'")
+                    "'name:FA2=1;name2:...'")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_bits.json"))
     args = ap.parse_args()
     dev = torch.device(args.device)

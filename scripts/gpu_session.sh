@@ -177,7 +177,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     decode-bits-e) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,32 \
                      --variants engine,engine_sdpa_attention --out "$OUT/decode_bits_e.json" 2>&1 | grep -v Warn | tail -8 ;;
     decode-bits-k) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8 --variants engine \
-                     --knobs "old:FA2=0;old_ftz:FA2=0,FA2_EXP_FTZ=1;fa2_ftz:FA2_EXP_FTZ=1;fa2_ftz_rcp:FA2_EXP_FTZ=1,FA2_RECIP=2;fa2_rcp:FA2_RECIP=2;fa2_s64:FA2_SCALE_F32=0" \
+                     --knobs "fa2:FA2=1" \
                      --out "$OUT/decode_bits_k.json" 2>&1 | grep -v Warn | grep -v choices | tail -16 ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;

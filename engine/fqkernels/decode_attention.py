@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import pdl
-from fqkernels.rmsnorm import _seq16, _seq32
+from fqkernels.rmsnorm import _seq16
 
 __all__ = [
     "DecodeAttentionPlan",
@@ -60,23 +60,19 @@ __all__ = [
 # Scores are turned into exp2 arguments: exp(x) == exp2(x * log2(e)).
 _LOG2E = 1.4426950408889634
 
-# One split's arithmetic (the "FA2" path, session 7). Flash attention's forward keeps the
-# scores unscaled and exponentiates exp2(s * c - m * c) with one FMA (c = scale * log2 e,
-# computed from the fp32 scale), rescales by exp2((m_old - m_new) * c), accumulates P @ V
-# into the rescaled accumulator, keeps each row's sum as four per-thread partials (a quad of
-# lanes, each summing its 16 of a tile's 64 columns in order) that are added at the end as
-# (t0 + t2) + (t1 + t3), and multiplies by the reciprocal of the sum. Measured on an H200
-# (torch 2.11, results/h200-2026-11-30/session7/attn_bits_run2.json): against flash's
-# one-row decode of the whole batch this path gives equal bits on 99.98-100% of elements
-# (63 of 72 rows entirely), the older path 99.99% (59 of 72); the knobs below change
-# nothing measurable. In the model neither makes a decode step the full forward's, which
-# SDPA's own decode attention does (decode_bits_*.json). Off until it is exact and timed.
-# Knobs for scripts/gpu_attn_bits.py:
-FA2 = False             # the path above where one split runs (else the older arithmetic)
-FA2_RECIP = 0           # 1 / sum: 0 Triton's division, 1 IEEE (div_rn), 2 rcp.approx.ftz
-FA2_EXP_FTZ = False     # exp2 as ex2.approx.ftz (fast-math CUDA) instead of Triton's ex2.approx
-FA2_SCALE_F32 = True    # c from the scale rounded to fp32 first, as flash's float softmax_scale
-FA2_NEWEST = True       # tiles newest first (flash's forward), else oldest first
+# One split's arithmetic (the "FA2" path). Flash attention's forward as PyTorch builds it
+# (FA2 with UNFUSE_FMA; read from its sources and the sm_90 code of torch 2.5.1 and 2.11,
+# whose instruction sequences are the same): scores unscaled; p = exp2(RN(s c) - RN(m c)),
+# no FMA (c = float(float(scale) * log2 e), m the running row max); on each later tile the
+# rescale exp2((m_old - m_new) * c) multiplies the output accumulator before P @ V adds to
+# it, and each lane of the row's quad keeps its own partial sum over its 16 of a tile's 64
+# columns (8 j + 2 u + e for lane u, in the order (j, e)), rescaled and added to the
+# first of them in one FMA, the rest added one by one; at the end the partials are added
+# as (u0 + u2) + (u1 + u3) and the accumulator is multiplied by the IEEE reciprocal of the
+# sum. An earlier form (one-FMA exponent, rounded rescale, Triton's division) matched
+# flash's decode on 99.98-100% of elements (session 7, run 8): this one is written from
+# the sources and is not yet measured. Off until it is exact and timed on a GPU.
+FA2 = False
 
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
@@ -187,8 +183,7 @@ def _split_kernel(
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, PDL: tl.constexpr = False,
-    FA2_PATH: tl.constexpr = False, RECIP: tl.constexpr = 0, EXP_FTZ: tl.constexpr = False,
-    FA2_NEWEST: tl.constexpr = True,
+    FA2_PATH: tl.constexpr = False,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -220,7 +215,7 @@ def _split_kernel(
 
     if FA2_PATH:
         _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
-                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, RECIP, EXP_FTZ, FA2_NEWEST)
+                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -256,8 +251,8 @@ def _split_kernel(
             # Every tile holds at least one valid position (lo is the window's first
             # tile or later, and a split's bounds are whole tiles), so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = _exp2(m_i - m_new, EXP_FTZ)
-            p = _exp2(s - m_new[:, None], EXP_FTZ)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             # P is rounded to bf16 before P @ V, as the reference and flash attention do.
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
@@ -279,23 +274,16 @@ def _split_kernel(
 
 
 @triton.jit
-def _exp2(x, FTZ: tl.constexpr):
-    if FTZ:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    return tl.exp2(x)
-
-
-@triton.jit
 def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
                      length, first, qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_G: tl.constexpr, PDL: tl.constexpr, RECIP: tl.constexpr, EXP_FTZ: tl.constexpr,
-                     NEWEST: tl.constexpr):
-    """One split over positions [first, length), newest tile first, in flash attention's
-    arithmetic (the FA2 note at the top of the module); writes the bf16 output rows."""
+                     BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """One split over positions [first, length), newest 64-key tile first, in flash attention's
+    arithmetic (the FA2 note at the top of the module); writes the bf16 output rows. The
+    kernel is compiled without FMA contraction: the one FMA flash has is written out."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
+    lane_col = tl.arange(0, BLOCK_N // 4)[None, :]
     row_ok = offs_g < G
     lo = (first // BLOCK_N) * BLOCK_N
     n_tiles = tl.cdiv(length - lo, BLOCK_N)
@@ -304,42 +292,27 @@ def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, st
     part = tl.zeros([BLOCK_G * 4], dtype=tl.float32)     # the four lanes' partial row sums
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     for t in range(0, n_tiles):
-        if NEWEST:
-            pos = last - t * BLOCK_N + offs_n
-        else:
-            pos = lo + t * BLOCK_N + offs_n
+        pos = last - t * BLOCK_N + offs_n
         pos_ok = (pos < length) & (pos >= first)
         k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))   # unscaled fp32 scores
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # First tile: m_i = -inf; flash takes no rescale there (alpha is then unused: part and acc are 0).
-        alpha = tl.where(m_i == float("-inf"), 1.0, _exp2((m_i - m_new) * qk_scale, EXP_FTZ))
-        max_scaled = m_new * qk_scale
-        p = _exp2(tl.math.fma(s, qk_scale, -max_scaled[:, None]), EXP_FTZ)
-        # Column 8 j + 2 u + e of the tile belongs to lane u of the row's quad, which adds its
-        # values in the order (j, e): regroup to [rows x 4 lanes, 16] and add left to right.
+        # The first tile takes no rescale (its partials and accumulator are zero).
+        alpha = tl.where(m_i == float("-inf"), 1.0, tl.exp2((m_i - m_new) * qk_scale))
+        p = tl.exp2(s * qk_scale - (m_new * qk_scale)[:, None])
+        # [rows x 4 lanes, 16]: lane u's columns of the tile in the order it adds them.
         cols = tl.reshape(tl.permute(tl.reshape(p, (BLOCK_G, BLOCK_N // 8, 4, 2)), (0, 2, 1, 3)),
                           (BLOCK_G * 4, BLOCK_N // 4))
-        part = part * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, 4)), (BLOCK_G * 4,))
-        if BLOCK_N == 64:
-            part = _seq16(part, cols)
-        else:
-            part = _seq32(part, cols)
+        first_col = tl.sum(tl.where(lane_col == 0, cols, 0.0), axis=1)          # exact: one value and zeros
+        lane_alpha = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, 4)), (BLOCK_G * 4,))
+        part = _seq16(tl.math.fma(lane_alpha, part, first_col), tl.where(lane_col == 0, 0.0, cols))
         acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         m_i = m_new
     pdl.launch_dependents(PDL)
-    # (t0 + t2) + (t1 + t3): the quad's butterfly, lane offset 2 then 1.
-    quad = tl.reshape(part, (BLOCK_G, 2, 2))
-    l_i = tl.sum(tl.sum(quad, axis=1), axis=1)
-    if RECIP == 1:
-        inv = tl.math.div_rn(tl.full([BLOCK_G], 1.0, tl.float32), l_i)
-    elif RECIP == 2:
-        inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
-                                        is_pure=True, pack=1)
-    else:
-        inv = 1.0 / l_i
-    inv = tl.where((l_i == 0.0) | (l_i != l_i), 1.0, inv)
+    quad = tl.reshape(part, (BLOCK_G, 2, 2))             # lane u = 2 hi + lo
+    l_i = tl.sum(tl.sum(quad, axis=1), axis=1)           # (u0 + u2) + (u1 + u3)
+    inv = tl.where((l_i == 0.0) | (l_i != l_i), 1.0, tl.math.div_rn(tl.full([BLOCK_G], 1.0, tl.float32), l_i))
     o = acc * inv[:, None]
     o_base = out_ptr + b.to(tl.int64) * stride_ob + h0 * stride_oh
     tl.store(o_base + offs_g[:, None] * stride_oh + offs_d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
@@ -544,9 +517,9 @@ def decode_attention(
     direct = plan.num_splits == 1
     if flash_order is None:
         flash_order = direct
-    fa2 = FA2 and direct and flash_order and plan.block_n in (64, 128)
+    fa2 = fa2_applies(plan, bool(flash_order), head_dim)
     # flash's softmax_scale is a float: c = float(float(scale) * log2 e) there.
-    qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 and FA2_SCALE_F32 else float(scale)) * _LOG2E
+    qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 else float(scale)) * _LOG2E
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
         acc_ws, m_ws, l_ws = out, out, out
@@ -571,8 +544,8 @@ def decode_attention(
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
-        FA2_PATH=fa2, RECIP=FA2_RECIP, EXP_FTZ=FA2_EXP_FTZ, FA2_NEWEST=FA2_NEWEST,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch,
+        FA2_PATH=fa2, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
     )
     if not direct:
         _combine_kernel[(batch * heads,)](
@@ -583,6 +556,12 @@ def decode_attention(
             num_warps=4, PDL=use_pdl, **pdl_launch,
         )
     return out
+
+
+def fa2_applies(plan: DecodeAttentionPlan, flash_order: bool, head_dim: int) -> bool:
+    """Whether a launch with this plan runs the FA2 path (module note): FA2 on, one split
+    walked newest first, 64-key tiles at head_dim 128 (flash's tiles there)."""
+    return FA2 and plan.num_splits == 1 and flash_order and plan.block_n == 64 and head_dim == 128
 
 
 def _check_plan(plan: object, group: int, capacity: int, num_splits: object, block_n: object) -> None:

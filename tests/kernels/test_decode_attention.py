@@ -345,6 +345,30 @@ def test_kernel_matches_reference_interpreted(
 
 
 @needs_interpreter
+@pytest.mark.parametrize("lengths,window", [([300, 1, 64], None), ([65, 128, 0], None), ([300, 200, 77], 100)])
+def test_fa2_path_matches_reference_interpreted(interpreter_fixes, monkeypatch, lengths, window):
+    """The FA2 path (one split, head_dim 128: flash's arithmetic) computes attention: within the
+    same bounds of the reference and float64 as the default path, windows and empty rows too."""
+    import fqkernels.decode_attention as da
+
+    monkeypatch.setattr(da, "FA2", True)
+    q, k, v, lengths_t = _make_inputs(3, 16, 4, 320, 128, lengths, "cpu", seed=12)
+    assert da.fa2_applies(da.decode_attention_plan(3, 16, 4, 320, 128, num_splits=1), True, 128)
+    _check_kernel(q, k, v, lengths_t, 128**-0.5, 1, None, window)
+
+
+def test_fa2_path_applies_only_where_flash_runs_one_split_of_64_key_tiles(monkeypatch):
+    import fqkernels.decode_attention as da
+
+    plan = da.decode_attention_plan(16, 32, 8, 1024, 128)
+    assert plan.num_splits == 1 and not da.fa2_applies(plan, True, 128)     # off by default
+    monkeypatch.setattr(da, "FA2", True)
+    assert da.fa2_applies(plan, True, 128) and not da.fa2_applies(plan, False, 128)
+    assert not da.fa2_applies(da.decode_attention_plan(1, 32, 8, 1024, 128), True, 128)          # splits
+    assert not da.fa2_applies(da.decode_attention_plan(16, 16, 4, 1024, 256), True, 256)         # D = 256
+
+
+@needs_interpreter
 @pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
 @pytest.mark.parametrize("window", [1, 20, 64, 65, 150, 1000])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])

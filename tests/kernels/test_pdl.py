@@ -39,7 +39,7 @@ def test_attention_kernels_compile_with_pdl():
            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_ob": "i32", "stride_oh": "i32",
            "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
     consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True,
-                  FA2_PATH=False, RECIP=0, EXP_FTZ=False, FA2_NEWEST=True)
+                  FA2_PATH=False)
     _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
                 .asm["ptx"])
     sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
