@@ -13,7 +13,9 @@ on the torch reference ops.
 Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
 FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
-FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend).
+FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
+FASTQWEN_EXACT_DECODE=1 (decode products and attention in the full forward's order from
+7 sequences, fqkernels/gemv.py EXACT; being measured, off by default).
 """
 import gc
 import json
@@ -88,8 +90,11 @@ class Engine:
         """What runs: the model family, its op backend, whether the decode step is a graph."""
         qwen35 = isinstance(self.model, fq_qwen35.Qwen35Model)
         backend = self.model.backend if qwen35 else self.model.ops.name
+        from fqkernels import gemv
+
         return {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
-                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs}
+                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
+                "exact_decode": gemv.EXACT}
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:

@@ -229,7 +229,11 @@ class TritonOps(TorchOps):
             key = (fused, rows) + tuple(ws[0].shape)
             t_ours = _time_over(ours, ws, reps)
             t_theirs = _time_over(theirs, ws, reps)
-            self.use_gemv[key] = t_ours < t_theirs
+            # FASTQWEN_EXACT_DECODE: an in-order GEMV gives the full forward's bits, cuBLAS at
+            # decode rows does not (gemv.EXACT): take it whatever the times say.
+            exact = gemv.EXACT and rows >= gemv.EXACT_FROM_ROWS and gemv.in_order(
+                gemv.select_config(ws[0].shape[0], ws[0].shape[1], fused, rows))
+            self.use_gemv[key] = exact or t_ours < t_theirs
             report[name] = (round(t_theirs, 2), round(t_ours, 2))
         return report
 

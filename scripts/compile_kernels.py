@@ -572,7 +572,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
             for batch in (1, 16):
                 for name, run in ((f"{EXTRA}qwen3.5-4b GDN decode B={batch}", _gdn_decode_step),
                                   (f"{EXTRA}qwen3.5-4b attention decode B={batch}", _qwen35_attention),
-                                  (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention)):
+                                  (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention),
+                                  (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products)):
                     recorder.scenario = name
                     try:
                         run(batch)
@@ -625,6 +626,17 @@ def _fa2_attention(batch: int) -> None:
         _attention(batch, 32, 8, 128, num_splits=1)
     finally:
         da.FA2 = saved
+
+
+def _exact_products(batch: int) -> None:
+    """FASTQWEN_EXACT_DECODE's o and down configs (gemv.EXACT_CONFIGS), each launched."""
+    from fqkernels import gemv
+
+    for (n, k), entry in gemv.EXACT_CONFIGS.items():
+        x = torch.empty((batch, k), dtype=torch.bfloat16, device=CUDA)
+        w = torch.empty((n, k), dtype=torch.bfloat16, device=CUDA)
+        for _, cfg in entry:
+            gemv.linear_partials(x, w, config=cfg)
 
 
 def _depth_check(shallow: EngineDriver, full: EngineDriver, label: str, target) -> list[str]:

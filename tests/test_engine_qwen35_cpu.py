@@ -208,4 +208,5 @@ def test_backend_is_explicit(tiny, monkeypatch):
         fq_qwen35.resolve_backend(cpu, "triton")
     monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND")
     info = Engine(str(tiny)).describe()
-    assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False}
+    assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
+                    "exact_decode": False}

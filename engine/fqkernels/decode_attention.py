@@ -71,8 +71,9 @@ _LOG2E = 1.4426950408889634
 # as (u0 + u2) + (u1 + u3) and the accumulator is multiplied by the IEEE reciprocal of the
 # sum. An earlier form (one-FMA exponent, rounded rescale, Triton's division) matched
 # flash's decode on 99.98-100% of elements (session 7, run 8): this one is written from
-# the sources and is not yet measured. Off until it is exact and timed on a GPU.
-FA2 = False
+# the sources and is not yet measured. Off until it is exact and timed on a GPU;
+# FASTQWEN_EXACT_DECODE=1 (read at import) turns it on with the in-order products (gemv.EXACT).
+FA2 = os.environ.get("FASTQWEN_EXACT_DECODE") == "1"
 
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our

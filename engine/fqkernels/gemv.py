@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -68,6 +69,7 @@ __all__ = [
     "linear_partials",
     "linear_reference",
     "linear_silu_mul_reference",
+    "in_order",
 ]
 
 # ----------------------------------------------------------------------------- configs
@@ -163,6 +165,35 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
     ),
 }
 
+# FASTQWEN_EXACT_DECODE=1 (read at import): from EXACT_FROM_ROWS rows, o and down walk K in
+# order into one accumulator (no split-K), as every other decode product already does
+# above one row. Each such product gives the bits of the full forward's large-M cuBLAS
+# product on an H200 (results/h200-2026-11-30/session7, gemm_order_probe.json and
+# gemm_inorder*.json); with the attention in flash's arithmetic (decode_attention.FA2, the
+# same switch) a decode step is meant to be the full forward's, bit for bit, from 7 rows
+# (where flash runs one split). Measured cost of the products alone: batch-16 TPOT +2.8%
+# (session 7, run 4). Off by default until the whole step is shown exact.
+EXACT = os.environ.get("FASTQWEN_EXACT_DECODE") == "1"
+EXACT_FROM_ROWS = 7
+EXACT_CONFIGS: dict[tuple[int, int], tuple] = {   # rows >= EXACT_FROM_ROWS; us from gemm_inorder*.json
+    (2560, 4096): (                                                     # o_proj
+        (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=8, mode="dot_t")),   # 8.2 us at 16 rows
+        (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),  # 10.2 at 64
+    ),
+    (2560, 9728): (                                                     # down_proj
+        (16, GemvConfig(block_n=32, block_k=512, split_k=1, num_stages=4, mode="dot")),    # 15.8 at 16
+        (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=6, mode="dot_t")),  # 18.2 at 32
+        (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),  # 21.4 at 64
+    ),
+}
+
+
+def in_order(config: GemvConfig) -> bool:
+    """Whether the config sums each output as the full forward's product does: tensor-core
+    tiles, K walked in increasing order into one accumulator (no split-K)."""
+    return config.split_k == 1 and config.mode in ("dot", "dot_t")
+
+
 # The default aims for about two waves of programs on a 132-SM GPU; it is a fixed
 # function of the shape (never of the device) so every machine computes the same bits.
 _TARGET_PROGRAMS = 264
@@ -191,6 +222,8 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1) -> Gemv
         raise ValueError(f"a packed gate/up weight needs an even row count, got {n}")
     table = SILU_MUL_CONFIGS if silu_mul else LINEAR_CONFIGS
     entry = table.get((n, k))
+    if EXACT and not silu_mul and rows >= EXACT_FROM_ROWS and (n, k) in EXACT_CONFIGS:
+        entry = EXACT_CONFIGS[(n, k)]
     if isinstance(entry, GemvConfig):
         return entry
     if entry is not None:
