@@ -14,6 +14,7 @@ Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
 FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
 FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
+FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (Qwen3.5's prompt pass as a graph per shape; not yet tried on a GPU),
 FASTQWEN_EXACT_DECODE=1 (decode products and attention in the full forward's order from
 7 sequences, fqkernels/gemv.py EXACT; being measured, off by default).
 """
@@ -76,11 +77,12 @@ class Engine:
                 self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
                                         ops_for(self.device))
         # Qwen3.5's decode step is graph-safe on its triton backend (no host reads); its
-        # prompt pass (the chunked references) is not captured yet.
+        # prompt pass (the chunked references, no host reads either) is captured only with
+        # FASTQWEN_QWEN35_PREFILL_GRAPHS=1 until a GPU run has shown the capture works.
         self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
                            and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
-        self.use_prefill_graphs = (self.use_graphs and not qwen35
-                                   and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1")
+        self.use_prefill_graphs = (self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
+                                   and (not qwen35 or os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1"))
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None

@@ -55,6 +55,7 @@
 #                 with the tl.sum norm kernel and with torch's norms
 #   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
+#   judge-q35-pg  judge-q35 with FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (the prompt pass as a graph per shape)
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
@@ -156,13 +157,21 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --variants engine,engine_tl_sum_norm,engine_torch_norms \
                  --out "$OUT/opswap_b4.json" 2>&1 | grep -v Warn | tail -24 ;;
     judge-q35) # Qwen3.5-4B (synth) in public mode: native and the replay on the machine's own Transformers
-               # 5.17 (its site-packages first on PYTHONPATH, through fastqwen/refenv.py), the engine eager.
+               # 5.17 (its site-packages first on PYTHONPATH, through fastqwen/refenv.py); the engine as it defaults.
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
                [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 560 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_q35.json" \
                  --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
+    judge-q35-pg) # the same with the prompt pass captured as a graph per shape (FASTQWEN_QWEN35_PREFILL_GRAPHS=1)
+               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
+                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                 --out /tmp/q35_4b 2>&1 | tail -1
+               FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
+                 --out "$OUT/judge_q35_pg.json" --chart "$OUT/judge_q35_pg.png" --model /tmp/q35_4b --workloads public \
+                 2>&1 | tail -40 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;
     gemm-inorder) timeout 400 python3 scripts/gpu_gemm_inorder.py --out "$OUT/gemm_inorder.json" 2>&1 \
