@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
+from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 
 BACKENDS = ("torch", "triton")
 
@@ -176,12 +177,6 @@ def _expected_names(cfg: Qwen35Config) -> list:
     return names
 
 
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """(1 + w) RMSNorm: fp32 throughout, rounded once."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first cos.shape[-1] dims (rotate-half, BF16 products), the rest passed through."""
     r = cos.shape[-1]
@@ -243,9 +238,9 @@ class Qwen35Model:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache."""
         S = ids.shape[1]
         cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
-        x = self._layers(self.w["model.embed_tokens.weight"][ids], True,   # [B, S, hidden]
+        h = self._layers(self.w["model.embed_tokens.weight"][ids], True,   # [B, S, hidden] in
                          lambda i, h: self._attention_prefill(i, h, cos, sin))
-        return self._logits(x[:, -1])
+        return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
         nxt = argmax_reference(self.decode_logits(tokens, positions, lengths))
@@ -256,23 +251,41 @@ class Qwen35Model:
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        x = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), False,  # [B, 1, hidden]
+        h = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), False,  # [B, 1, hidden] in
                          lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
-        return self._logits(x[:, 0])
+        return self._logits(h)
 
     def _layers(self, x: torch.Tensor, prompt: bool, attention) -> torch.Tensor:
         """Every decoder layer over x: the GDN mixer (chunked over a prompt, one step in decode)
-        or attention(i, h), then the MLP, each behind its (1 + w) norm, adds in BF16."""
-        eps = self.cfg.rms_norm_eps
-        for i in range(self.cfg.num_layers):
-            h = _norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], eps)
-            x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
-            x = x + self._mlp(i, _norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"], eps))
-        return x
+        or attention(i, h), then the MLP, each behind its (1 + w) norm, adds in BF16. Returns
+        the final norm's output at each sequence's last position, [B, hidden]. On the triton
+        backend each residual add and the norm after it are one kernel (fqkernels.rmsnorm,
+        one_plus)."""
+        eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
+        ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
+        if self.backend != "triton":
+            for i in range(L):
+                h = _norm(x, ln(i, "input_layernorm"), eps)
+                x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
+                x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
+            return _norm(x[:, -1], self.w["model.norm.weight"], eps)
+        from fqkernels.rmsnorm import add_rmsnorm, rmsnorm
+
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])                       # the residual stream, added to in place
+        h = rmsnorm(rows, ln(0, "input_layernorm"), eps, one_plus=True).view(shape)
+        for i in range(L):
+            mixed = self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h)
+            h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
+                            one_plus=True).view(shape)
+            nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
+            h = add_rmsnorm(rows, self._mlp(i, h).reshape(rows.shape), nxt, eps, one_plus=True).view(shape)
+        return h[:, -1]
 
     # ---- pieces ----------------------------------------------------------------------
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_norm(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps), self.w["lm_head.weight"])
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """BF16 logits of final-normed rows."""
+        return F.linear(h, self.w["lm_head.weight"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."

@@ -573,7 +573,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                 for name, run in ((f"{EXTRA}qwen3.5-4b GDN decode B={batch}", _gdn_decode_step),
                                   (f"{EXTRA}qwen3.5-4b attention decode B={batch}", _qwen35_attention),
                                   (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention),
-                                  (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products)):
+                                  (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products),
+                                  (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms)):
                     recorder.scenario = name
                     try:
                         run(batch)
@@ -626,6 +627,17 @@ def _fa2_attention(batch: int) -> None:
         _attention(batch, 32, 8, 128, num_splits=1)
     finally:
         da.FA2 = saved
+
+
+def _one_plus_norms(batch: int) -> None:
+    """Qwen3.5's (1 + w) norms at its widths: alone (the first layer's) and after the residual add."""
+    from fqkernels import rmsnorm
+
+    for n in (2560, 256):
+        x = torch.empty((batch, n), dtype=torch.bfloat16, device=CUDA)
+        w = torch.empty(n, dtype=torch.bfloat16, device=CUDA)
+        rmsnorm.rmsnorm(x, w, 1e-6, one_plus=True)
+        rmsnorm.add_rmsnorm(x, x, w, 1e-6, one_plus=True)
 
 
 def _exact_products(batch: int) -> None:

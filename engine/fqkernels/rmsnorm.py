@@ -105,10 +105,20 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
 
 
 @triton.jit
+def _scaled(xf, inv, w, ONE_PLUS: tl.constexpr):
+    """The normalized row times the weight, at the model's cast points: Qwen3 rounds
+    x * inv to bf16 before w multiplies it; Qwen3.5's (1 + w) norm keeps
+    (x * inv) * (1 + w) in fp32 and rounds once."""
+    if ONE_PLUS:
+        return ((xf * inv) * (1.0 + w.to(tl.float32))).to(tl.bfloat16)
+    return ((xf * inv).to(tl.bfloat16).to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
                     stride_x, stride_r, stride_o, stride_split, stride_t,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
     """FASTQWEN_TORCH_ORDER_NORM=0's kernel: the mean of squares is Triton's tl.sum.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
@@ -126,10 +136,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(tl.bfloat16)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, _scaled(xf, tl.rsqrt(var + eps), w, ONE_PLUS), mask=mask)
 
 
 @triton.jit
@@ -203,7 +211,8 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
                                 stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                                 VEC: tl.constexpr, HALVES: tl.constexpr, STATS: tl.constexpr = False,
-                                GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+                                GATHER: tl.constexpr = False, PDL: tl.constexpr = False,
+                                ONE_PLUS: tl.constexpr = False):
     """The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
     order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
     accumulator c // 32, and the lanes go through ATen's tree (module doc).
@@ -233,9 +242,8 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     inv = tl.rsqrt(mean + eps)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    y = (xf * inv).to(tl.bfloat16)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, _scaled(xf, inv, w, ONE_PLUS), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,7 +322,7 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} needs unit stride on its last dim, got strides {t.stride()}")
 
 
-def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
+def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None, one_plus=False):
     """gather: (ids, table) to fill x with table[ids] first (x then is written, not read).
     stats: an fp32 [M] tensor for each row's mean of squares (runs the torch-order kernel)."""
     _check("x", x, 2)
@@ -346,7 +354,7 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
     strides = (x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
                table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
-                 num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
+                 ONE_PLUS=bool(one_plus), num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
     # The torch-order kernel where this torch's order at width N is one it implements
     # (torch_order found it), or when asked for its statistics; else the tl.sum kernel.
     use_torch_order = stats is not None
@@ -363,7 +371,8 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None):
 
 
 def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: float,
-                  x: torch.Tensor = None, out: torch.Tensor = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  x: torch.Tensor = None, out: torch.Tensor = None,
+                  one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x = table[ids] (the residual stream's start), out = RMSNorm(x) * w: (x, out), one kernel.
     ids [M] int64/int32, each in [0, table rows): the caller's check, the kernel does not bound it."""
     _check("table", table, 2)
@@ -374,17 +383,20 @@ def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: 
         x = torch.empty((M, N), dtype=table.dtype, device=table.device)
     if tuple(x.shape) != (M, N):
         raise ValueError(f"x must have shape ({M}, {N}), got {tuple(x.shape)}")
-    return x, _launch(x, None, w, eps, out, gather=(ids, table))
+    return x, _launch(x, None, w, eps, out, gather=(ids, table), one_plus=one_plus)
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None) -> torch.Tensor:
-    """out = RMSNorm(x) * w with the reference's cast points."""
-    return _launch(x, None, w, eps, out)
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None,
+            one_plus: bool = False) -> torch.Tensor:
+    """out = RMSNorm(x) * w with the reference's cast points (one_plus: Qwen3.5's
+    (1 + w) norm, rmsnorm_one_plus_reference)."""
+    return _launch(x, None, w, eps, out, one_plus=one_plus)
 
 
-def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None) -> torch.Tensor:
-    """x <- bf16(x + r) in place (the residual stream); returns RMSNorm(x) * w."""
-    return _launch(x, r, w, eps, out)
+def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None,
+                one_plus: bool = False) -> torch.Tensor:
+    """x <- bf16(x + r) in place (the residual stream); returns RMSNorm(x) * w (or * (1 + w))."""
+    return _launch(x, r, w, eps, out, one_plus=one_plus)
 
 
 def add_rmsnorm_partials(x: torch.Tensor, partials: torch.Tensor, w: torch.Tensor, eps: float,
@@ -406,6 +418,12 @@ def torch_order_mean_of_squares(x: torch.Tensor, r: torch.Tensor = None, partial
     w = torch.ones(x.shape[1], dtype=torch.bfloat16, device=x.device)
     _launch(x.clone(), r, w, 1e-6, None, partials=partials, stats=stats)
     return stats
+
+
+def rmsnorm_one_plus_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Transformers 5.17's Qwen3_5RMSNorm: fp32 x * rsqrt(mean x^2 + eps) * (1 + w), rounded once."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
 
 
 def rmsnorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

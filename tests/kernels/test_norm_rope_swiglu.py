@@ -168,6 +168,24 @@ def test_torch_order_kernel_mean_is_torchs(rows, n):
     assert torch.equal(got, s.float().pow(2).mean(-1)[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("n", [2560, 256])
+def test_one_plus_norm_gives_qwen35s_reference_bits(rows, n):
+    """Qwen3.5's (1 + w) norm (rmsnorm_one_plus_reference, Transformers 5.17's) bit for bit, alone
+    and after the residual add, on the rows of a forward (16 or more: torch's order)."""
+    from fqkernels.rmsnorm import rmsnorm_one_plus_reference
+
+    pad = max(16, rows)
+    x = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    r = (torch.randn(pad, n, device=DEV) * 4).bfloat16()
+    w = (torch.randn(n, device=DEV) * 0.3).bfloat16()
+    assert torch.equal(rmsnorm(x[:rows], w, 1e-6, one_plus=True), rmsnorm_one_plus_reference(x, w, 1e-6)[:rows])
+    xk = x[:rows].clone()
+    got = add_rmsnorm(xk, r[:rows], w, 1e-6, one_plus=True)
+    s = x + r
+    assert torch.equal(xk, s[:rows]) and torch.equal(got, rmsnorm_one_plus_reference(s, w, 1e-6)[:rows])
+
+
 def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch):
     """Where torch_order finds no match (a width torch sums some other way), the norms run
     the tl.sum kernel rather than a torch order that is not torch's."""

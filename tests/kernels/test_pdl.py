@@ -54,7 +54,8 @@ def test_norm_and_rope_kernels_compile_with_pdl():
             "table_ptr": "*bf16"}
     strides = {"stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32", "stride_t": "i32"}
     for gather in (False, True):
-        flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True)
+        flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True,
+                     ONE_PLUS=False)
         sig = {**base, "N": "i32", "eps": "fp32", **strides}
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
         sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}

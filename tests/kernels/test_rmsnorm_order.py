@@ -140,3 +140,40 @@ def test_tl_sum_kernel_interpreted(interpreter_bf16_rounding, monkeypatch, rows,
     assert torch.equal(xe, x[ids])
     diff = (oute.float() - rn.rmsnorm_reference(x[ids], w, 1e-6).float()).abs()
     assert (diff <= oute.float().abs() * 2.0 ** -7 + 1e-30).all()
+
+
+@pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+                    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("torch_order", [True, False])
+@pytest.mark.parametrize("rows,n", [(5, 2560), (3, 256), (2, 1000)])
+def test_one_plus_norm_keeps_qwen35s_cast_points_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n,
+                                                             torch_order):
+    """Qwen3.5's (1 + w) norm: (x * rsqrt(mean + eps)) * (1 + w) in fp32, rounded once, on the
+    emulated mean (torch-order kernel) or on any sum (tl.sum kernel: checked against the
+    same formula on the kernel's own mean, to an ulp), and the residual added first."""
+    monkeypatch.setattr(rn, "TORCH_ORDER", torch_order)
+    monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (n % 4 == 0, True, True))
+    g = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    r = torch.randn(rows, n, generator=g).bfloat16()
+    w = (torch.randn(n, generator=g) * 0.3).bfloat16()
+    s = (x.float() + r.float()).bfloat16()
+
+    def expected(rows_):
+        mean = (rn.mean_of_squares_torch_order(rows_, n % 4 == 0, True) if torch_order
+                else rows_.float().square().mean(-1))
+        inv = torch.rsqrt(mean[:, None] + torch.tensor(1e-6, dtype=torch.float32))
+        return ((rows_.float() * inv) * (1.0 + w.float())).bfloat16()
+
+    got = rn.rmsnorm(x, w, 1e-6, one_plus=True)
+    xk = x.clone()
+    got_add = rn.add_rmsnorm(xk, r, w, 1e-6, one_plus=True)
+    assert torch.equal(xk, s)
+    if torch_order:
+        assert torch.equal(got, expected(x)) and torch.equal(got_add, expected(s))
+    else:
+        for a, b in ((got, expected(x)), (got_add, expected(s))):
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7).all()
+    # the (1 + w) form is not the Qwen3 form on the same rows
+    assert not torch.equal(got, rn.rmsnorm(x, w, 1e-6))
+
