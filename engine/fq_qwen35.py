@@ -9,7 +9,8 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
 - "triton": the decode step's attention through fqkernels.decode_attention and each GDN
   layer's step through gdn.conv_gates_step, gdn.decode_step and (heads of 128)
   gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
-  The CUDA default. The prompt pass stays on the references (the chunked kernel is next).
+  The prompt pass's rule through gdn.chunked_prefill; every residual add and the norm
+  after it through fqkernels.rmsnorm (one_plus). The CUDA default.
 FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default.
 
 The reference is Transformers 5.17.0's Qwen3_5ForCausalLM with its torch fallback
@@ -355,12 +356,15 @@ class Qwen35Model:
         self.conv_state[slot].copy_(new_conv)
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed.transpose(1, 2), [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
-        q = gdn.expand_heads(q.reshape(B, T, -1, c.linear_k_dim), c.linear_v_heads)
-        k = gdn.expand_heads(k.reshape(B, T, -1, c.linear_k_dim), c.linear_v_heads)
+        q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
         v = v.reshape(B, T, -1, c.linear_v_dim)
         g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
-        rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
-        o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot])
+        if prompt and self.backend == "triton":
+            o, state = gdn.chunked_prefill(q, k, v, g, beta)               # heads shared by index
+        else:
+            q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
+            rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
+            o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot])
         self.state[slot].copy_(state)
         o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                         self.w[p + "norm.weight"], c.rms_norm_eps)

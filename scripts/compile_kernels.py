@@ -599,6 +599,11 @@ def _gdn_decode_step(batch: int) -> None:
                         per_head, per_head)
     rows = torch.empty((batch * 32, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    # the prompt pass's rule (chunked, two kernels), a prompt of 512
+    qk = torch.empty((batch, 512, 16, 128), dtype=torch.bfloat16, device=CUDA)
+    v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
+    g = torch.empty((batch, 512, 32), dtype=torch.float32, device=CUDA)
+    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
 
 
 # Scenario names of the launches made outside the Qwen3 engine sweep.

@@ -321,3 +321,132 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
     _gated_rmsnorm_kernel[(R,)](x, z, w, out, _inverse(D), eps, D=D, VEC=vec, HALVES=halves, num_warps=1,
                                 enable_fp_fusion=False)
     return out
+
+
+# ------------------------------------------------------------------ chunked prefill kernels
+# The chunked rule of delta_rule_chunked_reference in two kernels, from a zero state (a
+# fresh prompt): _chunk_solve_kernel, one program per (sequence, value head, chunk), forms
+# the chunk's unit-lower system and its inverse by forward substitution (stable for keys
+# that repeat, where a power series is not), then u = T (beta v) and w = T (beta k e^gamma);
+# _chunk_scan_kernel, one program per (sequence, value head, block of value columns), walks
+# the chunks in order carrying S [Dk, BV] and writes the outputs and the final state.
+# Every product is fp32 ("ieee": no TF32), as the reference's. Checked against the float64
+# oracle's gates and the reference (tests/kernels/test_gdn_kernels.py); not yet timed.
+
+
+@triton.jit
+def _l2_rows(x):
+    """Each row times rsqrt(sum of squares + 1e-6) in fp32 (gdn.l2_normalize)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, T, NC,
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt,
+                        HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr):
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = pid // HV
+    hv = pid % HV
+    r = tl.arange(0, C)
+    t = c * C + r
+    ok = t < T
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    k = tl.load(k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    k = _l2_rows(k)
+    v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0)
+    gamma = tl.cumsum(g, axis=0)                                  # log decay from the chunk's start
+    kb = k * beta[:, None]
+    lower = r[:, None] > r[None, :]
+    a = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision="ieee")
+                 * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+    # T = (I + A)^-1, row by row: T_i = e_i - sum_{j < i} A_ij T_j (rows j < i are final).
+    inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)   # row i of A
+        inv = tl.where(r[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    u = tl.dot(inv, v * beta[:, None], input_precision="ieee")
+    w = tl.dot(inv, kb * tl.exp(gamma)[:, None], input_precision="ieee")
+    base = (pid * NC + c) * C
+    tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
+    tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
+    tl.store(gamma_ptr + base + r, gamma)
+
+
+@triton.jit
+def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, o_ptr, state_ptr, T, NC, scale,
+                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                       HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    pid = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    b = pid // HV
+    hv = pid % HV
+    hk = hv // RATIO
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    dv = v0 + tl.arange(0, BV)
+    causal = r[:, None] >= r[None, :]
+    s = tl.zeros([DK, BV], dtype=tl.float32)
+    for c in range(NC):
+        t = c * C + r
+        ok = t < T
+        q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        q = _l2_rows(q) * scale
+        k = _l2_rows(k)
+        base = (pid * NC + c) * C
+        gamma = tl.load(gamma_ptr + base + r)
+        u = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :])
+        w = tl.load(w_ptr + (base + r)[:, None] * DK + dk[None, :])
+        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
+        attn = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee")
+                        * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+        v_new = u - tl.dot(w, s, input_precision="ieee")
+        o = tl.dot(q * tl.exp(gamma)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
+                 mask=ok[:, None])
+        s = s * tl.exp(last) + tl.dot(tl.trans(k * tl.exp(last - gamma)[:, None]), v_new, input_precision="ieee")
+    tl.store(state_ptr + pid * DK * DV + dk[:, None] * DV + dv[None, :], s)
+
+
+def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    block_v: int = 64):
+    """The chunked rule over a fresh prompt (zero initial state), as two kernels (block_v: value
+    columns per scan program, at most Dv, a power of two dividing it): q, k
+    [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
+    bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. Returns (o [B, T, Hv, Dv] bf16, the final
+    state [B, Hv, Dk, Dv] fp32), what delta_rule_chunked_reference returns on the repeated heads."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if q.shape != k.shape or v.shape[:2] != (B, T) or Hv % Hk or tuple(g.shape) != (B, T, Hv) \
+            or tuple(beta.shape) != (B, T, Hv) or g.dtype != torch.float32:
+        raise ValueError(f"gdn.chunked_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {g.dtype} {tuple(g.shape)}, beta {tuple(beta.shape)} do not fit")
+    block_v = min(block_v, Dv)
+    if Dk & (Dk - 1) or Dv % block_v or block_v & (block_v - 1) or T < 1:
+        raise ValueError(f"gdn.chunked_prefill: Dk must be a power of two, Dv a multiple of {block_v}, T >= 1")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    nc = triton.cdiv(T, CHUNK)
+    dev = v.device
+    u = torch.empty((B * Hv * nc * CHUNK, Dv), dtype=torch.float32, device=dev)
+    w = torch.empty((B * Hv * nc * CHUNK, Dk), dtype=torch.float32, device=dev)
+    gamma = torch.empty((B * Hv * nc * CHUNK,), dtype=torch.float32, device=dev)
+    _chunk_solve_kernel[(B * Hv, nc)](
+        k, v, g, beta, u, w, gamma, T, nc, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), g.stride(0), g.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, num_warps=8)
+    out = torch.empty((B, T, Hv, Dv), dtype=torch.bfloat16, device=dev)
+    state = torch.empty((B, Hv, Dk, Dv), dtype=torch.float32, device=dev)
+    _chunk_scan_kernel[(B * Hv, Dv // block_v)](
+        q, k, u, w, gamma, out, state, T, nc, Dk ** -0.5, q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
+        BV=block_v, num_warps=8)
+    return out, state

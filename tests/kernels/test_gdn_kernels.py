@@ -107,3 +107,51 @@ def test_gated_rmsnorm_is_the_reference(rows):
     d = (got - want).abs()
     assert (d <= torch.maximum(got.abs(), want.abs()) * 2.0 ** -6 + 1e-30).all()
     assert (d > 0).float().mean() < 0.01
+
+
+def _prefill_inputs(B, T, Hk, Hv, D, seed, repeat_keys=False):
+    """q, k as the conv's bf16 outputs (Hk heads, not repeated), v, and the layer's gates."""
+    g_ = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hk, D, generator=g_).bfloat16()
+    k = torch.randn(B, T, Hk, D, generator=g_).bfloat16()
+    if repeat_keys:   # a token repeated: one key over and over, the case a power series of the system breaks on
+        k = k[:, :1].expand(B, T, Hk, D).contiguous()
+    v = torch.randn(B, T, Hv, D, generator=g_).bfloat16()
+    a = torch.randn(B, T, Hv, generator=g_).bfloat16()
+    b = (torch.randn(B, T, Hv, generator=g_) + (3.0 if repeat_keys else 0.0)).bfloat16()
+    a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16()
+    g, beta = gdn.gates_reference(a, b, a_log, torch.ones(Hv, dtype=torch.bfloat16))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,D,repeat", [(1, 1, 2, 4, 32, False), (2, 3, 1, 2, 32, False),
+                                                (2, 63, 2, 4, 32, False), (1, 64, 2, 2, 64, False),
+                                                (2, 65, 1, 2, 32, False), (1, 130, 2, 4, 64, False),
+                                                (1, 150, 1, 2, 128, False), (1, 100, 1, 2, 32, True)])
+def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, B, T, Hk, Hv, D, repeat):
+    """The two prefill kernels (gdn.chunked_prefill) against the float64 oracle's gates, outputs
+    and final state, over T below, at and past a chunk (64), batch > 1, query heads shared, and
+    a key repeated through the prompt; and close to the chunked reference."""
+    q, k, v, g, beta = _prefill_inputs(B, T, Hk, Hv, D, seed=T + D, repeat_keys=repeat)
+    o, s = gdn.chunked_prefill(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), block_v=min(64, D))
+    o, s = o.cpu(), s.cpu()
+    qe, ke = gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv)
+    o64, s64 = oracle_recurrent(qe, ke, v, g, beta)
+    assert rel(o, o64) <= GATE_OUT and rel(s, s64) <= GATE_STATE, (rel(o, o64), rel(s, s64))
+    o_r, s_r = gdn.delta_rule_chunked_reference(qe, ke, v, g, beta)
+    assert rel(s, s_r) <= 1e-5 and rel(o, o_r.float()) <= 2e-2
+
+
+def test_the_prefill_gate_catches_a_wrong_decay_or_gate(interpreter_fixes):
+    """The gates can fail: the kernels fed a decay 1.5x too strong, or beta 10% too small,
+    land well outside the state gate against the oracle of the true inputs."""
+    q, k, v, g, beta = _prefill_inputs(1, 100, 1, 2, 32, seed=7)
+    truth = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)[1]
+
+    def state_error(g_, beta_):
+        return rel(gdn.chunked_prefill(q.to(DEV), k.to(DEV), v.to(DEV), g_.to(DEV), beta_.to(DEV),
+                                       block_v=32)[1].cpu(), truth)
+
+    assert state_error(g, beta) <= GATE_STATE
+    assert state_error(g * 1.5, beta) > 4 * GATE_STATE
+    assert state_error(g, (beta.float() * 0.9).bfloat16()) > 4 * GATE_STATE

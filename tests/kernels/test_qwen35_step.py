@@ -1,8 +1,8 @@
 """Qwen3.5's decode step on its triton backend (fq_qwen35: fqkernels.decode_attention and the
 GDN step kernels) against the torch backend (the references, Transformers 5.17's bits on the
 CPU: tests/test_engine_qwen35_cpu.py), teacher-forced on the tiny preset past a GDN chunk:
-the prompt pass (its norms on the kernels) and the decode logits and states within the
-kernels' fp32-order noise; on a GPU the prompt pass's logits equal. Under
+the prompt pass (its rule and norms on the kernels) and the decode logits and states within
+the kernels' fp32-order noise. Under
 Triton's CPU interpreter (Triton >= 3.4) for the logic; on a GPU for the bits, and there the
 step captured as a CUDA graph must replay what it computes eagerly."""
 from __future__ import annotations
@@ -63,9 +63,6 @@ def test_triton_step_tracks_the_reference(tiny):
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
     ref, conv_ref, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
     got, conv_got, state_got = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton"), seq)
-    if DEV.type == "cuda":
-        # the prompt pass differs only in its norms, which on the GPU give torch's bits
-        assert torch.equal(got[:, 0], ref[:, 0]), "the prompt pass's logits differ"
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
