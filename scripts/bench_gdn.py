@@ -1,0 +1,90 @@
+"""Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our two kernels) against the
+pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value heads of
+128), B in {1, 4, 16} x T in {512, 2048, 8192} by default, and check each result against
+the reference. With flash-linear-attention importable, its chunk_gated_delta_rule is timed
+beside them (never required). One JSON line per shape, and a JSON file.
+
+    python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "engine"))
+
+from fqkernels import gdn  # noqa: E402
+
+HK, HV, D = 16, 32, 128
+
+
+def _ms(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - optional comparison
+        return None
+    return chunk_gated_delta_rule
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x512,1x2048,1x8192,4x512,4x2048,4x8192,16x512,16x2048,16x8192")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    fla = _fla()
+    report = {"torch": torch.__version__, "fla": fla is not None, "results": []}
+    for shape in args.shapes.split(","):
+        B, T = (int(x) for x in shape.split("x"))
+        gen = torch.Generator(device=dev).manual_seed(B * T)
+        q = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
+        k = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
+        v = torch.randn(B, T, HV, D, generator=gen, device=dev).bfloat16()
+        a = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
+        b = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
+        a_log = torch.log(torch.empty(HV, device=dev).uniform_(0.01, 16, generator=gen)).bfloat16()
+        g, beta = gdn.gates_reference(a, b, a_log, torch.ones(HV, dtype=torch.bfloat16, device=dev))
+        res = {"B": B, "T": T}
+        res["ours_ms"] = _ms(lambda: gdn.chunked_prefill(q, k, v, g, beta))
+        qe, ke = gdn.expand_heads(q, HV), gdn.expand_heads(k, HV)
+        o, s = gdn.chunked_prefill(q, k, v, g, beta)
+        if B * T <= 16384:   # the reference's working set grows with B x T
+            res["reference_ms"] = _ms(lambda: gdn.delta_rule_chunked_reference(qe, ke, v, g, beta), reps=3)
+            o_r, s_r = gdn.delta_rule_chunked_reference(qe, ke, v, g, beta)
+            res["state_rel_to_reference"] = ((s - s_r).abs().max() / s_r.abs().max()).item()
+            res["out_rel_to_reference"] = ((o.float() - o_r.float()).abs().max() / o_r.float().abs().max()).item()
+        if fla is not None:
+            try:
+                res["fla_ms"] = _ms(lambda: fla(qe, ke, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                output_final_state=True))
+            except Exception as exc:  # noqa: BLE001
+                res["fla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        report["results"].append(res)
+        print(json.dumps(res), flush=True)
+        del q, k, v, qe, ke, o, s
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
