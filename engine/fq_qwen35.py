@@ -194,9 +194,25 @@ class Qwen35Model:
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
         self.scale = cfg.head_dim ** -0.5
+        if self.backend == "triton":
+            self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
         self.ops = _NoTuning()
+
+    def _pack(self) -> None:
+        """The triton backend's weights: per GDN layer the four input projections as one
+        matrix (qkv | z | b | a), per layer gate and up as one (gate | up), packed in the
+        weights dict itself, each original dropped as its pack is made (so the memory held
+        stays the weights', plus one layer's pack at a time)."""
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            groups = [("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])]
+            if i in self.gdn_slot:
+                groups.append(("linear_attn.in_proj.weight", [f"linear_attn.in_proj_{n}.weight"
+                                                             for n in ("qkv", "z", "b", "a")]))
+            for packed, names in groups:
+                self.w[p + packed] = torch.cat([self.w.pop(p + n) for n in names])
 
     # ---- buffers -----------------------------------------------------------------
     def ensure_rope(self, length: int) -> bool:
@@ -290,6 +306,12 @@ class Qwen35Model:
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
+        if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
+            from fqkernels.swiglu import silu_mul
+
+            gu = F.linear(h, self.w[p + "gate_up.weight"])
+            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(*h.shape[:-1], -1)
+            return F.linear(act, self.w[p + "down_proj.weight"])
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
@@ -347,10 +369,9 @@ class Qwen35Model:
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
-        mixed = F.linear(h, self.w[p + "in_proj_qkv.weight"]).transpose(1, 2)      # [B, conv_dim, T]
-        z = F.linear(h, self.w[p + "in_proj_z.weight"]).reshape(B, T, -1, c.linear_v_dim)
-        b = F.linear(h, self.w[p + "in_proj_b.weight"])
-        a = F.linear(h, self.w[p + "in_proj_a.weight"])
+        mixed, z, b, a = self._in_proj(p, h)
+        mixed = mixed.transpose(1, 2)                                               # [B, conv_dim, T]
+        z = z.reshape(B, T, -1, c.linear_v_dim)
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
         mixed, new_conv = gdn.causal_conv_reference(mixed, conv_w, None if prompt else self.conv_state[slot])
         self.conv_state[slot].copy_(new_conv)
@@ -371,17 +392,23 @@ class Qwen35Model:
         return F.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
 
 
+    def _in_proj(self, p: str, h: torch.Tensor):
+        """A GDN layer's four input projections (qkv for the conv, z, b, a): one product of the
+        packed matrix on the triton backend, four on the references."""
+        if self.backend != "triton":
+            return tuple(F.linear(h, self.w[p + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a"))
+        c = self.cfg
+        sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
+        return torch.split(F.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
+
     def _gdn_step_kernels(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
         The conv and recurrent states are updated in place."""
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
         slot = self.gdn_slot[i]
-        x = h[:, 0]
-        mixed = F.linear(x, self.w[p + "in_proj_qkv.weight"])                     # [B, conv_dim]
-        z = F.linear(x, self.w[p + "in_proj_z.weight"]).reshape(-1, c.linear_v_dim)
-        b = F.linear(x, self.w[p + "in_proj_b.weight"])
-        a = F.linear(x, self.w[p + "in_proj_a.weight"])
+        mixed, z, b, a = self._in_proj(p, h[:, 0])                                  # mixed [B, conv_dim]
+        z = z.reshape(-1, c.linear_v_dim)
         mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim

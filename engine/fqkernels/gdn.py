@@ -207,7 +207,12 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                          f"got {g.dtype} {tuple(g.shape)} and {tuple(beta.shape)}")
     if Dk & (Dk - 1) or Dv % block_v:
         raise ValueError(f"gdn.decode_step: Dk must be a power of two and Dv a multiple of {block_v}")
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    # q, k, v may be views of the conv's output row (unit last stride, q and k alike): no copy
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     _decode_step_kernel[(B * Hv, Dv // block_v)](
         q, k, v, g, beta, state, out, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),

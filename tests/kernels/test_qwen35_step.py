@@ -62,7 +62,7 @@ def test_triton_step_tracks_the_reference(tiny):
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
     ref, conv_ref, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
-    got, conv_got, state_got = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton"), seq)
+    got, conv_got, state_got = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton"), seq)
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
@@ -81,7 +81,7 @@ def test_a_wrong_gdn_step_is_caught(tiny, monkeypatch):
     ref, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
     real = fq_qwen35.gdn.decode_step
     monkeypatch.setattr(fq_qwen35.gdn, "decode_step", lambda q, k, v, g, beta, state: real(q, k, v, 2 * g, beta, state))
-    got, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton"), seq)
+    got, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton"), seq)
     assert (got[:, 1:] - ref[:, 1:]).abs().max().item() > 0.02 * ref[:, 1:].std().item() + 0.07
 
 
@@ -93,7 +93,7 @@ def test_the_step_replays_as_a_graph(tiny):
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(5)).to(DEV)
     toks = {}
     for graph in (False, True):
-        model = fq_qwen35.Qwen35Model(cfg, w, DEV, backend="triton")
+        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
         model.ensure_rope(S + N)
         model.allocate_cache(B, S + N)
         with torch.inference_mode():
