@@ -56,6 +56,8 @@
 #   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
 #   judge-q35-pg  judge-q35 with FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (the prompt pass as a graph per shape)
+#   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
+#                 torch backend, the graph against eager, step and prompt-pass times
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
@@ -173,6 +175,10 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
                  --out "$OUT/judge_q35_pg.json" --chart "$OUT/judge_q35_pg.png" --model /tmp/q35_4b --workloads public \
                  2>&1 | tail -40 ;;
+    q35-check) [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                 --out /tmp/q35_4b 2>&1 | tail -1
+               FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
+                 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | tail -12 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;

@@ -1,0 +1,149 @@
+"""Qwen3.5 on the GPU, piece by piece, each step reported even when a later one fails:
+load on both backends; the prompt pass on each (logit distance triton vs torch); N decode
+steps teacher-forced on each (max |logit diff| per step); the triton step captured as a
+CUDA graph (tokens equal to its eager steps); then the graphed step's time and the prompt
+pass's time (eager, and as a graph when FASTQWEN_QWEN35_PREFILL_GRAPHS=1 is set) at a few
+shapes. One JSON report.
+
+    python scripts/gpu_q35_check.py --model DIR [--shapes 1x512x32,4x2048x32,16x512x128] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "engine"))
+
+import fq_qwen35  # noqa: E402
+from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
+
+
+def _step(report: dict, name: str, fn):
+    t0 = time.perf_counter()
+    try:
+        report[name] = {"ok": True, **(fn() or {})}
+    except Exception:  # noqa: BLE001 - every step is reported, the next ones still run
+        report[name] = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    report[name]["seconds"] = round(time.perf_counter() - t0, 2)
+    print(name, json.dumps(report[name])[:600], flush=True)
+    return report[name]["ok"]
+
+
+def _forced(model, seq, S, N):
+    B = seq.shape[0]
+    model.ensure_rope(S + N)
+    model.allocate_cache(B, S + N)
+    with torch.inference_mode():
+        out = [model.prefill_logits(seq[:, :S]).float()]
+        pos = torch.full((B,), S, dtype=torch.int32, device=seq.device)
+        for t in range(S, S + N - 1):
+            out.append(model.decode_logits(seq[:, t].contiguous(), pos, pos + 1).float())
+            pos += 1
+    return torch.stack(out, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--shapes", default="1x512x32,4x2048x32,16x512x128")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "q35_check.json"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = fq_qwen35.Qwen35Config.from_dir(args.model)
+    report: dict = {"model": args.model, "torch": torch.__version__}
+    models: dict = {}
+
+    def load():
+        for backend in ("torch", "triton"):
+            w = fq_qwen35.load_weights(args.model, cfg, dev)
+            models[backend] = fq_qwen35.Qwen35Model(cfg, w, dev, backend=backend)
+        return {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
+
+    if not _step(report, "load", load):
+        json.dump(report, open(args.out, "w"), indent=1)
+        return
+    B, S, N = 4, 200, 12
+    seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(3)).to(dev)
+
+    def forced():
+        ref = _forced(models["torch"], seq, S, N)
+        got = _forced(models["triton"], seq, S, N)
+        d = (got - ref).abs().amax(-1)                      # [B, N]
+        return {"prompt_pass_max_abs": d[:, 0].max().item(), "decode_max_abs_per_step": d[:, 1:].amax(0).tolist(),
+                "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+    _step(report, "teacher_forced_triton_vs_torch", forced)
+    del models["torch"]
+    torch.cuda.empty_cache()
+    model = models["triton"]
+
+    def graph():
+        toks = {}
+        for use_graph in (False, True):
+            model.ensure_rope(S + N)
+            model.allocate_cache(B, S + N)
+            with torch.inference_mode():
+                runner = DecodeRunner(model, B, use_graph=use_graph)
+                runner.start(model.prefill(seq[:, :S]), S)
+                out = []
+                for _ in range(N):
+                    runner.step()
+                    out.append(runner.tokens.clone())
+            toks[use_graph] = torch.stack(out)
+        return {"graph_equals_eager": bool(torch.equal(toks[True], toks[False]))}
+
+    _step(report, "graph_capture", graph)
+
+    for shape in args.shapes.split(","):
+        b, p, o = (int(x) for x in shape.split("x"))
+
+        def timing(b=b, p=p, o=o):
+            ids = torch.randint(0, cfg.vocab_size, (b, p), device=dev)
+            steps = max(8, o)
+            model.ensure_rope(p + steps + 8)
+            model.allocate_cache(b, p + steps + 8)            # room for the warm-up and timed steps
+            res = {}
+            with torch.inference_mode():
+                for _ in range(2):
+                    model.prefill(ids)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.prefill(ids)
+                torch.cuda.synchronize()
+                res["prefill_eager_ms"] = (time.perf_counter() - t0) * 1e3
+                if os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1":
+                    pg = PrefillGraph(model, b, p)
+                    pg.run(ids)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    pg.run(ids)
+                    torch.cuda.synchronize()
+                    res["prefill_graph_ms"] = (time.perf_counter() - t0) * 1e3
+                    del pg
+                runner = DecodeRunner(model, b, use_graph=True)
+                runner.start(model.prefill(ids), p)
+                for _ in range(3):
+                    runner.step()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    runner.step()
+                torch.cuda.synchronize()
+                res["graph_step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+            return res
+
+        _step(report, f"timing_{shape}", timing)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
