@@ -319,10 +319,19 @@ class Qwen35Model:
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE; gate [B, T, H * D]."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
-        q, gate = torch.chunk(F.linear(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim), 2, dim=-1)
-        q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
-        k = _norm(F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim), self.w[p + "k_norm.weight"],
-                  c.rms_norm_eps).transpose(1, 2)
+        qp = F.linear(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim)    # per head [query | gate]
+        q, gate = torch.chunk(qp, 2, dim=-1)
+        k = F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
+        if self.backend == "triton":   # each head's (1 + w) norm as one kernel row (q: the first D of 2D)
+            from fqkernels.rmsnorm import rmsnorm
+
+            q = rmsnorm(qp.reshape(-1, 2 * c.head_dim)[:, :c.head_dim], self.w[p + "q_norm.weight"], c.rms_norm_eps,
+                        one_plus=True).view(B, T, -1, c.head_dim).transpose(1, 2)
+            k = rmsnorm(k.reshape(-1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps,
+                        one_plus=True).view(B, T, -1, c.head_dim).transpose(1, 2)
+        else:
+            q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
+            k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(B, T, -1)
