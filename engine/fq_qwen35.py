@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
+from fqkernels.rope_kv import partial_rope_reference as _rotate
 
 BACKENDS = ("torch", "triton")
 
@@ -176,14 +177,6 @@ def _expected_names(cfg: Qwen35Config) -> list:
         names += [p + s for s in mixer + ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                                            "input_layernorm.weight", "post_attention_layernorm.weight"]]
     return names
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims (rotate-half, BF16 products), the rest passed through."""
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    half = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
-    return torch.cat([xr * cos + half * sin, xp], dim=-1)
 
 
 class Qwen35Model:
@@ -322,17 +315,22 @@ class Qwen35Model:
         qp = F.linear(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim)    # per head [query | gate]
         q, gate = torch.chunk(qp, 2, dim=-1)
         k = F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
-        if self.backend == "triton":   # each head's (1 + w) norm as one kernel row (q: the first D of 2D)
-            from fqkernels.rmsnorm import rmsnorm
-
-            q = rmsnorm(qp.reshape(-1, 2 * c.head_dim)[:, :c.head_dim], self.w[p + "q_norm.weight"], c.rms_norm_eps,
-                        one_plus=True).view(B, T, -1, c.head_dim).transpose(1, 2)
-            k = rmsnorm(k.reshape(-1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps,
-                        one_plus=True).view(B, T, -1, c.head_dim).transpose(1, 2)
-        else:
-            q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
-            k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
+        if self.backend == "triton":
+            # each head's (1 + w) norm one kernel row (q: the first D of each 2D), then the partial RoPE
+            from fqkernels.rmsnorm import rmsnorm
+            from fqkernels.rope_kv import partial_rope
+
+            cs, sn = (t.expand(B, T, -1).reshape(B * T, -1) for t in (cos, sin))
+            q = rmsnorm(qp.reshape(-1, 2 * c.head_dim)[:, :c.head_dim], self.w[p + "q_norm.weight"], c.rms_norm_eps,
+                        one_plus=True).view(B * T, -1, c.head_dim)
+            k = rmsnorm(k.reshape(-1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps,
+                        one_plus=True).view(B * T, -1, c.head_dim)
+            q = partial_rope(q, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
+            k = partial_rope(k, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
+            return q, k, v, gate.reshape(B, T, -1)
+        q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
+        k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(B, T, -1)
 

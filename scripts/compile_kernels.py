@@ -620,7 +620,12 @@ def _attention(batch: int, heads: int, kv_heads: int, head_dim: int, num_splits=
 
 
 def _qwen35_attention(batch: int) -> None:
+    from fqkernels.rope_kv import partial_rope
+
     _attention(batch, 16, 4, 256)
+    cs = torch.empty((batch, 64), dtype=torch.bfloat16, device=CUDA)
+    for heads in (16, 4):
+        partial_rope(torch.empty((batch, heads, 256), dtype=torch.bfloat16, device=CUDA), cs, cs)
 
 
 def _fa2_attention(batch: int) -> None:

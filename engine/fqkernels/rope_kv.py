@@ -144,3 +144,50 @@ def rope_tables(head_dim: int, theta: float, length: int, device: torch.device):
     freqs = (inv_freq[None, :, None].float() @ positions[None, None, :].float()).transpose(1, 2)[0]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(torch.bfloat16).contiguous(), emb.sin().to(torch.bfloat16).contiguous()
+
+
+# ------------------------------------------------------------------ partial RoPE (Qwen3.5)
+@triton.jit
+def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_c,
+                         D: tl.constexpr, R: tl.constexpr):
+    """Program (row, head): the first R dims rotated (rotate-half over R), the rest copied."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, D)
+    x = tl.load(x_ptr + row * stride_xr + head * stride_xh + offs).to(tl.float32)
+    rot = offs < R
+    half = R // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    y = tl.load(x_ptr + row * stride_xr + head * stride_xh + partner, mask=rot, other=0.0).to(tl.float32)
+    y = tl.where(offs < half, -y, y)                                   # rotate_half over the first R dims
+    c = tl.load(cos_ptr + row * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
+    out = tl.where(rot, _round_bf16(_round_bf16(x * c) + _round_bf16(y * s)), x)
+    tl.store(out_ptr + (row * H + head) * D + offs, out.to(tl.bfloat16))
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's RoPE on the first R = cos.shape[-1] dims of each head: x [N, H, D] bf16 (unit
+    stride on D), cos, sin [N, R] bf16 (the row's position); returns [N, H, D] bf16:
+    bf16(bf16(x_r * cos) + bf16(rotate_half(x_r) * sin)) on the first R dims, the rest as is
+    (partial_rope_reference, the reference's cast points)."""
+    N, H, D = x.shape
+    R = cos.shape[-1]
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or tuple(cos.shape) != (N, R) or sin.shape != cos.shape \
+            or R % 2 or R > D or D & (D - 1):
+        raise ValueError(f"partial_rope: x {x.dtype} {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+                         " do not fit (bf16 x with unit last stride, D a power of two, cos/sin [N, R], R even <= D)")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((N, H, D), dtype=torch.bfloat16, device=x.device)
+    _partial_rope_kernel[(N, H)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), D=D, R=R,
+                                 num_warps=1)
+    return out
+
+
+def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with cos, sin [..., R] broadcasting over the heads: RoPE on the first R dims
+    (rotate-half, BF16 products and sum), the rest passed through (Transformers 5.17's Qwen3.5)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    half = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
+    return torch.cat([xr * cos + half * sin, xp], dim=-1)

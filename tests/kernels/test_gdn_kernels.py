@@ -1,6 +1,7 @@
-"""The Gated DeltaNet decode-step kernel (fqkernels/gdn.py, decode_step) against its torch
-reference and within the float64 oracle's error gates (tests/test_gdn.py) over many steps:
-under Triton's CPU interpreter (Triton >= 3.4) for the logic, on a GPU for the bits."""
+"""Qwen3.5's kernels against their torch references: the Gated DeltaNet decode step (within
+the float64 oracle's error gates, tests/test_gdn.py, over many steps), the step's conv and
+gates, the gated norm, the chunked prefill (the oracle's gates) and the partial RoPE: under
+Triton's CPU interpreter (Triton >= 3.4) for the logic, on a GPU for the bits."""
 from __future__ import annotations
 
 import os
@@ -155,3 +156,22 @@ def test_the_prefill_gate_catches_a_wrong_decay_or_gate(interpreter_fixes):
     assert state_error(g, beta) <= GATE_STATE
     assert state_error(g * 1.5, beta) > 4 * GATE_STATE
     assert state_error(g, (beta.float() * 0.9).bfloat16()) > 4 * GATE_STATE
+
+
+@pytest.mark.parametrize("N,H,D,R", [(3, 4, 64, 16), (5, 16, 256, 64), (1, 2, 128, 128)])
+def test_partial_rope_is_the_reference(N, H, D, R):
+    """Qwen3.5's partial RoPE (fqkernels.rope_kv.partial_rope): the reference's bits, each
+    product and the sum rounded to bf16 (the kernel rounds with integer arithmetic, which no
+    contraction can skip), the dims past R untouched; a q/k view with a row stride as the model
+    passes it."""
+    from fqkernels.rope_kv import partial_rope, partial_rope_reference, rope_tables
+
+    g_ = torch.Generator().manual_seed(N * D + R)
+    x = (torch.randn(N, H, 2 * D, generator=g_) * 3).bfloat16()[:, :, :D]        # a strided view
+    cos, sin = rope_tables(R, 1e7, 64, torch.device("cpu"))
+    pos = torch.randint(0, 64, (N,), generator=g_)
+    got = partial_rope(x.to(DEV), cos[pos].to(DEV), sin[pos].to(DEV)).cpu()
+    want = partial_rope_reference(x, cos[pos][:, None], sin[pos][:, None])
+    assert torch.equal(got, want)
+    if R < D:
+        assert torch.equal(got[..., R:], x[..., R:])
