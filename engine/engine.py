@@ -79,7 +79,7 @@ class Engine:
         # Qwen3.5's decode step is graph-safe on its triton backend (no host reads); its
         # prompt pass (the chunked references, no host reads either) is captured only with
         # FASTQWEN_QWEN35_PREFILL_GRAPHS=1 until a GPU run has shown the capture works.
-        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
+        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.kernels)
                            and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
         self.use_prefill_graphs = (self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
                                    and (not qwen35 or os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1"))

@@ -11,7 +11,9 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
   gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's rule through gdn.chunked_prefill; every residual add and the norm
   after it through fqkernels.rmsnorm (one_plus). The CUDA default.
-FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default.
+FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default. (flash-linear-attention is
+not among the platform's modules, so it cannot be imported here: scripts/bench_gdn.py
+compares its kernels with ours.)
 
 The reference is Transformers 5.17.0's Qwen3_5ForCausalLM with its torch fallback
 (../shared/QWEN35.md, checked against the source). Per layer, h += mixer(norm1(h)), then
@@ -187,7 +189,8 @@ class Qwen35Model:
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
         self.scale = cfg.head_dim ** -0.5
-        if self.backend == "triton":
+        self.kernels = self.backend == "triton"
+        if self.kernels:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
@@ -273,7 +276,7 @@ class Qwen35Model:
         one_plus)."""
         eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
         ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
-        if self.backend != "triton":
+        if not self.kernels:
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
                 x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
@@ -299,7 +302,7 @@ class Qwen35Model:
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
-        if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
+        if self.kernels:   # one product for gate | up, SiLU * up in one kernel (the same cast points)
             from fqkernels.swiglu import silu_mul
 
             gu = F.linear(h, self.w[p + "gate_up.weight"])
@@ -316,7 +319,7 @@ class Qwen35Model:
         q, gate = torch.chunk(qp, 2, dim=-1)
         k = F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
         v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
-        if self.backend == "triton":
+        if self.kernels:
             # each head's (1 + w) norm one kernel row (q: the first D of each 2D), then the partial RoPE
             from fqkernels.rmsnorm import rmsnorm
             from fqkernels.rope_kv import partial_rope
@@ -352,7 +355,7 @@ class Qwen35Model:
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
         vc[rows, :, positions.long()] = v[:, :, 0]
-        if self.backend == "triton":
+        if self.kernels:
             from fqkernels.decode_attention import decode_attention
 
             attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
@@ -371,7 +374,7 @@ class Qwen35Model:
         return F.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
-        if not prompt and self.backend == "triton":
+        if not prompt and self.kernels:
             return self._gdn_step_kernels(i, h)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
@@ -402,7 +405,7 @@ class Qwen35Model:
     def _in_proj(self, p: str, h: torch.Tensor):
         """A GDN layer's four input projections (qkv for the conv, z, b, a): one product of the
         packed matrix on the triton backend, four on the references."""
-        if self.backend != "triton":
+        if not self.kernels:
             return tuple(F.linear(h, self.w[p + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a"))
         c = self.cfg
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
@@ -420,8 +423,8 @@ class Qwen35Model:
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
-        o = gdn.decode_step(q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim),
-                            v.reshape(B, -1, c.linear_v_dim), g, beta, self.state[slot])
+        q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
+        o = gdn.decode_step(q, k, v, g, beta, self.state[slot])
         norm = gdn.gated_rmsnorm if c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference   # the kernel's width
         o = norm(o.reshape(-1, c.linear_v_dim), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         return F.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])

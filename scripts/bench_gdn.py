@@ -1,8 +1,8 @@
 """Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our two kernels) against the
 pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value heads of
 128), B in {1, 4, 16} x T in {512, 2048, 8192} by default, and check each result against
-the reference. With flash-linear-attention importable, its chunk_gated_delta_rule is timed
-beside them (never required). One JSON line per shape, and a JSON file.
+the reference. With flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE
+names), its chunk_gated_delta_rule is timed beside them (never required). One JSON line per shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
 """
@@ -38,6 +38,9 @@ def _ms(fn, reps: int = 5) -> float:
 
 
 def _fla():
+    """flash-linear-attention's chunked rule, from the installed package or FASTQWEN_FLA_SITE."""
+    if os.environ.get("FASTQWEN_FLA_SITE"):
+        sys.path.insert(0, os.environ["FASTQWEN_FLA_SITE"])
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # noqa: BLE001 - optional comparison
@@ -74,8 +77,11 @@ def main() -> None:
             res["out_rel_to_reference"] = ((o.float() - o_r.float()).abs().max() / o_r.float().abs().max()).item()
         if fla is not None:
             try:
-                res["fla_ms"] = _ms(lambda: fla(qe, ke, v, g, beta, use_qk_l2norm_in_kernel=True,
+                res["fla_ms"] = _ms(lambda: fla(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                 output_final_state=True))
+                o_f, s_f = fla(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+                if "state_rel_to_reference" in res:
+                    res["fla_state_rel_to_reference"] = ((s_f.float() - s_r).abs().max() / s_r.abs().max()).item()
             except Exception as exc:  # noqa: BLE001
                 res["fla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         report["results"].append(res)

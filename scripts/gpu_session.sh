@@ -80,6 +80,13 @@ cd "$(dirname "$0")/.."
 exec 9>/tmp/fastqwen-ckpt.lock; flock 9
 [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || exit 1
+# flash-linear-attention (fla-core, einops) in a folder of its own, off PYTHONPATH: only bench_gdn.py
+# loads it (FASTQWEN_FLA_SITE), never the reference's process (Transformers would use it there).
+if [ -d .whl_fla ] && [ ! -f /tmp/fla_site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
+    && touch /tmp/fla_site/.done
+fi
+export FASTQWEN_FLA_SITE=/tmp/fla_site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FASTQWEN_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
