@@ -68,6 +68,7 @@
 #                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
 #   attn-bits     which one-split arithmetic gives flash's decode bits (scripts/gpu_attn_bits.py)
 #   decode-bits-e gpu_decode_bits.py for the engine as it is (and SDPA attention), /tmp/q4b
+#   decode-bits-k the same with decode_attention's FA2 path on (decode-attention knobs)
 #   exact-bits    FASTQWEN_EXACT_DECODE=1: is a decode step the full forward's, bit for bit (gpu_decode_bits.py)
 #   exact-speed   graphed decode-step time with FASTQWEN_EXACT_DECODE=0 and 1, alternating twice
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
