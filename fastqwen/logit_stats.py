@@ -26,12 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
 import time
 from typing import TYPE_CHECKING
 
 from fastqwen.errors import UserError
+from fastqwen.refenv import QWEN35_MODEL_TYPES
+
+# Set in the process run() starts in Transformers 5.17's environment for a Qwen3.5 checkpoint.
+_IN_REFERENCE_ENV = "FASTQWEN_SYNTH_STATS_IN_REFERENCE_ENV"
 
 if TYPE_CHECKING:
     import numpy as np
@@ -245,9 +250,14 @@ def measure(
 
     pin_reference_numerics()
     start = time.monotonic()
-    model = transformers.Qwen3ForCausalLM.from_pretrained(
-        str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).to(device).eval()
+    if cfg.get("model_type") in QWEN35_MODEL_TYPES:   # run() put Transformers 5.17 first on the path
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).to(device).eval()
+    else:
+        model = transformers.Qwen3ForCausalLM.from_pretrained(
+            str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).to(device).eval()
     load_s = time.monotonic() - start
 
     collected: dict[str, list[np.ndarray]] = {k: [] for k in STAT_NAMES}
@@ -438,6 +448,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fastqwen.checkpoint import read_config
+
+    model_type = read_config(args.model).get("model_type")
+    if model_type in QWEN35_MODEL_TYPES and os.environ.get(_IN_REFERENCE_ENV) != "1":
+        # Qwen3.5 loads with Transformers 5.17, which has its own environment (fastqwen/refenv.py):
+        # the same command runs again there.
+        import subprocess
+
+        from fastqwen.refenv import reference_env
+
+        env = dict(reference_env(model_type), **{_IN_REFERENCE_ENV: "1"})
+        argv = [sys.executable, "-m", "fastqwen.cli", "synth-stats", "--model", str(args.model),
+                "--positions", str(args.positions), "--device", str(args.device), "--seed", str(args.seed),
+                "--stability-positions", str(args.stability_positions)]
+        argv += ["--out", str(args.out)] if args.out else []
+        argv += ["--note", str(args.note)] if args.note else []
+        return subprocess.run(argv, env=env).returncode
     result = measure(
         args.model, positions=args.positions, device=args.device, seed=args.seed,
         stability_positions=args.stability_positions,
