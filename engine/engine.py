@@ -1,8 +1,8 @@
 """fastqwen's engine: greedy Qwen3 generation, exact to native Transformers'
 argmax within the platform's margin, on one GPU. Qwen3.5 checkpoints (model_type
 qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model: on a GPU its
-decode step (attention and GDN kernels) is one CUDA graph, its prompt pass eager on the
-torch references; on the CPU all of it on the references.
+decode step (attention and GDN kernels) is one CUDA graph and its prompt pass runs the
+chunked GDN kernels eagerly; on the CPU all of it runs on the torch references.
 
 `Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
 Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
@@ -79,7 +79,7 @@ class Engine:
         # Qwen3.5's decode step is graph-safe on its triton backend (no host reads); its
         # prompt pass (the chunked references, no host reads either) is captured only with
         # FASTQWEN_QWEN35_PREFILL_GRAPHS=1 until a GPU run has shown the capture works.
-        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.kernels)
+        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
                            and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
         self.use_prefill_graphs = (self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
                                    and (not qwen35 or os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1"))

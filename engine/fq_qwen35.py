@@ -189,8 +189,7 @@ class Qwen35Model:
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
         self.scale = cfg.head_dim ** -0.5
-        self.kernels = self.backend == "triton"
-        if self.kernels:
+        if self.backend == "triton":
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
@@ -276,7 +275,7 @@ class Qwen35Model:
         one_plus)."""
         eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
         ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
-        if not self.kernels:
+        if self.backend != "triton":
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
                 x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
@@ -302,7 +301,7 @@ class Qwen35Model:
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
-        if self.kernels:   # one product for gate | up, SiLU * up in one kernel (the same cast points)
+        if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
             from fqkernels.swiglu import silu_mul
 
             gu = F.linear(h, self.w[p + "gate_up.weight"])
@@ -319,7 +318,7 @@ class Qwen35Model:
         q, gate = torch.chunk(qp, 2, dim=-1)
         k = F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
         v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
-        if self.kernels:
+        if self.backend == "triton":
             # each head's (1 + w) norm one kernel row (q: the first D of each 2D), then the partial RoPE
             from fqkernels.rmsnorm import rmsnorm
             from fqkernels.rope_kv import partial_rope
@@ -355,7 +354,7 @@ class Qwen35Model:
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
         vc[rows, :, positions.long()] = v[:, :, 0]
-        if self.kernels:
+        if self.backend == "triton":
             from fqkernels.decode_attention import decode_attention
 
             attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
@@ -374,7 +373,7 @@ class Qwen35Model:
         return F.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
-        if not prompt and self.kernels:
+        if not prompt and self.backend == "triton":
             return self._gdn_step_kernels(i, h)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
@@ -405,7 +404,7 @@ class Qwen35Model:
     def _in_proj(self, p: str, h: torch.Tensor):
         """A GDN layer's four input projections (qkv for the conv, z, b, a): one product of the
         packed matrix on the triton backend, four on the references."""
-        if not self.kernels:
+        if self.backend != "triton":
             return tuple(F.linear(h, self.w[p + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a"))
         c = self.cfg
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]

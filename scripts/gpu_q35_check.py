@@ -36,6 +36,16 @@ def _step(report: dict, name: str, fn):
     return report[name]["ok"]
 
 
+def _warm_ms(fn) -> float:
+    """Milliseconds of one call of fn after one warm-up call, the device synchronized around it."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _forced(model, seq, S, N):
     B = seq.shape[0]
     model.ensure_rope(S + N)
@@ -112,21 +122,11 @@ def main() -> None:
             model.allocate_cache(b, p + steps + 8)            # room for the warm-up and timed steps
             res = {}
             with torch.inference_mode():
-                for _ in range(2):
-                    model.prefill(ids)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
                 model.prefill(ids)
-                torch.cuda.synchronize()
-                res["prefill_eager_ms"] = (time.perf_counter() - t0) * 1e3
+                res["prefill_eager_ms"] = _warm_ms(lambda: model.prefill(ids))
                 if os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1":
                     pg = PrefillGraph(model, b, p)
-                    pg.run(ids)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    pg.run(ids)
-                    torch.cuda.synchronize()
-                    res["prefill_graph_ms"] = (time.perf_counter() - t0) * 1e3
+                    res["prefill_graph_ms"] = _warm_ms(lambda: pg.run(ids))
                     del pg
                 runner = DecodeRunner(model, b, use_graph=True)
                 runner.start(model.prefill(ids), p)

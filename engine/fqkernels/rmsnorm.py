@@ -105,6 +105,14 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
 
 
 @triton.jit
+def _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER: tl.constexpr):
+    """Where the row's input values are: x's row, or (GATHER) row ids[row] of `table`."""
+    if GATHER:
+        return table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
+    return x_ptr + row * stride_x
+
+
+@triton.jit
 def _scaled(xf, inv, w, ONE_PLUS: tl.constexpr):
     """The normalized row times the weight, at the model's cast points: Qwen3 rounds
     x * inv to bf16 before w multiplies it; Qwen3.5's (1 + w) norm keeps
@@ -127,10 +135,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
     mask = offs < N
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    if GATHER:
-        src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
-    else:
-        src = x_ptr + row * stride_x
+    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
@@ -222,10 +227,7 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     row = tl.program_id(0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    if GATHER:
-        src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
-    else:
-        src = x_ptr + row * stride_x
+    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER)
     NB: tl.constexpr = (BLOCK + 127) // 128
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < N
