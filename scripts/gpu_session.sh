@@ -71,6 +71,7 @@
 #   decode-bits-k the same with decode_attention's FA2 path on (decode-attention knobs)
 #   exact-bits    FASTQWEN_EXACT_DECODE=1: is a decode step the full forward's, bit for bit (gpu_decode_bits.py)
 #   exact-speed   graphed decode-step time with FASTQWEN_EXACT_DECODE=0 and 1, alternating twice
+#   exact-on      FASTQWEN_EXACT_DECODE=1 for every later stage (e.g. exact-on judge-fid2-b)
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -216,6 +217,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
 for l in sys.stdin:
     r = json.loads(l); print('exact=$exact', '$rep', r['shape'], 'step %.4f ms' % r['graph_step_ms'])"
                  done; done ;;
+    exact-on) export FASTQWEN_EXACT_DECODE=1 ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \
