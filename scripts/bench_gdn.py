@@ -1,7 +1,7 @@
 """Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our two kernels) against the
 pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value heads of
 128), B in {1, 4, 16} x T in {512, 2048, 8192} by default, and check each result against
-the reference. With flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE
+the reference (and, for the log, the same kernels with single-pass TF32 products). With flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE
 names), its chunk_gated_delta_rule is timed beside them (never required). One JSON line per shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
@@ -75,6 +75,15 @@ def main() -> None:
             o_r, s_r = gdn.delta_rule_chunked_reference(qe, ke, v, g, beta)
             res["state_rel_to_reference"] = ((s - s_r).abs().max() / s_r.abs().max()).item()
             res["out_rel_to_reference"] = ((o.float() - o_r.float()).abs().max() / o_r.float().abs().max()).item()
+        # The same kernels with one TF32 product (not three): the precision's price, for the log.
+        saved, gdn._PREC = gdn._PREC, "tf32"
+        try:
+            res["ours_tf32_ms"] = _ms(lambda: gdn.chunked_prefill(q, k, v, g, beta))
+            if "state_rel_to_reference" in res:
+                s_t = gdn.chunked_prefill(q, k, v, g, beta)[1]
+                res["tf32_state_rel_to_reference"] = ((s_t - s_r).abs().max() / s_r.abs().max()).item()
+        finally:
+            gdn._PREC = saved
         if fla is not None:
             try:
                 res["fla_ms"] = _ms(lambda: fla(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,

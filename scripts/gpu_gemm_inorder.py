@@ -45,6 +45,8 @@ G = gemv.GemvConfig
 def candidates(k: int, which: str) -> dict:
     if which == "deep":
         return deep_candidates()
+    if which == "narrow":
+        return narrow_candidates()
     out = {}
     for bk in (128, 256):
         for st in (3, 4, 6):
@@ -75,11 +77,26 @@ def deep_candidates() -> dict:
     return out
 
 
+def narrow_candidates() -> dict:
+    """Round 3 (session 8): at 2560 outputs, 32 columns a program is 80 programs on 132 SMs;
+    16 columns with long K tiles and deep pipelines keeps more SMs and bytes busy."""
+    out = {}
+    for mode, bm, bn, bk, stages in (("dot", 16, 16, 512, (4, 6, 8)), ("dot", 16, 16, 1024, (3, 4)),
+                                     ("dot", 16, 32, 1024, (2, 3)), ("dot", 16, 32, 512, (5, 6)),
+                                     ("dot", 64, 16, 512, (4,)), ("dot", 64, 32, 256, (6,))):
+        for st in stages:
+            for nw in (2, 4):
+                out[f"{mode}/m{bm}/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
+                                                                 num_warps=nw, mode=mode, block_m=bm)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="4,8,16,32,64")  # round 2: --rows 4,16
     ap.add_argument("--big", type=int, default=2048, help="rows of the large (full forward) product")
-    ap.add_argument("--set", default="wide", choices=("wide", "deep"), help="candidate configs: round 1 or 2")
+    ap.add_argument("--set", default="wide", choices=("wide", "deep", "narrow"),
+                    help="candidate configs: round 1, 2 or 3")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_inorder.json"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -3,9 +3,11 @@ load on both backends; the prompt pass on each (logit distance triton vs torch);
 steps teacher-forced on each (max |logit diff| per step); the triton step captured as a
 CUDA graph (tokens equal to its eager steps); then the graphed step's time and the prompt
 pass's time (eager, and as a graph when FASTQWEN_QWEN35_PREFILL_GRAPHS=1 is set) at a few
-shapes. One JSON report.
+shapes; with --profile, the device time per kernel of an eager decode step and of a prompt
+pass (torch.profiler) at the profiled shapes. One JSON report.
 
-    python scripts/gpu_q35_check.py --model DIR [--shapes 1x512x32,4x2048x32,16x512x128] [--out FILE]
+    python scripts/gpu_q35_check.py --model DIR [--shapes 1x512x32,4x2048x32,16x512x128]
+        [--profile 1x512,16x512] [--out FILE]
 """
 from __future__ import annotations
 
@@ -59,10 +61,32 @@ def _forced(model, seq, S, N):
     return torch.stack(out, 1)
 
 
+def _kernel_table(fn, reps: int) -> dict:
+    """Device microseconds per call of fn by kernel name (torch.profiler), the 30 largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us, n = per.get(e.name, (0.0, 0))
+            per[e.name] = (us + e.time_range.elapsed_us(), n + 1)
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    total = sum(us for us, _ in per.values()) / reps
+    return {"total_us": round(total, 1),
+            "kernels": [{"name": k[:90], "us": round(us / reps, 2), "calls": n // reps} for k, (us, n) in rows[:30]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--shapes", default="1x512x32,4x2048x32,16x512x128")
+    ap.add_argument("--profile", default="", help="shapes BxP whose decode step and prompt pass are profiled")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "q35_check.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -141,6 +165,20 @@ def main() -> None:
             return res
 
         _step(report, f"timing_{shape}", timing)
+    for shape in filter(None, args.profile.split(",")):
+        b, p = (int(x) for x in shape.split("x"))
+
+        def prof(b=b, p=p):
+            ids = torch.randint(0, cfg.vocab_size, (b, p), device=dev)
+            model.ensure_rope(p + 32)
+            model.allocate_cache(b, p + 32)
+            with torch.inference_mode():
+                runner = DecodeRunner(model, b, use_graph=False)
+                runner.start(model.prefill(ids), p)
+                return {"decode_step": _kernel_table(runner.step, 10), "prompt_pass": _kernel_table(
+                    lambda: model.prefill(ids), 1)}
+
+        _step(report, f"profile_{shape}", prof)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -57,12 +57,13 @@
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
 #   judge-q35-pg  judge-q35 with FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (the prompt pass as a graph per shape)
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
-#                 torch backend, the graph against eager, step and prompt-pass times
+#                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
 #   gemm-inorder2 the same with deeper pipelines and 8 warps, at 4 and 16 rows
+#   gemm-inorder3 the same with 16-column programs and long K tiles, at 16 and 64 rows
 #   kernels-gemv  the GEMV kernel tests alone, every failure listed
 #   decode-bits-a/-b  where a decode step leaves the full forward's bits, layer by layer and per op
 #                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
@@ -187,7 +188,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     q35-check) [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                  --out /tmp/q35_4b 2>&1 | tail -1
                FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
-                 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | tail -12 ;;
+                 --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;
@@ -195,6 +196,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                     | grep -v Warn | tail -14 ;;
     gemm-inorder2) timeout 400 python3 scripts/gpu_gemm_inorder.py --set deep --rows 4,16 \
                      --out "$OUT/gemm_inorder2.json" 2>&1 | grep -v Warn | tail -14 ;;
+    gemm-inorder3) timeout 400 python3 scripts/gpu_gemm_inorder.py --set narrow --rows 16,64 \
+                     --out "$OUT/gemm_inorder3.json" 2>&1 | grep -v Warn | tail -14 ;;
     kernels-gemv) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_gemv.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_gemv.log" ;;
     decode-bits-a) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,64 \

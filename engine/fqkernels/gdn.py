@@ -330,13 +330,47 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 
 # ------------------------------------------------------------------ chunked prefill kernels
 # The chunked rule of delta_rule_chunked_reference in two kernels, from a zero state (a
-# fresh prompt): _chunk_solve_kernel, one program per (sequence, value head, chunk), forms
-# the chunk's unit-lower system and its inverse by forward substitution (stable for keys
-# that repeat, where a power series is not), then u = T (beta v) and w = T (beta k e^gamma);
-# _chunk_scan_kernel, one program per (sequence, value head, block of value columns), walks
+# fresh prompt).
+#
+# _chunk_solve_kernel, one program per (sequence, value head, chunk): the chunk's unit-lower
+# system M = I + A (A_ij = beta_i k_i.k_j e^(gamma_i - gamma_j), j < i) is inverted by blocks
+# of 16: the four diagonal blocks by forward substitution, all four at once (15 steps, not
+# 63), then M^-1 = (I - N + N^2 - N^3) D^-1 with D the block diagonal and N = D^-1 (M - D),
+# strictly block-lower, so N^4 = 0 (three terms, never a long power series, which loses
+# everything when a key repeats). Then u = M^-1 (beta v) and w = M^-1 (beta k e^gamma).
+# _chunk_scan_kernel, one program per (sequence, value head, block of value columns): walks
 # the chunks in order carrying S [Dk, BV] and writes the outputs and the final state.
-# Every product is fp32 ("ieee": no TF32), as the reference's. Checked against the float64
-# oracle's gates and the reference (tests/kernels/test_gdn_kernels.py); not yet timed.
+#
+# Products run on tensor cores as three TF32 products per fp32 product (_dot3: each operand
+# split into its TF32 head and the rest; about fp32's accuracy, far from TF32's), sums in
+# fp32, the state fp32 throughout. Written out rather than Triton's input_precision="tf32x3",
+# which the platform's Triton 3.1 fails to compile here. Gated against the float64 oracle in
+# tests/kernels/test_gdn_kernels.py; the timing beside flash-linear-attention is
+# scripts/bench_gdn.py ("tf32": one TF32 product, for that comparison only).
+_PREC = "tf32x3"
+# Tokens per call of the two kernels: u and w are fp32 workspaces of 1 KiB per token and
+# value head, so longer batches run in slices of whole sequences (peak memory stays bounded).
+_TOKENS_PER_SLICE = 32768
+
+
+@triton.jit
+def _tf32_head(x):
+    """x's TF32 part (sign, exponent, the top 10 mantissa bits): x - head is exact in fp32."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot3(a, b, PREC: tl.constexpr):
+    """a @ b for fp32 a, b on tensor cores: with PREC "tf32x3", head.head + head.rest + rest.head
+    (the small terms first), else one product at that precision."""
+    if PREC == "tf32x3":
+        a_hi = _tf32_head(a)
+        b_hi = _tf32_head(b)
+        acc = tl.dot(a - a_hi, b_hi, input_precision="tf32")
+        acc = tl.dot(a_hi, b - b_hi, acc, input_precision="tf32")
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -349,7 +383,7 @@ def _l2_rows(x):
 def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr):
+                        DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = pid // HV
@@ -369,16 +403,24 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     gamma = tl.cumsum(g, axis=0)                                  # log decay from the chunk's start
     kb = k * beta[:, None]
     lower = r[:, None] > r[None, :]
-    a = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision="ieee")
-                 * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
-    # T = (I + A)^-1, row by row: T_i = e_i - sum_{j < i} A_ij T_j (rows j < i are final).
+    a = tl.where(lower, _dot3(kb, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+    # D^-1 by rows: step i finishes row i of every 16-row block, D^-1_r = e_r - sum_{j<r} A_rj D^-1_j
+    # (rows j < r of the block are final). Column j's coefficient is A[16 (j // 16) + i, j], one
+    # row per block, and block-diagonal D^-1 keeps each block's sums to itself.
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    first_row = (r // 16) * 16
     inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)   # row i of A
-        inv = tl.where(r[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
-    u = tl.dot(inv, v * beta[:, None], input_precision="ieee")
-    w = tl.dot(inv, kb * tl.exp(gamma)[:, None], input_precision="ieee")
-    base = (pid * NC + c) * C
+    for i in range(1, 16):
+        coef = tl.sum(tl.where(r[:, None] == (first_row + i)[None, :], a, 0.0), axis=0)   # [C] over j
+        upd = tl.sum(coef[:, None] * inv, axis=0)                                           # [C] over columns
+        inv = tl.where(((r % 16) == i)[:, None] & same, inv - upd[None, :], inv)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    n = _dot3(inv, tl.where(same, 0.0, a), PREC)
+    n2 = _dot3(n, n, PREC)
+    m_inv = _dot3(_dot3(eye - n, eye + n2, PREC), inv, PREC)
+    u = _dot3(m_inv, v * beta[:, None], PREC)
+    w = _dot3(m_inv, kb * tl.exp(gamma)[:, None], PREC)
+    base = (pid * NC + c).to(tl.int64) * C
     tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
     tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     tl.store(gamma_ptr + base + r, gamma)
@@ -386,9 +428,9 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
 
 @triton.jit
 def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, o_ptr, state_ptr, T, NC, scale,
-                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_sb,
                        HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     v0 = tl.program_id(1) * BV
     b = pid // HV
@@ -408,27 +450,37 @@ def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, o_ptr, state_ptr, 
                     mask=ok[:, None], other=0.0).to(tl.float32)
         q = _l2_rows(q) * scale
         k = _l2_rows(k)
-        base = (pid * NC + c) * C
+        base = (pid * NC + c).to(tl.int64) * C
         gamma = tl.load(gamma_ptr + base + r)
         u = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :])
         w = tl.load(w_ptr + (base + r)[:, None] * DK + dk[None, :])
         last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
-        attn = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee")
-                        * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
-        v_new = u - tl.dot(w, s, input_precision="ieee")
-        o = tl.dot(q * tl.exp(gamma)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        attn = tl.where(causal, _dot3(q, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]),
+                        0.0)
+        v_new = u - _dot3(w, s, PREC)
+        o = _dot3(q * tl.exp(gamma)[:, None], s, PREC) + _dot3(attn, v_new, PREC)
         tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
                  mask=ok[:, None])
-        s = s * tl.exp(last) + tl.dot(tl.trans(k * tl.exp(last - gamma)[:, None]), v_new, input_precision="ieee")
-    tl.store(state_ptr + pid * DK * DV + dk[:, None] * DV + dv[None, :], s)
+        s = s * tl.exp(last) + _dot3(tl.trans(k * tl.exp(last - gamma)[:, None]), v_new, PREC)
+    tl.store(state_ptr + b * stride_sb + hv * DK * DV + dk[:, None] * DV + dv[None, :], s)
+
+
+def default_block_v(batch: int, value_heads: int, dv: int) -> int:
+    """Value columns per scan program: 64, halved (down to 16) while fewer than 256 programs
+    would run (each walks every chunk of its sequence in turn, so a small batch needs
+    narrower blocks to fill the GPU)."""
+    bv = min(64, dv)
+    while bv > 16 and batch * value_heads * (dv // bv) < 256:
+        bv //= 2
+    return bv
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    block_v: int = 64):
-    """The chunked rule over a fresh prompt (zero initial state), as two kernels (block_v: value
-    columns per scan program, at most Dv, a power of two dividing it): q, k
+                    block_v: int | None = None):
+    """The chunked rule over a fresh prompt (zero initial state), as two kernels: q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
-    bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. Returns (o [B, T, Hv, Dv] bf16, the final
+    bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per scan program (a
+    power of two dividing Dv; None: default_block_v). Returns (o [B, T, Hv, Dv] bf16, the final
     state [B, Hv, Dk, Dv] fp32), what delta_rule_chunked_reference returns on the repeated heads."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
@@ -436,22 +488,32 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             or tuple(beta.shape) != (B, T, Hv) or g.dtype != torch.float32:
         raise ValueError(f"gdn.chunked_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {g.dtype} {tuple(g.shape)}, beta {tuple(beta.shape)} do not fit")
+    rows = max(1, _TOKENS_PER_SLICE // (triton.cdiv(T, CHUNK) * CHUNK))   # sequences per slice
+    if block_v is None:
+        block_v = default_block_v(min(rows, B), Hv, Dv)
     block_v = min(block_v, Dv)
-    if Dk & (Dk - 1) or Dv % block_v or block_v & (block_v - 1) or T < 1:
-        raise ValueError(f"gdn.chunked_prefill: Dk must be a power of two, Dv a multiple of {block_v}, T >= 1")
+    if Dk & (Dk - 1) or Dk < 16 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
+        raise ValueError(f"gdn.chunked_prefill: Dk ({Dk}) must be a power of two >= 16, block_v ({block_v}) a "
+                         f"power of two >= 16 dividing Dv ({Dv}), T ({T}) >= 1")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     nc = triton.cdiv(T, CHUNK)
     dev = v.device
-    u = torch.empty((B * Hv * nc * CHUNK, Dv), dtype=torch.float32, device=dev)
-    w = torch.empty((B * Hv * nc * CHUNK, Dk), dtype=torch.float32, device=dev)
-    gamma = torch.empty((B * Hv * nc * CHUNK,), dtype=torch.float32, device=dev)
-    _chunk_solve_kernel[(B * Hv, nc)](
-        k, v, g, beta, u, w, gamma, T, nc, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), g.stride(0), g.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, num_warps=8)
     out = torch.empty((B, T, Hv, Dv), dtype=torch.bfloat16, device=dev)
     state = torch.empty((B, Hv, Dk, Dv), dtype=torch.float32, device=dev)
-    _chunk_scan_kernel[(B * Hv, Dv // block_v)](
-        q, k, u, w, gamma, out, state, T, nc, Dk ** -0.5, q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-        BV=block_v, num_warps=8)
+    ws = min(rows, B) * Hv * nc * CHUNK
+    u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)
+    w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
+    gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
+    for b0 in range(0, B, rows):
+        sl = slice(b0, min(B, b0 + rows))
+        bs = sl.stop - sl.start
+        qs, ks, vs, gs, bts, os_ = q[sl], k[sl], v[sl], g[sl], beta[sl], out[sl]
+        _chunk_solve_kernel[(bs * Hv, nc)](
+            ks, vs, gs, bts, u, w, gamma, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
+            vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
+            PREC=_PREC, num_warps=4)
+        _chunk_scan_kernel[(bs * Hv, Dv // block_v)](
+            qs, ks, u, w, gamma, os_, state[sl], T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
+            os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
+            DV=Dv, BV=block_v, PREC=_PREC, num_warps=4)
     return out, state

@@ -143,6 +143,26 @@ def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, B, T, Hk, H
     assert rel(s, s_r) <= 1e-5 and rel(o, o_r.float()) <= 2e-2
 
 
+def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
+    """A batch longer than the workspace budget runs in slices of whole sequences (here one
+    sequence a slice) and gives what one call gives, within the oracle's gates."""
+    q, k, v, g, beta = _prefill_inputs(3, 70, 1, 2, 32, seed=11)
+    args = [t.to(DEV) for t in (q, k, v, g, beta)]
+    whole_o, whole_s = gdn.chunked_prefill(*args, block_v=32)
+    monkeypatch.setattr(gdn, "_TOKENS_PER_SLICE", 128)
+    o, s = gdn.chunked_prefill(*args, block_v=32)
+    assert torch.equal(o, whole_o) and torch.equal(s, whole_s)
+    o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
+    assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE
+
+
+def test_default_block_v_fills_the_gpu():
+    assert gdn.default_block_v(16, 32, 128) == 64
+    assert gdn.default_block_v(4, 32, 128) == 64
+    assert gdn.default_block_v(1, 32, 128) == 16
+    assert gdn.default_block_v(1, 32, 32) == 16
+
+
 def test_the_prefill_gate_catches_a_wrong_decay_or_gate(interpreter_fixes):
     """The gates can fail: the kernels fed a decay 1.5x too strong, or beta 10% too small,
     land well outside the state gate against the oracle of the true inputs."""

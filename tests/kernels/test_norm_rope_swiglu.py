@@ -27,15 +27,15 @@ from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
 DEV = torch.device("cuda")
 
 
-def _close_to_ulp(out, ref, max_mismatch=2e-3, scale=None):
-    """Bit-identical, or differing by at most one BF16 ulp (of `scale`, default
+def _close_to_ulp(out, ref, max_mismatch=2e-3, scale=None, ulps=1):
+    """Bit-identical, or differing by at most `ulps` BF16 ulps (of `scale`, default
     the element itself) on a tiny fraction of elements."""
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
     diff = out.float() != ref.float()
     if diff.any():
         a, b = out[diff].float(), ref[diff].float()
         ulp = (torch.maximum(a.abs(), b.abs()) if scale is None else scale.expand_as(out)[diff]) * 2.0 ** -7
-        assert ((a - b).abs() <= ulp).all(), f"max diff {(a - b).abs().max()} exceeds one bf16 ulp"
+        assert ((a - b).abs() <= ulps * ulp).all(), f"max diff {(a - b).abs().max()} exceeds {ulps} bf16 ulp(s)"
     assert diff.float().mean() <= max_mismatch, f"{diff.float().mean():.2e} of elements differ"
 
 
@@ -43,7 +43,10 @@ def _close_to_ulp(out, ref, max_mismatch=2e-3, scale=None):
 @pytest.mark.parametrize("rows,n", [(1, 2560), (16, 2560), (7, 1000), (64, 4096), (3, 128), (2, 9000)])
 def test_rmsnorm_and_add_rmsnorm(monkeypatch, rows, n, torch_order):
     """Both kernels (torch's summation order, the default; Triton's tl.sum, FASTQWEN_TORCH_ORDER_NORM=0)
-    within one bf16 ulp of the reference; rows wider than the torch-order kernel takes use tl.sum."""
+    within one bf16 ulp of the reference; rows wider than the torch-order kernel takes use tl.sum.
+    The tl.sum kernel's mean may differ from torch's in its last bit; the normalized value then
+    moves an ulp before the weight multiplies it and the product rounds again, so its outputs
+    may move two ulps (seen once at 64 x 4096 on the H200, session 8)."""
     import fqkernels.rmsnorm as rn
 
     monkeypatch.setattr(rn, "TORCH_ORDER", torch_order)
@@ -52,13 +55,14 @@ def test_rmsnorm_and_add_rmsnorm(monkeypatch, rows, n, torch_order):
     w = torch.randn(n, device=DEV).bfloat16()
     out = torch.full_like(x, float("nan"))
     rmsnorm(x, w, 1e-6, out=out)
-    _close_to_ulp(out, rmsnorm_reference(x, w, 1e-6))
+    ulps = 1 if torch_order else 2
+    _close_to_ulp(out, rmsnorm_reference(x, w, 1e-6), ulps=ulps)
     xk, xr = x.clone(), x.clone()
     out.fill_(float("nan"))
     add_rmsnorm(xk, r, w, 1e-6, out=out)
     ref = add_rmsnorm_reference(xr, r, w, 1e-6)
     assert torch.equal(xk, xr), "the BF16 residual add must be exact"
-    _close_to_ulp(out, ref)
+    _close_to_ulp(out, ref, ulps=ulps)
 
 
 @pytest.mark.parametrize("rows,vocab,n", [(1, 151936, 2560), (16, 151936, 2560), (5, 300, 1000), (64, 1000, 4096)])
