@@ -722,6 +722,10 @@ def _compile_task(spec: Spec, target) -> tuple:
             spec.constants, spec.attrs, spec.options, target)
 
 
+# The shared memory one block may use on sm_90 (H100/H200: 227 KiB), what Triton checks at launch.
+SM90_SHARED_LIMIT = 232448
+
+
 def _init_worker(path: list[str]) -> None:
     sys.path[:] = path   # the parent's, so a worker imports the engine the parent captured
 
@@ -739,6 +743,11 @@ def _compile_one(module: str, name: str, filename: str, signature: dict, constan
                 raise RuntimeError(f"the worker imported {module}.{name} from {kernel.fn.__code__.co_filename}, "
                                    f"not {filename}")
         compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
+        shared = getattr(compiled.metadata, "shared", 0)
+        if target.arch == 90 and shared > SM90_SHARED_LIMIT:
+            # What the launch would raise (OutOfResources) on the GPU, caught here without one.
+            return (False, time.perf_counter() - start, 0,
+                    f"needs {shared} bytes of shared memory, sm_90 allows {SM90_SHARED_LIMIT} a block")
         return True, time.perf_counter() - start, len(compiled.asm["cubin"]), ""
     except Exception as exc:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()

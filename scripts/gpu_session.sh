@@ -71,8 +71,10 @@
 #   decode-bits-e gpu_decode_bits.py for the engine as it is (and SDPA attention), /tmp/q4b
 #   decode-bits-k the same with decode_attention's FA2 path on (decode-attention knobs)
 #   exact-bits    FASTQWEN_EXACT_DECODE=1: is a decode step the full forward's, bit for bit (gpu_decode_bits.py)
-#   exact-speed   graphed decode-step time with FASTQWEN_EXACT_DECODE=0 and 1, alternating twice
-#   exact-on      FASTQWEN_EXACT_DECODE=1 for every later stage (e.g. exact-on judge-fid2-b)
+#   exact-speed   graphed decode-step time with FASTQWEN_EXACT_DECODE=0 and 1, alternating twice (EXACT_REPS)
+#   kernels-gdn   the GDN and Qwen3.5 step kernel tests alone, every failure listed
+#   exact-on      FASTQWEN_EXACT_DECODE=1 for every later stage (e.g. exact-on judge-fid2-b; the default
+#                 since session 8)
 #   kernels-norm  the norm/rope/swiglu kernel tests alone, every failure listed
 #   norm-speed    graphed decode-step time per RMSNorm kernel (scripts/gpu_norm_speed.py), /tmp/q4b
 #   speed-ab      graphed decode-step time of this tree and of base/ (an earlier commit's tree, if
@@ -213,7 +215,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     exact-bits) FASTQWEN_EXACT_DECODE=1 timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b \
                   --batches 16,8,32,64 --variants engine,engine_sdpa_attention --out "$OUT/decode_bits_exact.json" 2>&1 \
                   | grep -v Warn | grep -v choices | tail -8 ;;
-    exact-speed) for rep in 1 2; do for exact in 0 1; do
+    exact-speed) for rep in $(seq "${EXACT_REPS:-2}"); do for exact in 0 1; do
                    FASTQWEN_EXACT_DECODE=$exact timeout 150 python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
                      --speed 1x512x64,16x512x128,64x256x48 --out "$OUT/speed_exact${exact}_$rep.json" 2>&1 \
                      | grep -v Warn | grep '^{' | python3 -c "import sys, json
@@ -221,6 +223,8 @@ for l in sys.stdin:
     r = json.loads(l); print('exact=$exact', '$rep', r['shape'], 'step %.4f ms' % r['graph_step_ms'])"
                  done; done ;;
     exact-on) export FASTQWEN_EXACT_DECODE=1 ;;
+    kernels-gdn) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py \
+                   tests/kernels/test_qwen35_step.py 2>&1 | tail -30 | tee "$OUT/pytest_gdn.log" ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;
     norm-speed) timeout 300 python3 scripts/gpu_norm_speed.py --model /tmp/q4b --out "$OUT/norm_speed.json" 2>&1 \

@@ -515,5 +515,5 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_scan_kernel[(bs * Hv, Dv // block_v)](
             qs, ks, u, w, gamma, os_, state[sl], T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
-            DV=Dv, BV=block_v, PREC=_PREC, num_warps=4)
+            DV=Dv, BV=block_v, PREC=_PREC, num_warps=4, num_stages=2)
     return out, state
