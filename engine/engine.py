@@ -15,8 +15,9 @@ FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
 FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
 FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (Qwen3.5's prompt pass as a graph per shape; not yet tried on a GPU),
-FASTQWEN_EXACT_DECODE=1 (decode products and attention in the full forward's order from
-7 sequences, fqkernels/gemv.py EXACT; being measured, off by default).
+FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 sequences the Qwen3 decode step
+is the full forward's, bit for bit, its products and attention in that order; fqkernels/gemv.py
+EXACT).
 """
 import gc
 import json
@@ -96,7 +97,7 @@ class Engine:
 
         return {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
                 "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
-                "exact_decode": gemv.EXACT}
+                "exact_decode": gemv.EXACT and not qwen35 and backend == "triton"}
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:

@@ -70,10 +70,15 @@ _LOG2E = 1.4426950408889634
 # first of them in one FMA, the rest added one by one; at the end the partials are added
 # as (u0 + u2) + (u1 + u3) and the accumulator is multiplied by the IEEE reciprocal of the
 # sum. An earlier form (one-FMA exponent, rounded rescale, Triton's division) matched
-# flash's decode on 99.98-100% of elements (session 7, run 8): this one is written from
-# the sources and is not yet measured. Off until it is exact and timed on a GPU;
-# FASTQWEN_EXACT_DECODE=1 (read at import) turns it on with the in-order products (gemv.EXACT).
-FA2 = os.environ.get("FASTQWEN_EXACT_DECODE") == "1"
+# flash's decode on 99.98-100% of elements (session 7, run 8); this one matches it on every
+# element of every case measured (session 8, scripts/gpu_attn_bits.py). Its lane sums cross
+# warps when 4 warps split a tile's 64 columns, so it runs with 64 query rows a program
+# (the G real ones padded; the warps then split rows): 31.4 / 35.1 us at batch 16 / 1,024
+# keys and batch 64 / 300 keys, against 30.2 / 35.8 for the older path (16 rows: 50.4 at
+# batch 64). On by default with the in-order products (gemv.EXACT); FASTQWEN_EXACT_DECODE=0
+# (read at import) turns both off.
+FA2 = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
+_FA2_BLOCK_G = 64
 
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
@@ -157,6 +162,8 @@ def decode_attention_plan(
     # cover (and a request above the tile count does too): launch only those that cover C.
     effective = triton.cdiv(capacity, split_len)
     block_g = max(16, triton.next_power_of_2(heads // kv_heads))
+    if FA2 and effective == 1 and block_n == 64 and head_dim == 128:
+        block_g = max(block_g, _FA2_BLOCK_G)    # the FA2 path's rows (its note at the top)
     return DecodeAttentionPlan(
         block_n=block_n,
         block_g=block_g,

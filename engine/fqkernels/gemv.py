@@ -165,15 +165,17 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
     ),
 }
 
-# FASTQWEN_EXACT_DECODE=1 (read at import): from EXACT_FROM_ROWS rows, o and down walk K in
-# order into one accumulator (no split-K), as every other decode product already does
-# above one row. Each such product gives the bits of the full forward's large-M cuBLAS
-# product on an H200 (results/h200-2026-11-30/session7, gemm_order_probe.json and
-# gemm_inorder*.json); with the attention in flash's arithmetic (decode_attention.FA2, the
-# same switch) a decode step is meant to be the full forward's, bit for bit, from 7 rows
-# (where flash runs one split). Measured cost of the products alone: batch-16 TPOT +2.8%
-# (session 7, run 4). Off by default until the whole step is shown exact.
-EXACT = os.environ.get("FASTQWEN_EXACT_DECODE") == "1"
+# Exact decode (on by default; FASTQWEN_EXACT_DECODE=0, read at import, turns it off): from
+# EXACT_FROM_ROWS rows, o and down walk K in order into one accumulator (no split-K), as
+# every other decode product already does above one row. Each such product gives the bits
+# of the full forward's large-M cuBLAS product on an H200 (results/h200-2026-11-30/session7,
+# gemm_order_probe.json and gemm_inorder*.json); with the attention in flash's arithmetic
+# (decode_attention.FA2, the same switch) a decode step is the full forward's, bit for bit,
+# from 7 rows (where flash runs one split): measured at batch 8-64 on two inits, and the
+# fidelity judge's engine slack 0.000 at batch 16-64 (session 8). The price is the in-order
+# chain of tensor-core steps over K: about 1.7 us more per product at 16 rows (the split
+# table's 7.0 / 14.2 us against 8.8 / 15.8), less than the split table at 64 rows.
+EXACT = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
 EXACT_FROM_ROWS = 7
 EXACT_CONFIGS: dict[tuple[int, int], tuple] = {   # rows >= EXACT_FROM_ROWS; us from gemm_inorder*.json
     (2560, 4096): (                                                     # o_proj

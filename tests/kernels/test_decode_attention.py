@@ -238,7 +238,9 @@ def test_plan_covers_capacity_exactly_once(capacity, num_splits):
     assert (plan.num_splits - 1) * plan.split_len < capacity  # no split starts past the capacity
     if num_splits is not None:
         assert plan.num_splits <= num_splits
-    assert plan.block_g == 16  # G = 4 padded to the 16 rows tl.dot needs
+    # G = 4 padded to the 16 rows tl.dot needs; to 64 where the FA2 path runs (one split)
+    fa2 = sys.modules["fqkernels.decode_attention"].FA2 and plan.num_splits == 1
+    assert plan.block_g == (64 if fa2 else 16)
 
 
 def _bad_call(case: str) -> dict:
@@ -360,9 +362,12 @@ def test_fa2_path_matches_reference_interpreted(interpreter_fixes, monkeypatch, 
 def test_fa2_path_applies_only_where_flash_runs_one_split_of_64_key_tiles(monkeypatch):
     import fqkernels.decode_attention as da
 
+    monkeypatch.setattr(da, "FA2", False)
     plan = da.decode_attention_plan(16, 32, 8, 1024, 128)
-    assert plan.num_splits == 1 and not da.fa2_applies(plan, True, 128)     # off by default
+    assert plan.num_splits == 1 and not da.fa2_applies(plan, True, 128) and plan.block_g == 16
     monkeypatch.setattr(da, "FA2", True)
+    plan = da.decode_attention_plan(16, 32, 8, 1024, 128)
+    assert plan.block_g == 64                                                # rows, so warps split rows
     assert da.fa2_applies(plan, True, 128) and not da.fa2_applies(plan, False, 128)
     assert not da.fa2_applies(da.decode_attention_plan(1, 32, 8, 1024, 128), True, 128)          # splits
     assert not da.fa2_applies(da.decode_attention_plan(16, 16, 4, 1024, 256), True, 256)         # D = 256
