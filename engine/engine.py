@@ -15,9 +15,9 @@ FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
 FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
 FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (Qwen3.5's prompt pass as a graph per shape; not yet tried on a GPU),
-FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 sequences the Qwen3 decode step
-is the full forward's, bit for bit, its products and attention in that order; fqkernels/gemv.py
-EXACT).
+FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen3 decode
+step is the full forward's, bit for bit, its products and attention in that order;
+fqkernels/gemv.py EXACT).
 """
 import gc
 import json

@@ -231,7 +231,7 @@ class TritonOps(TorchOps):
             t_theirs = _time_over(theirs, ws, reps)
             # FASTQWEN_EXACT_DECODE: an in-order GEMV gives the full forward's bits, cuBLAS at
             # decode rows does not (gemv.EXACT): take it whatever the times say.
-            exact = gemv.EXACT and rows >= gemv.EXACT_FROM_ROWS and gemv.in_order(
+            exact = gemv.exact_rows(rows) and gemv.in_order(
                 gemv.select_config(ws[0].shape[0], ws[0].shape[1], fused, rows))
             self.use_gemv[key] = exact or t_ours < t_theirs
             report[name] = (round(t_theirs, 2), round(t_ours, 2))

@@ -1,8 +1,10 @@
 """Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our two kernels) against the
 pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value heads of
 128), B in {1, 4, 16} x T in {512, 2048, 8192} by default, and check each result against
-the reference (and, for the log, the same kernels with single-pass TF32 products). With flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE
-names), its chunk_gated_delta_rule is timed beside them (never required). One JSON line per shape, and a JSON file.
+the reference (and, for the log, the same kernels with single-pass TF32 products). With
+flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE names),
+its chunk_gated_delta_rule is timed beside them (never required). One JSON line per
+shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
 """

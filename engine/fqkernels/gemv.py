@@ -174,9 +174,18 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
 # from 7 rows (where flash runs one split): measured at batch 8-64 on two inits, and the
 # fidelity judge's engine slack 0.000 at batch 16-64 (session 8). The price is the in-order
 # chain of tensor-core steps over K: about 1.7 us more per product at 16 rows (the split
-# table's 7.0 / 14.2 us against 8.8 / 15.8), less than the split table at 64 rows.
+# table's 7.0 / 14.2 us against 8.8 / 15.8), less than the split table at 64 rows. Up to
+# EXACT_TO_ROWS only: exactness also forces the GEMV for qkv, gate_up and lm_head (in order
+# already, but where cuBLAS is faster the engine picks cuBLAS), and at 64 rows that cost
+# +23% step time (session 8, run 3: 4.148 -> 5.110 ms) until those get 64-row configs.
 EXACT = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
 EXACT_FROM_ROWS = 7
+EXACT_TO_ROWS = 32
+
+
+def exact_rows(rows: int) -> bool:
+    """Whether a decode product of `rows` rows runs in the full forward's order (EXACT)."""
+    return EXACT and EXACT_FROM_ROWS <= rows <= EXACT_TO_ROWS
 EXACT_CONFIGS: dict[tuple[int, int], tuple] = {   # rows >= EXACT_FROM_ROWS; us from gemm_inorder*.json
     (2560, 4096): (                                                     # o_proj
         (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=8, mode="dot_t")),   # 8.2 us at 16 rows
@@ -224,7 +233,7 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1) -> Gemv
         raise ValueError(f"a packed gate/up weight needs an even row count, got {n}")
     table = SILU_MUL_CONFIGS if silu_mul else LINEAR_CONFIGS
     entry = table.get((n, k))
-    if EXACT and not silu_mul and rows >= EXACT_FROM_ROWS and (n, k) in EXACT_CONFIGS:
+    if exact_rows(rows) and not silu_mul and (n, k) in EXACT_CONFIGS:
         entry = EXACT_CONFIGS[(n, k)]
     if isinstance(entry, GemvConfig):
         return entry

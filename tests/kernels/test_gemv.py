@@ -225,9 +225,10 @@ def _check_table(name):
 
 
 def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
-    """FASTQWEN_EXACT_DECODE: from EXACT_FROM_ROWS rows every 4B decode product walks K in order
-    (what gives the full forward's bits, test_gpu_in_order_products_give_the_full_forwards_bits);
-    below it, and with the switch off, o and down keep their split-K configs."""
+    """FASTQWEN_EXACT_DECODE: from EXACT_FROM_ROWS to EXACT_TO_ROWS rows every 4B decode product
+    walks K in order (what gives the full forward's bits,
+    test_gpu_in_order_products_give_the_full_forwards_bits); outside that range, and with the
+    switch off, o and down keep their split-K configs."""
     try:
         for exact in (True, False):
             monkeypatch.setattr(gemv, "EXACT", exact)
@@ -235,7 +236,9 @@ def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
             for name, (n, k) in SHAPES_4B.items():
                 for rows in range(gemv.EXACT_FROM_ROWS, 65):
                     cfg = select_config(n, k, name == "gate_up", rows)
-                    assert gemv.in_order(cfg) or (not exact and name in ("o", "down")), (name, rows, cfg)
+                    assert gemv.exact_rows(rows) == (exact and rows <= gemv.EXACT_TO_ROWS)
+                    assert gemv.in_order(cfg) or (not gemv.exact_rows(rows) and name in ("o", "down")), \
+                        (name, rows, cfg)
                     assert k % cfg.block_k == 0 and (n // 2 if name == "gate_up" else n) % cfg.block_n == 0
             assert not gemv.in_order(select_config(*SHAPES_4B["down"], False, 4))
     finally:
