@@ -10,7 +10,9 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
   layer's step through gdn.conv_gates_step, gdn.decode_step and (heads of 128)
   gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's rule through gdn.chunked_prefill; every residual add and the norm
-  after it through fqkernels.rmsnorm (one_plus). The CUDA default.
+  after it through fqkernels.rmsnorm (one_plus). Each decode product through our GEMV
+  (fqkernels/gemv.py) where, timed at the decode batch (`ops.tune`, as the Qwen3 op set
+  does), it beats cuBLAS; cuBLAS otherwise. The CUDA default.
 FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default. (flash-linear-attention is
 not among the platform's modules, so it cannot be imported here: scripts/bench_gdn.py
 compares its kernels with ours.)
@@ -193,7 +195,7 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
-        self.ops = _NoTuning()
+        self.ops = _Products() if self.backend == "triton" else _NoTuning()
 
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
@@ -297,16 +299,13 @@ class Qwen35Model:
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """BF16 logits of final-normed rows."""
-        return F.linear(h, self.w["lm_head.weight"])
+        return self.ops.linear(h, self.w["lm_head.weight"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
-            from fqkernels.swiglu import silu_mul
-
-            gu = F.linear(h, self.w[p + "gate_up.weight"])
-            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(*h.shape[:-1], -1)
-            return F.linear(act, self.w[p + "down_proj.weight"])
+            act = self.ops.linear_silu_mul(h, self.w[p + "gate_up.weight"])
+            return self.ops.linear(act, self.w[p + "down_proj.weight"])
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
@@ -314,10 +313,11 @@ class Qwen35Model:
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE; gate [B, T, H * D]."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
-        qp = F.linear(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim)    # per head [query | gate]
+        lin = self.ops.linear
+        qp = lin(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim)    # per head [query | gate]
         q, gate = torch.chunk(qp, 2, dim=-1)
-        k = F.linear(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
-        v = F.linear(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
+        k = lin(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
+        v = lin(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
         if self.backend == "triton":
             # each head's (1 + w) norm one kernel row (q: the first D of each 2D), then the partial RoPE
             from fqkernels.rmsnorm import rmsnorm
@@ -370,7 +370,7 @@ class Qwen35Model:
         return self._attention_out(i, attn.reshape(B, 1, -1), gate)
 
     def _attention_out(self, i: int, attn, gate):
-        return F.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+        return self.ops.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
         if not prompt and self.backend == "triton":
@@ -398,7 +398,7 @@ class Qwen35Model:
         self.state[slot].copy_(state)
         o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                         self.w[p + "norm.weight"], c.rms_norm_eps)
-        return F.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
+        return self.ops.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
 
 
     def _in_proj(self, p: str, h: torch.Tensor):
@@ -408,7 +408,7 @@ class Qwen35Model:
             return tuple(F.linear(h, self.w[p + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a"))
         c = self.cfg
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
-        return torch.split(F.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
+        return torch.split(self.ops.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
 
     def _gdn_step_kernels(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
@@ -426,11 +426,75 @@ class Qwen35Model:
         o = gdn.decode_step(q, k, v, g, beta, self.state[slot])
         norm = gdn.gated_rmsnorm if c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference   # the kernel's width
         o = norm(o.reshape(-1, c.linear_v_dim), z, self.w[p + "norm.weight"], c.rms_norm_eps)
-        return F.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 
 class _NoTuning:
-    """The op set's tuning hook (engine._prepare): the Qwen3.5 path has no GEMV choices yet."""
+    """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
+
+    linear = staticmethod(F.linear)
 
     def tune(self, weights, rows: int) -> dict:
         return {}
+
+
+# The decode products of a Qwen3.5 checkpoint on the triton backend, by their weights' names
+# (the packed ones: _pack); True where SiLU * up is fused into the product.
+_DECODE_PRODUCTS = {"linear_attn.in_proj.weight": False, "linear_attn.out_proj.weight": False,
+                    "self_attn.q_proj.weight": False, "self_attn.k_proj.weight": False,
+                    "self_attn.v_proj.weight": False, "self_attn.o_proj.weight": False,
+                    "mlp.gate_up.weight": True, "mlp.down_proj.weight": False, "lm_head.weight": False}
+
+
+class _Products:
+    """The triton backend's products: our GEMV where `tune` found it faster than cuBLAS for
+    that matrix at that many rows (the decode batch), cuBLAS (F.linear) everywhere else,
+    the prompt pass included. The choice is made before the decode step is captured."""
+
+    GEMV_MAX_ROWS = 64
+
+    def __init__(self):
+        from fqkernels import gemv
+        from fqkernels.swiglu import silu_mul
+
+        self._gemv, self._silu_mul = gemv, silu_mul
+        self.use_gemv = {}  # (fused SiLU, rows, N, K) -> bool
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.use_gemv.get((False, rows) + tuple(w.shape)):
+            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w)
+
+    def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) with the reference's cast points, w_gate_up = gate | up."""
+        rows = x.numel() // x.shape[-1]
+        if self.use_gemv.get((True, rows) + tuple(w_gate_up.shape)):
+            out = self._gemv.linear_silu_mul(x.reshape(rows, -1).contiguous(), w_gate_up)
+        else:
+            out = self._silu_mul(F.linear(x.reshape(rows, -1), w_gate_up))
+        return out.view(*x.shape[:-1], w_gate_up.shape[0] // 2)
+
+    def tune(self, weights: dict, rows: int, reps: int = 5) -> dict:
+        """For a decode batch of `rows`, time cuBLAS against our GEMV on every decode matrix
+        (each over all layers' copies in one CUDA graph, so weights stream from HBM as in the
+        step) and keep the faster. Returns {matrix: (cublas_us, gemv_us)}."""
+        from fq_ops import _time_over
+
+        if rows > self.GEMV_MAX_ROWS:
+            return {}
+        report = {}
+        for suffix, fused in _DECODE_PRODUCTS.items():
+            ws = [w for name, w in weights.items() if name.endswith(suffix)]
+            if not ws:
+                continue
+            x = torch.randn(rows, ws[0].shape[1], device=ws[0].device).to(torch.bfloat16)
+            if fused:
+                ours, theirs = (lambda w: self._gemv.linear_silu_mul(x, w),
+                                lambda w: self._silu_mul(F.linear(x, w)))
+            else:
+                ours, theirs = lambda w: self._gemv.linear(x, w), lambda w: F.linear(x, w)
+            t_ours, t_theirs = _time_over(ours, ws, reps), _time_over(theirs, ws, reps)
+            self.use_gemv[(fused, rows) + tuple(ws[0].shape)] = t_ours < t_theirs
+            report[suffix.rsplit(".", 1)[0]] = (round(t_theirs, 2), round(t_ours, 2))
+        return report

@@ -74,6 +74,50 @@ def test_triton_step_tracks_the_reference(tiny):
     assert state_diff <= 0.05 * state_ref.abs().max().item(), state_diff
 
 
+def _all_products_on_the_gemv(model, rows):
+    for name, w in model.w.items():
+        for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items():
+            if name.endswith(suffix):
+                model.ops.use_gemv[(fused, rows) + tuple(w.shape)] = True
+
+
+def test_triton_step_on_the_gemv_tracks_the_reference(tiny):
+    """Every decode product through our GEMV (what tune picks where it is faster): the same
+    bounds as on cuBLAS."""
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref, _, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    _all_products_on_the_gemv(model, B)
+    assert len(model.ops.use_gemv) >= 6
+    calls = []
+    real_linear, real_silu = model.ops._gemv.linear, model.ops._gemv.linear_silu_mul
+
+    class _Counting:      # the GEMV, counting its calls
+        linear = staticmethod(lambda x, w: calls.append("linear") or real_linear(x, w))
+        linear_silu_mul = staticmethod(lambda x, w: calls.append("silu_mul") or real_silu(x, w))
+
+    model.ops._gemv = _Counting
+    got, _, state_got = _forced(model, seq)
+    assert {"linear", "silu_mul"} <= set(calls), "a product kind never went through the GEMV"
+    diff = (got - ref).abs().max().item()
+    spread = ref.std().item()
+    assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
+    assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="times products on a GPU")
+def test_tune_times_every_decode_product(tiny):
+    cfg, w = tiny
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    report = model.ops.tune(model.w, B)
+    assert set(report) == {k.rsplit(".", 1)[0] for k in fq_qwen35._DECODE_PRODUCTS}
+    want = {(fused, B) + tuple(w.shape) for name, w in model.w.items()
+            for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items() if name.endswith(suffix)}
+    assert set(model.ops.use_gemv) == want
+    assert all(len(t) == 2 and min(t) > 0 for t in report.values()), report
+
+
 def test_a_wrong_gdn_step_is_caught(tiny, monkeypatch):
     """The comparison above can fail: a decay applied twice in the kernel path is far off."""
     cfg, w = tiny
