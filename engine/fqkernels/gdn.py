@@ -329,7 +329,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 
 
 # ------------------------------------------------------------------ chunked prefill kernels
-# The chunked rule of delta_rule_chunked_reference in two kernels, from a zero state (a
+# The chunked rule of delta_rule_chunked_reference in three kernels, from a zero state (a
 # fresh prompt).
 #
 # _chunk_solve_kernel, one program per (sequence, value head, chunk): the chunk's unit-lower
@@ -338,8 +338,12 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # 63), then M^-1 = (I - N + N^2 - N^3) D^-1 with D the block diagonal and N = D^-1 (M - D),
 # strictly block-lower, so N^4 = 0 (three terms, never a long power series, which loses
 # everything when a key repeats). Then u = M^-1 (beta v) and w = M^-1 (beta k e^gamma).
-# _chunk_scan_kernel, one program per (sequence, value head, block of value columns): walks
-# the chunks in order carrying S [Dk, BV] and writes the outputs and the final state.
+# _chunk_state_kernel, one program per (sequence, value head, block of value columns), the
+# only sequential part: walks the chunks in order carrying S [Dk, BV], with two products a
+# chunk (v_new = u - w S, then S <- e^gamma_last S + k_decayed^T v_new), and keeps each
+# chunk's starting state and v_new (in u's place) and the final state.
+# _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
+# o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
 #
 # Products run on tensor cores as three TF32 products per fp32 product (_dot3: each operand
 # split into its TF32 head and the rest; about fp32's accuracy, far from TF32's), sums in
@@ -348,9 +352,10 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # tests/kernels/test_gdn_kernels.py; the timing beside flash-linear-attention is
 # scripts/bench_gdn.py ("tf32": one TF32 product, for that comparison only).
 _PREC = "tf32x3"
-# Tokens per call of the two kernels: u and w are fp32 workspaces of 1 KiB per token and
-# value head, so longer batches run in slices of whole sequences (peak memory stays bounded).
-_TOKENS_PER_SLICE = 32768
+# Tokens per call of the kernels: u (then v_new), w and the chunks' starting states are fp32
+# workspaces of 2 KiB per token and value head (1 GiB for 16K tokens of 32 heads), so longer
+# batches run in slices of whole sequences (peak memory stays bounded).
+_TOKENS_PER_SLICE = 16384
 
 
 @triton.jit
@@ -402,22 +407,26 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     g = tl.load(g_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0)
     gamma = tl.cumsum(g, axis=0)                                  # log decay from the chunk's start
     kb = k * beta[:, None]
-    lower = r[:, None] > r[None, :]
-    a = tl.where(lower, _dot3(kb, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
-    # D^-1 by rows: step i finishes row i of every 16-row block, D^-1_r = e_r - sum_{j<r} A_rj D^-1_j
-    # (rows j < r of the block are final). Column j's coefficient is A[16 (j // 16) + i, j], one
-    # row per block, and block-diagonal D^-1 keeps each block's sums to itself.
+    # Everything below on transposes (at = A^T, x = (D^-1)^T): a tile's rows stay in one warp,
+    # so the substitution's sums run along rows, within warps, with no block-wide barrier.
+    at = tl.where(r[:, None] < r[None, :], _dot3(k, tl.trans(kb), PREC) * tl.exp(gamma[None, :] - gamma[:, None]), 0.0)
+    # D^-1 by rows (x by columns): step i finishes row i of every 16-row block,
+    # D^-1_r = e_r - sum_{j<r} A_rj D^-1_j (rows j < r of the block are final). Row j's
+    # coefficient is A[16 (j // 16) + i, j], one row per block, and block-diagonal D^-1 keeps
+    # each block's sums to itself.
     same = (r[:, None] // 16) == (r[None, :] // 16)
     first_row = (r // 16) * 16
-    inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, 16):
-        coef = tl.sum(tl.where(r[:, None] == (first_row + i)[None, :], a, 0.0), axis=0)   # [C] over j
-        upd = tl.sum(coef[:, None] * inv, axis=0)                                           # [C] over columns
-        inv = tl.where(((r % 16) == i)[:, None] & same, inv - upd[None, :], inv)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    n = _dot3(inv, tl.where(same, 0.0, a), PREC)
-    n2 = _dot3(n, n, PREC)
-    m_inv = _dot3(_dot3(eye - n, eye + n2, PREC), inv, PREC)
+    x = eye
+    for i in range(1, 16):
+        coef = tl.sum(tl.where(r[None, :] == (first_row + i)[:, None], at, 0.0), axis=1)   # [C] over j
+        upd = tl.sum(x * coef[None, :], axis=1)                                              # [C] over columns
+        x = tl.where(same & ((r % 16) == i)[None, :], x - upd[:, None], x)
+    # M^-1 = (I - N)(I + N^2) D^-1 with N = D^-1 L (L: A off the diagonal blocks), transposed:
+    # N^T = L^T x, and (M^-1)^T = x (I + N^T N^T) (I - N^T).
+    nt = _dot3(tl.where(same, 0.0, at), x, PREC)
+    m_inv_t = _dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC)
+    m_inv = tl.trans(m_inv_t)
     u = _dot3(m_inv, v * beta[:, None], PREC)
     w = _dot3(m_inv, kb * tl.exp(gamma)[:, None], PREC)
     base = (pid * NC + c).to(tl.int64) * C
@@ -427,48 +436,74 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
 
 
 @triton.jit
-def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, o_ptr, state_ptr, T, NC, scale,
-                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_sb,
-                       HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
+                        stride_kb, stride_kt, stride_kh, stride_sb,
+                        HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     v0 = tl.program_id(1) * BV
+    b = pid // HV
+    hv = pid % HV
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    dv = v0 + tl.arange(0, BV)
+    s = tl.zeros([DK, BV], dtype=tl.float32)
+    for c in range(NC):
+        t = c * C + r
+        k = tl.load(k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :],
+                    mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        chunk = pid * NC + c
+        base = chunk.to(tl.int64) * C
+        gamma = tl.load(gamma_ptr + base + r)
+        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
+        k_decayed = _l2_rows(k) * tl.exp(last - gamma)[:, None]
+        w = tl.load(w_ptr + (base + r)[:, None] * DK + dk[None, :])
+        u = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :])
+        tl.store(h_ptr + (chunk.to(tl.int64) * DK + dk)[:, None] * DV + dv[None, :], s)   # S at the chunk's start
+        v_new = u - _dot3(w, s, PREC)
+        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
+        s = s * tl.exp(last) + _dot3(tl.trans(k_decayed), v_new, PREC)
+    tl.store(state_ptr + b * stride_sb + hv * DK * DV + dk[:, None] * DV + dv[None, :], s)
+
+
+@triton.jit
+def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scale,
+                      stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                      HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
     b = pid // HV
     hv = pid % HV
     hk = hv // RATIO
     r = tl.arange(0, C)
     dk = tl.arange(0, DK)
     dv = v0 + tl.arange(0, BV)
-    causal = r[:, None] >= r[None, :]
-    s = tl.zeros([DK, BV], dtype=tl.float32)
-    for c in range(NC):
-        t = c * C + r
-        ok = t < T
-        q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
-        q = _l2_rows(q) * scale
-        k = _l2_rows(k)
-        base = (pid * NC + c).to(tl.int64) * C
-        gamma = tl.load(gamma_ptr + base + r)
-        u = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :])
-        w = tl.load(w_ptr + (base + r)[:, None] * DK + dk[None, :])
-        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
-        attn = tl.where(causal, _dot3(q, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]),
-                        0.0)
-        v_new = u - _dot3(w, s, PREC)
-        o = _dot3(q * tl.exp(gamma)[:, None], s, PREC) + _dot3(attn, v_new, PREC)
-        tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
-                 mask=ok[:, None])
-        s = s * tl.exp(last) + _dot3(tl.trans(k * tl.exp(last - gamma)[:, None]), v_new, PREC)
-    tl.store(state_ptr + b * stride_sb + hv * DK * DV + dk[:, None] * DV + dv[None, :], s)
+    t = c * C + r
+    ok = t < T
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    q = _l2_rows(q) * scale
+    k = _l2_rows(k)
+    chunk = pid * NC + c
+    base = chunk.to(tl.int64) * C
+    gamma = tl.load(gamma_ptr + base + r)
+    attn = tl.where(r[:, None] >= r[None, :],
+                    _dot3(q, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+    h = tl.load(h_ptr + (chunk.to(tl.int64) * DK + dk)[:, None] * DV + dv[None, :])
+    v_new = tl.load(vn_ptr + (base + r)[:, None] * DV + dv[None, :])
+    o = _dot3(q * tl.exp(gamma)[:, None], h, PREC) + _dot3(attn, v_new, PREC)
+    tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
+             mask=ok[:, None])
 
 
 def default_block_v(batch: int, value_heads: int, dv: int) -> int:
-    """Value columns per scan program: 64, halved (down to 16) while fewer than 256 programs
-    would run (each walks every chunk of its sequence in turn, so a small batch needs
-    narrower blocks to fill the GPU)."""
+    """Value columns per state-kernel program: 64, halved (down to 16) while fewer than 256
+    programs would run (each walks every chunk of its sequence in turn, so a small batch
+    needs narrower blocks to fill the GPU)."""
     bv = min(64, dv)
     while bv > 16 and batch * value_heads * (dv // bv) < 256:
         bv //= 2
@@ -477,9 +512,9 @@ def default_block_v(batch: int, value_heads: int, dv: int) -> int:
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     block_v: int | None = None):
-    """The chunked rule over a fresh prompt (zero initial state), as two kernels: q, k
+    """The chunked rule over a fresh prompt (zero initial state), as three kernels: q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
-    bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per scan program (a
+    bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
     power of two dividing Dv; None: default_block_v). Returns (o [B, T, Hv, Dv] bf16, the final
     state [B, Hv, Dk, Dv] fp32), what delta_rule_chunked_reference returns on the repeated heads."""
     B, T, Hk, Dk = k.shape
@@ -501,9 +536,11 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out = torch.empty((B, T, Hv, Dv), dtype=torch.bfloat16, device=dev)
     state = torch.empty((B, Hv, Dk, Dv), dtype=torch.float32, device=dev)
     ws = min(rows, B) * Hv * nc * CHUNK
-    u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)
+    u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u, then v_new in its place
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
+    h = torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)   # each chunk's starting state
+    out_bv = min(64, Dv)
     for b0 in range(0, B, rows):
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
@@ -512,8 +549,12 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ks, vs, gs, bts, u, w, gamma, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=4)
-        _chunk_scan_kernel[(bs * Hv, Dv // block_v)](
-            qs, ks, u, w, gamma, os_, state[sl], T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
-            os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
-            DV=Dv, BV=block_v, PREC=_PREC, num_warps=4, num_stages=2)
+        # Two pipeline stages (148 KB of shared memory at 64 columns under Triton 3.6; three: 214 KB).
+        _chunk_state_kernel[(bs * Hv, Dv // block_v)](
+            ks, u, w, gamma, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
+            HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=4, num_stages=2)
+        _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
+            qs, ks, u, gamma, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
+            os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
+            BV=out_bv, PREC=_PREC, num_warps=4)
     return out, state
