@@ -604,6 +604,9 @@ def _gdn_decode_step(batch: int) -> None:
     v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
     g = torch.empty((batch, 512, 32), dtype=torch.float32, device=CUDA)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
+    # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
+    packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
+    gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
 
 
 # Scenario names of the launches made outside the Qwen3 engine sweep.

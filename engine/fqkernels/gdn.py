@@ -285,6 +285,46 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
     return x, g, beta
 
 
+@triton.jit
+def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, stride_xb, stride_xt,
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per (sequence, BLOCK_T positions, BLOCK_C channels) of a prompt: out =
+    bf16(silu(bf16(sum_j w_j u_{t-W+1+j}))), zeros before position 0, the products summed in
+    fp32 in window order (as the step kernel and the reference's depthwise conv)."""
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = t - (W - 1) + j
+        ok = ((src >= 0) & (src < T))[:, None] & c_ok[None, :]
+        uj = tl.load(u_ptr + b * stride_ub + src[:, None] * stride_ut + c[None, :], mask=ok, other=0.0)
+        acc += tl.load(conv_w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :] * uj.to(tl.float32)
+    conv = acc.to(tl.bfloat16).to(tl.float32)
+    tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], (conv / (1.0 + tl.exp(-conv))).to(tl.bfloat16),
+             mask=(t < T)[:, None] & c_ok[None, :])
+
+
+def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32, block_c: int = 128):
+    """A prompt's causal conv + SiLU as one kernel: u [B, T, C] bf16, position-major (in_proj's
+    output; channels need unit stride), conv_w [C, W] bf16. Returns (x [B, T, C] bf16, the conv
+    state [B, C, W]: the last W inputs, zeros on the left when T < W), what
+    causal_conv_reference returns on u transposed."""
+    B, T, C = u.shape
+    W = conv_w.shape[1]
+    if tuple(conv_w.shape) != (C, W) or u.stride(2) != 1 or T < 1:
+        raise ValueError(f"gdn.causal_conv_prefill: u {tuple(u.shape)} (strides {u.stride()}) and conv_w "
+                         f"{tuple(conv_w.shape)} do not fit")
+    conv_w = conv_w.contiguous()
+    x = torch.empty((B, T, C), dtype=u.dtype, device=u.device)
+    _conv_prefill_kernel[(B, triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+        u, conv_w, x, T, C, u.stride(0), u.stride(1), x.stride(0), x.stride(1), W=W, BLOCK_T=block_t,
+        BLOCK_C=block_c, num_warps=4)
+    state = F.pad(u[:, -W:].transpose(1, 2), (max(W - T, 0), 0))
+    return x, state
+
+
 def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
     """conv_gates_step through the references (conv_state updated in place)."""
     x, new_state = causal_conv_reference(mixed[:, :, None], conv_w, conv_state)
