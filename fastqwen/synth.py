@@ -983,9 +983,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     parser.add_argument(
         "--init", choices=INITS, default=None,
-        help="weight family: fastqwen (default for Qwen3: the project's stable, realistic scheme) or transformers "
-             "(Transformers' own init, norm weights 1, final norm --final-norm-scale; the one init of the "
-             "Qwen3.5 presets, fastqwen.synth35)",
+        help="weight family: fastqwen (the default: the project's stable, realistic scheme; for Qwen3.5 "
+             "fastqwen.synth35's) or transformers (Transformers' own init, norm weights 1, final norm "
+             "--final-norm-scale)",
     )
     parser.add_argument(
         "--final-norm-scale", type=float, metavar="S",
@@ -1008,13 +1008,13 @@ def run(args: argparse.Namespace) -> int:
     from fastqwen import synth35
 
     if args.preset in synth35.PRESETS:
-        for flag, used in (("--init fastqwen", args.init == "fastqwen"), ("--massive-activations",
-                           args.massive_activations), ("--sliding-window", args.sliding_window is not None)):
+        for flag, used in (("--massive-activations", args.massive_activations),
+                           ("--sliding-window", args.sliding_window is not None)):
             if used:
-                raise UserError(f"{flag} is for the Qwen3 presets; {args.preset} takes --seed, --device, "
+                raise UserError(f"{flag} is for the Qwen3 presets; {args.preset} takes --seed, --device, --init, "
                                 "--final-norm-scale")
         out = synth35.synthesize(args.preset, args.out, seed=args.seed, device=args.device, force=args.force,
-                                 final_norm_scale=args.final_norm_scale)
+                                 final_norm_scale=args.final_norm_scale, init=args.init or "fastqwen")
         print(out)
         return 0
     out = synthesize(

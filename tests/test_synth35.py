@@ -44,9 +44,19 @@ def test_tiny_init_and_determinism(tiny, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in w.values())
     a_log = w["model.layers.0.linear_attn.A_log"]
     assert torch.isfinite(a_log).all() and (a_log.float().exp() >= 0.0099).all() and (a_log.float().exp() <= 16.1).all()
-    assert (w["model.norm.weight"] == 6).all() and (w["model.layers.0.input_layernorm.weight"] == 0).all()
+    # the default (fastqwen) family: small embedding with spread row norms, final norm from the vocabulary
+    cfg = synth35.get_preset("qwen3.5-tiny")
+    scale = torch.tensor(synth35.fastqwen_final_norm_scale(cfg) - 1.0).bfloat16()
+    assert (w["model.norm.weight"] == scale).all() and (w["model.layers.0.input_layernorm.weight"] == 0).all()
+    assert (w["model.layers.3.self_attn.q_norm.weight"] == 1).all()
+    emb = w["model.embed_tokens.weight"].float()
+    assert abs(emb.std().item() - 0.005) < 0.0008 and emb.norm(dim=1).std() / emb.norm(dim=1).mean() > 0.15
     assert (w["model.layers.0.linear_attn.norm.weight"] == 1).all()
     assert abs(w["model.layers.3.self_attn.q_proj.weight"].float().std().item() - 0.02) < 0.002
+    plain = _weights(synth35.synthesize("qwen3.5-tiny", tmp_path / "plain", seed=0, progress=False, init="transformers"))
+    assert (plain["model.norm.weight"] == 6).all() and (plain["model.layers.3.self_attn.q_norm.weight"] == 0).all()
+    assert abs(plain["model.embed_tokens.weight"].float().std().item() - 0.02) < 0.002
+    assert torch.equal(plain["model.layers.0.mlp.up_proj.weight"], w["model.layers.0.mlp.up_proj.weight"])
     again = _weights(synth35.synthesize("qwen3.5-tiny", tmp_path / "again", seed=0, progress=False))
     other = _weights(synth35.synthesize("qwen3.5-tiny", tmp_path / "other", seed=1, progress=False))
     assert all(torch.equal(w[n], again[n]) for n in w)
@@ -58,6 +68,8 @@ def test_bad_options_are_named(tmp_path):
         synth35.synthesize("qwen3.5-9b", tmp_path / "x")
     with pytest.raises(UserError, match="final norm scale"):
         synth35.synthesize("qwen3.5-tiny", tmp_path / "y", final_norm_scale=-1.0)
+    with pytest.raises(UserError, match="unknown init 'hf'"):
+        synth35.synthesize("qwen3.5-tiny", tmp_path / "w", init="hf")
     run = subprocess.run([sys.executable, "-m", "fastqwen.cli", "synth", "--preset", "qwen3.5-tiny", "--out",
                           str(tmp_path / "z"), "--massive-activations"], capture_output=True, text=True)
     assert run.returncode != 0 and "--massive-activations is for the Qwen3 presets" in run.stderr
@@ -91,3 +103,22 @@ def test_transformers_5_17_loads_it_and_its_cached_decode_is_stable(tiny):
     # Measured 0.0625 (cached one-token steps vs one chunked forward over prompt + 16 tokens).
     assert got["max_diff"] <= 0.25, got
     assert got["median_top_gap"] > 0.5, got
+
+
+@pytest.mark.parametrize("init,realistic", [("fastqwen", True), ("transformers", False)])
+def test_the_default_family_has_a_trained_models_logit_statistics(tmp_path, init, realistic):
+    """synth-stats (Transformers 5.17 in its environment) on the tiny preset: the fastqwen family
+    meets every realism bound (gap spread, no echo, positions with top-1s of their own) and is
+    stable; Transformers' init is stable but echoes its input (the reason for the default)."""
+    ckpt = synth35.synthesize("qwen3.5-tiny", tmp_path / init, seed=1, progress=False, init=init)
+    out = tmp_path / "stats.json"
+    run = subprocess.run([sys.executable, "-m", "fastqwen.cli", "synth-stats", "--model", str(ckpt), "--positions",
+                          "1024", "--stability-positions", "64", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["stability_problems"] == []
+    if realistic:
+        assert report["realism_problems"] == [], report["realism_problems"]
+    else:
+        assert any("echoes" in p for p in report["realism_problems"]), report["realism_problems"]

@@ -40,7 +40,11 @@ def _interpreter(interpreter_fixes):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False)
+    # Transformers' init, which the bounds below were measured on: the default (fastqwen) family's
+    # sharper logits amplify the same fp32-order noise (0.23 against 0.13 allowed here; its own
+    # cached decode moves 0.19-0.25 from its full forward, fastqwen/synth35.py).
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False,
+                              init="transformers")
     cfg = fq_qwen35.Qwen35Config.from_dir(str(path))
     return cfg, fq_qwen35.load_weights(str(path), cfg, DEV)
 
