@@ -38,7 +38,8 @@ sys.path.insert(0, HERE)
 from fqkernels import gemv  # noqa: E402
 from bench_gemv import L2_FLUSH_BYTES, time_graph  # noqa: E402
 
-MATRICES = [("o", 2560, 4096), ("down", 2560, 9728)]
+MATRICES = {"o": (2560, 4096), "down": (2560, 9728), "qkv": (6144, 2560), "gate_up": (19456, 2560),
+            "lm_head": (151936, 2560)}
 G = gemv.GemvConfig
 
 
@@ -47,6 +48,8 @@ def candidates(k: int, which: str) -> dict:
         return deep_candidates()
     if which == "narrow":
         return narrow_candidates()
+    if which == "m64":
+        return m64_candidates()
     out = {}
     for bk in (128, 256):
         for st in (3, 4, 6):
@@ -91,19 +94,34 @@ def narrow_candidates() -> dict:
     return out
 
 
+def m64_candidates() -> dict:
+    """Round 4 (session 8): 33-64 rows, where exact decode forces the GEMV for qkv, gate_up and
+    lm_head too and cuBLAS had been faster: x as the MMA's 64-row side, wider output tiles."""
+    out = {}
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for st in (3, 4, 6):
+                for nw in (4, 8):
+                    out[f"dot/m64/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
+                                                               num_warps=nw, mode="dot", block_m=64)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="4,8,16,32,64")  # round 2: --rows 4,16
     ap.add_argument("--big", type=int, default=2048, help="rows of the large (full forward) product")
-    ap.add_argument("--set", default="wide", choices=("wide", "deep", "narrow"),
-                    help="candidate configs: round 1, 2 or 3")
+    ap.add_argument("--set", default="wide", choices=("wide", "deep", "narrow", "m64"),
+                    help="candidate configs: round 1, 2, 3 or 4")
+    ap.add_argument("--matrices", default="o,down", help="which of " + ", ".join(MATRICES))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_inorder.json"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = {"torch": torch.__version__, "big_rows": args.big, "results": []}
     t0 = time.perf_counter()
-    for name, n, k in MATRICES:
+    for name in args.matrices.split(","):
+        n, k = MATRICES[name]
         copies = min(20, math.ceil(L2_FLUSH_BYTES / (n * k * 2)) + 1)
         weights = [(torch.randn((n, k), generator=gen, device="cuda") * k ** -0.5).bfloat16() for _ in range(copies)]
         x_big = (torch.randn((args.big, k), generator=gen, device="cuda") * 2).bfloat16()

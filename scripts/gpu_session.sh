@@ -56,6 +56,8 @@
 #   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
 #   judge-q35-pg  judge-q35 with FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (the prompt pass as a graph per shape)
+#   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
+#                 results/workloads/q35_own.json (issue 12's own shapes)
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
@@ -64,6 +66,7 @@
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
 #   gemm-inorder2 the same with deeper pipelines and 8 warps, at 4 and 16 rows
 #   gemm-inorder3 the same with 16-column programs and long K tiles, at 16 and 64 rows
+#   gemm-inorder64 every 4B decode product at 48 and 64 rows, 64-row tiles (exact decode past 32 rows)
 #   kernels-gemv  the GEMV kernel tests alone, every failure listed
 #   decode-bits-a/-b  where a decode step leaves the full forward's bits, layer by layer and per op
 #                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
@@ -187,6 +190,14 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
                  --out "$OUT/judge_q35_pg.json" --chart "$OUT/judge_q35_pg.png" --model /tmp/q35_4b --workloads public \
                  2>&1 | tail -40 ;;
+    judge-q35-official|judge-q35-own)
+               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
+                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                 --out /tmp/q35_4b 2>&1 | tail -1
+               set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
+               timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
+                 --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
     q35-check) [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                  --out /tmp/q35_4b 2>&1 | tail -1
                FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
@@ -200,6 +211,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                      --out "$OUT/gemm_inorder2.json" 2>&1 | grep -v Warn | tail -14 ;;
     gemm-inorder3) timeout 400 python3 scripts/gpu_gemm_inorder.py --set narrow --rows 16,64 \
                      --out "$OUT/gemm_inorder3.json" 2>&1 | grep -v Warn | tail -14 ;;
+    gemm-inorder64) timeout 400 python3 scripts/gpu_gemm_inorder.py --set m64 --rows 48,64 \
+                      --matrices qkv,gate_up,lm_head,o,down --out "$OUT/gemm_inorder64.json" 2>&1 | grep -v Warn | tail -14 ;;
     kernels-gemv) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_gemv.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_gemv.log" ;;
     decode-bits-a) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,64 \
