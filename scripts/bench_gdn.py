@@ -1,10 +1,10 @@
-"""Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our two kernels) against the
+"""Time the Gated DeltaNet prompt pass (gdn.chunked_prefill, our three kernels) against the
 pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value heads of
 128), B in {1, 4, 16} x T in {512, 2048, 8192} by default, and check each result against
-the reference (and, for the log, the same kernels with single-pass TF32 products). With
-flash-linear-attention importable (installed, or in the folder FASTQWEN_FLA_SITE names),
-its chunk_gated_delta_rule is timed beside them (never required). One JSON line per
-shape, and a JSON file.
+the reference; for the log, each of our kernels' device time (torch.profiler) and the same
+kernels with single-pass TF32 products. With flash-linear-attention importable (installed,
+or in the folder FASTQWEN_FLA_SITE names), its chunk_gated_delta_rule is timed beside them
+(never required). One JSON line per shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
 """
@@ -39,6 +39,22 @@ def _ms(fn, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _kernel_us(fn) -> dict:
+    """Device microseconds of each of fn's kernels (torch.profiler, one call after a warm one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:40]] = round(out.get(e.name[:40], 0.0) + e.time_range.elapsed_us(), 1)
+    return out
+
+
 def _fla():
     """flash-linear-attention's chunked rule, from the installed package or FASTQWEN_FLA_SITE."""
     if os.environ.get("FASTQWEN_FLA_SITE"):
@@ -70,6 +86,7 @@ def main() -> None:
         g, beta = gdn.gates_reference(a, b, a_log, torch.ones(HV, dtype=torch.bfloat16, device=dev))
         res = {"B": B, "T": T}
         res["ours_ms"] = _ms(lambda: gdn.chunked_prefill(q, k, v, g, beta))
+        res["ours_kernels_us"] = _kernel_us(lambda: gdn.chunked_prefill(q, k, v, g, beta))
         qe, ke = gdn.expand_heads(q, HV), gdn.expand_heads(k, HV)
         o, s = gdn.chunked_prefill(q, k, v, g, beta)
         if B * T <= 16384:   # the reference's working set grows with B x T

@@ -41,6 +41,18 @@ OPS = {
     "down": (2560, 9728, False),
     "lm_head": (151936, 2560, False),
 }
+# Qwen3.5-4B's decode products (fq_qwen35._DECODE_PRODUCTS; its GDN out_proj and attention o_proj
+# are the Qwen3 o's shape): timed with --ops q35_..., not by default.
+Q35_OPS = {
+    "q35_in_proj": (12352, 2560, False),     # a GDN layer's qkv | z | b | a, packed
+    "q35_q": (8192, 2560, False),            # query | gate per head
+    "q35_kv": (1024, 2560, False),
+    "q35_gate_up_silu": (18432, 2560, True),
+    "q35_down": (2560, 9216, False),
+    "q35_lm_head": (248320, 2560, False),
+}
+DEFAULT_OPS = list(OPS)
+OPS.update(Q35_OPS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=default_out, help=f"JSON file to write (default {default_out})")
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (default 1 4 16)")
-    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="which weights (default all)")
+    p.add_argument("--ops", nargs="+", default=DEFAULT_OPS, choices=list(OPS),
+                   help="which weights (default: Qwen3-4B's; q35_* are Qwen3.5-4B's)")
     p.add_argument("--calls", type=int, default=20, help="op launches per graph (default 20)")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (default 15)")
     p.add_argument("--budget-s", type=float, default=60.0,

@@ -12,6 +12,7 @@
 #   bench         GEMV and decode-attention benchmarks (JSON per kernel)
 #   bench-gemv    the GEMV sweep alone, wider (per-M candidates, 150 s budget)
 #   bench-m1      the GEMV sweep at one row only
+#   bench-gemv-q35  the GEMV sweep on Qwen3.5-4B's decode products (table entries for them)
 #   bench-rows    the GEMV sweep at 4 and 16 rows (tl.dot tiles, both operand orders)
 #   opswap-4b     which op moves the logits, qwen3-4b only (4x512x32)
 #   profile       per-kernel device time of a decode step and a prefill
@@ -130,6 +131,8 @@ for stage in "${stages[@]}"; do
                   --ops qkv o down gate_up_silu lm_head 2>&1 | tail -40 ;;
     bench-rows) timeout 220 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_rows.json" --budget-s 170 --m 4 16 \
                   --ops qkv o down gate_up_silu 2>&1 | tail -14 ;;
+    bench-gemv-q35) timeout 300 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_q35.json" --budget-s 240 \
+                      --m 1 4 16 --ops q35_in_proj q35_q q35_kv q35_gate_up_silu q35_down q35_lm_head o 2>&1 | tail -30 ;;
     bench-m1) timeout 120 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv_m1.json" --budget-s 90 --m 1 \
                 --ops qkv o down gate_up_silu lm_head 2>&1 | tail -12 ;;
     opswap-4b) timeout 150 python3 scripts/gpu_opswap.py --model /tmp/q4b --shape 4x512x32 --out "$OUT/opswap_4b.json" 2>&1 \
