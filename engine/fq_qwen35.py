@@ -130,6 +130,13 @@ class Qwen35Config:
                              f"got {bad or len(types)}")
         head_dim = int(raw.get("head_dim", 256))
         partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+        for many, few in (("num_attention_heads", "num_key_value_heads"),
+                          ("linear_num_value_heads", "linear_num_key_heads")):
+            if int(need(few)) < 1 or int(need(many)) % int(need(few)):
+                raise ValueError(f"config.json: {many} ({raw[many]}) must be a multiple of {few} ({raw[few]})")
+        if int(head_dim * partial) % 2 or not 0 < partial <= 1:
+            raise ValueError(f"config.json: partial_rotary_factor {partial} of head_dim {head_dim} must give an even "
+                             "number of rotary dims")
         return cls(
             vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")),
             intermediate_size=int(need("intermediate_size")), num_layers=layers, layer_types=types,

@@ -162,7 +162,10 @@ def test_released_layout_loads_the_same(tiny, tmp_path, capsys):
 @pytest.mark.parametrize("change,match", [({"rope_parameters": {"rope_type": "yarn"}}, "rope_type 'yarn'"),
                                           ({"attention_bias": True}, "attention_bias"),
                                           ({"layer_types": ["sliding_attention"] * 8}, "layer_types"),
-                                          ({"vocab_size": None}, "vocab_size")])
+                                          ({"vocab_size": None}, "vocab_size"),
+                                          ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple"),
+                                          ({"linear_num_key_heads": 3}, "linear_num_value_heads"),
+                                          ({"partial_rotary_factor": 0.3, "rope_parameters": {}}, "even number")])
 def test_config_errors_name_the_field(change, match):
     raw = synth35.get_preset("qwen3.5-tiny")
     raw.update(change)
