@@ -4,7 +4,8 @@ pure-torch chunked reference at Qwen3.5-4B's head shapes (16 q/k heads, 32 value
 the reference; for the log, each of our kernels' device time (torch.profiler) and the same
 kernels with single-pass TF32 products. With flash-linear-attention importable (installed,
 or in the folder FASTQWEN_FLA_SITE names), its chunk_gated_delta_rule is timed beside them
-(never required). One JSON line per shape, and a JSON file.
+(never required); then one decode step at a few batches, ours against the recurrent reference
+and fla's fused recurrent kernel. One JSON line per shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
 """
@@ -66,9 +67,57 @@ def _fla():
     return chunk_gated_delta_rule
 
 
+def _fla_recurrent():
+    """flash-linear-attention's fused recurrent rule (its decode step), or None."""
+    if _fla() is None:
+        return None
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception:  # noqa: BLE001 - optional comparison
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
+    """One decode step of the rule at each batch: ours (gdn.decode_step), the recurrent reference,
+    and fla's fused recurrent kernel when present; times in us, the state against the reference's."""
+    fla_step = _fla_recurrent()
+    rows = []
+    for B in batches:
+        gen = torch.Generator(device=dev).manual_seed(B)
+        q = torch.randn(B, HK, D, generator=gen, device=dev).bfloat16()
+        k = torch.randn(B, HK, D, generator=gen, device=dev).bfloat16()
+        v = torch.randn(B, HV, D, generator=gen, device=dev).bfloat16()
+        g = -torch.rand(B, HV, generator=gen, device=dev)
+        beta = torch.rand(B, HV, generator=gen, device=dev).bfloat16()
+        s0 = torch.randn(B, HV, D, D, generator=gen, device=dev) * 0.1
+        res = {"decode_B": B}
+        s = s0.clone()
+        res["ours_us"] = 1e3 * _ms(lambda: gdn.decode_step(q, k, v, g, beta, s), reps=20)
+        s_r = s0.clone()
+        res["reference_us"] = 1e3 * _ms(lambda: gdn.decode_step_reference(q, k, v, g, beta, s_r), reps=5)
+        s, s_r = s0.clone(), s0.clone()
+        gdn.decode_step(q, k, v, g, beta, s)
+        gdn.decode_step_reference(q, k, v, g, beta, s_r)
+        res["state_rel_to_reference"] = ((s - s_r).abs().max() / s_r.abs().max()).item()
+        if fla_step is not None:
+            try:
+                qe, ke = gdn.expand_heads(q[:, None], HV), gdn.expand_heads(k[:, None], HV)
+                st = s0.clone()
+                res["fla_us"] = 1e3 * _ms(lambda: fla_step(qe, ke, v[:, None], g[:, None], beta[:, None],
+                                                           initial_state=st, output_final_state=True,
+                                                           use_qk_l2norm_in_kernel=True), reps=20)
+            except Exception as exc:  # noqa: BLE001
+                res["fla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x512,1x2048,1x8192,4x512,4x2048,4x8192,16x512,16x2048,16x8192")
+    ap.add_argument("--decode", default="1,4,16,64", help="batches of the decode-step comparison ('' skips it)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -116,6 +165,8 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         del q, k, v, qe, ke, o, s
         torch.cuda.empty_cache()
+    if args.decode:
+        report["decode"] = decode_rows([int(b) for b in args.decode.split(",")], dev)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
