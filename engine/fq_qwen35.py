@@ -203,7 +203,7 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
-        self.ops = _Products() if self.backend == "triton" else _NoTuning()
+        self.ops = _Products() if self.backend == "triton" else _TorchProducts()
 
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
@@ -443,7 +443,7 @@ class Qwen35Model:
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 
-class _NoTuning:
+class _TorchProducts:
     """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
 
     linear = staticmethod(F.linear)
