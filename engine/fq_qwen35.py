@@ -387,10 +387,13 @@ class Qwen35Model:
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
         mixed, z, b, a = self._in_proj(p, h)                                        # mixed [B, T, conv_dim]
-        z = z.reshape(B, T, -1, c.linear_v_dim)
+        g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
         kernels = prompt and self.backend == "triton"
         if kernels:   # in_proj's output read in place, the conv + SiLU one kernel
+            # z copied out (the gated norm reads it contiguous anyway), so the packed product's
+            # memory goes as soon as the conv has read it
+            z, a, b = z.contiguous(), None, None
             mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w)
         else:
             mixed, new_conv = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w,
@@ -401,7 +404,6 @@ class Qwen35Model:
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
         v = v.reshape(B, T, -1, c.linear_v_dim)
-        g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         if kernels:
             o, state = gdn.chunked_prefill(q, k, v, g, beta)               # heads shared by index
         else:
