@@ -162,7 +162,7 @@ def decode_attention_plan(
     # cover (and a request above the tile count does too): launch only those that cover C.
     effective = triton.cdiv(capacity, split_len)
     block_g = max(16, triton.next_power_of_2(heads // kv_heads))
-    if FA2 and effective == 1 and block_n == 64 and head_dim == 128:
+    if _fa2_fits(effective, block_n, head_dim):
         block_g = max(block_g, _FA2_BLOCK_G)    # the FA2 path's rows (its note at the top)
     return DecodeAttentionPlan(
         block_n=block_n,
@@ -566,10 +566,16 @@ def decode_attention(
     return out
 
 
+def _fa2_fits(num_splits: int, block_n: int, head_dim: int) -> bool:
+    """FA2 on, and a launch shape the FA2 path runs: one split of 64-key tiles at head_dim 128
+    (flash's tiles there)."""
+    return FA2 and num_splits == 1 and block_n == 64 and head_dim == 128
+
+
 def fa2_applies(plan: DecodeAttentionPlan, flash_order: bool, head_dim: int) -> bool:
-    """Whether a launch with this plan runs the FA2 path (module note): FA2 on, one split
-    walked newest first, 64-key tiles at head_dim 128 (flash's tiles there)."""
-    return FA2 and plan.num_splits == 1 and flash_order and plan.block_n == 64 and head_dim == 128
+    """Whether a launch with this plan runs the FA2 path (module note): _fa2_fits, walked
+    newest first."""
+    return flash_order and _fa2_fits(plan.num_splits, plan.block_n, head_dim)
 
 
 def _check_plan(plan: object, group: int, capacity: int, num_splits: object, block_n: object) -> None:
