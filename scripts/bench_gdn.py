@@ -40,20 +40,25 @@ def _ms(fn, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _kernel_us(fn) -> dict:
-    """Device microseconds of each of fn's kernels (torch.profiler, one call after a warm one)."""
+def kernel_table(fn, reps: int) -> dict:
+    """Device microseconds per call of fn by kernel name (torch.profiler), the 30 largest."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(reps):
+            fn()
         torch.cuda.synchronize()
-    out: dict = {}
+    per: dict = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:40]] = round(out.get(e.name[:40], 0.0) + e.time_range.elapsed_us(), 1)
-    return out
+            us, n = per.get(e.name, (0.0, 0))
+            per[e.name] = (us + e.time_range.elapsed_us(), n + 1)
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    total = sum(us for us, _ in per.values()) / reps
+    return {"total_us": round(total, 1),
+            "kernels": [{"name": k[:90], "us": round(us / reps, 2), "calls": n // reps} for k, (us, n) in rows[:30]]}
 
 
 def _fla():
@@ -135,7 +140,7 @@ def main() -> None:
         g, beta = gdn.gates_reference(a, b, a_log, torch.ones(HV, dtype=torch.bfloat16, device=dev))
         res = {"B": B, "T": T}
         res["ours_ms"] = _ms(lambda: gdn.chunked_prefill(q, k, v, g, beta))
-        res["ours_kernels_us"] = _kernel_us(lambda: gdn.chunked_prefill(q, k, v, g, beta))
+        res["ours_kernels"] = kernel_table(lambda: gdn.chunked_prefill(q, k, v, g, beta), 1)["kernels"]
         qe, ke = gdn.expand_heads(q, HV), gdn.expand_heads(k, HV)
         o, s = gdn.chunked_prefill(q, k, v, g, beta)
         if B * T <= 16384:   # the reference's working set grows with B x T

@@ -65,46 +65,37 @@ def candidates(k: int, which: str) -> dict:
     return out
 
 
-def deep_candidates() -> dict:
-    """Round 2 (after round 1 showed every in-order config exact and the fastest limited by
-    the bytes each program keeps in flight): deeper pipelines and more warps."""
+def _grid(specs, warps) -> dict:
+    """In-order configs named mode/m/n/k/s/w: each (mode, block_m, block_n, block_k, stages) spec
+    at each of its stages and each of `warps`."""
     out = {}
-    for mode, bm, bn, bk, stages in (("dot", 16, 32, 256, (6, 7, 8)), ("dot", 16, 32, 128, (8, 10, 12)),
-                                     ("dot", 16, 32, 512, (3, 4)), ("dot_t", 16, 64, 128, (6, 7, 8, 10)),
-                                     ("dot_t", 16, 32, 256, (6, 8)), ("dot_t", 16, 32, 128, (8, 12)),
-                                     ("dot", 32, 32, 256, (6,))):
+    for mode, bm, bn, bk, stages in specs:
         for st in stages:
-            for nw in (4, 8):
+            for nw in warps:
                 out[f"{mode}/m{bm}/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
                                                                  num_warps=nw, mode=mode, block_m=bm)
     return out
+
+
+def deep_candidates() -> dict:
+    """Round 2 (after round 1 showed every in-order config exact and the fastest limited by
+    the bytes each program keeps in flight): deeper pipelines and more warps."""
+    return _grid((("dot", 16, 32, 256, (6, 7, 8)), ("dot", 16, 32, 128, (8, 10, 12)), ("dot", 16, 32, 512, (3, 4)),
+                  ("dot_t", 16, 64, 128, (6, 7, 8, 10)), ("dot_t", 16, 32, 256, (6, 8)),
+                  ("dot_t", 16, 32, 128, (8, 12)), ("dot", 32, 32, 256, (6,))), (4, 8))
 
 
 def narrow_candidates() -> dict:
     """Round 3 (session 8): at 2560 outputs, 32 columns a program is 80 programs on 132 SMs;
     16 columns with long K tiles and deep pipelines keeps more SMs and bytes busy."""
-    out = {}
-    for mode, bm, bn, bk, stages in (("dot", 16, 16, 512, (4, 6, 8)), ("dot", 16, 16, 1024, (3, 4)),
-                                     ("dot", 16, 32, 1024, (2, 3)), ("dot", 16, 32, 512, (5, 6)),
-                                     ("dot", 64, 16, 512, (4,)), ("dot", 64, 32, 256, (6,))):
-        for st in stages:
-            for nw in (2, 4):
-                out[f"{mode}/m{bm}/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
-                                                                 num_warps=nw, mode=mode, block_m=bm)
-    return out
+    return _grid((("dot", 16, 16, 512, (4, 6, 8)), ("dot", 16, 16, 1024, (3, 4)), ("dot", 16, 32, 1024, (2, 3)),
+                  ("dot", 16, 32, 512, (5, 6)), ("dot", 64, 16, 512, (4,)), ("dot", 64, 32, 256, (6,))), (2, 4))
 
 
 def m64_candidates() -> dict:
     """Round 4 (session 8): 33-64 rows, where exact decode forces the GEMV for qkv, gate_up and
     lm_head too and cuBLAS had been faster: x as the MMA's 64-row side, wider output tiles."""
-    out = {}
-    for bn in (32, 64, 128):
-        for bk in (64, 128):
-            for st in (3, 4, 6):
-                for nw in (4, 8):
-                    out[f"dot/m64/n{bn}/k{bk}/s{st}/w{nw}"] = G(block_n=bn, block_k=bk, split_k=1, num_stages=st,
-                                                               num_warps=nw, mode="dot", block_m=64)
-    return out
+    return _grid([("dot", 64, bn, bk, (3, 4, 6)) for bn in (32, 64, 128) for bk in (64, 128)], (4, 8))
 
 
 def main() -> None:

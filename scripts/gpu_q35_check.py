@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
 
+from bench_gdn import kernel_table  # noqa: E402
+
 
 def _step(report: dict, name: str, fn):
     t0 = time.perf_counter()
@@ -59,27 +61,6 @@ def _forced(model, seq, S, N):
             out.append(model.decode_logits(seq[:, t].contiguous(), pos, pos + 1).float())
             pos += 1
     return torch.stack(out, 1)
-
-
-def _kernel_table(fn, reps: int) -> dict:
-    """Device microseconds per call of fn by kernel name (torch.profiler), the 30 largest."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us, n = per.get(e.name, (0.0, 0))
-            per[e.name] = (us + e.time_range.elapsed_us(), n + 1)
-    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
-    total = sum(us for us, _ in per.values()) / reps
-    return {"total_us": round(total, 1),
-            "kernels": [{"name": k[:90], "us": round(us / reps, 2), "calls": n // reps} for k, (us, n) in rows[:30]]}
 
 
 def main() -> None:
@@ -177,7 +158,7 @@ def main() -> None:
                 model.ops.tune(model.w, b)
                 runner = DecodeRunner(model, b, use_graph=False)
                 runner.start(model.prefill(ids), p)
-                return {"decode_step": _kernel_table(runner.step, 10), "prompt_pass": _kernel_table(
+                return {"decode_step": kernel_table(runner.step, 10), "prompt_pass": kernel_table(
                     lambda: model.prefill(ids), 1)}
 
         _step(report, f"profile_{shape}", prof)
