@@ -194,6 +194,24 @@ def median_top_gap(vocab: int, row_norm_sigma: float, draws: int = 256) -> float
     return float(gaps.median())
 
 
+def final_norm_for_gap(target_median_gap: float, vocab: int, row_norm_sigma: float, embedding_std: float,
+                       hidden: int) -> float:
+    """The final norm scale that gives logits (final-normed h) . E[v] ~ scale * embedding_std *
+    sqrt(hidden) * c_v * N(0, 1) a median top-1/top-2 gap of `target_median_gap` (median_top_gap)."""
+    return target_median_gap / (median_top_gap(vocab, row_norm_sigma) * embedding_std * math.sqrt(hidden))
+
+
+def vocab_row_factors(rows: int, sigma: float, seed: int, name: str, device: str) -> "torch.Tensor":
+    """FP32 factors exp(sigma * N(0, 1)) of RMS 1, one per vocabulary row of tensor `name`, from
+    their own generator (seeded from (seed, name + "/row-norms"))."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(tensor_seed(seed, name + "/row-norms"))
+    factors = torch.exp(sigma * torch.randn(rows, generator=gen, device=device))
+    return factors / factors.square().mean().sqrt()
+
+
 def default_late_output_scale(num_layers: int, stem_layers: int) -> float:
     """Output scale of the layers after the stem: all of them together add as much to the stream as the stem.
 
@@ -236,7 +254,6 @@ def init_scheme(
         late_output_scale = default_late_output_scale(int(config["num_hidden_layers"]), int(stem_layers))
     hidden = int(config["hidden_size"])
     head_dim, group, output_head = _geometry(config)
-    gap_at_unit_scale = median_top_gap(int(config["vocab_size"]), float(vocab_row_norm_sigma))
     return InitScheme(
         matrix_std=matrix_std,
         embedding_std=embedding_std,
@@ -247,7 +264,8 @@ def init_scheme(
         late_output_scale=float(late_output_scale),
         key_query_correlation=float(key_query_correlation),
         vocab_row_norm_sigma=float(vocab_row_norm_sigma),
-        final_norm_scale=target_median_gap / (gap_at_unit_scale * embedding_std * math.sqrt(hidden)),
+        final_norm_scale=final_norm_for_gap(target_median_gap, int(config["vocab_size"]),
+                                            float(vocab_row_norm_sigma), embedding_std, hidden),
         target_median_gap=target_median_gap,
         head_dim=head_dim,
         query_heads_per_kv_head=group,
@@ -361,10 +379,7 @@ def make_tensor(name: str, shape: tuple[int, ...], scheme: InitScheme, seed: int
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out.mul_(scheme.embedding_std / scheme.matrix_std)
         if name == scheme.output_head and scheme.vocab_row_norm_sigma > 0:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(tensor_seed(seed, name + "/row-norms"))
-            rows = torch.exp(scheme.vocab_row_norm_sigma * torch.randn(shape[0], generator=gen, device=device))
-            out.mul_((rows / rows.square().mean().sqrt())[:, None])
+            out.mul_(vocab_row_factors(shape[0], scheme.vocab_row_norm_sigma, seed, name, device)[:, None])
         elif name.endswith("self_attn.k_proj.weight") and scheme.key_query_correlation > 0:
             out = _correlate_with_queries(name, out, scheme, seed, device)
         elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):

@@ -50,11 +50,10 @@ TARGET_MEDIAN_GAP = 1.0
 def fastqwen_final_norm_scale(config: dict) -> float:
     """The fastqwen family's final norm scale: a median top-1/top-2 gap of TARGET_MEDIAN_GAP for
     logits (final-normed h) . E[v] ~ scale * embedding std * sqrt(hidden) * c_v * N(0, 1)."""
-    from fastqwen.synth import median_top_gap
+    from fastqwen.synth import final_norm_for_gap
 
-    emb_std = STD * EMBEDDING_STD_RATIO
-    gap = median_top_gap(int(config["vocab_size"]), VOCAB_ROW_NORM_SIGMA)
-    return TARGET_MEDIAN_GAP / (gap * emb_std * math.sqrt(int(config["hidden_size"])))
+    return final_norm_for_gap(TARGET_MEDIAN_GAP, int(config["vocab_size"]), VOCAB_ROW_NORM_SIGMA,
+                              STD * EMBEDDING_STD_RATIO, int(config["hidden_size"]))
 
 
 def _layer_types(layers: int) -> list[str]:
@@ -152,15 +151,12 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, final_norm_scale: 
     """One bf16 tensor of the `init` family described in the module doc."""
     import torch
 
-    from fastqwen.synth import tensor_seed
+    from fastqwen.synth import tensor_seed, vocab_row_factors
 
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     if init == "fastqwen":
         if name == "model.embed_tokens.weight":
-            rows = torch.Generator(device=device).manual_seed(tensor_seed(seed, name + "/row-norms"))
-            c = torch.exp(VOCAB_ROW_NORM_SIGMA * torch.randn(shape[0], generator=rows, dtype=torch.float32,
-                                                             device=device))
-            c = c / c.square().mean().sqrt()
+            c = vocab_row_factors(shape[0], VOCAB_ROW_NORM_SIGMA, seed, name, device)
             t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * (STD * EMBEDDING_STD_RATIO)
             return (t * c[:, None]).to(torch.bfloat16)
         if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
