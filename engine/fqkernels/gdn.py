@@ -1,11 +1,12 @@
 """Gated DeltaNet, the linear-attention layers of Qwen3.5: the short causal conv, the
 gates, the gated delta rule over an fp32 state, and the gated RMSNorm after it.
 
-This file holds the pure-torch references. They compute what the Qwen3.5 reference
+This file holds the pure-torch references and, beside them, the Triton kernels the
+triton backend of fq_qwen35 runs. The references compute what the Qwen3.5 reference
 computes (Transformers 5.17.0's torch fallback: neither flash-linear-attention nor
 causal-conv1d installed), operation for operation where the bits depend on it, and the
-tests check them bit for bit against it (tests/test_gdn.py). The Triton kernels will
-sit beside them and be gated against the float64 oracle in the tests.
+tests check them bit for bit against it (tests/test_gdn.py); the kernels are gated
+against the references and the float64 oracle (tests/kernels/test_gdn_kernels.py).
 
 The rule, per sequence and value head, S [Dk, Dv] in fp32 (S_0: the initial state, or 0):
     q_t, k_t <- x * rsqrt(sum(x^2) + 1e-6) over Dk, in fp32 (l2norm)
@@ -152,9 +153,8 @@ def gated_rmsnorm_reference(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, e
 
 
 # ---------------------------------------------------------------------------------- kernels
-# The decode step of the rule as one Triton kernel (checked under the interpreter against
-# the references and the float64 oracle's gates, tests/kernels/test_gdn_kernels.py; its
-# GPU bits and speed are not measured yet, and the engine does not call it yet).
+# The decode step of the rule as one Triton kernel (checked against the references and the
+# float64 oracle's gates under the interpreter and on an H200, tests/kernels/test_gdn_kernels.py).
 
 
 @triton.jit
