@@ -432,16 +432,18 @@ class Qwen35Model:
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
         slot = self.gdn_slot[i]
-        mixed, z, b, a = self._in_proj(p, h[:, 0])                                  # mixed [B, conv_dim]
-        z = z.reshape(-1, c.linear_v_dim)
+        mixed, z, b, a = self._in_proj(p, h[:, 0])          # column slices of one product: mixed [B, conv_dim]
         mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
         o = gdn.decode_step(q, k, v, g, beta, self.state[slot])
-        norm = gdn.gated_rmsnorm if c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference   # the kernel's width
-        o = norm(o.reshape(-1, c.linear_v_dim), z, self.w[p + "norm.weight"], c.rms_norm_eps)
+        if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
+            o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
+        else:
+            o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                            self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 

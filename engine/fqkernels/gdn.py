@@ -275,8 +275,14 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
     if tuple(b.shape) != (B, Hv) or tuple(a_log.shape) != (Hv,) or tuple(dt_bias.shape) != (Hv,) or Hv & (Hv - 1):
         raise ValueError(f"gdn.conv_gates_step: gates a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
                          f"{tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} (heads a power of two)")
-    mixed, a, b, conv_w = (t.contiguous() for t in (mixed, a, b, conv_w))
-    x = torch.empty_like(mixed)
+    # mixed, a and b may be column slices of one packed projection's rows: read in place
+    # (a copy a tensor at more than one row); a and b share the kernel's row stride
+    if mixed.stride(-1) != 1:
+        mixed = mixed.contiguous()
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
+    conv_w = conv_w.contiguous()
+    x = torch.empty((B, C), dtype=mixed.dtype, device=mixed.device)
     g = torch.empty((B, Hv), dtype=torch.float32, device=mixed.device)
     beta = torch.empty((B, Hv), dtype=torch.bfloat16, device=mixed.device)
     _conv_gates_step_kernel[(B, triton.cdiv(C, block_c))](
@@ -334,11 +340,12 @@ def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_n, eps, D: tl.constexpr, VEC: tl.constexpr,
-                          HALVES: tl.constexpr):
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_n, eps, z_heads, stride_z, D: tl.constexpr,
+                          VEC: tl.constexpr, HALVES: tl.constexpr):
     """One program per row of D = 128 values: the mean of squares summed in torch's own order
     for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the lane
-    tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once."""
+    tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once.
+    Row r's z is head r % z_heads of z's row r // z_heads (rows stride_z apart)."""
     row = tl.program_id(0)
     offs = tl.arange(0, D)
     x = tl.load(x_ptr + row * D + offs).to(tl.float32)
@@ -350,21 +357,26 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_n, eps, D: tl.conste
     mean = _lane_sum(lanes, HALVES) * inv_n
     y = (x * tl.rsqrt(mean + eps)).to(tl.bfloat16)
     wy = (tl.load(w_ptr + offs).to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
-    z = tl.load(z_ptr + row * D + offs).to(tl.float32)
+    z = tl.load(z_ptr + (row // z_heads).to(tl.int64) * stride_z + (row % z_heads) * D + offs).to(tl.float32)
     tl.store(out_ptr + row * D + offs, (wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16))
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """gated_rmsnorm_reference as one kernel for heads of 128: x, z [R, 128] bf16, w [128] bf16."""
+    """gated_rmsnorm_reference as one kernel for heads of 128: x [R, 128] bf16, w [128] bf16, z
+    bf16 either [R, 128] or [G, H * 128] with R = G H (e.g. the z columns of a packed
+    projection's rows, read in place: any row stride, unit column stride); z's rows in
+    x's order."""
     R, D = x.shape
-    if D != 128 or tuple(z.shape) != (R, D) or tuple(w.shape) != (D,):
+    if D != 128 or z.dim() != 2 or z.shape[1] % D or z.shape[0] * (z.shape[1] // D) != R or tuple(w.shape) != (D,):
         raise ValueError(f"gdn.gated_rmsnorm: x {tuple(x.shape)}, z {tuple(z.shape)}, w {tuple(w.shape)}: "
-                         "rows of 128 (the 4B's value head) with one weight per column")
-    x, z = x.contiguous(), z.contiguous()
+                         "rows of 128 (the 4B's value head), z's rows holding whole heads, one weight per column")
+    x = x.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
     out = torch.empty_like(x)
     vec, halves, _ = torch_order(D, x.device)
-    _gated_rmsnorm_kernel[(R,)](x, z, w, out, _inverse(D), eps, D=D, VEC=vec, HALVES=halves, num_warps=1,
-                                enable_fp_fusion=False)
+    _gated_rmsnorm_kernel[(R,)](x, z, w, out, _inverse(D), eps, z.shape[1] // D, z.stride(0), D=D, VEC=vec,
+                                HALVES=halves, num_warps=1, enable_fp_fusion=False)
     return out
 
 

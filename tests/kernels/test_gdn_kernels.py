@@ -67,10 +67,11 @@ def test_bad_shapes_are_named():
         gdn.decode_step(q, q, torch.zeros(1, 3, 32, dtype=torch.bfloat16), g, g, torch.zeros(1, 3, 32, 32))
 
 
-@pytest.mark.parametrize("B,C,Hv", [(1, 320, 4), (3, 8192, 32)])
-def test_conv_gates_step_is_the_reference(B, C, Hv):
+@pytest.mark.parametrize("B,C,Hv,packed", [(1, 320, 4, False), (3, 8192, 32, False), (3, 320, 4, True)])
+def test_conv_gates_step_is_the_reference(B, C, Hv, packed):
     """Several steps: the state shifts as the reference's; outputs within one bf16 ulp (the
-    four products' fp32 sum may round differently), g within fp32 rounding, beta within an ulp."""
+    four products' fp32 sum may round differently), g within fp32 rounding, beta within an ulp.
+    packed: mixed, b and a are column slices of one [B, C + 40 + 2 Hv] product, read in place."""
     g_ = torch.Generator().manual_seed(C)
     w = (torch.randn(C, 4, generator=g_) * 0.5).bfloat16()
     a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16()
@@ -83,8 +84,13 @@ def test_conv_gates_step_is_the_reference(B, C, Hv):
         # the last step's large a reaches softplus's linear branch (past 20), where exp would overflow past 88
         a = (torch.randn(B, Hv, generator=g_) * (100 if step == 4 else 1)).bfloat16()
         b = torch.randn(B, Hv, generator=g_).bfloat16()
-        xk, gk, bk = gdn.conv_gates_step(mixed.to(DEV), st_k, w.to(DEV), a.to(DEV), b.to(DEV), a_log.to(DEV),
-                                         dt_bias.to(DEV))
+        ins = [t.to(DEV) for t in (mixed, a, b)]
+        if packed:
+            row = torch.cat([mixed, torch.randn(B, 40, generator=g_).bfloat16(), b, a], dim=1).to(DEV)
+            ins = torch.split(row, [C, 40, Hv, Hv], dim=1)
+            ins = [ins[0], ins[3], ins[2]]
+            assert not any(t.is_contiguous() for t in ins)
+        xk, gk, bk = gdn.conv_gates_step(ins[0], st_k, w.to(DEV), ins[1], ins[2], a_log.to(DEV), dt_bias.to(DEV))
         xr, gr, br = gdn.conv_gates_step_reference(mixed, st_r, w, a, b, a_log, dt_bias)
         assert torch.equal(st_k.cpu(), st_r)
         for got, want in ((xk.cpu(), xr), (bk.cpu(), br)):
@@ -109,17 +115,23 @@ def test_causal_conv_prefill_is_the_reference(B, T, C):
     assert (d <= m * 2.0 ** -7 + 1e-30).all() and (d > 0).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("rows", [1, 32, 512])
-def test_gated_rmsnorm_is_the_reference(rows):
+@pytest.mark.parametrize("rows,packed", [(1, False), (32, False), (512, False), (32, True)])
+def test_gated_rmsnorm_is_the_reference(rows, packed):
     """The reference's order for the mean (ATen's, for 16 rows or more: the reference normalizes
     batch x heads rows at once); the rsqrt and silu's exp are the platform's, so an output may
     move by an ulp, rarely two (one rounding after another: measured 2 of 65,536 under the
-    interpreter)."""
+    interpreter). packed: z read in place as the 4 heads of each of 8 rows of a wider product."""
     g_ = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 128, generator=g_) * 3).bfloat16()
     z = torch.randn(rows, 128, generator=g_).bfloat16()
     w = (torch.rand(128, generator=g_) + 0.5).bfloat16()
-    got = gdn.gated_rmsnorm(x.to(DEV), z.to(DEV), w.to(DEV)).cpu().float()
+    z_in = z.to(DEV)
+    if packed:
+        wide = torch.randn(rows // 4, 4 * 128 + 96, generator=g_).bfloat16()
+        wide[:, 32:32 + 512] = z.reshape(rows // 4, 512)
+        z_in = wide.to(DEV)[:, 32:32 + 512]
+        assert not z_in.is_contiguous()
+    got = gdn.gated_rmsnorm(x.to(DEV), z_in, w.to(DEV)).cpu().float()
     want = gdn.gated_rmsnorm_reference(x, z, w).float()
     d = (got - want).abs()
     assert (d <= torch.maximum(got.abs(), want.abs()) * 2.0 ** -6 + 1e-30).all()

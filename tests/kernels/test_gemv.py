@@ -224,6 +224,25 @@ def _check_table(name):
         assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
 
 
+SHAPES_Q35 = {"in_proj": (12352, 2560), "q": (8192, 2560), "gate_up": (18432, 2560), "down": (2560, 9216),
+              "lm_head": (248320, 2560)}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES_Q35))
+def test_q35_shapes_take_a_mask_free_one_row_config(name):
+    """Qwen3.5-4B's products: the table's one-row fma config (mask-free: its K and column
+    blocks divide the shape), and from two rows the default rule, as for any other shape."""
+    n, k = SHAPES_Q35[name]
+    silu = name == "gate_up"
+    table = gemv.SILU_MUL_CONFIGS if silu else gemv.LINEAR_CONFIGS
+    ((max_rows, want),) = table[(n, k)]
+    cfg = select_config(n, k, silu, 1)
+    assert max_rows == 1 and cfg is want and cfg.mode == "fma" and cfg.split_k == 1
+    assert k % cfg.block_k == 0 and (n // 2 if silu else n) % cfg.block_n == 0
+    for rows in (2, 4, 16):
+        assert select_config(n, k, silu, rows) not in [c for _, c in table[(n, k)]]
+
+
 def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
     """FASTQWEN_EXACT_DECODE: from EXACT_FROM_ROWS to EXACT_TO_ROWS rows every 4B decode product
     walks K in order (what gives the full forward's bits,
