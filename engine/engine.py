@@ -2,7 +2,8 @@
 argmax within the platform's margin, on one GPU. Qwen3.5 checkpoints (model_type
 qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model: on a GPU its
 decode step (attention and GDN kernels) is one CUDA graph and its prompt pass runs the
-chunked GDN kernels eagerly; on the CPU all of it runs on the torch references.
+chunked GDN kernels (as a graph per shape up to 2,048 tokens); on the CPU all of it runs
+on the torch references.
 
 `Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
 Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
@@ -14,7 +15,6 @@ Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
 FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
 FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
-FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (Qwen3.5's prompt pass as a graph per shape; not yet tried on a GPU),
 FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen3 decode
 step is the full forward's, bit for bit, its products and attention in that order;
 fqkernels/gemv.py EXACT).
@@ -41,6 +41,10 @@ LOOKAHEAD = 2
 # Prefills of at most this many tokens (batch x prompt) run as a CUDA graph per
 # shape after the first call of that shape; larger ones are GPU-bound anyway.
 PREFILL_GRAPH_TOKENS = 8192
+# Qwen3.5's prompt pass launches more kernels a layer (its graph halves it at 1 x 512 on an
+# H200, 13.5 against 25.8 ms) and keeps bigger workspaces in the graph's pool, for no gain
+# at 8,192 tokens (within 1.5% at 4 x 2048 and 16 x 512): session 9, q35_check.json.
+QWEN35_PREFILL_GRAPH_TOKENS = 2048
 PREFILL_GRAPHS_KEPT = 4
 
 
@@ -77,13 +81,11 @@ class Engine:
             else:
                 self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
                                         ops_for(self.device))
-        # Qwen3.5's decode step is graph-safe on its triton backend (no host reads); its
-        # prompt pass (the chunked references, no host reads either) is captured only with
-        # FASTQWEN_QWEN35_PREFILL_GRAPHS=1 until a GPU run has shown the capture works.
+        # Qwen3.5's decode step and prompt pass are graph-safe on its triton backend (no host reads).
         self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
                            and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
-        self.use_prefill_graphs = (self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
-                                   and (not qwen35 or os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1"))
+        self.use_prefill_graphs = self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
+        self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
@@ -174,7 +176,7 @@ class Engine:
         """First generated tokens [B]: replayed from this shape's prefill graph when
         there is one; else eager, capturing a graph for the next call of the shape."""
         batch, prompt = ids.shape
-        if not self.use_prefill_graphs or batch * prompt > PREFILL_GRAPH_TOKENS:
+        if not self.use_prefill_graphs or batch * prompt > self.prefill_graph_tokens:
             return self.model.prefill(ids)
         graph = self._prefill_graphs.get((batch, prompt))
         if graph is not None:

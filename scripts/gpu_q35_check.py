@@ -2,8 +2,8 @@
 load on both backends; the prompt pass on each (logit distance triton vs torch); N decode
 steps teacher-forced on each (max |logit diff| per step); the triton step captured as a
 CUDA graph (tokens equal to its eager steps); then the graphed step's time and the prompt
-pass's time (eager, and as a graph when FASTQWEN_QWEN35_PREFILL_GRAPHS=1 is set) at a few
-shapes; with --profile, the device time per kernel of an eager decode step and of a prompt
+pass's time (eager, and as a graph, whose first tokens on other prompts must equal the eager
+pass's) at a few shapes; with --profile, the device time per kernel of an eager decode step and of a prompt
 pass (torch.profiler) at the profiled shapes. One JSON report.
 
     python scripts/gpu_q35_check.py --model DIR [--shapes 1x512x32,4x2048x32,16x512x128]
@@ -129,10 +129,11 @@ def main() -> None:
             with torch.inference_mode():
                 model.prefill(ids)
                 res["prefill_eager_ms"] = _warm_ms(lambda: model.prefill(ids))
-                if os.environ.get("FASTQWEN_QWEN35_PREFILL_GRAPHS") == "1":
-                    pg = PrefillGraph(model, b, p)
-                    res["prefill_graph_ms"] = _warm_ms(lambda: pg.run(ids))
-                    del pg
+                pg = PrefillGraph(model, b, p)
+                res["prefill_graph_ms"] = _warm_ms(lambda: pg.run(ids))
+                other = torch.randint(0, cfg.vocab_size, (b, p), device=dev)
+                res["prefill_graph_equals_eager"] = bool(torch.equal(pg.run(other).clone(), model.prefill(other)))
+                del pg
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
                 runner = DecodeRunner(model, b, use_graph=True)
                 runner.start(model.prefill(ids), p)

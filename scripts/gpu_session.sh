@@ -56,7 +56,7 @@
 #                 with the tl.sum norm kernel and with torch's norms
 #   judge-q35     the judge (public mode) on a synthetic Qwen3.5-4B against the machine's Transformers 5.17
 #                 (written before any GPU run of the Qwen3.5 path: its first call tells whether it works)
-#   judge-q35-pg  judge-q35 with FASTQWEN_QWEN35_PREFILL_GRAPHS=1 (the prompt pass as a graph per shape)
+#   judge-q35-eager  judge-q35 with FASTQWEN_NO_PREFILL_GRAPHS=1 (every prompt pass eager)
 #   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
 #                 results/workloads/q35_own.json (issue 12's own shapes)
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
@@ -185,14 +185,14 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 560 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_q35.json" \
                  --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
-    judge-q35-pg) # the same with the prompt pass captured as a graph per shape (FASTQWEN_QWEN35_PREFILL_GRAPHS=1)
+    judge-q35-eager) # the same with every prompt pass eager (FASTQWEN_NO_PREFILL_GRAPHS=1)
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
                [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                  --out /tmp/q35_4b 2>&1 | tail -1
-               FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
-                 --out "$OUT/judge_q35_pg.json" --chart "$OUT/judge_q35_pg.png" --model /tmp/q35_4b --workloads public \
-                 2>&1 | tail -40 ;;
+               FASTQWEN_NO_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
+                 --out "$OUT/judge_q35_eager.json" --chart "$OUT/judge_q35_eager.png" --model /tmp/q35_4b \
+                 --workloads public 2>&1 | tail -40 ;;
     judge-q35-official|judge-q35-own)
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
@@ -203,7 +203,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
     q35-check) [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                  --out /tmp/q35_4b 2>&1 | tail -1
-               FASTQWEN_QWEN35_PREFILL_GRAPHS=1 timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
+               timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \

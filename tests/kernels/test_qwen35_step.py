@@ -153,3 +153,34 @@ def test_the_step_replays_as_a_graph(tiny):
                 out.append(runner.tokens.clone())
         toks[graph] = torch.stack(out)
     assert torch.equal(toks[True], toks[False])
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a GPU")
+def test_the_prompt_pass_replays_as_a_graph(tiny):
+    """The prompt pass captured after an eager pass of its shape (fq_decode.PrefillGraph, as the
+    engine captures it) replays, on other prompts, the eager pass's first tokens, last-position
+    logits' argmax and every cache it fills: KV, conv states and recurrent states, bit for bit."""
+    from fq_decode import PrefillGraph
+
+    cfg, w = tiny
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    model.ensure_rope(S + N)
+    model.allocate_cache(B, S + N)
+    gen = torch.Generator().manual_seed(6)
+    warm, probe = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen).to(DEV) for _ in range(2))
+
+    def caches():
+        return [t[..., :S, :].clone() if t.dim() == 5 else t.clone()
+                for t in (model.k_cache, model.v_cache, model.conv_state, model.state)]
+
+    with torch.inference_mode():
+        model.prefill(warm)
+        graph = PrefillGraph(model, B, S)
+        eager = model.prefill(probe).clone()
+        want = caches()
+        model.prefill(warm)                       # other contents, so the replay must rewrite them
+        replayed = graph.run(probe).clone()
+        got = caches()
+    assert torch.equal(replayed, eager)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
