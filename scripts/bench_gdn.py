@@ -8,6 +8,7 @@ or in the folder FASTQWEN_FLA_SITE names), its chunk_gated_delta_rule is timed b
 and fla's fused recurrent kernel. One JSON line per shape, and a JSON file.
 
     python scripts/bench_gdn.py [--shapes 1x512,4x2048] [--out FILE]
+    python scripts/bench_gdn.py --sweep 4x2048,16x8192    # every SWEEP launch plan instead
 """
 from __future__ import annotations
 
@@ -119,25 +120,90 @@ def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
     return rows
 
 
+# Launch plans --sweep times (gdn.PrefillPlan): the default, then one kernel's launch changed
+# at a time (each row's per-kernel table shows what that kernel gained), then combinations.
+SWEEP = {
+    "default": {},
+    "out_tf32": dict(out_prec="tf32"),
+    "out_tf32_bv128": dict(out_prec="tf32", out_bv=128),
+    "out_tf32_bv128_w8": dict(out_prec="tf32", out_bv=128, out_warps=8),
+    "out_bv128": dict(out_bv=128),
+    "out_w8": dict(out_warps=8),
+    "state_bv32_s1": dict(block_v=32, state_stages=1),
+    "state_bv16_s1": dict(block_v=16, state_stages=1),
+    "state_bv64_s1": dict(block_v=64, state_stages=1),
+    "state_bv32_s2": dict(block_v=32),
+    "state_w8_bv64": dict(state_warps=8, block_v=64),
+    "solve_w8": dict(solve_warps=8),
+    "solve_w2": dict(solve_warps=2),
+}
+
+
+def sweep_rows(shapes: list[str], dev: torch.device) -> list[dict]:
+    """Every SWEEP plan at each shape: ms, per-kernel us, and the outputs and final state against
+    the default plan's (and, where it fits, the chunked reference's)."""
+    rows = []
+    for shape in shapes:
+        B, T = (int(x) for x in shape.split("x"))
+        q, k, v, g, beta = _inputs(B, T, dev)
+        o0, s0 = gdn.chunked_prefill(q, k, v, g, beta)
+        ref = None
+        if B * T <= 16384:
+            ref = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta)
+        for name, knobs in SWEEP.items():
+            res = {"sweep": name, "B": B, "T": T, "plan": knobs}
+            try:
+                plan = gdn.PrefillPlan(**knobs)
+                run = lambda: gdn.chunked_prefill(q, k, v, g, beta, plan=plan)  # noqa: E731
+                o, s = run()
+                res["ms"] = _ms(run)
+                res["kernels"] = {r["name"]: r["us"] for r in kernel_table(run, 1)["kernels"]}
+                res["state_rel_to_default"] = ((s - s0).abs().max() / s0.abs().max()).item()
+                res["out_rel_to_default"] = ((o.float() - o0.float()).abs().max() / o0.float().abs().max()).item()
+                if ref is not None:
+                    res["state_rel_to_reference"] = ((s - ref[1]).abs().max() / ref[1].abs().max()).item()
+                    res["out_rel_to_reference"] = ((o.float() - ref[0].float()).abs().max()
+                                                   / ref[0].float().abs().max()).item()
+            except Exception as exc:  # noqa: BLE001 - a plan that cannot launch here is reported, not fatal
+                res["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+        del q, k, v, o0, s0, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _inputs(B: int, T: int, dev: torch.device):
+    """q, k, v, g, beta of one prompt pass at the 4B's head shapes (seeded by B x T)."""
+    gen = torch.Generator(device=dev).manual_seed(B * T)
+    q = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
+    k = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
+    v = torch.randn(B, T, HV, D, generator=gen, device=dev).bfloat16()
+    a = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
+    b = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
+    a_log = torch.log(torch.empty(HV, device=dev).uniform_(0.01, 16, generator=gen)).bfloat16()
+    g, beta = gdn.gates_reference(a, b, a_log, torch.ones(HV, dtype=torch.bfloat16, device=dev))
+    return q, k, v, g, beta
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x512,1x2048,1x8192,4x512,4x2048,4x8192,16x512,16x2048,16x8192")
     ap.add_argument("--decode", default="1,4,16,64", help="batches of the decode-step comparison ('' skips it)")
+    ap.add_argument("--sweep", default="", help="shapes at which to time every SWEEP launch plan instead "
+                    "(e.g. 4x2048,16x8192); the comparison with fla and the decode rows are skipped")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.sweep:
+        with open(args.out, "w") as f:
+            json.dump({"torch": torch.__version__, "sweep": sweep_rows(args.sweep.split(","), dev)}, f, indent=1)
+        return
     fla = _fla()
     report = {"torch": torch.__version__, "fla": fla is not None, "results": []}
     for shape in args.shapes.split(","):
         B, T = (int(x) for x in shape.split("x"))
-        gen = torch.Generator(device=dev).manual_seed(B * T)
-        q = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
-        k = torch.randn(B, T, HK, D, generator=gen, device=dev).bfloat16()
-        v = torch.randn(B, T, HV, D, generator=gen, device=dev).bfloat16()
-        a = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
-        b = torch.randn(B, T, HV, generator=gen, device=dev).bfloat16()
-        a_log = torch.log(torch.empty(HV, device=dev).uniform_(0.01, 16, generator=gen)).bfloat16()
-        g, beta = gdn.gates_reference(a, b, a_log, torch.ones(HV, dtype=torch.bfloat16, device=dev))
+        q, k, v, g, beta = _inputs(B, T, dev)
         res = {"B": B, "T": T}
         res["ours_ms"] = _ms(lambda: gdn.chunked_prefill(q, k, v, g, beta))
         res["ours_kernels"] = kernel_table(lambda: gdn.chunked_prefill(q, k, v, g, beta), 1)["kernels"]

@@ -62,6 +62,7 @@
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
+#   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x2048, 4x2048, 16x8192
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
@@ -205,6 +206,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
+    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x2048,4x2048,16x8192 \
+                       --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 | tail -45 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;

@@ -21,6 +21,8 @@ Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H] with H the value 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -552,6 +554,34 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
              mask=ok[:, None])
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How chunked_prefill launches its kernels (what scripts/bench_gdn.py --sweep varies):
+    warps per program of each kernel, the state kernel's value columns a program (None:
+    default_block_v) and pipeline stages, the output kernel's value columns a program, and
+    the output kernel's products ("tf32x3", or "tf32": one pass; the output kernel feeds no
+    state, so its precision moves only the bf16 outputs: session 9's emulation put them at
+    2.2-2.9e-3 of the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3)."""
+    solve_warps: int = 4
+    state_warps: int = 4
+    state_stages: int = 2
+    block_v: int | None = None
+    out_warps: int = 4
+    out_bv: int = 64
+    out_prec: str = "tf32x3"
+
+    def __post_init__(self) -> None:
+        for name in ("solve_warps", "state_warps", "out_warps", "out_bv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
+        if self.out_prec not in ("tf32x3", "tf32"):
+            raise ValueError(f"gdn.PrefillPlan.out_prec must be 'tf32x3' or 'tf32', got {self.out_prec!r}")
+
+
+DEFAULT_PLAN = PrefillPlan()
+
+
 def default_block_v(batch: int, value_heads: int, dv: int) -> int:
     """Value columns per state-kernel program: 64, halved (down to 16) while fewer than 256
     programs would run (each walks every chunk of its sequence in turn, so a small batch
@@ -563,12 +593,13 @@ def default_block_v(batch: int, value_heads: int, dv: int) -> int:
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    block_v: int | None = None):
+                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN):
     """The chunked rule over a fresh prompt (zero initial state), as three kernels: q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
     bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
-    power of two dividing Dv; None: default_block_v). Returns (o [B, T, Hv, Dv] bf16, the final
-    state [B, Hv, Dk, Dv] fp32), what delta_rule_chunked_reference returns on the repeated heads."""
+    power of two dividing Dv; None: the plan's, else default_block_v); plan: the launches
+    (PrefillPlan). Returns (o [B, T, Hv, Dv] bf16, the final state [B, Hv, Dk, Dv] fp32), what
+    delta_rule_chunked_reference returns on the repeated heads."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if q.shape != k.shape or v.shape[:2] != (B, T) or Hv % Hk or tuple(g.shape) != (B, T, Hv) \
@@ -576,6 +607,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"gdn.chunked_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {g.dtype} {tuple(g.shape)}, beta {tuple(beta.shape)} do not fit")
     rows = max(1, _TOKENS_PER_SLICE // (triton.cdiv(T, CHUNK) * CHUNK))   # sequences per slice
+    if block_v is None:
+        block_v = plan.block_v
     if block_v is None:
         block_v = default_block_v(min(rows, B), Hv, Dv)
     block_v = min(block_v, Dv)
@@ -592,7 +625,9 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
     h = torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)   # each chunk's starting state
-    out_bv = min(64, Dv)
+    out_bv = min(plan.out_bv, Dv)
+    if Dv % out_bv or out_bv < 16:
+        raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
     for b0 in range(0, B, rows):
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
@@ -600,13 +635,14 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=_PREC, num_warps=4)
+            PREC=_PREC, num_warps=plan.solve_warps)
         # Two pipeline stages (148 KB of shared memory at 64 columns under Triton 3.6; three: 214 KB).
         _chunk_state_kernel[(bs * Hv, Dv // block_v)](
             ks, u, w, gamma, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
-            HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=4, num_stages=2)
+            HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
+            num_stages=plan.state_stages)
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            BV=out_bv, PREC=_PREC, num_warps=4)
+            BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
     return out, state

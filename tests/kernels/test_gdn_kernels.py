@@ -184,6 +184,29 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE
 
 
+@pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
+                                  gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=32, state_stages=1)],
+                         ids=["out-tf32", "out128-w8", "w8-bv32"])
+def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
+    """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
+    final state), on heads of 128 past two chunks with shared query heads; the state is the
+    default plan's bit for bit where only the output kernel changes."""
+    q, k, v, g, beta = _prefill_inputs(1, 150, 1, 2, 128, seed=31)
+    args = [t.to(DEV) for t in (q, k, v, g, beta)]
+    o, s = gdn.chunked_prefill(*args, plan=plan)
+    o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
+    assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE, (rel(o.cpu(), o64), rel(s.cpu(), s64))
+    if (plan.solve_warps, plan.state_warps, plan.block_v, plan.state_stages) == (4, 4, None, 2):
+        assert torch.equal(s, gdn.chunked_prefill(*args)[1])
+
+
+def test_a_bad_prefill_plan_is_named():
+    with pytest.raises(ValueError, match="out_prec"):
+        gdn.PrefillPlan(out_prec="bf16")
+    with pytest.raises(ValueError, match="out_warps"):
+        gdn.PrefillPlan(out_warps=3)
+
+
 def test_default_block_v_fills_the_gpu():
     assert gdn.default_block_v(16, 32, 128) == 64
     assert gdn.default_block_v(4, 32, 128) == 64
