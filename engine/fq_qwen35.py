@@ -317,8 +317,10 @@ class Qwen35Model:
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
-    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin):
-        """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE; gate [B, T, H * D]."""
+    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True):
+        """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE (k not rotated with
+        rope_k False, triton backend: rope_store_kv rotates it on its way into the cache);
+        gate [B, T, H * D]."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
         lin = self.ops.linear
@@ -337,7 +339,7 @@ class Qwen35Model:
             k = rmsnorm(k.reshape(-1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps,
                         one_plus=True).view(B * T, -1, c.head_dim)
             q = partial_rope(q, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
-            k = partial_rope(k, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
+            k = (partial_rope(k, cs, sn) if rope_k else k).view(B, T, -1, c.head_dim).transpose(1, 2)
             return q, k, v, gate.reshape(B, T, -1)
         q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
@@ -356,17 +358,20 @@ class Qwen35Model:
 
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
-        q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
         kc, vc = self.k_cache[slot], self.v_cache[slot]
+        if self.backend == "triton":   # the key rotated and both stored at the positions in one kernel
+            from fqkernels.decode_attention import decode_attention
+            from fqkernels.rope_kv import rope_store_kv
+
+            q, k, v, gate = self._qkv_gate(i, h, cos, sin, rope_k=False)
+            rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc)
+            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
+            return self._attention_out(i, attn.reshape(B, 1, -1), gate)
+        q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
         vc[rows, :, positions.long()] = v[:, :, 0]
-        if self.backend == "triton":
-            from fqkernels.decode_attention import decode_attention
-
-            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
-            return self._attention_out(i, attn.reshape(B, 1, -1), gate)
         # One query over the cached prefix, unmasked when every sequence has the same length
         # (always, in the engine's calls), as 5.17's cached step; a mask otherwise.
         L = int(lengths.max())

@@ -564,14 +564,15 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         problems += _depth_check(drv, EngineDriver(model, next(folders), None), label, target)
                 progress(f"{label} {len(recorder.specs) - before} new specializations "
                          f"({time.perf_counter() - start:.1f} s)")
-        # The Qwen3.5 decode step's kernels (fq_qwen35's triton backend: the GDN step and the
-        # attention at head_dim 256), and the decode attention's FA2 path (a knob, off by
+        # The Qwen3.5 decode step's kernels (fq_qwen35's triton backend: the GDN step, the
+        # attention at head_dim 256 and the products on our GEMV), and the decode attention's FA2 path (a knob, off by
         # default), launched at the 4B's shapes so they compile with the platform's Triton too.
         recorder.pdl = False
         with recording(recorder, target):
             for batch in (1, 16):
                 for name, run in ((f"{EXTRA}qwen3.5-4b GDN decode B={batch}", _gdn_decode_step),
                                   (f"{EXTRA}qwen3.5-4b attention decode B={batch}", _qwen35_attention),
+                                  (f"{EXTRA}qwen3.5-4b decode products B={batch}", _qwen35_products),
                                   (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention),
                                   (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products),
                                   (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms)):
@@ -599,6 +600,12 @@ def _gdn_decode_step(batch: int) -> None:
                         per_head, per_head)
     rows = torch.empty((batch * 32, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    # as the model calls them: mixed, z, b and a are column slices of in_proj's packed rows
+    packed = torch.empty((batch, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
+    mixed, z, b, a = torch.split(packed, [8192, 4096, 32, 32], dim=-1)
+    gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
+                        per_head, per_head)
+    gdn.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # the prompt pass's rule (chunked, two kernels), a prompt of 512
     qk = torch.empty((batch, 512, 16, 128), dtype=torch.bfloat16, device=CUDA)
     v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
@@ -623,12 +630,30 @@ def _attention(batch: int, heads: int, kv_heads: int, head_dim: int, num_splits=
 
 
 def _qwen35_attention(batch: int) -> None:
-    from fqkernels.rope_kv import partial_rope
+    from fqkernels.rope_kv import partial_rope, rope_store_kv
 
     _attention(batch, 16, 4, 256)
     cs = torch.empty((batch, 64), dtype=torch.bfloat16, device=CUDA)
     for heads in (16, 4):
         partial_rope(torch.empty((batch, heads, 256), dtype=torch.bfloat16, device=CUDA), cs, cs)
+    # the step's key and value into the caches (k normed, v: column views of their products' rows)
+    kv = torch.empty((batch, 2, 4, 256), dtype=torch.bfloat16, device=CUDA)
+    table = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
+    cache = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
+    rope_store_kv(kv[:, 0], kv[:, 1], table, table, torch.empty(batch, dtype=torch.int32, device=CUDA), cache, cache)
+
+
+def _qwen35_products(batch: int) -> None:
+    """Qwen3.5-4B's decode products on our GEMV (what _Products runs where tune finds it faster):
+    the table's one-row configs, the default rule past one row."""
+    from fqkernels import gemv
+
+    x = torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA)
+    for n in (12352, 8192, 1024, 248320):
+        gemv.linear(x, torch.empty((n, 2560), dtype=torch.bfloat16, device=CUDA))
+    gemv.linear(torch.empty((batch, 9216), dtype=torch.bfloat16, device=CUDA),
+                torch.empty((2560, 9216), dtype=torch.bfloat16, device=CUDA))
+    gemv.linear_silu_mul(x, torch.empty((18432, 2560), dtype=torch.bfloat16, device=CUDA))
 
 
 def _fa2_attention(batch: int) -> None:

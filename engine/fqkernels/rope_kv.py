@@ -148,22 +148,76 @@ def rope_tables(head_dim: int, theta: float, length: int, device: torch.device):
 
 # ------------------------------------------------------------------ partial RoPE (Qwen3.5)
 @triton.jit
-def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_c,
-                         D: tl.constexpr, R: tl.constexpr):
-    """Program (row, head): the first R dims rotated (rotate-half over R), the rest copied."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+def _rope_row(x_row, cos_row, sin_row, D: tl.constexpr, R: tl.constexpr):
+    """One head's row (fp32 out, D values): the first R dims rotated (rotate-half over R) with
+    the reference's cast points, the rest as loaded."""
     offs = tl.arange(0, D)
-    x = tl.load(x_ptr + row * stride_xr + head * stride_xh + offs).to(tl.float32)
+    x = tl.load(x_row + offs).to(tl.float32)
     rot = offs < R
     half = R // 2
     partner = tl.where(offs < half, offs + half, offs - half)
-    y = tl.load(x_ptr + row * stride_xr + head * stride_xh + partner, mask=rot, other=0.0).to(tl.float32)
+    y = tl.load(x_row + partner, mask=rot, other=0.0).to(tl.float32)
     y = tl.where(offs < half, -y, y)                                   # rotate_half over the first R dims
-    c = tl.load(cos_ptr + row * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
-    out = tl.where(rot, _round_bf16(_round_bf16(x * c) + _round_bf16(y * s)), x)
-    tl.store(out_ptr + (row * H + head) * D + offs, out.to(tl.bfloat16))
+    c = tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32)
+    return tl.where(rot, _round_bf16(_round_bf16(x * c) + _round_bf16(y * s)), x)
+
+
+@triton.jit
+def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_c,
+                         D: tl.constexpr, R: tl.constexpr):
+    """Program (row, head): _rope_row of that head."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    out = _rope_row(x_ptr + row * stride_xr + head * stride_xh, cos_ptr + row * stride_c, sin_ptr + row * stride_c,
+                    D, R)
+    tl.store(out_ptr + (row * H + head) * D + tl.arange(0, D), out.to(tl.bfloat16))
+
+
+@triton.jit
+def _rope_store_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, stride_kb, stride_kh,
+                          stride_vb, stride_vh, stride_c, stride_cb, stride_ch, stride_cp,
+                          D: tl.constexpr, R: tl.constexpr):
+    """Program (sequence, KV head): the key's _rope_row at the sequence's position (its cos/sin
+    rows read from the tables there) and the value, both stored into the caches at that position."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    offs = tl.arange(0, D)
+    key = _rope_row(k_ptr + b * stride_kb + h * stride_kh, cos_ptr + p * stride_c, sin_ptr + p * stride_c, D, R)
+    dst = b.to(tl.int64) * stride_cb + h * stride_ch + p * stride_cp + offs
+    tl.store(kc_ptr + dst, key.to(tl.bfloat16))
+    tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vb + h * stride_vh + offs))
+
+
+def rope_store_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A decode step's keys and values into one attention layer's caches, one kernel: k, v [B, KVH, D]
+    bf16 (k normed, not yet rotated; unit stride on D), cos, sin the [length, R] bf16 tables,
+    positions [B] int on the device, k_cache, v_cache [B, KVH, C, D] bf16 (one layer's, same
+    strides). k_cache[b, h, positions[b]] = partial_rope(k) there, v_cache[...] = v
+    (rope_store_kv_reference); no host reads (graph-safe)."""
+    B, H, D = k.shape
+    R = cos.shape[-1]
+    if (k.dtype != torch.bfloat16 or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
+            or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D or v_cache.shape != k_cache.shape
+            or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or sin.shape != cos.shape
+            or cos.stride(-1) != 1 or sin.stride() != cos.stride() or R % 2 or R > D or D & (D - 1)
+            or tuple(positions.shape) != (B,)):
+        raise ValueError(f"rope_store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}, "
+                         f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, positions {tuple(positions.shape)}"
+                         " do not fit")
+    _rope_store_kv_kernel[(B, H)](k, v, cos, sin, positions, k_cache, v_cache, k.stride(0), k.stride(1),
+                                  v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                  k_cache.stride(2), D=D, R=R, num_warps=1)
+
+
+def rope_store_kv_reference(k, v, cos, sin, positions, k_cache, v_cache) -> None:
+    """rope_store_kv through partial_rope_reference and indexed writes."""
+    pos = positions.long()
+    rows = torch.arange(k.shape[0], device=k.device)
+    k_cache[rows, :, pos] = partial_rope_reference(k, cos[pos][:, None], sin[pos][:, None])
+    v_cache[rows, :, pos] = v
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

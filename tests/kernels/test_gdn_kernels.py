@@ -246,3 +246,24 @@ def test_partial_rope_is_the_reference(N, H, D, R):
     assert torch.equal(got, want)
     if R < D:
         assert torch.equal(got[..., R:], x[..., R:])
+
+
+@pytest.mark.parametrize("B,H,D,R", [(1, 4, 256, 64), (3, 2, 64, 16)])
+def test_rope_store_kv_is_the_reference(B, H, D, R):
+    """A decode step's keys (rotated there) and values into one layer's caches at each
+    sequence's own position (fqkernels.rope_kv.rope_store_kv): the reference's writes bit for
+    bit, k and v as the column slices the model passes, every other cache entry untouched."""
+    from fqkernels.rope_kv import rope_store_kv, rope_store_kv_reference, rope_tables
+
+    g_ = torch.Generator().manual_seed(B * D + R)
+    kv = (torch.randn(B, 2, H, D, generator=g_) * 3).bfloat16()
+    k, v = kv[:, 0], kv[:, 1]                                           # strided views
+    cos, sin = rope_tables(R, 1e7, 40, torch.device("cpu"))
+    pos = torch.randint(0, 40, (B,), generator=g_).int()
+    caches = (torch.randn(B, H, 40, D, generator=g_).bfloat16(), torch.randn(B, H, 40, D, generator=g_).bfloat16())
+    want = [c.clone() for c in caches]
+    rope_store_kv_reference(k, v, cos, sin, pos, *want)
+    got = [c.clone().to(DEV) for c in caches]
+    rope_store_kv(k.to(DEV), v.to(DEV), cos.to(DEV), sin.to(DEV), pos.to(DEV), *got)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert not torch.equal(want[0], caches[0])
