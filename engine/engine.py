@@ -76,8 +76,10 @@ class Engine:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         with torch.inference_mode():
             if qwen35:  # the hybrid family (fq_qwen35.py): torch or triton backend
+                backend = fq_qwen35.resolve_backend(self.device)
                 self.model = fq_qwen35.Qwen35Model(
-                    self.cfg, fq_qwen35.load_weights(model_path, self.cfg, self.device), self.device)
+                    self.cfg, fq_qwen35.load_weights(model_path, self.cfg, self.device, pack=backend == "triton"),
+                    self.device, backend)
             else:
                 self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
                                         ops_for(self.device))

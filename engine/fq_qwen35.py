@@ -38,6 +38,7 @@ state [B, conv_dim, 4] (the last 4 inputs of the conv) and the recurrent state
 """
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -150,31 +151,70 @@ class Qwen35Config:
         )
 
 
-def load_weights(model_dir: str, cfg: Qwen35Config, device: torch.device) -> dict:
+def load_weights(model_dir: str, cfg: Qwen35Config, device: torch.device, pack: bool = False) -> dict:
     """name -> BF16 tensor on the device, text-model names (`model.layers.3.self_attn.q_proj.weight`);
-    the released wrapper's prefix is removed, its vision and MTP weights skipped (one line)."""
+    the released wrapper's prefix is removed, its vision and MTP weights skipped (one line).
+    pack: the triton backend's packed matrices (_pack_groups: gate | up, a GDN layer's qkv | z |
+    b | a) are each read straight into their place in one device tensor, so the load's peak is
+    the weights themselves (packing after the load held both copies: +4.4 GiB reserved on the
+    4B, session 9)."""
     from safetensors import safe_open
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    out, skipped = {}, 0
+    where, skipped = {}, 0      # text-model name -> (file, stored name)
     for fname in files:
         with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(_SKIPPED):
                     skipped += 1
                     continue
-                key = "model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name
-                out[key] = f.get_tensor(name).to(device=device, dtype=torch.bfloat16)
+                where["model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name] = (fname, name)
     if skipped:
         print(f"fastqwen: skipped {skipped} vision / multi-token-prediction tensors", flush=True)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    missing = [n for n in _expected_names(cfg) if n not in out]
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in where
+    missing = [n for n in _expected_names(cfg) if n not in where and not (n == "lm_head.weight" and tied)]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    groups = _pack_groups(cfg) if pack else {}
+    packed_parts = {part for parts in groups.values() for part in parts}
+    out = {}
+    with ExitStack() as stack:
+        handles = {fname: stack.enter_context(safe_open(os.path.join(model_dir, fname), framework="pt"))
+                   for fname in files}
+
+        def read(key):
+            fname, stored = where[key]
+            return handles[fname].get_tensor(stored)
+
+        for key in where:
+            if key not in packed_parts and not (key == "lm_head.weight" and tied):
+                out[key] = read(key).to(device=device, dtype=torch.bfloat16)
+        for packed, parts in groups.items():      # each part read from the shard into its rows
+            tensors = [read(part) for part in parts]
+            dest = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
+                               dtype=torch.bfloat16, device=device)
+            row = 0
+            for t in tensors:
+                dest[row:row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+            out[packed] = dest
+    if tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def _pack_groups(cfg: Qwen35Config) -> dict:
+    """The triton backend's packed matrices: name -> the names stacked into it, in order."""
+    groups = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        groups[p + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        if cfg.layer_types[i] == "linear_attention":
+            groups[p + "linear_attn.in_proj.weight"] = [p + f"linear_attn.in_proj_{n}.weight"
+                                                        for n in ("qkv", "z", "b", "a")]
+    return groups
 
 
 def _expected_names(cfg: Qwen35Config) -> list:
@@ -208,16 +248,11 @@ class Qwen35Model:
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
         matrix (qkv | z | b | a), per layer gate and up as one (gate | up), packed in the
-        weights dict itself, each original dropped as its pack is made (so the memory held
-        stays the weights', plus one layer's pack at a time)."""
-        for i in range(self.cfg.num_layers):
-            p = f"model.layers.{i}."
-            groups = [("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])]
-            if i in self.gdn_slot:
-                groups.append(("linear_attn.in_proj.weight", [f"linear_attn.in_proj_{n}.weight"
-                                                             for n in ("qkv", "z", "b", "a")]))
-            for packed, names in groups:
-                self.w[p + packed] = torch.cat([self.w.pop(p + n) for n in names])
+        weights dict itself, each original dropped as its pack is made. Packs the loader
+        already made (load_weights(pack=True), what the engine loads) are kept as they are."""
+        for packed, names in _pack_groups(self.cfg).items():
+            if packed not in self.w:
+                self.w[packed] = torch.cat([self.w.pop(n) for n in names])
 
     # ---- buffers -----------------------------------------------------------------
     def ensure_rope(self, length: int) -> bool:

@@ -3,7 +3,8 @@
 The folder holds `config.json`, `generation_config.json`, BF16 safetensors
 shards named as Hugging Face names them and `model.safetensors.index.json`,
 so Transformers and any engine load it exactly as they load the real model,
-plus `fastqwen_synth.json`, which records how the weights were made (preset,
+a tokenizer laid out as Qwen's (`tokenizer.json`, `tokenizer_config.json`:
+fastqwen/tokenizer.py), plus `fastqwen_synth.json`, which records how the weights were made (preset,
 seed, init and its parameters, the massive-activation plant) and which no
 loader reads. Only the weight values are synthetic; speed does not depend on
 them, and the init scheme below makes the logits spread like a trained
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from fastqwen.checkpoint import expected_tensors
 from fastqwen.errors import UserError
+from fastqwen import tokenizer
 from fastqwen.presets import PRESETS, get_generation_config, get_preset
 
 if TYPE_CHECKING:
@@ -980,6 +982,7 @@ def synthesize(
     _write_json(out / "model.safetensors.index.json", index)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", gen_cfg)
+    tokenizer.write_for_config(out, cfg, progress)
     _write_json(out / PROVENANCE_NAME, provenance(preset, seed, device, scheme, cfg))
     return out
 

@@ -34,6 +34,7 @@ import copy
 import math
 import pathlib
 
+from fastqwen import tokenizer
 from fastqwen.errors import UserError
 
 FULL_ATTENTION_INTERVAL = 4
@@ -213,6 +214,7 @@ def synthesize(preset: str, out_dir: str | pathlib.Path, seed: int = 0, device: 
                                                        "weight_map": dict(sorted(weight_map.items()))})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", dict(GENERATION_CONFIG))
+    tokenizer.write_for_config(out, cfg, progress)
     _write_json(out / "fastqwen_synth.json", {"preset": preset, "seed": seed, "device": device,
                                               "init": init, "final_norm_scale": scale,
                                               **({"embedding_std": STD * EMBEDDING_STD_RATIO,

@@ -159,6 +159,24 @@ def test_released_layout_loads_the_same(tiny, tmp_path, capsys):
         assert torch.equal(a.model.prefill_logits(ids), b.model.prefill_logits(ids))
 
 
+def test_packed_load_is_the_packing_of_the_plain_load(tiny, tmp_path):
+    """load_weights(pack=True), what the engine loads for the triton backend: each packed matrix
+    (gate | up, qkv | z | b | a) read straight into place equals the plain load's tensors
+    stacked (Qwen35Model._pack); everything else is the same tensor, the released layout too."""
+    cfg = fq_qwen35.Qwen35Config.from_dir(str(tiny))
+    plain = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"))
+    packed = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"), pack=True)
+    groups = fq_qwen35._pack_groups(cfg)
+    assert len(groups) == cfg.num_layers + sum(t == "linear_attention" for t in cfg.layer_types)
+    for name, parts in groups.items():
+        assert name not in plain and not any(p in packed for p in parts)
+        assert torch.equal(packed[name], torch.cat([plain[p] for p in parts]))
+    rest = set(plain) - {p for parts in groups.values() for p in parts}
+    assert rest == set(packed) - set(groups)
+    assert all(torch.equal(plain[n], packed[n]) for n in rest)
+    assert packed["lm_head.weight"] is packed["model.embed_tokens.weight"]
+
+
 @pytest.mark.parametrize("change,match", [({"rope_parameters": {"rope_type": "yarn"}}, "rope_type 'yarn'"),
                                           ({"attention_bias": True}, "attention_bias"),
                                           ({"layer_types": ["sliding_attention"] * 8}, "layer_types"),

@@ -47,7 +47,7 @@ def test_tiny_folder_layout(tiny_model: pathlib.Path):
     names = sorted(p.name for p in tiny_model.iterdir())
     assert names == [
         "config.json", "fastqwen_synth.json", "generation_config.json", "model-00001-of-00001.safetensors",
-        "model.safetensors.index.json",
+        "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
     ]
     prov = synth.read_provenance(tiny_model)
     assert prov["init"]["name"] == "fastqwen" and prov["massive_activations"] is None
