@@ -50,6 +50,8 @@ from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
 
 BACKENDS = ("torch", "triton")
+# The triton backend's prompt pass runs its MLP over row slices of at most this many tokens.
+MLP_ROWS = 8192
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -347,8 +349,16 @@ class Qwen35Model:
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
-            act = self.ops.linear_silu_mul(h, self.w[p + "gate_up.weight"])
-            return self.ops.linear(act, self.w[p + "down_proj.weight"])
+            gate_up, down = self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"]
+            rows = h.reshape(-1, h.shape[-1])
+            if rows.shape[0] <= MLP_ROWS:
+                return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
+            # rows are independent: slices bound gate | up's activations (2 x 9216 x 2 B a token on
+            # the 4B) at any prompt size; each slice's products are cuBLAS's at its row count
+            out = torch.empty((rows.shape[0], down.shape[0]), dtype=h.dtype, device=h.device)
+            for r0 in range(0, rows.shape[0], MLP_ROWS):
+                out[r0:r0 + MLP_ROWS] = self.ops.linear(self.ops.linear_silu_mul(rows[r0:r0 + MLP_ROWS], gate_up), down)
+            return out.view(*h.shape[:-1], down.shape[0])
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 

@@ -184,3 +184,23 @@ def test_the_prompt_pass_replays_as_a_graph(tiny):
     assert torch.equal(replayed, eager)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_the_prompt_mlp_in_row_slices_is_the_whole_one(tiny, monkeypatch):
+    """The triton backend's prompt pass runs its MLP over row slices past MLP_ROWS tokens (the
+    activations' bound): the same logits as unsliced within the products' rounding (a slice's
+    product may pick another kernel for its row count), the same greedy tokens."""
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(8)).to(DEV)
+    out = {}
+    for rows in (None, 50):                        # 2 x 70 = 140 prompt rows: three slices of <= 50
+        if rows:
+            monkeypatch.setattr(fq_qwen35, "MLP_ROWS", rows)
+        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+        model.ensure_rope(S)
+        model.allocate_cache(B, S)
+        with torch.inference_mode():
+            out[rows] = model.prefill_logits(seq).float()
+    diff = (out[50] - out[None]).abs().max().item()
+    assert diff <= 0.02 * out[None].std().item() + 0.07, diff
+    assert torch.equal(out[50].argmax(-1), out[None].argmax(-1))
