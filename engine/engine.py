@@ -91,7 +91,26 @@ class Engine:
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
+        self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
+
+    def slots(self, max_slots: int, max_len: int):
+        """Continuous batching for a server (fq_slots.Slots): max_slots rows of max_len positions
+        in this engine's caches. The caches and graphs generate() made are dropped (and
+        generate() makes its own again when called)."""
+        from fq_slots import Slots
+
+        self._drop_graphs()
+        self._close_slots()
+        self._check_memory(max_slots, max_len)
+        self._slots = Slots(self.model, self.device, max_slots, max_len)
+        return self._slots
+
+    def _close_slots(self) -> None:
+        if self._slots is not None:
+            self._slots.closed = True
+            self._slots = None
+            self.model.allocate_cache(1, 2)     # generate() sizes its own: the slots' rows go
 
     def describe(self) -> dict:
         """What runs: the model family, its op backend, whether the decode step is a graph."""
@@ -138,6 +157,7 @@ class Engine:
     def generate(self, input_ids, max_new_tokens):
         """Yield `max_new_tokens` lists of greedy token ids, one id per sequence, in order."""
         ids = self._check(input_ids, max_new_tokens)
+        self._close_slots()
         self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
         return self._generate(ids, max_new_tokens)
 

@@ -75,11 +75,12 @@ class Qwen3Model:
         Writes K/V for positions [0, S) of every sequence."""
         return self.ops.argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill."""
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill,
+        in cache rows [row, row + B) (a slot's own row: fq_slots)."""
         B, S = ids.shape
         group = max(1, PREFILL_TOKENS // S)
-        return torch.cat([self._prefill_group(ids[b0:b0 + group], b0) for b0 in range(0, B, group)])
+        return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0) for b0 in range(0, B, group)])
 
     def _prefill_group(self, ids: torch.Tensor, b0: int) -> torch.Tensor:
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps

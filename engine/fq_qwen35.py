@@ -245,6 +245,7 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
+        self._rows = slice(None)      # the cache rows a prompt pass fills (prefill_logits)
         self.ops = _Products() if self.backend == "triton" else _TorchProducts()
 
     def _pack(self) -> None:
@@ -282,8 +283,10 @@ class Qwen35Model:
         c, dev = self.cfg, self.device
         self.k_cache = self.v_cache = self.conv_state = self.state = None
         shape = (len(self.attn_slot), batch, c.num_kv_heads, capacity, c.head_dim)
-        self.k_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
-        self.v_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        # zeros: the torch backend's masked attention over rows of other lengths (fq_slots) reads
+        # past a row's length, where a mask cannot hide a NaN an empty buffer may hold
+        self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
         self.conv_state = torch.zeros((len(self.gdn_slot), batch, c.conv_dim, c.conv_width),
                                       dtype=torch.bfloat16, device=dev)
         self.state = torch.zeros((len(self.gdn_slot), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
@@ -293,9 +296,11 @@ class Qwen35Model:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return argmax_reference(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache."""
-        S = ids.shape[1]
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
+        in rows [row, row + B) (a slot's own row: fq_slots)."""
+        B, S = ids.shape
+        self._rows = slice(row, row + B)
         cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
         h = self._layers(self.w["model.embed_tokens.weight"][ids], True,   # [B, S, hidden] in
                          lambda i, h: self._attention_prefill(i, h, cos, sin))
@@ -395,7 +400,7 @@ class Qwen35Model:
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
-        self.k_cache[slot, :, :, :S], self.v_cache[slot, :, :, :S] = k, v
+        self.k_cache[slot, self._rows, :, :S], self.v_cache[slot, self._rows, :, :S] = k, v
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -449,7 +454,7 @@ class Qwen35Model:
             mixed, new_conv = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w,
                                                         None if prompt else self.conv_state[slot])
             mixed = mixed.transpose(1, 2)
-        self.conv_state[slot].copy_(new_conv)
+        self.conv_state[slot, self._rows if prompt else slice(None)].copy_(new_conv)
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
@@ -460,7 +465,7 @@ class Qwen35Model:
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
             rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
             o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot])
-        self.state[slot].copy_(state)
+        self.state[slot, self._rows if prompt else slice(None)].copy_(state)
         norm = gdn.gated_rmsnorm if kernels and c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference
         o = norm(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim), self.w[p + "norm.weight"],
                  c.rms_norm_eps)

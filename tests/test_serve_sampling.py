@@ -1,0 +1,77 @@
+"""fastqwen.serve.sampling: OpenAI-style parameters checked with the bad value named, greedy
+rows equal to the argmax, seeded draws repeatable, top-k / top-p cuts as documented, and the
+draws following the softmax."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastqwen.serve.sampling import SamplingError, SamplingParams, make_generator, sample
+
+
+def test_defaults_and_openai_names():
+    p = SamplingParams.from_request({"max_tokens": 7, "temperature": 0, "stop": "\n\n", "seed": 3})
+    assert (p.max_tokens, p.greedy, p.stop, p.seed, p.top_k, p.top_p) == (7, True, ("\n\n",), 3, -1, 1.0)
+    assert SamplingParams.from_request({}, default_max_tokens=32).max_tokens == 32
+    assert SamplingParams.from_request({"max_completion_tokens": 5}).max_tokens == 5
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"temperature": -0.1}, "temperature must be >= 0.0, got -0.1"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"top_p": 0}, "top_p must be > 0.0"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": 10**6}, "max_tokens must be <= 4096"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4"),
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"n": 2}, "n must be 1"),
+    ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"logprobs": 3}, "logprobs is not supported"),
+])
+def test_bad_parameters_are_named(body, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams.from_request(body, max_model_len=4096)
+
+
+def _gens(n, seed=0):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def test_greedy_rows_are_the_argmax_first_on_ties():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 5.0]], dtype=torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy, greedy], _gens(2)).tolist() == [1, 0]
+
+
+def test_a_seed_repeats_its_draws_and_rows_are_independent():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[2] = logits[0]
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 1)]
+    server = torch.Generator().manual_seed(9)
+    draws = [sample(logits, params, [make_generator(p, torch.device("cpu"), server) for p in params]).tolist()
+             for _ in range(2)]
+    assert draws[0] == draws[1]
+    assert draws[0][0] == draws[0][2]          # same seed, same logits: same token
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gens = _gens(1)
+    for _ in range(200):
+        assert sample(logits, [SamplingParams(temperature=1.0, top_k=2)], gens).item() in (0, 1)
+        # top_p 0.6: 0.5 alone does not reach it, 0.5 + 0.3 does: two tokens stay
+        assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.6)], gens).item() in (0, 1)
+        assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.4)], gens).item() == 0
+
+
+def test_draws_follow_the_softmax():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None].repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    got = sample(logits, params, _gens(4000))
+    freq = torch.bincount(got, minlength=3).float() / 4000
+    assert (freq - probs).abs().max() < 0.04, freq
+    # a low temperature sharpens: the top token's share grows
+    cold = sample(logits, [SamplingParams(temperature=0.25)] * 4000, _gens(4000, 5000))
+    assert (cold == 0).float().mean() > 0.9
