@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "judge": ("fastqwen.judge.cli", "run an engine like the platform does, with native in the same run"),
     "validate": ("fastqwen.submission", "check a submission folder or archive against every archive rule"),
     "package": ("fastqwen.packaging", "build a reproducible submission archive from an engine folder"),
+    "serve": ("fastqwen.serve.cli", "an OpenAI-compatible HTTP server on a checkpoint (continuous batching)"),
 }
 
 

@@ -1,0 +1,42 @@
+"""`fastqwen serve`: the OpenAI-compatible server (fastqwen/serve/app.py) on a checkpoint."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from fastqwen.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--max-batch", type=int, default=16, help="requests running at once (slots; default 16)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens a request may hold, prompt and output (default: 4096, or the model's limit)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
+                        help="the share of the GPU's memory this process may take, in (0, 1]")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
+                        "folder's name)")
+    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = pathlib.Path(args.model)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{str(folder)!r} has no config.json: --model takes a checkpoint folder")
+    if not (folder / "tokenizer.json").is_file():
+        raise UserError(f"{str(folder)!r} has no tokenizer.json (fastqwen synth writes one)")
+    for name, value, lo in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
+                            ("--max-waiting", args.max_waiting, 1)):
+        if value < lo:
+            raise UserError(f"{name} must be >= {lo}, got {value}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        raise UserError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    from fastqwen.serve.app import serve
+
+    serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
+          args.served_model_name, args.max_waiting)
+    return 0

@@ -1,0 +1,61 @@
+"""The server's Prometheus metrics (prometheus-client, one registry per server), named as
+vLLM names its own where there is one, with the `fastqwen:` prefix."""
+from __future__ import annotations
+
+# Seconds: first tokens from a few ms (a short prompt on a GPU) to minutes (a long queue).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.labels = labels
+
+        def named(kind, name, doc, **kw):
+            return kind(f"fastqwen:{name}", doc, list(labels) + kw.pop("extra", []), registry=self.registry, **kw)
+
+        self.requests = named(Counter, "request_success", "Requests finished, by finish reason",
+                              extra=["finished_reason"])
+        self.rejected = named(Counter, "request_rejected", "Requests refused before running, by HTTP status",
+                              extra=["status"])
+        self.prompt_tokens = named(Counter, "prompt_tokens", "Prompt tokens of requests that ran")
+        self.generation_tokens = named(Counter, "generation_tokens", "Tokens generated")
+        self.ttft = named(Histogram, "time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS)
+        self.itl = named(Histogram, "inter_token_latency_seconds", "Time between a request's tokens",
+                         buckets=ITL_BUCKETS)
+        self.e2e = named(Histogram, "e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS)
+        self.running = named(Gauge, "num_requests_running", "Requests in a slot")
+        self.waiting = named(Gauge, "num_requests_waiting", "Requests queued for a slot")
+        self.kv_usage = named(Gauge, "kv_cache_usage_perc", "Cached positions of running requests over all slots' "
+                              "positions (1 = full)")
+
+    def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.labels(**self.labels).set(running)
+        self.waiting.labels(**self.labels).set(waiting)
+        self.kv_usage.labels(**self.labels).set(kv_usage)
+
+    def finished(self, req) -> None:
+        self.requests.labels(**self.labels, finished_reason=req.finish_reason).inc()
+        if req.first_token is None:
+            return
+        self.prompt_tokens.labels(**self.labels).inc(len(req.prompt))
+        self.generation_tokens.labels(**self.labels).inc(len(req.output))
+        self.ttft.labels(**self.labels).observe(req.first_token - req.arrived)
+        for gap in req.latencies:
+            self.itl.labels(**self.labels).observe(gap)
+        self.e2e.labels(**self.labels).observe(req.last_token - req.arrived)
+
+    def reject(self, status: int) -> None:
+        self.rejected.labels(**self.labels, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""The serving loop: one thread owns the engine and its slots (engine/fq_slots.py); requests
+from the HTTP side wait in a bounded queue, join free slots between decode steps, and each
+running one gets its next token every step: sampled from its logits (sampling.py), turned
+into text (text.py), checked against its end tokens, stop strings, max_tokens and the room
+left in its slot. Events go back to each request's asyncio queue on the server's loop.
+
+A request the client abandons (`cancel`) leaves its slot at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastqwen.serve.sampling import SamplingParams, make_generator, sample
+
+
+class QueueFull(RuntimeError):
+    """More requests waiting than the server takes (the HTTP side answers 429)."""
+
+
+@dataclass
+class Event:
+    """What a request gets: new text and token ids, and at the end its finish reason."""
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt: list
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    id: int = 0
+    arrived: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    output: list = field(default_factory=list)
+    cancelled: bool = False
+    finish_reason: str | None = None
+    detok: object = None
+    generator: object = None
+    slot: int | None = None
+    latencies: list = field(default_factory=list)    # seconds between tokens after the first
+
+    def send(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Scheduler:
+    """Owns an fastqwen Engine's slots in a thread of its own. submit() from any thread."""
+
+    def __init__(self, engine, codec, max_batch: int, max_len: int, max_waiting: int = 256, seed: int = 0,
+                 metrics=None):
+        self.engine, self.codec, self.metrics = engine, codec, metrics
+        self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
+        self.slots = engine.slots(max_batch, max_len)
+        self.device = engine.device
+        self.server_generator = torch.Generator().manual_seed(seed)
+        self.waiting: queue.Queue = queue.Queue()
+        self.running: dict[int, Request] = {}          # slot -> request
+        self._ids = itertools.count(1)
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="fastqwen-scheduler", daemon=True)
+        self.thread.start()
+
+    # ---- the HTTP side -----------------------------------------------------------------
+    def submit(self, prompt: list, params: SamplingParams, loop, events) -> Request:
+        if self.waiting.qsize() >= self.max_waiting:
+            raise QueueFull(f"{self.waiting.qsize()} requests are waiting (the server takes {self.max_waiting})")
+        req = Request(prompt=list(prompt), params=params, loop=loop, events=events, id=next(self._ids),
+                      arrived=time.monotonic())
+        self.waiting.put(req)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout=30)
+
+    @property
+    def kv_usage(self) -> float:
+        """Cached positions of the running requests over all slots' positions."""
+        return sum(self.slots.lengths) / (self.max_batch * self.max_len)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                busy = self._admit() | self._step()
+            except Exception as exc:  # noqa: BLE001 - the requests in flight end with the error; the loop goes on
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                busy = False
+            if self.metrics is not None:
+                self.metrics.gauges(len(self.running), self.waiting.qsize(), self.kv_usage)
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _admit(self) -> bool:
+        admitted = False
+        while self.slots.free and not self.waiting.empty():
+            req = self.waiting.get()
+            if req.cancelled:
+                self._finish(req, "abort")
+                continue
+            req.detok = self.codec.detokenizer(req.params.stop)
+            req.generator = make_generator(req.params, self.device, self.server_generator)
+            req.slot, logits = self.slots.admit(req.prompt)
+            self.running[req.slot] = req
+            self._emit(req, int(sample(logits[None], [req.params], [req.generator])[0]))
+            admitted = True
+        return admitted
+
+    def _step(self) -> bool:
+        for slot, req in list(self.running.items()):
+            if req.cancelled:
+                self._finish(req, "abort")
+        if not self.running:
+            return False
+        slots = sorted(self.running)
+        logits = self.slots.step({s: self.running[s].output[-1] for s in slots})
+        reqs = [self.running[s] for s in slots]
+        tokens = sample(torch.stack([logits[s] for s in slots]), [r.params for r in reqs],
+                        [r.generator for r in reqs]).tolist()
+        for req, tok in zip(reqs, tokens):
+            self._emit(req, tok)
+        return True
+
+    def _emit(self, req: Request, token: int) -> None:
+        """A request's new token: text, the stop checks, the event, the slot freed at the end."""
+        now = time.monotonic()
+        if req.first_token is None:
+            req.first_token = now
+        else:
+            req.latencies.append(now - req.last_token)
+        req.last_token = now
+        req.output.append(token)
+        finish = None
+        if token in self.codec.stop_token_ids:
+            text, finish = req.detok.flush(), "stop"
+        else:
+            text = req.detok.push(token)
+            if req.detok.stopped:
+                finish = "stop"
+            elif len(req.output) >= req.params.max_tokens or self.slots.room(req.slot) <= 0:
+                text, finish = text + req.detok.flush(), "length"
+        req.send(Event(text=text, token_ids=[token]))
+        if finish is not None:
+            self._finish(req, finish)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self.slots.retire(req.slot)
+        req.finish_reason = reason
+        if self.metrics is not None:
+            self.metrics.finished(req)
+        req.send(Event(finish_reason=reason, error=error))
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self.running.values()):
+            self._finish(req, "error", message)

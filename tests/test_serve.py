@@ -1,0 +1,155 @@
+"""`fastqwen serve` on the tiny preset (CPU), driven by the OpenAI client: completions from text
+and from token ids, chat with streaming, 8 concurrent requests of different lengths each
+getting its greedy tokens (the tokens the engine gives that prompt alone, which pass the
+2.0-logit margin: tests/test_engine_cpu.py), bad requests answered 400 in OpenAI's shape
+while the server goes on, and /metrics as Prometheus text."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    from fastqwen.serve.app import Server, create_app
+
+    srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning")
+    web = uvicorn.Server(config)
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield srv, url
+    web.should_exit = True
+    thread.join(timeout=10)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none")
+
+
+def _alone(srv, prompt_ids, n):
+    """The engine's own greedy tokens for this prompt alone (a second engine: the server's is busy)."""
+    import engine as engine_module
+
+    if not hasattr(_alone, "engine"):
+        _alone.engine = engine_module.Engine(srv.model_dir)
+    return [s[0] for s in _alone.engine.generate([prompt_ids], n)]
+
+
+def _until_eos(srv, tokens):
+    """tokens up to and with the first end token (where the server stops a request)."""
+    n = next((k + 1 for k, t in enumerate(tokens) if t in srv.codec.stop_token_ids), len(tokens))
+    return tokens[:n]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server[1] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_from_token_ids_is_the_engines_greedy_output(server, client):
+    ids = torch.randint(0, 4000, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    choice = out.choices[0]
+    assert choice.token_ids == _until_eos(server[0], _alone(server[0], ids, 12))
+    assert out.usage.prompt_tokens == 37 and out.usage.completion_tokens == len(choice.token_ids)
+    assert choice.text == server[0].codec.decode(choice.token_ids)
+
+
+def test_completion_from_text(server, client):
+    out = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0)
+    ids = server[0].codec.encode("The quick brown fox")
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].token_ids[:1] == _alone(server[0], ids, 1)
+
+
+def test_chat_streams_the_whole_answer(server, client):
+    messages = [{"role": "user", "content": "Say something."}]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert text == whole.choices[0].message.content and finish == [whole.choices[0].finish_reason]
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_eight_concurrent_requests_each_get_their_own_tokens(server, client):
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (5, 90, 17, 200, 33, 64, 8, 129)]
+    want = [6, 10, 14, 4, 9, 12, 7, 5]
+
+    def one(i):
+        return client.completions.create(model="tiny", prompt=prompts[i], max_tokens=want[i], temperature=0)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for i, res in enumerate(results):
+        got = res.choices[0].token_ids
+        assert got == _until_eos(server[0], _alone(server[0], prompts[i], want[i])), i
+
+
+def test_sampling_with_a_seed_repeats(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+    a, b = (client.completions.create(**kw).choices[0].token_ids for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0.0"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+    ({"prompt": [1, 2, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+    ({"prompt": 5}, 400, "prompt must be a string"),
+    ({"model": "other", "prompt": "hi"}, 404, "does not exist"),
+    ({"prompt": "hi", "n": 3}, 400, "n must be 1"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, fragment):
+    r = httpx.post(server[1] + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"]
+    ok = httpx.post(server[1] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_bad_chat_and_bad_json(server):
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "non-empty list" in r.json()["error"]["message"]
+    r = httpx.post(server[1] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_metrics_are_prometheus_text(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=3)
+    text = httpx.get(server[1] + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("fastqwen:time_to_first_token_seconds", "fastqwen:inter_token_latency_seconds",
+                 "fastqwen:num_requests_running", "fastqwen:num_requests_waiting", "fastqwen:kv_cache_usage_perc",
+                 "fastqwen:generation_tokens", "fastqwen:request_success"):
+        assert name in families, sorted(families)
+    done = sum(s.value for s in families["fastqwen:request_success"].samples if s.name.endswith("_total"))
+    assert done >= 1
