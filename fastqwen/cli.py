@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("fastqwen.submission", "check a submission folder or archive against every archive rule"),
     "package": ("fastqwen.packaging", "build a reproducible submission archive from an engine folder"),
     "serve": ("fastqwen.serve.cli", "an OpenAI-compatible HTTP server on a checkpoint (continuous batching)"),
+    "bench-serve": ("fastqwen.serve.bench", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput"),
 }
 
 

@@ -153,3 +153,21 @@ def test_metrics_are_prometheus_text(server, client):
         assert name in families, sorted(families)
     done = sum(s.value for s in families["fastqwen:request_success"].samples if s.name.endswith("_total"))
     assert done >= 1
+
+
+def test_bench_serve_measures_every_request(server, tmp_path):
+    import asyncio
+    import json as json_module
+
+    from fastqwen.cli import main
+
+    report = asyncio.run(__import__("fastqwen.serve.bench", fromlist=["run_benchmark"]).run_benchmark(
+        server[1], requests=6, prompt_len=20, output_len=5, rate=50.0, concurrency=3, progress=False))
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert len(report["samples"]["ttft"]) == 6 and len(report["samples"]["itl"]) == 6 * 4
+    assert report["output_throughput"] > 0 and report["ttft_s"]["p99"] >= report["ttft_s"]["median"] > 0
+    out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench-serve", "--url", server[1], "--requests", "4", "--prompt-len", "9", "--output-len", "3",
+                 "--out", str(out), "--chart", str(chart), "--no-progress"]) == 0
+    saved = json_module.loads(out.read_text())
+    assert saved["completed"] == 4 and saved["tpot_s"]["mean"] > 0 and chart.stat().st_size > 1000

@@ -169,7 +169,8 @@ def create_app(server: Server):
     async def models():
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
                                             "owned_by": "fastqwen", "root": server.model_dir,
-                                            "max_model_len": server.max_model_len}]}
+                                            "max_model_len": server.max_model_len,
+                                            "vocab_size": int(server.engine.cfg.vocab_size)}]}
 
     @app.get("/metrics")
     async def metrics():

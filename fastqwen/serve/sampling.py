@@ -32,6 +32,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop: tuple = field(default_factory=tuple)
+    ignore_eos: bool = False     # vLLM's extension: run to max_tokens past end tokens (benchmarks)
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +75,9 @@ class SamplingParams:
             raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
         if len(stop) > MAX_STOP or any(s == "" for s in stop):
             raise SamplingError(f"stop takes at most {MAX_STOP} non-empty strings, got {list(stop)!r}")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise SamplingError(f"ignore_eos must be true or false, got {ignore_eos!r}")
         n = body.get("n", 1)
         if n != 1:
             raise SamplingError(f"n must be 1 (one choice a request), got {n!r}")
@@ -84,7 +88,7 @@ class SamplingParams:
             if value not in (neutral, None, 0, False, {}):
                 raise SamplingError(f"{name} is not supported, got {value!r}")
         return cls(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=int(top_k), seed=seed,
-                   stop=stop)
+                   stop=stop, ignore_eos=ignore_eos)
 
 
 def make_generator(params: SamplingParams, device: torch.device, server: torch.Generator) -> torch.Generator:

@@ -151,7 +151,7 @@ class Scheduler:
         req.last_token = now
         req.output.append(token)
         finish = None
-        if token in self.codec.stop_token_ids:
+        if token in self.codec.stop_token_ids and not req.params.ignore_eos:
             text, finish = req.detok.flush(), "stop"
         else:
             text = req.detok.push(token)
