@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv with the platform's pinned stack (Python 3.11, torch 2.5.1 with
 # Triton 3.1.0, Transformers 4.51.3, safetensors 0.5.3, tokenizers 0.21.1), the serving
-# front's libraries (FastAPI, uvicorn, prometheus-client; httpx and the openai client for
-# its tests) and install fastqwen into it. Safe to run again: an existing, complete .venv is kept.
+# front's libraries (FastAPI, uvicorn, prometheus-client; httpx, the openai client and
+# lm-evaluation-harness for its tests) and install fastqwen into it. Safe to run again: an existing, complete .venv is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformers, fastqwen, fastapi, uvicorn, \
-    prometheus_client, openai, httpx" >/dev/null 2>&1; then
+    prometheus_client, openai, httpx, lm_eval, tenacity" >/dev/null 2>&1; then
   echo "setting up .venv (torch 2.5.1 brings several GB of CUDA libraries; a few minutes)" >&2
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
@@ -17,6 +17,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformer
   # the serving front (fastqwen serve) and its tests: the OpenAI client drives it
   .venv/bin/python -m pip install -q fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 \
       httpx==0.28.1 openai==3.57.0 jinja2==3.1.6
+  # lm-evaluation-harness over HTTP (its API models); datasets and the hub kept where
+  # Transformers 4.51.3 works (huggingface-hub < 1)
+  .venv/bin/python -m pip install -q "lm-eval[api]==0.4.13" datasets==3.6.0 "huggingface-hub>=0.30,<1"
   .venv/bin/python -m pip install -q --no-deps -e .
 fi
 # The Qwen3.5 reference (Transformers 5.17.0, which needs newer huggingface-hub and

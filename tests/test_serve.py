@@ -171,3 +171,24 @@ def test_bench_serve_measures_every_request(server, tmp_path):
                  "--out", str(out), "--chart", str(chart), "--no-progress"]) == 0
     saved = json_module.loads(out.read_text())
     assert saved["completed"] == 4 and saved["tpot_s"]["mean"] > 0 and chart.stat().st_size > 1000
+
+
+def test_lm_eval_runs_a_local_task_against_the_server(server, tmp_path, tiny_model):
+    """lm-evaluation-harness's local-completions model on the server: a committed jsonl task
+    (tests/fixtures/lmeval), generation scored by exact match; every document answered."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    src = __import__("pathlib").Path(__file__).parent / "fixtures" / "lmeval"
+    data = tmp_path / "fastqwen_local.jsonl"
+    data.write_text((src / "fastqwen_local.jsonl").read_text())
+    (tmp_path / "fastqwen_local.yaml").write_text(
+        (src / "fastqwen_local.yaml").read_text().replace("test: fastqwen_local.jsonl", f"test: {data}"))
+    args = (f"model=tiny,base_url={server[1]}/v1/completions,tokenizer_backend=None,tokenized_requests=False,"
+            "num_concurrent=4,max_retries=1")
+    results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["fastqwen_local"],
+                                      task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    task = results["results"]["fastqwen_local"]
+    assert 0.0 <= task["exact_match,none"] <= 1.0
+    samples = results["samples"]["fastqwen_local"]
+    assert len(samples) == 6 and all(isinstance(s["resps"][0][0], str) for s in samples)
