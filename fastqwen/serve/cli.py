@@ -8,7 +8,8 @@ from fastqwen.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--model", default=None, help="checkpoint folder (config.json, safetensors, tokenizer.json; "
+                        "default: the judge's tiny synthetic checkpoint, created once in a cache)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests running at once (slots; default 16)")
@@ -21,8 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
 
 
+def default_model() -> pathlib.Path:
+    """The judge's tiny checkpoint (fastqwen/judge/cli.py default_model), with the tokenizer synth
+    writes added when the cached copy predates it."""
+    import json
+
+    from fastqwen import tokenizer
+    from fastqwen.judge.cli import default_model as judge_default
+
+    folder = judge_default()
+    if not (folder / "tokenizer.json").is_file():
+        tokenizer.write_for_config(folder, json.loads((folder / "config.json").read_text()))
+    return folder
+
+
 def run(args: argparse.Namespace) -> int:
-    folder = pathlib.Path(args.model)
+    folder = pathlib.Path(args.model) if args.model else default_model()
     if not (folder / "config.json").is_file():
         raise UserError(f"{str(folder)!r} has no config.json: --model takes a checkpoint folder")
     if not (folder / "tokenizer.json").is_file():
