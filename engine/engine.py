@@ -96,14 +96,19 @@ class Engine:
 
     def slots(self, max_slots: int, max_len: int):
         """Continuous batching for a server (fq_slots.Slots): max_slots rows of max_len positions
-        in this engine's caches. The caches and graphs generate() made are dropped (and
-        generate() makes its own again when called)."""
+        in this engine's caches, each step size's graph captured now. The caches and graphs
+        generate() made are dropped (and generate() makes its own again when called)."""
         from fq_slots import Slots
 
         self._drop_graphs()
         self._close_slots()
         self._check_memory(max_slots, max_len)
-        self._slots = Slots(self.model, self.device, max_slots, max_len)
+
+        def tune(rows: int) -> None:
+            if self.device.type == "cuda" and rows not in self.tuning:
+                self.tuning[rows] = self.model.ops.tune(self.model.w, rows)
+
+        self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, tune)
         return self._slots
 
     def _close_slots(self) -> None:

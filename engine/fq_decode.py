@@ -10,6 +10,9 @@ Rule: one graph per (batch, cache capacity), captured before the prefill of the
 first generate of that shape (the warmup), never per sample. A call whose batch
 matches and whose length fits reuses it.
 
+A `LogitsStep` is the step continuous batching runs (fq_slots): the first rows of the
+cache, each at its own position, logits out for the caller to sample from.
+
 A `PrefillGraph` does the same for the prefill of one (batch, prompt length):
 the first call of that shape runs eagerly and then captures; later calls copy
 their ids into the static buffer and replay. It removes the host's per-kernel
@@ -88,3 +91,43 @@ class PrefillGraph:
         self.ids.copy_(ids, non_blocking=True)
         self.graph.replay()
         return self.first
+
+
+class LogitsStep:
+    """One decode step of the first `rows` cache rows that returns logits (fq_slots: the caller
+    samples), over static buffers: tokens [rows] int64 and positions [rows] int32 written by
+    the caller before each run (lengths = positions + 1), logits [rows, vocab] read after it.
+    On a GPU the step is captured as a CUDA graph; capture it while no row holds a request
+    (its warm-up steps write K/V and recurrent states in all `rows` rows)."""
+
+    def __init__(self, model, rows: int, use_graph: bool):
+        dev = model.device
+        self.model, self.rows = model, rows
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._pos_len = torch.zeros((2, rows), dtype=torch.int32, device=dev)
+        self.positions, self.lengths = self._pos_len[0], self._pos_len[1]
+        self.logits = None
+        self.graph = None
+        if use_graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+            torch.cuda.synchronize()
+            self.graph = graph
+
+    def _step(self) -> None:
+        torch.add(self.positions, 1, out=self.lengths)
+        self.logits = self.model.decode_logits(self.tokens, self.positions, self.lengths)
+
+    def run(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        return self.logits

@@ -48,6 +48,12 @@ class Qwen3Model:
         self.cos, self.sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, n, self.device)
         return True
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Cache row dst becomes row src's first `length` positions (fq_slots moves the last
+        running request into a freed row)."""
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+
     def cache_fits(self, batch: int, capacity: int) -> bool:
         return (self.k_cache is not None and self.k_cache.shape[1] == batch
                 and self.k_cache.shape[3] >= capacity)

@@ -269,6 +269,14 @@ class Qwen35Model:
         self.sin = emb.sin().to(self.device, torch.bfloat16)
         return True
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Cache row dst becomes row src: its first `length` K/V positions and its GDN states
+        (fq_slots moves the last running request into a freed row)."""
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+        self.conv_state[:, dst] = self.conv_state[:, src]
+        self.state[:, dst] = self.state[:, src]
+
     def cache_fits(self, batch: int, capacity: int) -> bool:
         return self.k_cache is not None and self.k_cache.shape[1] == batch and self.k_cache.shape[3] >= capacity
 
@@ -409,7 +417,7 @@ class Qwen35Model:
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
         slot = self.attn_slot[i]
-        kc, vc = self.k_cache[slot], self.v_cache[slot]
+        kc, vc = self.k_cache[slot, :B], self.v_cache[slot, :B]     # the first B rows: this call's sequences
         if self.backend == "triton":   # the key rotated and both stored at the positions in one kernel
             from fqkernels.decode_attention import decode_attention
             from fqkernels.rope_kv import rope_store_kv
@@ -441,6 +449,7 @@ class Qwen35Model:
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
+        rows = self._rows if prompt else slice(0, B)    # the cache rows of this call's sequences
         mixed, z, b, a = self._in_proj(p, h)                                        # mixed [B, T, conv_dim]
         g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
@@ -452,9 +461,9 @@ class Qwen35Model:
             mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w)
         else:
             mixed, new_conv = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w,
-                                                        None if prompt else self.conv_state[slot])
+                                                        None if prompt else self.conv_state[slot, rows])
             mixed = mixed.transpose(1, 2)
-        self.conv_state[slot, self._rows if prompt else slice(None)].copy_(new_conv)
+        self.conv_state[slot, rows].copy_(new_conv)
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
@@ -464,8 +473,8 @@ class Qwen35Model:
         else:
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
             rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
-            o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot])
-        self.state[slot, self._rows if prompt else slice(None)].copy_(state)
+            o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot, rows])
+        self.state[slot, rows].copy_(state)
         norm = gdn.gated_rmsnorm if kernels and c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference
         o = norm(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim), self.w[p + "norm.weight"],
                  c.rms_norm_eps)
@@ -488,12 +497,12 @@ class Qwen35Model:
         B = h.shape[0]
         slot = self.gdn_slot[i]
         mixed, z, b, a = self._in_proj(p, h[:, 0])          # column slices of one product: mixed [B, conv_dim]
-        mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot], self.w[p + "conv1d.weight"].squeeze(1),
+        mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
-        o = gdn.decode_step(q, k, v, g, beta, self.state[slot])
+        o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:

@@ -1,29 +1,46 @@
-"""Continuous batching over slots: requests of their own prompt lengths join and leave between
-decode steps (what a server needs; Engine.generate keeps its equal-length batches).
+"""Continuous batching: requests of their own prompt lengths join and leave between decode
+steps (what a server needs; Engine.generate keeps its equal-length batches).
 
-This first form keeps the model's own caches: each slot is one batch row of them with room
-for max_len positions. admit() prefills a prompt into a free row (that row only), step()
-runs one decode step for every row, each at its own position (a row without a request runs
-token 0 at position 0 of its own row, and its result is dropped), and returns the running slots' logits;
-retire() frees a row. The caller samples from the logits and passes each slot's token back
-in the next step(). Each row's arithmetic does not depend on the other rows' contents, so a
-greedy request gets the tokens it would get in any batch of max_slots rows.
+This first form keeps the model's own caches, max_slots rows of max_len positions, with the
+running requests always in the first rows: admit() prefills a prompt into the next row;
+retire() moves the last running request's row (its K/V and recurrent states) into the freed
+one. step() runs one decode step of the first `bucket` rows, bucket the smallest of 1, 2, 4,
+... max_slots that holds the running requests (a row past them runs token 0 at position 0 of
+its own row, and its result is dropped), each row at its own position, and returns the
+running requests' logits; the caller samples and passes each request's token back in the
+next step(). On a GPU each bucket's step is a CUDA graph (fq_decode.LogitsStep), captured
+when the slots open, before any request. A row's arithmetic does not depend on the other
+rows' contents, so a request's greedy tokens depend only on the bucket's row count.
 
 Not yet here (the serving issue's later parts): a paged cache (blocks and block tables, so a
-request holds memory for its own length and shared prefixes share blocks), prefills chunked
-between steps, and CUDA graphs per batch bucket (step() runs eagerly over all max_slots rows).
+request holds memory for its own length and shared prefixes share blocks) and prefills
+chunked between steps (admit() prefills a whole prompt, eagerly).
 """
 from __future__ import annotations
 
 import torch
+
+from fq_decode import LogitsStep
 
 
 class SlotError(RuntimeError):
     """A slot request the current slots cannot take (no free row, a prompt too long, ...)."""
 
 
+def buckets(max_slots: int) -> list[int]:
+    """The step sizes: powers of two below max_slots, then max_slots."""
+    out, b = [], 1
+    while b < max_slots:
+        out.append(b)
+        b *= 2
+    return out + [max_slots]
+
+
 class Slots:
-    def __init__(self, model, device: torch.device, max_slots: int, max_len: int):
+    def __init__(self, model, device: torch.device, max_slots: int, max_len: int, use_graphs: bool = False,
+                 tune=None):
+        """tune(rows): called once per bucket before its step is built (the engine's choice of
+        products at that many rows)."""
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"Slots: max_slots ({max_slots}) must be >= 1 and max_len ({max_len}) >= 2")
         self.model, self.device = model, device
@@ -31,65 +48,75 @@ class Slots:
         model.ensure_rope(max_len)
         model.allocate_cache(max_slots, max_len)
         self.closed = False                       # Engine.generate() takes the caches back
-        self.lengths = [0] * max_slots            # positions cached per row; 0: free
-        self.running: set[int] = set()
-        self._tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
-        self._positions = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.keys: list = []                      # the request in each running row, in row order
+        self.lengths: list[int] = []              # positions cached per running row
+        self._steps = {}
+        for rows in buckets(max_slots):
+            if tune is not None:
+                tune(rows)
+            self._steps[rows] = LogitsStep(model, rows, use_graphs)
 
     @property
     def free(self) -> int:
-        return self.max_slots - len(self.running)
+        return self.max_slots - len(self.keys)
 
-    def _check_cache(self) -> None:
+    def _check_open(self) -> None:
         if self.closed:
             raise SlotError("the engine's caches were taken back (a generate() call): open new slots")
 
-    def admit(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
-        """Prefill `prompt` into a free row; returns (slot, the last position's logits [vocab])."""
-        self._check_cache()
+    def admit(self, key, prompt: list[int]) -> torch.Tensor:
+        """Prefill `prompt` for request `key` into the next free row; returns the last
+        position's logits [vocab]."""
+        self._check_open()
+        if key in self.keys:
+            raise SlotError(f"request {key!r} is already running")
         if not prompt:
             raise SlotError("a prompt needs at least one token")
         if len(prompt) >= self.max_len:
             raise SlotError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
                             f"max_len {self.max_len}")
-        slot = next((s for s in range(self.max_slots) if s not in self.running), None)
-        if slot is None:
+        if not self.free:
             raise SlotError(f"all {self.max_slots} slots are running")
+        row = len(self.keys)
         ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            logits = self.model.prefill_logits(ids, row=slot)[0]
-        self.running.add(slot)
-        self.lengths[slot] = len(prompt)
-        return slot, logits
+            logits = self.model.prefill_logits(ids, row=row)[0]
+        self.keys.append(key)
+        self.lengths.append(len(prompt))
+        return logits
 
-    def room(self, slot: int) -> int:
-        """Tokens the slot can still take (step() appends one each time)."""
-        return self.max_len - self.lengths[slot]
+    def room(self, key) -> int:
+        """Tokens the request can still take (step() appends one each time)."""
+        return self.max_len - self.lengths[self.keys.index(key)]
 
-    def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
-        """One decode step: `tokens` maps every running slot to its newest token (the one
-        sampled from its last logits). Returns each slot's next logits [vocab]."""
-        self._check_cache()
-        if set(tokens) != self.running:
-            raise SlotError(f"step() needs a token for exactly the running slots {sorted(self.running)}, "
-                            f"got {sorted(tokens)}")
-        full = [s for s in tokens if self.lengths[s] >= self.max_len]
+    def step(self, tokens: dict) -> dict:
+        """One decode step: `tokens` maps every running request to its newest token (the one
+        sampled from its last logits). Returns each request's next logits [vocab]."""
+        self._check_open()
+        if set(tokens) != set(self.keys):
+            raise SlotError(f"step() needs a token for exactly the running requests {self.keys}, "
+                            f"got {sorted(tokens, key=str)}")
+        full = [k for k, n in zip(self.keys, self.lengths) if n >= self.max_len]
         if full:
-            raise SlotError(f"slot {full[0]} is full ({self.max_len} positions): retire it")
-        host_tokens = [0] * self.max_slots
-        host_positions = [0] * self.max_slots
-        for s, t in tokens.items():
-            host_tokens[s] = int(t)
-            host_positions[s] = self.lengths[s]
-        self._tokens.copy_(torch.tensor(host_tokens, dtype=torch.int64))
-        self._positions.copy_(torch.tensor(host_positions, dtype=torch.int32))
+            raise SlotError(f"request {full[0]!r} is full ({self.max_len} positions): retire it")
+        n = len(self.keys)
+        step = self._steps[next(b for b in self._steps if b >= n)]
+        pad = step.rows - n
+        step.tokens.copy_(torch.tensor([int(tokens[k]) for k in self.keys] + [0] * pad, dtype=torch.int64))
+        step.positions.copy_(torch.tensor(self.lengths + [0] * pad, dtype=torch.int32))
         with torch.inference_mode():
-            logits = self.model.decode_logits(self._tokens, self._positions, self._positions + 1)
-        for s in tokens:
-            self.lengths[s] += 1
-        return {s: logits[s] for s in tokens}
+            logits = step.run()
+        self.lengths = [n + 1 for n in self.lengths]
+        return {k: logits[r] for r, k in enumerate(self.keys)}
 
-    def retire(self, slot: int) -> None:
-        """Free a slot's row (a finished or cancelled request); idempotent."""
-        self.running.discard(slot)
-        self.lengths[slot] = 0
+    def retire(self, key) -> None:
+        """Free a request's row (finished or cancelled); the last running row moves into it."""
+        if key not in self.keys:
+            return
+        row, last = self.keys.index(key), len(self.keys) - 1
+        if row != last:
+            with torch.inference_mode():
+                self.model.copy_row(last, row, self.lengths[last])
+            self.keys[row], self.lengths[row] = self.keys[last], self.lengths[last]
+        self.keys.pop()
+        self.lengths.pop()

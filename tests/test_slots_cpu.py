@@ -21,28 +21,27 @@ def _prompt(length, seed, vocab):
 
 def _run_schedule(engine, vocab, max_slots=3):
     """The SCHEDULE through slots, greedy: {request: emitted tokens}; more requests than slots,
-    so some wait for a row to free up."""
+    so some wait for a row to free up, and retiring moves the last row into the freed one."""
     slots = engine.slots(max_slots, 160)
     waiting = [(r, _prompt(n, 100 + r, vocab), want, at) for r, (n, want, at) in enumerate(SCHEDULE)]
-    out, slot_of, nxt, step = {}, {}, {}, 0
-    while waiting or slot_of:
+    out, step = {}, 0
+    running = set()
+    while waiting or running:
         for item in [w for w in waiting if w[3] <= step]:
             if not slots.free:
                 break
             r, prompt, want, _ = item
             waiting.remove(item)
-            slot, logits = slots.admit(prompt)
-            slot_of[r], out[r] = slot, [int(logits.argmax())]
-            nxt[slot] = out[r][-1]
-        for r, slot in list(slot_of.items()):
+            out[r] = [int(slots.admit(r, prompt).argmax())]
+            running.add(r)
+        for r in list(running):
             if len(out[r]) >= SCHEDULE[r][1]:
-                slots.retire(slot)
-                del slot_of[r], nxt[slot]
-        if slot_of:
-            logits = slots.step(dict(nxt))
-            for r, slot in slot_of.items():
-                out[r].append(int(logits[slot].argmax()))
-                nxt[slot] = out[r][-1]
+                slots.retire(r)
+                running.discard(r)
+        if running:
+            logits = slots.step({r: out[r][-1] for r in running})
+            for r in running:
+                out[r].append(int(logits[r].argmax()))
         step += 1
     return {r: toks[:SCHEDULE[r][1]] for r, toks in out.items()}
 
@@ -78,22 +77,25 @@ def test_qwen35_requests_get_their_own_tokens(tmp_path_factory):
 
 
 def test_slot_errors_are_named(qwen3):
-    from fq_slots import SlotError
+    from fq_slots import SlotError, buckets
 
+    assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6] and buckets(16) == [1, 2, 4, 8, 16]
     slots = qwen3.slots(1, 16)
     with pytest.raises(SlotError, match="a prompt of 16 tokens leaves no room"):
-        slots.admit(list(range(16)))
-    slot, _ = slots.admit([1, 2, 3])
+        slots.admit("a", list(range(16)))
+    slots.admit("a", [1, 2, 3])
+    with pytest.raises(SlotError, match="already running"):
+        slots.admit("a", [4])
     with pytest.raises(SlotError, match="all 1 slots are running"):
-        slots.admit([4])
-    with pytest.raises(SlotError, match=r"exactly the running slots \[0\]"):
+        slots.admit("b", [4])
+    with pytest.raises(SlotError, match=r"exactly the running requests \['a'\]"):
         slots.step({})
-    for _ in range(slots.room(slot)):
-        slots.step({slot: 5})
-    with pytest.raises(SlotError, match="slot 0 is full"):
-        slots.step({slot: 5})
-    slots.retire(slot)
+    for _ in range(slots.room("a")):
+        slots.step({"a": 5})
+    with pytest.raises(SlotError, match="request 'a' is full"):
+        slots.step({"a": 5})
+    slots.retire("a")
     assert slots.free == 1
     list(qwen3.generate([[1, 2, 3]], 2))       # generate() takes the caches back
     with pytest.raises(SlotError, match="taken back"):
-        slots.admit([1])
+        slots.admit("c", [1])

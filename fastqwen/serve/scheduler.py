@@ -48,7 +48,6 @@ class Request:
     finish_reason: str | None = None
     detok: object = None
     generator: object = None
-    slot: int | None = None
     latencies: list = field(default_factory=list)    # seconds between tokens after the first
 
     def send(self, event: Event) -> None:
@@ -66,7 +65,7 @@ class Scheduler:
         self.device = engine.device
         self.server_generator = torch.Generator().manual_seed(seed)
         self.waiting: queue.Queue = queue.Queue()
-        self.running: dict[int, Request] = {}          # slot -> request
+        self.running: dict[int, Request] = {}          # request id -> request, in a slot
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._stop = False
@@ -120,22 +119,21 @@ class Scheduler:
                 continue
             req.detok = self.codec.detokenizer(req.params.stop)
             req.generator = make_generator(req.params, self.device, self.server_generator)
-            req.slot, logits = self.slots.admit(req.prompt)
-            self.running[req.slot] = req
+            logits = self.slots.admit(req.id, req.prompt)
+            self.running[req.id] = req
             self._emit(req, int(sample(logits[None], [req.params], [req.generator])[0]))
             admitted = True
         return admitted
 
     def _step(self) -> bool:
-        for slot, req in list(self.running.items()):
+        for req in list(self.running.values()):
             if req.cancelled:
                 self._finish(req, "abort")
         if not self.running:
             return False
-        slots = sorted(self.running)
-        logits = self.slots.step({s: self.running[s].output[-1] for s in slots})
-        reqs = [self.running[s] for s in slots]
-        tokens = sample(torch.stack([logits[s] for s in slots]), [r.params for r in reqs],
+        reqs = list(self.running.values())
+        logits = self.slots.step({r.id: r.output[-1] for r in reqs})
+        tokens = sample(torch.stack([logits[r.id] for r in reqs]), [r.params for r in reqs],
                         [r.generator for r in reqs]).tolist()
         for req, tok in zip(reqs, tokens):
             self._emit(req, tok)
@@ -157,16 +155,16 @@ class Scheduler:
             text = req.detok.push(token)
             if req.detok.stopped:
                 finish = "stop"
-            elif len(req.output) >= req.params.max_tokens or self.slots.room(req.slot) <= 0:
+            elif len(req.output) >= req.params.max_tokens or self.slots.room(req.id) <= 0:
                 text, finish = text + req.detok.flush(), "length"
         req.send(Event(text=text, token_ids=[token]))
         if finish is not None:
             self._finish(req, finish)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.slot is not None and self.running.get(req.slot) is req:
-            del self.running[req.slot]
-            self.slots.retire(req.slot)
+        if self.running.get(req.id) is req:
+            del self.running[req.id]
+            self.slots.retire(req.id)
         req.finish_reason = reason
         if self.metrics is not None:
             self.metrics.finished(req)
