@@ -2,7 +2,8 @@
 steps (what a server needs; Engine.generate keeps its equal-length batches).
 
 This first form keeps the model's own caches, max_slots rows of max_len positions, with the
-running requests always in the first rows: admit() prefills a prompt into the next row;
+running requests always in the first rows: admit() prefills a prompt into the next row
+(admit_group() prompts of one length together, in one prompt pass);
 retire() moves the last running request's row (its K/V and recurrent states) into the freed
 one. step() runs one decode step of the first `bucket` rows, bucket the smallest of 1, 2, 4,
 ... max_slots that holds the running requests (a row past them runs token 0 at position 0 of
@@ -67,22 +68,33 @@ class Slots:
     def admit(self, key, prompt: list[int]) -> torch.Tensor:
         """Prefill `prompt` for request `key` into the next free row; returns the last
         position's logits [vocab]."""
+        return self.admit_group([key], [prompt])[0]
+
+    def admit_group(self, keys: list, prompts: list) -> torch.Tensor:
+        """Prefill prompts of one length together (one prompt pass, as Engine.generate's) into
+        the next free rows; returns their last positions' logits [len(keys), vocab]."""
         self._check_open()
-        if key in self.keys:
-            raise SlotError(f"request {key!r} is already running")
-        if not prompt:
+        if not keys or len(keys) != len(prompts):
+            raise SlotError(f"admit_group: {len(keys)} keys for {len(prompts)} prompts")
+        clash = [k for k in keys if k in self.keys] or [k for i, k in enumerate(keys) if k in keys[:i]]
+        if clash:
+            raise SlotError(f"request {clash[0]!r} is already running")
+        length = len(prompts[0])
+        if length == 0:
             raise SlotError("a prompt needs at least one token")
-        if len(prompt) >= self.max_len:
-            raise SlotError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
-                            f"max_len {self.max_len}")
-        if not self.free:
-            raise SlotError(f"all {self.max_slots} slots are running")
+        if any(len(p) != length for p in prompts):
+            raise SlotError(f"admit_group takes prompts of one length, got {sorted({len(p) for p in prompts})}")
+        if length >= self.max_len:
+            raise SlotError(f"a prompt of {length} tokens leaves no room to generate within max_len {self.max_len}")
+        if len(keys) > self.free:
+            raise SlotError(f"all {self.max_slots} slots are running" if not self.free else
+                            f"{len(keys)} requests for {self.free} free slots")
         row = len(self.keys)
-        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            logits = self.model.prefill_logits(ids, row=row)[0]
-        self.keys.append(key)
-        self.lengths.append(len(prompt))
+            logits = self.model.prefill_logits(ids, row=row)
+        self.keys += list(keys)
+        self.lengths += [length] * len(keys)
         return logits
 
     def room(self, key) -> int:

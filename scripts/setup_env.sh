@@ -19,7 +19,8 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformer
       httpx==0.28.1 openai==3.57.0 jinja2==3.1.6
   # lm-evaluation-harness over HTTP (its API models); datasets and the hub kept where
   # Transformers 4.51.3 works (huggingface-hub < 1)
-  .venv/bin/python -m pip install -q "lm-eval[api]==0.4.13" datasets==3.6.0 "huggingface-hub>=0.30,<1"
+  .venv/bin/python -m pip install -q "lm-eval[api]==0.4.13" datasets==3.6.0 "fsspec[http]==2025.3.0" \
+      "huggingface-hub>=0.30,<1"
   .venv/bin/python -m pip install -q --no-deps -e .
 fi
 # The Qwen3.5 reference (Transformers 5.17.0, which needs newer huggingface-hub and

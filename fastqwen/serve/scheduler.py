@@ -66,6 +66,7 @@ class Scheduler:
         self.server_generator = torch.Generator().manual_seed(seed)
         self.waiting: queue.Queue = queue.Queue()
         self.running: dict[int, Request] = {}          # request id -> request, in a slot
+        self._held: list[Request] = []                 # taken off the queue, not yet in a slot
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._stop = False
@@ -73,9 +74,13 @@ class Scheduler:
         self.thread.start()
 
     # ---- the HTTP side -----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self.waiting.qsize() + len(self._held)
+
     def submit(self, prompt: list, params: SamplingParams, loop, events) -> Request:
-        if self.waiting.qsize() >= self.max_waiting:
-            raise QueueFull(f"{self.waiting.qsize()} requests are waiting (the server takes {self.max_waiting})")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (the server takes {self.max_waiting})")
         req = Request(prompt=list(prompt), params=params, loop=loop, events=events, id=next(self._ids),
                       arrived=time.monotonic())
         self.waiting.put(req)
@@ -105,25 +110,34 @@ class Scheduler:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 busy = False
             if self.metrics is not None:
-                self.metrics.gauges(len(self.running), self.waiting.qsize(), self.kv_usage)
+                self.metrics.gauges(len(self.running), self.num_waiting, self.kv_usage)
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
     def _admit(self) -> bool:
-        admitted = False
-        while self.slots.free and not self.waiting.empty():
-            req = self.waiting.get()
-            if req.cancelled:
-                self._finish(req, "abort")
-                continue
+        """Waiting requests into free slots, in arrival order; those of the first one's prompt
+        length that fit go in together (one prompt pass)."""
+        while not self.waiting.empty():
+            self._held.append(self.waiting.get())
+        for req in [r for r in self._held if r.cancelled]:
+            self._held.remove(req)
+            self._finish(req, "abort")
+        if not self._held or not self.slots.free:
+            return False
+        n = len(self._held[0].prompt)
+        group = [r for r in self._held if len(r.prompt) == n][:self.slots.free]
+        for req in group:
             req.detok = self.codec.detokenizer(req.params.stop)
             req.generator = make_generator(req.params, self.device, self.server_generator)
-            logits = self.slots.admit(req.id, req.prompt)
+        logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group])
+        for req in group:
+            self._held.remove(req)
+        firsts = sample(logits, [r.params for r in group], [r.generator for r in group]).tolist()
+        for req, tok in zip(group, firsts):
             self.running[req.id] = req
-            self._emit(req, int(sample(logits[None], [req.params], [req.generator])[0]))
-            admitted = True
-        return admitted
+            self._emit(req, tok)
+        return True
 
     def _step(self) -> bool:
         for req in list(self.running.values()):
@@ -172,4 +186,7 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         for req in list(self.running.values()):
+            self._finish(req, "error", message)
+        for req in [r for r in self._held if r.detok is not None]:    # a group whose prompt pass failed
+            self._held.remove(req)
             self._finish(req, "error", message)
