@@ -62,6 +62,9 @@
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
+#   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
+#                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 48 requests of
+#                 1024 + 256 under a 24 GiB memory cap (carry .whl_serve)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x2048, 4x2048, 16x8192
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
@@ -95,6 +98,11 @@ exec 9>/tmp/fastqwen-ckpt.lock; flock 9
 if [ -d .whl_fla ] && [ ! -f /tmp/fla_site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
     && touch /tmp/fla_site/.done
+fi
+# the serving front's libraries (FastAPI, uvicorn, ...) likewise, for the serve-bench stage only
+if [ -d .whl_serve ] && [ ! -f /tmp/serve_site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve_site .whl_serve/*.whl \
+    && touch /tmp/serve_site/.done
 fi
 export FASTQWEN_FLA_SITE=/tmp/fla_site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -206,6 +214,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
+    serve-bench) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 560 python3 scripts/gpu_serve_bench.py \
+                   --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
     bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x2048,4x2048,16x8192 \
                        --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 | tail -45 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;

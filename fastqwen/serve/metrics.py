@@ -32,12 +32,17 @@ class Metrics:
                          buckets=ITL_BUCKETS)
         self.e2e = named(Histogram, "e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS)
         self.running = named(Gauge, "num_requests_running", "Requests in a slot")
+        self.running_peak = named(Gauge, "num_requests_running_peak", "The most requests in slots at once so far")
+        self._peak = 0
         self.waiting = named(Gauge, "num_requests_waiting", "Requests queued for a slot")
         self.kv_usage = named(Gauge, "kv_cache_usage_perc", "Cached positions of running requests over all slots' "
                               "positions (1 = full)")
 
     def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.labels(**self.labels).set(running)
+        if running > self._peak:
+            self._peak = running
+            self.running_peak.labels(**self.labels).set(running)
         self.waiting.labels(**self.labels).set(waiting)
         self.kv_usage.labels(**self.labels).set(kv_usage)
 

@@ -1,0 +1,135 @@
+"""The serving front on a GPU, what issue 13 asks to be shown, in one run: the engine's own
+batch-1 TPOT (Engine.generate, 512 + 128), then `fastqwen serve` in a subprocess and
+`bench-serve` against it: one stream (TPOT against the engine's), 16 concurrent streams of
+512 + 128 (output tok/s, to set beside the judge's (16, 512, 128)), several request rates
+(TTFT / ITL p50 / p99 against rate), and with --memory-gib the most concurrent 1,024 + 256
+requests the server runs at once under that memory cap. One JSON report.
+
+    python scripts/gpu_serve_bench.py --model DIR [--out FILE] [--memory-gib 24]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "engine"))
+
+
+def engine_tpot(model: str) -> dict:
+    import torch
+
+    from engine import Engine
+
+    eng = Engine(model)
+    ids = torch.randint(0, min(32000, eng.cfg.vocab_size), (1, 512), generator=torch.Generator().manual_seed(0)).tolist()
+    list(eng.generate(ids, 128))                       # warmup: tune, graphs
+    times = []
+    for _ in range(3):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        stamps = []
+        for _ in eng.generate(ids, 128):
+            stamps.append(time.perf_counter())
+        times.append(((stamps[-1] - stamps[0]) / 127, stamps[0] - start))
+    del eng
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    tpot, ttft = sorted(times)[1]
+    return {"tpot_s": tpot, "ttft_s": ttft}
+
+
+def start_server(model: str, port: int, extra: list) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fastqwen.cli", "serve", "--model", model, "--port", str(port)] + extra
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import httpx
+
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    raise RuntimeError("server did not come up in 300 s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    from fastqwen.serve.bench import run_benchmark
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve_bench.json"))
+    ap.add_argument("--memory-gib", type=float, default=None)
+    ap.add_argument("--quick", action="store_true", help="a few small requests (a CPU smoke run)")
+    args = ap.parse_args()
+    report = {"model": args.model}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    def slim(r):
+        r = dict(r)
+        r.pop("samples", None)
+        return r
+
+    report["engine_batch1"] = engine_tpot(args.model)
+    print("engine batch 1", report["engine_batch1"], flush=True)
+    save()
+    port = free_port()
+    proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1),
+                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16)}
+        for rate in (1.0, 4.0, 16.0):
+            runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate)
+        if args.quick:
+            runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
+        for name, kw in runs.items():
+            report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
+            r = report[name]
+            print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
+                  f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}", flush=True)
+            save()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    if args.memory_gib:
+        import torch
+
+        fraction = args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+        port = free_port()
+        proc = start_server(args.model, port, ["--max-batch", "48", "--max-model-len", "1280",
+                                                "--gpu-memory-fraction", f"{fraction:.4f}"])
+        try:
+            r = slim(asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", requests=48, prompt_len=1024,
+                                               output_len=256, concurrency=48, progress=False)))
+            metrics = __import__("httpx").get(f"http://127.0.0.1:{port}/metrics").text
+            report["memory_cap"] = {"gib": args.memory_gib, "fraction": fraction, "max_batch": 48, "run": r,
+                                    "metrics_tail": metrics[-3000:]}
+            print("memory cap", args.memory_gib, "GiB:", r["completed"], "of 48 completed", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        save()
+
+
+if __name__ == "__main__":
+    main()
