@@ -192,3 +192,71 @@ def test_lm_eval_runs_a_local_task_against_the_server(server, tmp_path, tiny_mod
     assert 0.0 <= task["exact_match,none"] <= 1.0
     samples = results["samples"]["fastqwen_local"]
     assert len(samples) == 6 and all(isinstance(s["resps"][0][0], str) for s in samples)
+
+
+def _metric(url, name, **labels):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    url = server[1]
+    aborted = _metric(url, "fastqwen:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "go", "max_tokens": 400, "stream": True,
+                                                              "ignore_eos": True}) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    for _ in range(100):                                  # the scheduler notices within a step or two
+        if _metric(url, "fastqwen:request_success_total", finished_reason="abort") > aborted:
+            break
+        time.sleep(0.05)
+    assert _metric(url, "fastqwen:request_success_total", finished_reason="abort") == aborted + 1
+    assert _metric(url, "fastqwen:num_requests_running") == 0
+    assert httpx.post(url + "/v1/completions", json={"prompt": "again", "max_tokens": 2}).status_code == 200
+
+
+def test_stop_strings_and_usage_in_the_stream(server, client):
+    codec = server[0].codec
+    free = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    if len(text) < 4:
+        pytest.skip("the tiny model's continuation is too short to cut")
+    stop = text[2:4]
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+    chunks = list(client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(codec.encode("abc"))
+
+
+def test_a_full_queue_is_a_429(tiny_model):
+    """One slot, one waiting place: the third concurrent request is refused with 429."""
+    import asyncio
+
+    from fastqwen.serve.app import Server, create_app
+
+    srv = Server(str(tiny_model), max_batch=1, max_model_len=512, served_model_name="tiny", max_waiting=1)
+    try:
+        async def scenario():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
+                body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True}     # ~1 s a request here
+                first = asyncio.create_task(ac.post("/v1/completions", json=body))
+                await asyncio.sleep(0.2)                          # running in the slot
+                second = asyncio.create_task(ac.post("/v1/completions", json=body))
+                await asyncio.sleep(0.2)                          # waiting
+                third = await ac.post("/v1/completions", json=body)
+                return third, await first, await second
+
+        third, first, second = asyncio.run(scenario())
+        assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+        assert first.status_code == 200 and second.status_code == 200
+    finally:
+        srv.close()
