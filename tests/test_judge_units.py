@@ -502,8 +502,11 @@ def test_prompts_from_a_model_tokenizer_are_corpus_windows(tmp_path):
     for prompt in source.draw(3, 40):
         starts = [i for i in range(len(source.stream)) if doubled[i:i + 40] == prompt]
         assert starts, prompt
-    # Without a tokenizer the synthetic stream is used.
+    # Without a tokenizer the synthetic stream is used, and for a checkpoint synth made, whose
+    # tokenizer is as synthetic as its weights.
     assert PromptSource.for_model(tmp_path / "nothing", 600, 0).kind.startswith("synthetic")
+    (tmp_path / "fastqwen_synth.json").write_text("{}")
+    assert PromptSource.for_model(tmp_path, 600, 0).kind.startswith("synthetic")
 
 
 # ------------------------------------------------------------------------------------------------

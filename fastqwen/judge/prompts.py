@@ -1,8 +1,10 @@
 """Prompt token ids of text-like content, drawn fresh for every generation of a run.
 
 With a tokenizer in the model folder, prompts are windows of the bundled public-domain corpus
-at random offsets (wrapping round its end). Without one (synthetic checkpoints), a seeded
-text-like id stream stands in: Zipf-distributed "words" of one to four ids and recurring
+at random offsets (wrapping round its end). Without one, or for a checkpoint `fastqwen synth`
+made (its `fastqwen_synth.json`: its tokenizer's vocabulary is trained on generated words, not
+the one its weights were trained with, since they were not), a seeded text-like id stream
+stands in, as for every synthetic checkpoint before synth wrote tokenizers: Zipf-distributed "words" of one to four ids and recurring
 phrases, so attention sees the repetition structure of language rather than uniform noise.
 No prompt is ever handed out twice in a run: an engine cannot profit from caching one.
 """
@@ -77,7 +79,7 @@ class PromptSource:
     @classmethod
     def for_model(cls, model_dir: Path, vocab_size: int, seed: int) -> "PromptSource":
         tokenizer_path = Path(model_dir) / "tokenizer.json"
-        if tokenizer_path.is_file():
+        if tokenizer_path.is_file() and not (Path(model_dir) / "fastqwen_synth.json").is_file():
             stream = corpus_stream(tokenizer_path, vocab_size)
             if len(stream) >= 2:
                 return cls(stream, seed, kind=f"corpus windows ({len(stream)} tokens, {tokenizer_path.name})")
