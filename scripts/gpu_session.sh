@@ -49,7 +49,8 @@
 #   judge-fid1-a/-b, judge-fid2-a/-b  the judge, official, results/workloads/fidelity_{1,2}.json on /tmp/q4b (a)
 #                 or /tmp/q4b_hf (b); with FID_BASELINE=1, base/engine (an earlier commit's engine) as --baseline
 #   judge-public-ab, judge-window-official, judge-massive  the same for the public set, the windowed
-#                 checkpoint and /tmp/q4b_massive (ckpt-massive); judge-massive-nb without the baseline
+#                 checkpoint and /tmp/q4b_massive (ckpt-massive); judge-massive-nb, judge-window-nb without the
+#                 baseline (judge-window-nb needs ckpt-window first)
 #   opswap-b3     /tmp/q4b_hf, batch 4-64: the engine, with the tl.sum norm kernel, with torch's norms
 #                 and with one-split attention
 #   opswap-b4     /tmp/q4b_hf, the fidelity set's (16, 1024, 192), (16, 512, 128) and (4, 2048, 160): the engine,
@@ -280,6 +281,7 @@ for l in sys.stdin:
     judge-window-official) judge window --model /tmp/q4b_w4096 --workloads results/workloads/window.json --baseline base/engine ;;
     judge-massive) judge massive --model /tmp/q4b_massive --workloads results/workloads/massive.json --baseline base/engine ;;
     judge-massive-nb) judge massive --model /tmp/q4b_massive --workloads results/workloads/massive.json ;;
+    judge-window-nb) judge window --model /tmp/q4b_w4096 --workloads results/workloads/window.json ;;
     judge-window) timeout 300 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_window.json" \
                     --chart "$OUT/judge_window.png" --model /tmp/q4b_w4096 --workloads results/workloads/window.json 2>&1 | tail -14 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -52,9 +52,10 @@ def _alone(srv, prompt_ids, n):
     """The engine's own greedy tokens for this prompt alone (a second engine: the server's is busy)."""
     import engine as engine_module
 
-    if not hasattr(_alone, "engine"):
-        _alone.engine = engine_module.Engine(srv.model_dir)
-    return [s[0] for s in _alone.engine.generate([prompt_ids], n)]
+    engines = _alone.__dict__.setdefault("engines", {})
+    if srv.model_dir not in engines:
+        engines[srv.model_dir] = engine_module.Engine(srv.model_dir)
+    return [s[0] for s in engines[srv.model_dir].generate([prompt_ids], n)]
 
 
 def _until_eos(srv, tokens):
@@ -258,5 +259,32 @@ def test_a_full_queue_is_a_429(tiny_model):
         third, first, second = asyncio.run(scenario())
         assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
         assert first.status_code == 200 and second.status_code == 200
+    finally:
+        srv.close()
+
+
+def test_a_qwen35_checkpoint_is_served(tmp_path):
+    """The server sits on the engine's model interface: a Qwen3.5 checkpoint (the tiny hybrid,
+    torch backend on the CPU) answers completions and chat, its greedy tokens the engine's own."""
+    from fastqwen import synth35
+    from fastqwen.serve.app import Server, create_app
+
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path / "q35", seed=3, progress=False)
+    srv = Server(str(path), max_batch=2, max_model_len=256, served_model_name="q35")
+    try:
+        import asyncio
+
+        async def calls():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
+                done = await asyncio.gather(
+                    ac.post("/v1/completions", json={"prompt": list(range(3, 73)), "max_tokens": 6, "temperature": 0}),
+                    ac.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 4, "temperature": 0}))
+                return [r.json() for r in done]
+
+        completion, chat = asyncio.run(calls())
+        assert completion["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, list(range(3, 73)), 6))
+        assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
     finally:
         srv.close()
