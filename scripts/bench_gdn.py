@@ -134,6 +134,11 @@ SWEEP = {
     "state_bv64_s1": dict(block_v=64, state_stages=1),
     "state_bv32_s2": dict(block_v=32),
     "state_w8_bv64": dict(state_warps=8, block_v=64),
+    "halves_bv64": dict(state_halves=True),
+    "halves_bv32_s1": dict(state_halves=True, block_v=32, state_stages=1),
+    "halves_bv32_s2": dict(state_halves=True, block_v=32),
+    "halves_bv16_s1": dict(state_halves=True, block_v=16, state_stages=1),
+    "halves_bv16_s1_out_tf32": dict(state_halves=True, block_v=16, state_stages=1, out_prec="tf32"),
     "solve_w8": dict(solve_warps=8),
     "solve_w2": dict(solve_warps=2),
 }

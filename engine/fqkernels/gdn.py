@@ -521,6 +521,56 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
 
 
 @triton.jit
+def _chunk_state_halves_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
+                               stride_kb, stride_kt, stride_kh, stride_sb,
+                               HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                               DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """_chunk_state_kernel with the state's Dk rows kept as two halves and every product taken
+    over one half of Dk at a time: each operand tile is half the size, so fewer registers are
+    live at once (the whole-Dk kernel spills about 1.2 KB a thread under ptxas for sm_90).
+    Sums over Dk run as two half sums, added: fp32 rounding apart, the same function. The grid
+    is (value blocks, sequence x value head): a head's blocks launch side by side, so the k and
+    w tiles they all read come from L2 after the first."""
+    v0 = tl.program_id(0) * BV
+    pid = tl.program_id(1)
+    b = pid // HV
+    hv = pid % HV
+    DH: tl.constexpr = DK // 2
+    r = tl.arange(0, C)
+    d0 = tl.arange(0, DH)
+    d1 = DH + tl.arange(0, DH)
+    dv = v0 + tl.arange(0, BV)
+    s0 = tl.zeros([DH, BV], dtype=tl.float32)
+    s1 = tl.zeros([DH, BV], dtype=tl.float32)
+    for c in range(NC):
+        t = c * C + r
+        rows = k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh
+        k0 = tl.load(rows + d0[None, :], mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        k1 = tl.load(rows + d1[None, :], mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        chunk = pid * NC + c
+        base = chunk.to(tl.int64) * C
+        gamma = tl.load(gamma_ptr + base + r)
+        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
+        # l2 norm of the whole row, then the decay to the chunk's end: one factor per row
+        scale = tl.rsqrt(tl.sum(k0 * k0, axis=1) + tl.sum(k1 * k1, axis=1) + 1e-6) * tl.exp(last - gamma)
+        hrow = chunk.to(tl.int64) * DK
+        tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start
+        tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)
+        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
+        ws = _dot3(w0, s0, PREC)
+        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
+        ws += _dot3(w1, s1, PREC)
+        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
+        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
+        carry = tl.exp(last)
+        s0 = s0 * carry + _dot3(tl.trans(k0 * scale[:, None]), v_new, PREC)
+        s1 = s1 * carry + _dot3(tl.trans(k1 * scale[:, None]), v_new, PREC)
+    out = state_ptr + b * stride_sb + hv * DK * DV
+    tl.store(out + d0[:, None] * DV + dv[None, :], s0)
+    tl.store(out + d1[:, None] * DV + dv[None, :], s1)
+
+
+@triton.jit
 def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scale,
                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
                       HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
@@ -561,7 +611,8 @@ class PrefillPlan:
     default_block_v) and pipeline stages, the output kernel's value columns a program, and
     the output kernel's products ("tf32x3", or "tf32": one pass; the output kernel feeds no
     state, so its precision moves only the bf16 outputs: session 9's emulation put them at
-    2.2-2.9e-3 of the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3)."""
+    2.2-2.9e-3 of the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3), and
+    the state kernel taking its products over Dk in halves (_chunk_state_halves_kernel)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -569,6 +620,7 @@ class PrefillPlan:
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "tf32x3"
+    state_halves: bool = False
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "out_warps", "out_bv"):
@@ -612,6 +664,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if block_v is None:
         block_v = default_block_v(min(rows, B), Hv, Dv)
     block_v = min(block_v, Dv)
+    if plan.state_halves and Dk < 32:
+        raise ValueError(f"gdn.chunked_prefill: state_halves needs Dk >= 32 (halves of 16 or more), got {Dk}")
     if Dk & (Dk - 1) or Dk < 16 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
         raise ValueError(f"gdn.chunked_prefill: Dk ({Dk}) must be a power of two >= 16, block_v ({block_v}) a "
                          f"power of two >= 16 dividing Dv ({Dv}), T ({T}) >= 1")
@@ -637,7 +691,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=plan.solve_warps)
         # Two pipeline stages (148 KB of shared memory at 64 columns under Triton 3.6; three: 214 KB).
-        _chunk_state_kernel[(bs * Hv, Dv // block_v)](
+        state_kernel, grid = _chunk_state_kernel, (bs * Hv, Dv // block_v)
+        if plan.state_halves:
+            state_kernel, grid = _chunk_state_halves_kernel, (Dv // block_v, bs * Hv)
+        state_kernel[grid](
             ks, u, w, gamma, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
             num_stages=plan.state_stages)

@@ -185,8 +185,10 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
 
 
 @pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
-                                  gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=32, state_stages=1)],
-                         ids=["out-tf32", "out128-w8", "w8-bv32"])
+                                  gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=32, state_stages=1),
+                                  gdn.PrefillPlan(state_halves=True), gdn.PrefillPlan(state_halves=True, block_v=16,
+                                                                                      state_stages=1)],
+                         ids=["out-tf32", "out128-w8", "w8-bv32", "halves", "halves-bv16"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
@@ -196,8 +198,11 @@ def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     o, s = gdn.chunked_prefill(*args, plan=plan)
     o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE, (rel(o.cpu(), o64), rel(s.cpu(), s64))
-    if (plan.solve_warps, plan.state_warps, plan.block_v, plan.state_stages) == (4, 4, None, 2):
+    if (plan.solve_warps, plan.state_warps, plan.block_v, plan.state_stages, plan.state_halves) == \
+            (4, 4, None, 2, False):
         assert torch.equal(s, gdn.chunked_prefill(*args)[1])
+    elif plan.state_halves:          # the same state to fp32 rounding (sums over Dk in two halves)
+        assert rel(s.cpu(), gdn.chunked_prefill(*args)[1].cpu()) <= 1e-5
 
 
 def test_a_bad_prefill_plan_is_named():
