@@ -98,6 +98,11 @@ _MAX_SPLITS = 64
 # results/PERF_LOG.md, session 7). Ours with one split, newest first, comes within a few
 # elements in 10^4 of it (sessions 3 and 7): there we run one split, whatever it costs.
 _UNSPLIT_ROWS = 212
+# Measured at head_dim 128 only (Qwen3). Past it (Qwen3.5's 256) one split neither gives
+# flash's bits (the FA2 path is for 128) nor was it measured closer to them, and it starves
+# the GPU: 64 programs at batch 16 took 20 us a layer (session 9's profile). There the
+# split count follows speed (default_num_splits).
+_UNSPLIT_MAX_HEAD_DIM = 128
 
 # Offsets inside one (b, kvh) slice are int32 in the kernel; the per-(b, kvh) base is int64.
 _INT32_LIMIT = 2**31
@@ -151,7 +156,7 @@ def decode_attention_plan(
     elif isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n!r}")
     if num_splits is None:
-        if batch * heads >= _UNSPLIT_ROWS:
+        if batch * heads >= _UNSPLIT_ROWS and head_dim <= _UNSPLIT_MAX_HEAD_DIM:
             num_splits = 1
         else:
             num_splits = default_num_splits(batch, kv_heads, capacity, head_dim)

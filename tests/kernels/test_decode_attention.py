@@ -566,6 +566,13 @@ def test_unsplit_where_the_reference_decode_is(batch, heads, split):
     assert (plan.num_splits > 1) == split
 
 
+def test_wide_heads_split_for_speed():
+    """Past head_dim 128 (Qwen3.5's 256: 16 query and 4 KV heads) the split count follows the
+    programs, not flash's rule: batch 16 over 640 keys runs 4 splits (256 programs), not 1."""
+    assert decode_attention_plan(16, 16, 4, 640, 256).num_splits > 1
+    assert decode_attention_plan(16, 32, 8, 640, 128).num_splits == 1
+
+
 @needs_interpreter
 def test_explicit_plan_is_checked(interpreter_fixes):
     import dataclasses
