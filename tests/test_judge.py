@@ -54,7 +54,7 @@ def test_native_passes_every_gate_against_itself(native_engine_dir, tiny_model, 
     for attempt in range(2):
         out = tmp_path / f"attempt{attempt}" / "report.json"
         rc = main(["judge", "--engine", str(native_engine_dir), "--model", str(tiny_model), "--workloads",
-                   str(wl_file), "--official", "--samples", "3", "--device", "cpu", "--memory-limit-gib", "1.0",
+                   str(wl_file), "--official", "--samples", "3", "--device", "cpu", "--memory-limit-gib", "2.0",
                    "--seed", "7", "--out", str(out), "--load-timeout", "120", "--sample-timeout", "60"])
         report = json.loads(out.read_text())
         found = codes(report)
@@ -65,7 +65,10 @@ def test_native_passes_every_gate_against_itself(native_engine_dir, tiny_model, 
     r = report["results"][0]
     # Every gate was actually evaluated: native ran, 3 samples each, memory measured under a limit.
     assert r["engine"]["summary"]["samples"] == 3 and r["native"]["summary"]["samples"] == 3
-    assert r["engine"]["memory_limit_bytes"] == 2**30 and 0 < r["engine"]["memory_gated_bytes"] < 2**30
+    # The native engine's CPU peak (a tiny model, Transformers and what it imports) measured
+    # 0.67-1.11 GiB across runs here (more with the optional packages Transformers finds
+    # installed), so the limit sits at 2 GiB: under it, and measured.
+    assert r["engine"]["memory_limit_bytes"] == 2 * 2**30 and 0 < r["engine"]["memory_gated_bytes"] < 2 * 2**30
     assert r["ratios"]["ttft"] > 0 and r["ratios"]["tpot"] > 0
     replay = r["replay"]["sides"]
     assert replay["engine"]["positions"] == 3 * 2 * 8 and replay["engine"]["violation_count"] == 0
