@@ -75,3 +75,15 @@ def test_draws_follow_the_softmax():
     # a low temperature sharpens: the top token's share grows
     cold = sample(logits, [SamplingParams(temperature=0.25)] * 4000, _gens(4000, 5000))
     assert (cold == 0).float().mean() > 0.9
+
+
+def test_rows_of_one_call_keep_their_own_parameters():
+    """Greedy, top-k 1, a tiny top-p and plain sampling side by side in one call: the first
+    three are the argmax whatever the generator, the last one varies with its seed."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=1),
+              SamplingParams(temperature=1.5, top_p=1e-6), SamplingParams(temperature=2.0)]
+    draws = {tuple(sample(logits, params, _gens(4, seed)).tolist()) for seed in range(20)}
+    argmax = logits.argmax(-1).tolist()
+    assert all(d[:3] == tuple(argmax[:3]) for d in draws)
+    assert len({d[3] for d in draws}) > 5

@@ -100,24 +100,30 @@ def make_generator(params: SamplingParams, device: torch.device, server: torch.G
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
     """One token id per row of logits [rows, vocab] (any float dtype) under that row's
     parameters and generator (unused for greedy rows). Returns int64 [rows] on the logits'
-    device."""
-    rows = logits.shape[0]
+    device. The sampled rows go through each step together (one sort for top-k and top-p,
+    one softmax), and each draws from its own generator: the row's probabilities divided by
+    exponential noise, the largest taken (the exponential race: exactly a draw from them)."""
+    rows, vocab = logits.shape
     if len(params) != rows or len(generators) != rows:
         raise ValueError(f"sample: {rows} logits rows, {len(params)} parameter sets, {len(generators)} generators")
     out = logits.argmax(dim=-1)
-    for r, p in enumerate(params):
-        if p.greedy:
-            continue
-        x = logits[r].float() / p.temperature
-        if 0 < p.top_k < x.shape[0]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs          # mass of the tokens ranked above
-            drop = before >= p.top_p                               # the first token never drops
-            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(x, dim=-1)
-        out[r] = torch.multinomial(probs, 1, generator=generators[r])[0]
+    picked = [r for r, p in enumerate(params) if not p.greedy]
+    if not picked:
+        return out
+    dev = logits.device
+    ps = [params[r] for r in picked]
+    x = logits[picked].float() / torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+    top_p = [p.top_p for p in ps]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        kth = sorted_x.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+        drop = sorted_x < kth                         # top-k by value: ties at the k-th value stay
+        probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        drop |= before >= torch.tensor(top_p, device=dev)[:, None]   # the first token never drops
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.stack([torch.empty(vocab, device=dev).exponential_(generator=generators[r]) for r in picked])
+    out[picked] = (probs / noise).argmax(dim=-1)
     return out
