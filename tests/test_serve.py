@@ -288,3 +288,42 @@ def test_a_qwen35_checkpoint_is_served(tmp_path):
         assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
     finally:
         srv.close()
+
+
+def test_the_serve_command_answers_like_the_readme_shows(tiny_model):
+    """`fastqwen serve` as a user starts it (a process of its own), asked as the README asks it."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "fastqwen.cli", "serve", "--model", str(tiny_model), "--port",
+                             str(port), "--max-batch", "2", "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) >= 1
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"on http://127.0.0.1:{port}" in out
+
+
+def test_serve_command_errors_name_the_bad_value(tmp_path, tiny_model, capsys):
+    from fastqwen.cli import main
+
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_model), "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_model), "--gpu-memory-fraction", "1.5"]) == 2
+    assert "--gpu-memory-fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
