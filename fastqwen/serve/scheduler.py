@@ -51,7 +51,10 @@ class Request:
     latencies: list = field(default_factory=list)    # seconds between tokens after the first
 
     def send(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:      # the server's loop is closed (shutting down): nobody is listening
+            self.cancelled = True
 
 
 class Scheduler:
