@@ -452,11 +452,8 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     ok = t < T
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    k = tl.load(k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    k = _l2_rows(k)
-    v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
+    k_rows = k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :]
+    k = _l2_rows(tl.load(k_rows, mask=ok[:, None], other=0.0).to(tl.float32))
     beta = tl.load(beta_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0)
     gamma = tl.cumsum(g, axis=0)                                  # log decay from the chunk's start
@@ -481,11 +478,17 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     nt = _dot3(tl.where(same, 0.0, at), x, PREC)
     m_inv_t = _dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC)
     m_inv = tl.trans(m_inv_t)
-    u = _dot3(m_inv, v * beta[:, None], PREC)
-    w = _dot3(m_inv, kb * tl.exp(gamma)[:, None], PREC)
+    # k read again (from L2) and v read only now, each product stored at once: neither the keys
+    # nor the values stay live through the substitution (ptxas for sm_90: spills 192 -> 44 bytes
+    # a thread); the values are the ones above, bit for bit.
     base = (pid * NC + c).to(tl.int64) * C
-    tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
+    k = _l2_rows(tl.load(k_rows, mask=ok[:, None], other=0.0).to(tl.float32))
+    w = _dot3(m_inv, (k * beta[:, None]) * tl.exp(gamma)[:, None], PREC)     # kb e^gamma, as before
     tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
+    v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    u = _dot3(m_inv, v * beta[:, None], PREC)
+    tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
     tl.store(gamma_ptr + base + r, gamma)
 
 
