@@ -327,3 +327,17 @@ def test_serve_command_errors_name_the_bad_value(tmp_path, tiny_model, capsys):
     assert "--max-batch must be >= 1, got 0" in capsys.readouterr().err
     assert main(["serve", "--model", str(tiny_model), "--gpu-memory-fraction", "1.5"]) == 2
     assert "--gpu-memory-fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_slots_are_sized_by_the_memory_left():
+    from fastqwen.serve.app import DEFAULT_MAX_BATCH, size_batch
+
+    gib = 2**30
+    assert size_batch(None, gib, None, 4096) == 16 and size_batch(5, gib, None, 4096) == 5     # the CPU
+    assert size_batch(None, gib // 4, 10 * gib, 1280) == 40                   # as many as fit
+    assert size_batch(None, 1, 10 * gib, 1280) == DEFAULT_MAX_BATCH
+    assert size_batch(48, gib // 8, 10 * gib, 1280) == 48
+    with pytest.raises(ValueError, match=r"--max-batch 48 x --max-model-len 1280 needs 12.0 GiB .*room for 40"):
+        size_batch(48, gib // 4, 10 * gib, 1280)
+    with pytest.raises(ValueError, match="no room for one slot"):
+        size_batch(None, gib, gib // 2, 1280)

@@ -26,6 +26,31 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+# Memory a running server keeps beside the weights and the KV rows (the step graphs' buffers,
+# a prompt pass's activations, cuBLAS workspaces), when it sizes its slots on a GPU.
+HEADROOM_BYTES = 3 * 2**30
+DEFAULT_MAX_BATCH = 64
+
+
+def size_batch(requested: int | None, row_bytes: int, budget_bytes: int | None, max_model_len: int) -> int:
+    """Slots to open: `requested`, checked against the KV budget (bytes left for cache rows of
+    `row_bytes` each; None on the CPU: no limit), or with None the most that fit, at most
+    DEFAULT_MAX_BATCH (16 on the CPU). A request that cannot fit is an error naming both sizes."""
+    if budget_bytes is None:
+        return requested or 16
+    fits = max(0, budget_bytes // row_bytes)
+    if requested is None:
+        if fits < 1:
+            raise ValueError(f"no room for one slot of {max_model_len} tokens ({row_bytes / 2**30:.2f} GiB of KV "
+                             f"cache): {max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
+        return min(DEFAULT_MAX_BATCH, fits)
+    if requested > fits:
+        raise ValueError(f"--max-batch {requested} x --max-model-len {max_model_len} needs "
+                         f"{requested * row_bytes / 2**30:.1f} GiB of KV cache; {max(budget_bytes, 0) / 2**30:.1f} GiB "
+                         f"is left beside the weights (room for {fits})")
+    return requested
+
+
 def _engine_module():
     """The engine folder's Engine (the repository's engine/, the folder a user submits)."""
     folder = pathlib.Path(__file__).resolve().parents[2] / "engine"
@@ -43,8 +68,9 @@ def _engine_module():
 class Server:
     """The engine, its text codec, the scheduler and the metrics behind one FastAPI app."""
 
-    def __init__(self, model_dir: str, max_batch: int = 16, max_model_len: int | None = None,
-                 served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0):
+    def __init__(self, model_dir: str, max_batch: int | None = 16, max_model_len: int | None = None,
+                 served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0,
+                 memory_fraction: float | None = None):
         from fastqwen.serve.metrics import Metrics
         from fastqwen.serve.scheduler import Scheduler
         from fastqwen.serve.text import TextCodec
@@ -55,6 +81,16 @@ class Server:
         self.engine = _engine_module().Engine(self.model_dir)
         limit = int(self.engine.cfg.max_position_embeddings)
         self.max_model_len = min(limit, max_model_len or 4096)
+        budget = None
+        if self.engine.device.type == "cuda":
+            import torch
+
+            total = torch.cuda.get_device_properties(self.engine.device).total_memory
+            cap = total * (memory_fraction or 1.0)
+            budget = int(cap - torch.cuda.memory_reserved(self.engine.device) - HEADROOM_BYTES)
+        max_batch = size_batch(max_batch, self.engine.model.cache_bytes(1, self.max_model_len), budget,
+                               self.max_model_len)
+        self.max_batch = max_batch
         self.metrics = Metrics(self.name)
         self.scheduler = Scheduler(self.engine, self.codec, max_batch, self.max_model_len, max_waiting, seed,
                                    self.metrics)
@@ -262,7 +298,7 @@ def create_app(server: Server):
     return app
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16,
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
           max_model_len: int | None = None, gpu_memory_fraction: float | None = None,
           served_model_name: str | None = None, max_waiting: int = 256) -> None:
     """Run the server until interrupted (`fastqwen serve`)."""
@@ -275,8 +311,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         if torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction)
     print(f"fastqwen serve: loading {model_dir}", file=sys.stderr, flush=True)
-    server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting)
-    print(f"fastqwen serve: {server.name} on http://{host}:{port} ({max_batch} slots of {server.max_model_len} "
+    server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting,
+                    memory_fraction=gpu_memory_fraction)
+    print(f"fastqwen serve: {server.name} on http://{host}:{port} ({server.max_batch} slots of {server.max_model_len} "
           f"tokens; pid {os.getpid()})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

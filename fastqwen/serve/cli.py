@@ -12,7 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the judge's tiny synthetic checkpoint, created once in a cache)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--max-batch", type=int, default=16, help="requests running at once (slots; default 16)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="requests running at once (slots; default: as many as the memory left beside the "
+                        "weights holds, at most 64, under --gpu-memory-fraction; 16 on the CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens a request may hold, prompt and output (default: 4096, or the model's limit)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{str(folder)!r} has no tokenizer.json (fastqwen synth writes one)")
     for name, value, lo in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
                             ("--max-waiting", args.max_waiting, 1)):
-        if value < lo:
+        if value is not None and value < lo:
             raise UserError(f"{name} must be >= {lo}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {args.max_model_len}")
@@ -52,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     from fastqwen.serve.app import serve
 
-    serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
-          args.served_model_name, args.max_waiting)
+    try:
+        serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
+              args.served_model_name, args.max_waiting)
+    except ValueError as exc:       # a size that cannot fit (the slots' KV rows, the engine's limits)
+        raise UserError(str(exc)) from None
     return 0
