@@ -116,15 +116,16 @@ def main() -> None:
 
         fraction = args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
         port = free_port()
-        proc = start_server(args.model, port, ["--max-batch", "48", "--max-model-len", "1280",
-                                                "--gpu-memory-fraction", f"{fraction:.4f}"])
+        # no --max-batch: the server opens as many slots as the capped memory holds (at most 64)
+        proc = start_server(args.model, port, ["--max-model-len", "1280", "--gpu-memory-fraction", f"{fraction:.4f}"])
         try:
-            r = slim(asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", requests=48, prompt_len=1024,
-                                               output_len=256, concurrency=48, progress=False)))
+            r = slim(asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", requests=64, prompt_len=1024,
+                                               output_len=256, concurrency=64, progress=False)))
             metrics = __import__("httpx").get(f"http://127.0.0.1:{port}/metrics").text
-            report["memory_cap"] = {"gib": args.memory_gib, "fraction": fraction, "max_batch": 48, "run": r,
+            peak = [line for line in metrics.splitlines() if line.startswith("fastqwen:num_requests_running_peak")]
+            report["memory_cap"] = {"gib": args.memory_gib, "fraction": fraction, "run": r, "running_peak": peak,
                                     "metrics_tail": metrics[-3000:]}
-            print("memory cap", args.memory_gib, "GiB:", r["completed"], "of 48 completed", flush=True)
+            print("memory cap", args.memory_gib, "GiB:", r["completed"], "of 64 completed; peak", peak, flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
