@@ -64,8 +64,8 @@
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
-#                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 48 requests of
-#                 1024 + 256 under a 24 GiB memory cap (carry .whl_serve)
+#                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
+#                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x2048, 4x2048, 16x8192
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
