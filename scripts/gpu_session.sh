@@ -66,7 +66,7 @@
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
 #                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
-#   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x2048, 4x2048, 16x8192
+#   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x512, 1x2048, 4x2048, 16x8192
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
@@ -217,7 +217,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
     serve-bench) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 560 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
-    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x2048,4x2048,16x8192 \
+    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x512,1x2048,4x2048,16x8192 \
                        --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 | tail -45 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
