@@ -15,6 +15,7 @@ Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
 FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
 launch between the decode kernels; read when fqkernels is first imported),
 FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
+FASTQWEN_GDN_PLAN=name=value,... (the GDN prompt pass's launch plan, fqkernels/gdn.py PrefillPlan),
 FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen3 decode
 step is the full forward's, bit for bit, its products and attention in that order;
 fqkernels/gemv.py EXACT).

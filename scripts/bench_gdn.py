@@ -178,6 +178,25 @@ def sweep_rows(shapes: list[str], dev: torch.device) -> list[dict]:
     return rows
 
 
+def best_plan(rows: list[dict], state_gate: float = 2e-5, out_gate: float = 5e-3) -> str:
+    """The SWEEP plan with the least total time over the swept shapes, among those that ran at
+    every shape and, where the reference was computed, kept the state within state_gate and the
+    outputs within out_gate of it; as FASTQWEN_GDN_PLAN text ("" for the defaults)."""
+    shapes = {(r["B"], r["T"]) for r in rows}
+    totals = {}
+    for name in SWEEP:
+        mine = [r for r in rows if r["sweep"] == name]
+        if len(mine) != len(shapes) or any("error" in r for r in mine):
+            continue
+        if any(r.get("state_rel_to_reference", 0.0) > state_gate or r.get("out_rel_to_reference", 0.0) > out_gate
+               for r in mine):
+            continue
+        totals[name] = sum(r["ms"] for r in mine)
+    if not totals:
+        return ""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in SWEEP[min(totals, key=totals.get)].items())
+
+
 def _inputs(B: int, T: int, dev: torch.device):
     """q, k, v, g, beta of one prompt pass at the 4B's head shapes (seeded by B x T)."""
     gen = torch.Generator(device=dev).manual_seed(B * T)
@@ -198,7 +217,12 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="shapes at which to time every SWEEP launch plan instead "
                     "(e.g. 4x2048,16x8192); the comparison with fla and the decode rows are skipped")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
+    ap.add_argument("--best", default="", help="print the best plan of a --sweep report (FASTQWEN_GDN_PLAN text)")
     args = ap.parse_args()
+    if args.best:
+        with open(args.best) as f:
+            print(best_plan(json.load(f)["sweep"]))
+        return
     dev = torch.device("cuda")
     if args.sweep:
         with open(args.out, "w") as f:

@@ -66,6 +66,8 @@
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
 #                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
+#   use-best-gdn-plan  FASTQWEN_GDN_PLAN for the later stages: the fastest plan bench-gdn-sweep found (within the
+#                 state and output gates against the reference)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x512, 1x2048, 4x2048, 16x8192
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
@@ -219,6 +221,9 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                    --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
     bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x512,1x2048,4x2048,16x8192 \
                        --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 | tail -45 ;;
+    use-best-gdn-plan) # the fastest plan of this call's bench-gdn-sweep within the gates, for every later stage
+                 export FASTQWEN_GDN_PLAN=$(python3 scripts/bench_gdn.py --best "$OUT/bench_gdn_sweep.json")
+                 echo "FASTQWEN_GDN_PLAN=$FASTQWEN_GDN_PLAN" | tee "$OUT/gdn_plan.txt" ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;

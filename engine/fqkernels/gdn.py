@@ -21,7 +21,8 @@ Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H] with H the value 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -634,7 +635,35 @@ class PrefillPlan:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be 'tf32x3' or 'tf32', got {self.out_prec!r}")
 
 
-DEFAULT_PLAN = PrefillPlan()
+def plan_from_text(text: str | None) -> PrefillPlan:
+    """A PrefillPlan from "name=value,..." (FASTQWEN_GDN_PLAN, e.g. "state_halves=1,block_v=16,
+    state_stages=1"); empty or None: the defaults. An unknown name or a bad value is an error
+    naming it."""
+    if not text:
+        return PrefillPlan()
+    kinds = {f.name: f.type for f in fields(PrefillPlan)}
+    kw = {}
+    for part in text.split(","):
+        name, sep, value = (p.strip() for p in part.partition("="))
+        if not sep or name not in kinds:
+            raise ValueError(f"gdn plan: {part!r} is not name=value with a name among {', '.join(kinds)}")
+        if name == "out_prec":
+            kw[name] = value
+        elif name == "state_halves":
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"gdn plan: state_halves must be 1 or 0, got {value!r}")
+            kw[name] = value.lower() in ("1", "true")
+        else:
+            try:
+                kw[name] = None if value.lower() == "none" else int(value)
+            except ValueError:
+                raise ValueError(f"gdn plan: {name} must be an integer, got {value!r}") from None
+    return PrefillPlan(**kw)
+
+
+# FASTQWEN_GDN_PLAN (read at import) picks another launch plan for the engine's prompt pass,
+# e.g. the fastest one bench_gdn.py --sweep found on this GPU.
+DEFAULT_PLAN = plan_from_text(os.environ.get("FASTQWEN_GDN_PLAN"))
 
 
 def default_block_v(batch: int, value_heads: int, dv: int) -> int:

@@ -272,3 +272,4 @@ def test_rope_store_kv_is_the_reference(B, H, D, R):
     rope_store_kv(k.to(DEV), v.to(DEV), cos.to(DEV), sin.to(DEV), pos.to(DEV), *got)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     assert not torch.equal(want[0], caches[0])
+
