@@ -247,6 +247,12 @@ class Qwen35Model:
         self.k_cache = self.v_cache = self.conv_state = self.state = None
         self._rows = slice(None)      # the cache rows a prompt pass fills (prefill_logits)
         self.ops = _Products() if self.backend == "triton" else _TorchProducts()
+        if self.backend == "triton":   # torch.argmax's picks, bit for bit, in two small kernels
+            from fqkernels.argmax import argmax as triton_argmax
+
+            self._argmax = triton_argmax
+        else:
+            self._argmax = argmax_reference
 
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
@@ -302,7 +308,7 @@ class Qwen35Model:
 
     # ---- forward passes ------------------------------------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        return argmax_reference(self.prefill_logits(ids))
+        return self._argmax(self.prefill_logits(ids))
 
     def prefill_logits(self, ids: torch.Tensor, row: int = 0) -> torch.Tensor:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
@@ -315,7 +321,7 @@ class Qwen35Model:
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
-        nxt = argmax_reference(self.decode_logits(tokens, positions, lengths))
+        nxt = self._argmax(self.decode_logits(tokens, positions, lengths))
         if out is None:
             return nxt
         out.copy_(nxt)

@@ -657,6 +657,9 @@ def _qwen35_products(batch: int) -> None:
     gemv.linear(torch.empty((batch, 9216), dtype=torch.bfloat16, device=CUDA),
                 torch.empty((2560, 9216), dtype=torch.bfloat16, device=CUDA))
     gemv.linear_silu_mul(x, torch.empty((18432, 2560), dtype=torch.bfloat16, device=CUDA))
+    from fqkernels.argmax import argmax
+
+    argmax(torch.empty((batch, 248320), dtype=torch.bfloat16, device=CUDA))      # the greedy pick
 
 
 def _fa2_attention(batch: int) -> None:
