@@ -105,11 +105,7 @@ class Engine:
         self._close_slots()
         self._check_memory(max_slots, max_len)
 
-        def tune(rows: int) -> None:
-            if self.device.type == "cuda" and rows not in self.tuning:
-                self.tuning[rows] = self.model.ops.tune(self.model.w, rows)
-
-        self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, tune)
+        self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune)
         return self._slots
 
     def _close_slots(self) -> None:
@@ -190,10 +186,14 @@ class Engine:
                 torch.cuda.empty_cache()
             model.allocate_cache(batch, _rounded_capacity(capacity))
         if self._runner is None:
-            if self.device.type == "cuda" and batch not in self.tuning:
-                self.tuning[batch] = model.ops.tune(model.w, batch)
+            self._tune(batch)
             self._runner = DecodeRunner(model, batch, self.use_graphs)
         return self._runner
+
+    def _tune(self, rows: int) -> None:
+        """On a GPU, once per row count: our GEMV or cuBLAS for each decode product (ops.tune)."""
+        if self.device.type == "cuda" and rows not in self.tuning:
+            self.tuning[rows] = self.model.ops.tune(self.model.w, rows)
 
     def _drop_graphs(self) -> None:
         """Forget every captured graph: they point at the cache and RoPE tables being replaced."""

@@ -21,6 +21,23 @@ launch cost (a few hundred launches) from the time to first token.
 import torch
 
 
+def _capture_step(step) -> torch.cuda.CUDAGraph:
+    """One call of `step` as a CUDA graph. Two warm-up calls on a side stream first: Triton
+    compiles, cuBLAS picks its kernels and every cached workspace is allocated outside the
+    graph's pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph
+
+
 class DecodeRunner:
     def __init__(self, model, batch: int, use_graph: bool):
         dev = model.device
@@ -42,21 +59,9 @@ class DecodeRunner:
         self._pos_len.add_(1)
 
     def _capture(self) -> None:
-        # Warm up on a side stream first: Triton compiles, cuBLAS picks its
-        # kernels and every cached workspace is allocated outside the graph's
-        # pool. The K/V these steps write at positions 0-1 is garbage that the
-        # prefill which follows overwrites.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step()
-        torch.cuda.synchronize()
-        self.graph = graph
+        # The K/V the warm-up steps write at positions 0-1 is garbage that the prefill
+        # which follows overwrites.
+        self.graph = _capture_step(self._step)
 
     def start(self, first_tokens: torch.Tensor, position: int) -> None:
         """Point the step at the token after the prompt: position = prompt length."""
@@ -107,19 +112,7 @@ class LogitsStep:
         self._pos_len = torch.zeros((2, rows), dtype=torch.int32, device=dev)
         self.positions, self.lengths = self._pos_len[0], self._pos_len[1]
         self.logits = None
-        self.graph = None
-        if use_graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step()
-            torch.cuda.synchronize()
-            self.graph = graph
+        self.graph = _capture_step(self._step) if use_graph else None
 
     def _step(self) -> None:
         torch.add(self.positions, 1, out=self.lengths)
