@@ -191,33 +191,13 @@ def test_slots_serve_ragged_requests_within_the_margin(engine, tiny_model):
     """Continuous batching on the GPU (Engine.slots: a graph per step size): requests of their
     own lengths, admitted and retired between steps, each within native's 2.0-logit margin,
     and the graphed steps' tokens equal to the eager steps'."""
-    schedule = [(7, 12, 0), (40, 6, 0), (129, 9, 2), (3, 10, 5), (65, 4, 6)]
-    prompts = [_prompts(1, n, seed=300 + r)[0] for r, (n, _, _) in enumerate(schedule)]
+    from test_slots_cpu import SCHEDULE, run_schedule
 
-    def run():
-        slots = engine.slots(3, 160)
-        out, running, step, waiting = {}, set(), 0, list(range(len(schedule)))
-        while waiting or running:
-            for r in [w for w in waiting if schedule[w][2] <= step]:
-                if not slots.free:
-                    break
-                waiting.remove(r)
-                out[r] = [int(slots.admit(r, prompts[r]).argmax())]
-                running.add(r)
-            for r in [r for r in running if len(out[r]) >= schedule[r][1]]:
-                slots.retire(r)
-                running.discard(r)
-            if running:
-                logits = slots.step({r: out[r][-1] for r in running})
-                for r in running:
-                    out[r].append(int(logits[r].argmax()))
-            step += 1
-        return out
-
-    graphed = run()
+    prompts = [_prompts(1, n, seed=300 + r)[0] for r, (n, _, _) in enumerate(SCHEDULE)]
+    graphed = run_schedule(engine, prompts)
     engine.use_graphs = False
     try:
-        eager = run()
+        eager = run_schedule(engine, prompts)
     finally:
         engine.use_graphs = True
     assert graphed == eager

@@ -178,22 +178,14 @@ def test_committed_results_show_a_realistic_scale_and_stability(name: str):
     assert logit_stats.stability_problems(data) == []
 
 
-def test_synth_stats_runs_on_a_qwen35_checkpoint_in_its_reference_environment(tmp_path: pathlib.Path):
+def test_synth_stats_runs_on_a_qwen35_checkpoint_in_its_reference_environment(tmp_path: pathlib.Path, synth_stats):
     """A Qwen3.5 checkpoint is measured with Transformers 5.17 (run() starts the same command in
     fastqwen/refenv.py's environment): the report is written, and the reference's cached decode
     agrees with its full forward on the preset."""
-    import subprocess
-    import sys
-
     from fastqwen import synth35
 
     ckpt = synth35.synthesize("qwen3.5-tiny", tmp_path / "q35", seed=3, progress=False)
-    out = tmp_path / "stats.json"
-    run = subprocess.run([sys.executable, "-m", "fastqwen.cli", "synth-stats", "--model", str(ckpt), "--positions",
-                          "96", "--stability-positions", "24", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    run, report = synth_stats(ckpt, tmp_path / "stats.json", 96, 24)
     assert report["positions"] == 96 and report["config"]["vocab_size"] == 1024
     assert report["transformers_version"] == "5.17.0"
     assert report["cached_vs_full"]["argmax_differs"] == 0 and report["stability_problems"] == []

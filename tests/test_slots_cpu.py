@@ -19,11 +19,12 @@ def _prompt(length, seed, vocab):
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run_schedule(engine, vocab, max_slots=3):
-    """The SCHEDULE through slots, greedy: {request: emitted tokens}; more requests than slots,
-    so some wait for a row to free up, and retiring moves the last row into the freed one."""
+def run_schedule(engine, prompts, schedule=SCHEDULE, max_slots=3):
+    """The schedule through slots, greedy, with prompts[r] for request r: {request: emitted
+    tokens}; more requests than slots, so some wait for a row to free up, and retiring moves
+    the last row into the freed one (tests/test_engine_gpu.py runs it on a GPU too)."""
     slots = engine.slots(max_slots, 160)
-    waiting = [(r, _prompt(n, 100 + r, vocab), want, at) for r, (n, want, at) in enumerate(SCHEDULE)]
+    waiting = [(r, prompts[r], want, at) for r, (_, want, at) in enumerate(schedule)]
     out, step = {}, 0
     running = set()
     while waiting or running:
@@ -35,7 +36,7 @@ def _run_schedule(engine, vocab, max_slots=3):
             out[r] = [int(slots.admit(r, prompt).argmax())]
             running.add(r)
         for r in list(running):
-            if len(out[r]) >= SCHEDULE[r][1]:
+            if len(out[r]) >= schedule[r][1]:
                 slots.retire(r)
                 running.discard(r)
         if running:
@@ -43,7 +44,11 @@ def _run_schedule(engine, vocab, max_slots=3):
             for r in running:
                 out[r].append(int(logits[r].argmax()))
         step += 1
-    return {r: toks[:SCHEDULE[r][1]] for r, toks in out.items()}
+    return {r: toks[:schedule[r][1]] for r, toks in out.items()}
+
+
+def _run_schedule(engine, vocab):
+    return run_schedule(engine, [_prompt(n, 100 + r, vocab) for r, (n, _, _) in enumerate(SCHEDULE)])
 
 
 def _alone(engine, vocab):

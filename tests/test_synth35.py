@@ -106,17 +106,12 @@ def test_transformers_5_17_loads_it_and_its_cached_decode_is_stable(tiny):
 
 
 @pytest.mark.parametrize("init,realistic", [("fastqwen", True), ("transformers", False)])
-def test_the_default_family_has_a_trained_models_logit_statistics(tmp_path, init, realistic):
+def test_the_default_family_has_a_trained_models_logit_statistics(tmp_path, init, realistic, synth_stats):
     """synth-stats (Transformers 5.17 in its environment) on the tiny preset: the fastqwen family
     meets every realism bound (gap spread, no echo, positions with top-1s of their own) and is
     stable; Transformers' init is stable but echoes its input (the reason for the default)."""
     ckpt = synth35.synthesize("qwen3.5-tiny", tmp_path / init, seed=1, progress=False, init=init)
-    out = tmp_path / "stats.json"
-    run = subprocess.run([sys.executable, "-m", "fastqwen.cli", "synth-stats", "--model", str(ckpt), "--positions",
-                          "1024", "--stability-positions", "64", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    _, report = synth_stats(ckpt, tmp_path / "stats.json", 1024, 64)
     assert report["stability_problems"] == []
     if realistic:
         assert report["realism_problems"] == [], report["realism_problems"]
