@@ -245,7 +245,6 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
-        self._rows = slice(None)      # the cache rows a prompt pass fills (prefill_logits)
         self.ops = _Products() if self.backend == "triton" else _TorchProducts()
         if self.backend == "triton":   # torch.argmax's picks, bit for bit, in two small kernels
             from fqkernels.argmax import argmax as triton_argmax
@@ -314,10 +313,10 @@ class Qwen35Model:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
         in rows [row, row + B) (a slot's own row: fq_slots)."""
         B, S = ids.shape
-        self._rows = slice(row, row + B)
+        rows = slice(row, row + B)
         cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
-        h = self._layers(self.w["model.embed_tokens.weight"][ids], True,   # [B, S, hidden] in
-                         lambda i, h: self._attention_prefill(i, h, cos, sin))
+        h = self._layers(self.w["model.embed_tokens.weight"][ids], rows,   # [B, S, hidden] in
+                         lambda i, h: self._attention_prefill(i, h, cos, sin, rows))
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -329,14 +328,15 @@ class Qwen35Model:
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        h = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), False,  # [B, 1, hidden] in
+        h = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), None,  # [B, 1, hidden] in
                          lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
         return self._logits(h)
 
-    def _layers(self, x: torch.Tensor, prompt: bool, attention) -> torch.Tensor:
-        """Every decoder layer over x: the GDN mixer (chunked over a prompt, one step in decode)
-        or attention(i, h), then the MLP, each behind its (1 + w) norm, adds in BF16. Returns
-        the final norm's output at each sequence's last position, [B, hidden]. On the triton
+    def _layers(self, x: torch.Tensor, prompt_rows: slice | None, attention) -> torch.Tensor:
+        """Every decoder layer over x: the GDN mixer (chunked over a prompt filling cache rows
+        prompt_rows, one step in decode: None) or attention(i, h), then the MLP, each behind its
+        (1 + w) norm, adds in BF16. Returns the final norm's output at each sequence's last
+        position, [B, hidden]. On the triton
         backend each residual add and the norm after it are one kernel (fqkernels.rmsnorm,
         one_plus)."""
         eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
@@ -344,7 +344,7 @@ class Qwen35Model:
         if self.backend != "triton":
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
-                x = x + (self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h))
+                x = x + (self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h))
                 x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
             return _norm(x[:, -1], self.w["model.norm.weight"], eps)
         from fqkernels.rmsnorm import add_rmsnorm, rmsnorm
@@ -353,7 +353,7 @@ class Qwen35Model:
         rows = x.reshape(-1, shape[-1])                       # the residual stream, added to in place
         h = rmsnorm(rows, ln(0, "input_layernorm"), eps, one_plus=True).view(shape)
         for i in range(L):
-            mixed = self._gdn(i, h, prompt) if i in self.gdn_slot else attention(i, h)
+            mixed = self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h)
             h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
                             one_plus=True).view(shape)
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
@@ -410,11 +410,11 @@ class Qwen35Model:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(B, T, -1)
 
-    def _attention_prefill(self, i: int, h, cos, sin):
+    def _attention_prefill(self, i: int, h, cos, sin, rows: slice):
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
-        self.k_cache[slot, self._rows, :, :S], self.v_cache[slot, self._rows, :, :S] = k, v
+        self.k_cache[slot, rows, :, :S], self.v_cache[slot, rows, :, :S] = k, v
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -449,13 +449,16 @@ class Qwen35Model:
     def _attention_out(self, i: int, attn, gate):
         return self.ops.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
-    def _gdn(self, i: int, h: torch.Tensor, prompt: bool) -> torch.Tensor:
+    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None) -> torch.Tensor:
+        """GDN layer i over h: a prompt pass filling cache rows prompt_rows, or (None) one decode
+        step of the first B rows."""
+        prompt = prompt_rows is not None
         if not prompt and self.backend == "triton":
             return self._gdn_step_kernels(i, h)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
-        rows = self._rows if prompt else slice(0, B)    # the cache rows of this call's sequences
+        rows = prompt_rows if prompt else slice(0, B)    # the cache rows of this call's sequences
         mixed, z, b, a = self._in_proj(p, h)                                        # mixed [B, T, conv_dim]
         g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
