@@ -460,15 +460,13 @@ class Qwen35Model:
         slot = self.gdn_slot[i]
         rows = prompt_rows if prompt else slice(0, B)    # the cache rows of this call's sequences
         mixed, z, b, a = self._in_proj(p, h)                                        # mixed [B, T, conv_dim]
-        g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
         kernels = prompt and self.backend == "triton"
-        if kernels:   # in_proj's output read in place, the conv + SiLU one kernel
-            # z copied out (the gated norm reads it contiguous anyway), so the packed product's
-            # memory goes as soon as the conv has read it
-            z, a, b = z.contiguous(), None, None
+        if kernels:   # in_proj's output read in place by the gates, the conv + SiLU and the gated norm
+            g, beta = gdn.gates(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
             mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w)
         else:
+            g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
             mixed, new_conv = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w,
                                                         None if prompt else self.conv_state[slot, rows])
             mixed = mixed.transpose(1, 2)
@@ -477,16 +475,19 @@ class Qwen35Model:
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
         v = v.reshape(B, T, -1, c.linear_v_dim)
-        if kernels:
-            o, state = gdn.chunked_prefill(q, k, v, g, beta)               # heads shared by index
+        if kernels:   # q, k, v read in place from the conv's rows, heads shared by index, the state
+            # written into its cache rows
+            o, _ = gdn.chunked_prefill(q, k, v, g, beta, state_out=self.state[slot, rows])
         else:
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
             rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
             o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot, rows])
-        self.state[slot, rows].copy_(state)
-        norm = gdn.gated_rmsnorm if kernels and c.linear_v_dim == 128 else gdn.gated_rmsnorm_reference
-        o = norm(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim), self.w[p + "norm.weight"],
-                 c.rms_norm_eps)
+            self.state[slot, rows].copy_(state)
+        if kernels and c.linear_v_dim == 128:    # z's heads read in place from in_proj's rows
+            o = gdn.gated_rmsnorm(o.reshape(-1, 128), z.reshape(B * T, -1), self.w[p + "norm.weight"], c.rms_norm_eps)
+        else:
+            o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                            self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
 
 

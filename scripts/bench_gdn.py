@@ -125,22 +125,14 @@ def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
 SWEEP = {
     "default": {},
     "out_tf32": dict(out_prec="tf32"),
-    "out_tf32_bv128": dict(out_prec="tf32", out_bv=128),
-    "out_tf32_bv128_w8": dict(out_prec="tf32", out_bv=128, out_warps=8),
     "out_bv128": dict(out_bv=128),
     "out_w8": dict(out_warps=8),
     "state_bv32_s1": dict(block_v=32, state_stages=1),
     "state_bv16_s1": dict(block_v=16, state_stages=1),
     "state_bv64_s1": dict(block_v=64, state_stages=1),
-    "state_bv32_s2": dict(block_v=32),
+    "state_bv64_s2": dict(block_v=64),
     "state_w8_bv64": dict(state_warps=8, block_v=64),
-    "halves_bv64": dict(state_halves=True),
-    "halves_bv32_s1": dict(state_halves=True, block_v=32, state_stages=1),
-    "halves_bv32_s2": dict(state_halves=True, block_v=32),
-    "halves_bv16_s1": dict(state_halves=True, block_v=16, state_stages=1),
-    "halves_bv16_s1_out_tf32": dict(state_halves=True, block_v=16, state_stages=1, out_prec="tf32"),
     "solve_w8": dict(solve_warps=8),
-    "solve_w2": dict(solve_warps=2),
 }
 
 
@@ -194,7 +186,7 @@ def best_plan(rows: list[dict], state_gate: float = 2e-5, out_gate: float = 5e-3
         totals[name] = sum(r["ms"] for r in mine)
     if not totals:
         return ""
-    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in SWEEP[min(totals, key=totals.get)].items())
+    return ",".join(f"{k}={v}" for k, v in SWEEP[min(totals, key=totals.get)].items())
 
 
 def _inputs(B: int, T: int, dev: torch.device):

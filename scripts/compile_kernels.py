@@ -611,12 +611,13 @@ def _gdn_decode_step(batch: int) -> None:
     v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
     g = torch.empty((batch, 512, 32), dtype=torch.float32, device=CUDA)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
-    # the state kernel over Dk halves (a launch plan bench_gdn.py --sweep times)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(state_halves=True, block_v=16,
-                                                                                   state_stages=1))
+    # another launch plan bench_gdn.py --sweep times
+    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
+    # the prompt's gates, reading b and a in place from the same rows
+    gdn.gates(packed[..., 8192 + 4096 + 32:], packed[..., 8192 + 4096:8192 + 4096 + 32], per_head, per_head)
 
 
 # Scenario names of the launches made outside the Qwen3 engine sweep.

@@ -114,9 +114,11 @@ def test_forced_logits_track_the_reference(tiny, forced):
     full, cached = ref["full"], ref["cached"]
     assert full.argmax(-1).unique().numel() > 20, "the continuation must exercise many outputs"
     # On the CPU the engine's prefill and decode steps are the reference's cached decode,
-    # bit for bit (both 0.0625 from its full forward here).
+    # bit for bit. How far that cached decode sits from the reference's own full forward
+    # depends on the CPU's BLAS paths: 0.0625 on the machines of earlier sessions, 0.375 on
+    # an AMD EPYC one; the bound only checks it stays the reference's small noise.
     assert torch.equal(got, cached), (got - cached).abs().max().item()
-    assert (got - full).abs().max().item() <= 0.25
+    assert (got - full).abs().max().item() <= 0.5
 
 
 def test_a_layout_slip_is_caught(tiny, forced, monkeypatch):

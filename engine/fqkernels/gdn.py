@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fqkernels.rmsnorm import _inverse, _lane_sum, torch_order
 
@@ -161,6 +162,37 @@ def gated_rmsnorm_reference(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, e
 
 
 @triton.jit
+def _exp(x, INTERPRETED: tl.constexpr):
+    """expf as PyTorch's CUDA kernels call it (libdevice __nv_expf; Triton's tl.exp is a faster
+    approximation whose last bits differ); numpy's exp under the CPU interpreter."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _silu(x, INTERPRETED: tl.constexpr):
+    """PyTorch's CUDA SiLU of fp32 x: x / (1 + expf(-x)), the division correctly rounded."""
+    return tl.math.div_rn(x, 1.0 + _exp(-x, INTERPRETED))
+
+
+@triton.jit
+def _gate_values(a, b, a_log, dt_bias, INTERPRETED: tl.constexpr):
+    """(g fp32, beta bf16) from fp32 a, b, A_log, dt_bias, as gates_reference's torch ops on
+    CUDA evaluate them: beta = bf16(1 / (1 + expf(-b))); g = -expf(A_log) * softplus(a +
+    dt_bias), softplus(s) = s past 20, else log1p(expf(s))."""
+    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + _exp(-b, INTERPRETED)).to(tl.bfloat16)
+    s = a + dt_bias
+    e = _exp(tl.minimum(s, 20.0), INTERPRETED)
+    if INTERPRETED:
+        sp = tl.log(1.0 + e)
+    else:
+        sp = libdevice.log1p(e)
+    return -_exp(a_log, INTERPRETED) * tl.where(s > 20.0, s, sp), beta
+
+
+@triton.jit
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                         stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_ob, stride_oh,
                         stride_sb, stride_sh, stride_sk,
@@ -236,7 +268,7 @@ def decode_step_reference(q, k, v, g, beta, state):
 @triton.jit
 def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
                             g_ptr, beta_ptr, C, stride_mb, stride_sb, stride_sc, stride_xb, stride_ab,
-                            HV: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr):
+                            HV: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
     """One program per (sequence, BLOCK_C channels): the conv's window is the state's last
     W - 1 inputs and the new one; out = bf16(silu(bf16(sum_j w_j x_j))), the products summed
     in fp32 in window order; the state shifts by one in place. Program (b, 0) also forms the
@@ -254,14 +286,15 @@ def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr,
     acc += tl.load(conv_w_ptr + offs * W + W - 1, mask=ok, other=0.0).to(tl.float32) * new.to(tl.float32)
     tl.store(state + W - 1, new, mask=ok)
     conv = acc.to(tl.bfloat16).to(tl.float32)
-    tl.store(x_ptr + b * stride_xb + offs, (conv / (1.0 + tl.exp(-conv))).to(tl.bfloat16), mask=ok)
+    tl.store(x_ptr + b * stride_xb + offs, _silu(conv, INTERPRETED).to(tl.bfloat16), mask=ok)
     if tl.program_id(1) == 0:
         h = tl.arange(0, HV)
-        bb = tl.load(b_ptr + b * stride_ab + h).to(tl.float32)
-        tl.store(beta_ptr + b * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(tl.bfloat16))
-        s = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        softplus = tl.where(s > 20.0, s, tl.log(1.0 + tl.exp(tl.minimum(s, 20.0))))
-        tl.store(g_ptr + b * HV + h, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
+        g, beta = _gate_values(tl.load(a_ptr + b * stride_ab + h).to(tl.float32),
+                               tl.load(b_ptr + b * stride_ab + h).to(tl.float32),
+                               tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32),
+                               INTERPRETED)
+        tl.store(beta_ptr + b * HV + h, beta)
+        tl.store(g_ptr + b * HV + h, g)
 
 
 def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,
@@ -290,13 +323,14 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
     beta = torch.empty((B, Hv), dtype=torch.bfloat16, device=mixed.device)
     _conv_gates_step_kernel[(B, triton.cdiv(C, block_c))](
         mixed, conv_state, conv_w, x, a, b, a_log, dt_bias, g, beta, C, mixed.stride(0), conv_state.stride(0),
-        conv_state.stride(1), x.stride(0), a.stride(0), HV=Hv, W=W, BLOCK_C=block_c, num_warps=4)
+        conv_state.stride(1), x.stride(0), a.stride(0), HV=Hv, W=W, BLOCK_C=block_c, INTERPRETED=_INTERPRETED,
+        num_warps=4)
     return x, g, beta
 
 
 @triton.jit
 def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, stride_xb, stride_xt,
-                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
     """One program per (sequence, BLOCK_T positions, BLOCK_C channels) of a prompt: out =
     bf16(silu(bf16(sum_j w_j u_{t-W+1+j}))), zeros before position 0, the products summed in
     fp32 in window order (as the step kernel and the reference's depthwise conv)."""
@@ -311,7 +345,7 @@ def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, s
         uj = tl.load(u_ptr + b * stride_ub + src[:, None] * stride_ut + c[None, :], mask=ok, other=0.0)
         acc += tl.load(conv_w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :] * uj.to(tl.float32)
     conv = acc.to(tl.bfloat16).to(tl.float32)
-    tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], (conv / (1.0 + tl.exp(-conv))).to(tl.bfloat16),
+    tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], _silu(conv, INTERPRETED).to(tl.bfloat16),
              mask=(t < T)[:, None] & c_ok[None, :])
 
 
@@ -329,9 +363,47 @@ def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32
     x = torch.empty((B, T, C), dtype=u.dtype, device=u.device)
     _conv_prefill_kernel[(B, triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         u, conv_w, x, T, C, u.stride(0), u.stride(1), x.stride(0), x.stride(1), W=W, BLOCK_T=block_t,
-        BLOCK_C=block_c, num_warps=4)
+        BLOCK_C=block_c, INTERPRETED=_INTERPRETED, num_warps=4)
     state = F.pad(u[:, -W:].transpose(1, 2), (max(W - T, 0), 0))
     return x, state
+
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, R, stride_ar,
+                  HV: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One program per BLOCK_R rows of a prompt's gates (_gate_values); a and b rows stride_ar
+    apart (columns of a packed projection), g and beta written contiguous."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, HV)
+    ok = (r < R)[:, None]
+    src = r.to(tl.int64)[:, None] * stride_ar + h[None, :]
+    g, beta = _gate_values(tl.load(a_ptr + src, mask=ok, other=0.0).to(tl.float32),
+                           tl.load(b_ptr + src, mask=ok, other=0.0).to(tl.float32),
+                           tl.load(a_log_ptr + h).to(tl.float32)[None, :], tl.load(dt_bias_ptr + h).to(tl.float32)[None, :],
+                           INTERPRETED)
+    dst = r.to(tl.int64)[:, None] * HV + h[None, :]
+    tl.store(g_ptr + dst, g, mask=ok)
+    tl.store(beta_ptr + dst, beta, mask=ok)
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, block_r: int = 64):
+    """gates_reference as one kernel: a, b [..., Hv] bf16 (any row stride, unit column stride,
+    the same strides: e.g. column slices of in_proj's packed output), a_log, dt_bias [Hv] bf16.
+    Returns (g fp32, beta bf16), both [..., Hv] contiguous."""
+    Hv = a.shape[-1]
+    if a.shape != b.shape or tuple(a_log.shape) != (Hv,) or tuple(dt_bias.shape) != (Hv,) or Hv & (Hv - 1):
+        raise ValueError(f"gdn.gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(a_log.shape)}, dt_bias "
+                         f"{tuple(dt_bias.shape)} (heads a power of two)")
+    lead = a.shape[:-1]
+    a2, b2 = a.reshape(-1, Hv), b.reshape(-1, Hv)         # views for a packed product's column slices
+    if a2.stride(-1) != 1 or a2.stride() != b2.stride():
+        a2, b2 = a2.contiguous(), b2.contiguous()
+    R = a2.shape[0]
+    g = torch.empty((R, Hv), dtype=torch.float32, device=a.device)
+    beta = torch.empty((R, Hv), dtype=torch.bfloat16, device=a.device)
+    _gates_kernel[(triton.cdiv(R, block_r),)](a2, b2, a_log, dt_bias, g, beta, R, a2.stride(0), HV=Hv, BLOCK_R=block_r,
+                                              INTERPRETED=_INTERPRETED, num_warps=4)
+    return g.view(*lead, Hv), beta.view(*lead, Hv)
 
 
 def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
@@ -393,8 +465,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # 63), then M^-1 = (I - N + N^2 - N^3) D^-1 with D the block diagonal and N = D^-1 (M - D),
 # strictly block-lower, so N^4 = 0 (three terms, never a long power series, which loses
 # everything when a key repeats). Then u = M^-1 (beta v) and w = M^-1 (beta k e^gamma).
-# _chunk_state_kernel, one program per (sequence, value head, block of value columns), the
-# only sequential part: walks the chunks in order carrying S [Dk, BV], with two products a
+# _chunk_state_kernel, one program per (block of value columns, sequence, value head), the
+# only sequential part: walks the chunks in order carrying S [Dk, BV] (as two Dk halves), with two products a
 # chunk (v_new = u - w S, then S <- e^gamma_last S + k_decayed^T v_new), and keeps each
 # chunk's starting state and v_new (in u's place) and the final state.
 # _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
@@ -498,42 +570,11 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_sb,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    b = pid // HV
-    hv = pid % HV
-    r = tl.arange(0, C)
-    dk = tl.arange(0, DK)
-    dv = v0 + tl.arange(0, BV)
-    s = tl.zeros([DK, BV], dtype=tl.float32)
-    for c in range(NC):
-        t = c * C + r
-        k = tl.load(k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :],
-                    mask=(t < T)[:, None], other=0.0).to(tl.float32)
-        chunk = pid * NC + c
-        base = chunk.to(tl.int64) * C
-        gamma = tl.load(gamma_ptr + base + r)
-        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
-        k_decayed = _l2_rows(k) * tl.exp(last - gamma)[:, None]
-        w = tl.load(w_ptr + (base + r)[:, None] * DK + dk[None, :])
-        u = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :])
-        tl.store(h_ptr + (chunk.to(tl.int64) * DK + dk)[:, None] * DV + dv[None, :], s)   # S at the chunk's start
-        v_new = u - _dot3(w, s, PREC)
-        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
-        s = s * tl.exp(last) + _dot3(tl.trans(k_decayed), v_new, PREC)
-    tl.store(state_ptr + b * stride_sb + hv * DK * DV + dk[:, None] * DV + dv[None, :], s)
-
-
-@triton.jit
-def _chunk_state_halves_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
-                               stride_kb, stride_kt, stride_kh, stride_sb,
-                               HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                               DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """_chunk_state_kernel with the state's Dk rows kept as two halves and every product taken
-    over one half of Dk at a time: each operand tile is half the size, so fewer registers are
-    live at once (the whole-Dk kernel spills about 1.2 KB a thread under ptxas for sm_90).
-    Sums over Dk run as two half sums, added: fp32 rounding apart, the same function. The grid
-    is (value blocks, sequence x value head): a head's blocks launch side by side, so the k and
+    """The state's Dk rows kept as two halves and every product taken over one half of Dk at
+    a time: each operand tile is half the size, so fewer registers are live at once (with the
+    whole Dk in one tile ptxas for sm_90 spilled ~1.2 KB a thread and the kernel took 2.3x
+    as long at (16, 8192), session 10). Sums over Dk run as two half sums, added. The grid is
+    (value blocks, sequence x value head): a head's blocks launch side by side, so the k and
     w tiles they all read come from L2 after the first."""
     v0 = tl.program_id(0) * BV
     pid = tl.program_id(1)
@@ -611,23 +652,24 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
 @dataclass(frozen=True)
 class PrefillPlan:
     """How chunked_prefill launches its kernels (what scripts/bench_gdn.py --sweep varies):
-    warps per program of each kernel, the state kernel's value columns a program (None:
-    default_block_v) and pipeline stages, the output kernel's value columns a program, and
-    the output kernel's products ("tf32x3", or "tf32": one pass; the output kernel feeds no
-    state, so its precision moves only the bf16 outputs: session 9's emulation put them at
-    2.2-2.9e-3 of the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3), and
-    the state kernel taking its products over Dk in halves (_chunk_state_halves_kernel)."""
+    warps per program of each kernel, the state kernel's value columns a program and
+    pipeline stages, the output kernel's value columns a program, and the output kernel's
+    products ("tf32x3", or "tf32": one pass; the output kernel feeds no state, so its
+    precision moves only the bf16 outputs: session 9's emulation put them at 2.2-2.9e-3 of
+    the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3; on the H200 the
+    one-pass outputs sat at 5.0e-3 of the three-pass ones, so the default keeps three).
+    The defaults are session 10's sweep on an H200: 32 state columns with two stages was
+    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
-    block_v: int | None = None
+    block_v: int = 32
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "tf32x3"
-    state_halves: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("solve_warps", "state_warps", "out_warps", "out_bv"):
+        for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
@@ -636,8 +678,8 @@ class PrefillPlan:
 
 
 def plan_from_text(text: str | None) -> PrefillPlan:
-    """A PrefillPlan from "name=value,..." (FASTQWEN_GDN_PLAN, e.g. "state_halves=1,block_v=16,
-    state_stages=1"); empty or None: the defaults. An unknown name or a bad value is an error
+    """A PrefillPlan from "name=value,..." (FASTQWEN_GDN_PLAN, e.g. "block_v=16,state_stages=1");
+    empty or None: the defaults. An unknown name or a bad value is an error
     naming it."""
     if not text:
         return PrefillPlan()
@@ -649,13 +691,9 @@ def plan_from_text(text: str | None) -> PrefillPlan:
             raise ValueError(f"gdn plan: {part!r} is not name=value with a name among {', '.join(kinds)}")
         if name == "out_prec":
             kw[name] = value
-        elif name == "state_halves":
-            if value.lower() not in ("1", "0", "true", "false"):
-                raise ValueError(f"gdn plan: state_halves must be 1 or 0, got {value!r}")
-            kw[name] = value.lower() in ("1", "true")
         else:
             try:
-                kw[name] = None if value.lower() == "none" else int(value)
+                kw[name] = int(value)
             except ValueError:
                 raise ValueError(f"gdn plan: {name} must be an integer, got {value!r}") from None
     return PrefillPlan(**kw)
@@ -666,23 +704,16 @@ def plan_from_text(text: str | None) -> PrefillPlan:
 DEFAULT_PLAN = plan_from_text(os.environ.get("FASTQWEN_GDN_PLAN"))
 
 
-def default_block_v(batch: int, value_heads: int, dv: int) -> int:
-    """Value columns per state-kernel program: 64, halved (down to 16) while fewer than 256
-    programs would run (each walks every chunk of its sequence in turn, so a small batch
-    needs narrower blocks to fill the GPU)."""
-    bv = min(64, dv)
-    while bv > 16 and batch * value_heads * (dv // bv) < 256:
-        bv //= 2
-    return bv
-
-
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN):
+                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN, state_out: torch.Tensor | None = None):
     """The chunked rule over a fresh prompt (zero initial state), as three kernels: q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
     bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
-    power of two dividing Dv; None: the plan's, else default_block_v); plan: the launches
-    (PrefillPlan). Returns (o [B, T, Hv, Dv] bf16, the final state [B, Hv, Dk, Dv] fp32), what
+    power of two dividing Dv; None: the plan's); plan: the launches
+    (PrefillPlan). q, k and v are read in place where their last dimension has unit stride
+    (e.g. head views of the conv's output rows; q and k with the same strides), g and beta
+    likewise. state_out: a contiguous fp32 [B, Hv, Dk, Dv] to write the final state into (a
+    cache's rows), else a new one. Returns (o [B, T, Hv, Dv] bf16, the final state), what
     delta_rule_chunked_reference returns on the repeated heads."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
@@ -691,21 +722,27 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"gdn.chunked_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {g.dtype} {tuple(g.shape)}, beta {tuple(beta.shape)} do not fit")
     rows = max(1, _TOKENS_PER_SLICE // (triton.cdiv(T, CHUNK) * CHUNK))   # sequences per slice
-    if block_v is None:
-        block_v = plan.block_v
-    if block_v is None:
-        block_v = default_block_v(min(rows, B), Hv, Dv)
-    block_v = min(block_v, Dv)
-    if plan.state_halves and Dk < 32:
-        raise ValueError(f"gdn.chunked_prefill: state_halves needs Dk >= 32 (halves of 16 or more), got {Dk}")
-    if Dk & (Dk - 1) or Dk < 16 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
-        raise ValueError(f"gdn.chunked_prefill: Dk ({Dk}) must be a power of two >= 16, block_v ({block_v}) a "
+    block_v = min(plan.block_v if block_v is None else block_v, Dv)
+    if Dk & (Dk - 1) or Dk < 32 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
+        raise ValueError(f"gdn.chunked_prefill: Dk ({Dk}) must be a power of two >= 32 (the state kernel's halves "
+                         f"of 16 or more), block_v ({block_v}) a "
                          f"power of two >= 16 dividing Dv ({Dv}), T ({T}) >= 1")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if g.stride() != beta.stride() or g.stride(-1) != 1:
+        g, beta = g.contiguous(), beta.contiguous()
     nc = triton.cdiv(T, CHUNK)
     dev = v.device
     out = torch.empty((B, T, Hv, Dv), dtype=torch.bfloat16, device=dev)
-    state = torch.empty((B, Hv, Dk, Dv), dtype=torch.float32, device=dev)
+    if state_out is None:
+        state = torch.empty((B, Hv, Dk, Dv), dtype=torch.float32, device=dev)
+    elif state_out.dtype != torch.float32 or tuple(state_out.shape) != (B, Hv, Dk, Dv) or not state_out.is_contiguous():
+        raise ValueError(f"gdn.chunked_prefill: state_out must be contiguous float32 {(B, Hv, Dk, Dv)}, got "
+                         f"{state_out.dtype} {tuple(state_out.shape)}")
+    else:
+        state = state_out
     ws = min(rows, B) * Hv * nc * CHUNK
     u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u, then v_new in its place
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
@@ -722,11 +759,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ks, vs, gs, bts, u, w, gamma, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=plan.solve_warps)
-        # Two pipeline stages (148 KB of shared memory at 64 columns under Triton 3.6; three: 214 KB).
-        state_kernel, grid = _chunk_state_kernel, (bs * Hv, Dv // block_v)
-        if plan.state_halves:
-            state_kernel, grid = _chunk_state_halves_kernel, (Dv // block_v, bs * Hv)
-        state_kernel[grid](
+        _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
             num_stages=plan.state_stages)
@@ -735,3 +768,6 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
     return out, state
+
+
+_INTERPRETED = type(_decode_step_kernel).__name__ == "InterpretedFunction"
