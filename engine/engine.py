@@ -122,7 +122,7 @@ class Engine:
 
         return {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
                 "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
-                "exact_decode": gemv.EXACT and not qwen35 and backend == "triton"}
+                "exact_decode": gemv.EXACT and backend == "triton"}
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:

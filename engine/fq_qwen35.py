@@ -540,7 +540,8 @@ _DECODE_PRODUCTS = {"linear_attn.in_proj.weight": False, "linear_attn.out_proj.w
 
 class _Products:
     """The triton backend's products: our GEMV where `tune` found it faster than cuBLAS for
-    that matrix at that many rows (the decode batch), cuBLAS (F.linear) everywhere else,
+    that matrix at that many rows (the decode batch) or, with exact decode (gemv.EXACT, 7-32
+    rows), where its config sums in the full forward's order, cuBLAS (F.linear) everywhere else,
     the prompt pass included. The choice is made before the decode step is captured."""
 
     GEMV_MAX_ROWS = 64
@@ -593,6 +594,11 @@ class _Products:
                 report[suffix.rsplit(".", 1)[0]] = (round(t_theirs, 2), f"gemv failed: {type(exc).__name__}: {exc}"[:200])
                 self.use_gemv[(fused, rows) + tuple(ws[0].shape)] = False
                 continue
-            self.use_gemv[(fused, rows) + tuple(ws[0].shape)] = t_ours < t_theirs
+            # exact decode (gemv.EXACT, 7-32 rows, as the Qwen3 op set): an in-order GEMV sums as
+            # the full forward's large-M product does, cuBLAS at decode rows does not; take it
+            # whatever the times say
+            exact = self._gemv.exact_rows(rows) and self._gemv.in_order(
+                self._gemv.select_config(ws[0].shape[0], ws[0].shape[1], fused, rows))
+            self.use_gemv[(fused, rows) + tuple(ws[0].shape)] = exact or t_ours < t_theirs
             report[suffix.rsplit(".", 1)[0]] = (round(t_theirs, 2), round(t_ours, 2))
         return report

@@ -569,7 +569,7 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
         # default), launched at the 4B's shapes so they compile with the platform's Triton too.
         recorder.pdl = False
         with recording(recorder, target):
-            for batch in (1, 16):
+            for batch in (1, 4, 16):
                 for name, run in ((f"{EXTRA}qwen3.5-4b GDN decode B={batch}", _gdn_decode_step),
                                   (f"{EXTRA}qwen3.5-4b attention decode B={batch}", _qwen35_attention),
                                   (f"{EXTRA}qwen3.5-4b decode products B={batch}", _qwen35_products),
@@ -648,8 +648,8 @@ def _qwen35_attention(batch: int) -> None:
 
 
 def _qwen35_products(batch: int) -> None:
-    """Qwen3.5-4B's decode products on our GEMV (what _Products runs where tune finds it faster):
-    the table's one-row configs, the default rule past one row."""
+    """Qwen3.5-4B's decode products on our GEMV (what _Products runs where tune finds it faster,
+    or, at 7-32 rows, where the config walks K in order: exact decode): the table's configs."""
     from fqkernels import gemv
 
     x = torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA)

@@ -155,15 +155,31 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
         (4, GemvConfig(block_n=128, block_k=256, split_k=1)),
         (None, GemvConfig(block_n=128, block_k=128, split_k=1)),
     ),
-    # Qwen3.5-4B's decode products at one row (its o_proj / out_proj are the (2560, 4096)
-    # above): Qwen3-4B's one-row config for the same K (block_n 8, or 4 for the long-K down),
-    # not yet swept at these shapes (scripts/bench_gemv.py --ops q35_*). The default
-    # config they replace ran in_proj at 20.8 us, gate_up at 32.6 and down at 16.4 with a
-    # split-K reduction after it (session 9, q35_check.json); more rows keep the default.
-    (12352, 2560): ((1, GemvConfig(block_k=256, split_k=1, **_FMA1)),),             # GDN in_proj, packed
-    (8192, 2560): ((1, GemvConfig(block_k=256, split_k=1, **_FMA1)),),              # q_proj (query | gate)
-    (2560, 9216): ((1, GemvConfig(block_n=4, block_k=512, split_k=1, mode="fma", block_m=1)),),   # down_proj
-    (248320, 2560): ((1, GemvConfig(block_k=256, split_k=1, **_FMA1)),),            # lm_head (tied)
+    # Qwen3.5-4B's decode products (its o_proj / out_proj are the (2560, 4096) above):
+    # Qwen3-4B's configs for the same K at every row count, not yet swept at these shapes
+    # (scripts/bench_gemv.py --ops q35_*). From 2 rows each walks K in order (split_k 1,
+    # tensor-core tiles), what exact decode needs (EXACT_CONFIGS below for down).
+    (12352, 2560): (                                                    # GDN in_proj (qkv | z | b | a)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
+    ),
+    (8192, 2560): (                                                     # q_proj (query | gate)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
+    ),
+    (1024, 2560): (                                                     # k_proj, v_proj
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
+    ),
+    (2560, 9216): (                                                     # down_proj
+        (1, GemvConfig(block_n=4, block_k=512, split_k=1, mode="fma", block_m=1)),
+        (None, GemvConfig(block_n=64, block_k=128, split_k=4, num_stages=4, mode="dot_t")),
+    ),
+    (248320, 2560): (                                                   # lm_head (tied)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (4, GemvConfig(block_n=128, block_k=256, split_k=1)),
+        (None, GemvConfig(block_n=128, block_k=128, split_k=1)),
+    ),
 }
 # Keyed by the packed gate/up weight's shape (2I, K); block_n counts gate columns.
 SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
@@ -172,7 +188,11 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
         (4, GemvConfig(block_n=128, block_k=128, split_k=1)),
         (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
     ),
-    (18432, 2560): ((1, GemvConfig(block_k=256, split_k=1, **_FMA1)),),            # Qwen3.5-4B's (as above)
+    (18432, 2560): (                                                    # Qwen3.5-4B's (as above)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (4, GemvConfig(block_n=128, block_k=128, split_k=1)),
+        (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
+    ),
 }
 
 # Exact decode (on by default; FASTQWEN_EXACT_DECODE=0, read at import, turns it off): from
@@ -202,6 +222,11 @@ EXACT_CONFIGS: dict[tuple[int, int], tuple] = {
         (16, GemvConfig(block_n=32, block_k=512, split_k=1, num_stages=4, mode="dot")),    # 15.8 at 16
         (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=6, mode="dot_t")),  # 18.2 at 32
         (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),  # 21.4 at 64
+    ),
+    (2560, 9216): (                                                     # Qwen3.5-4B's down_proj: the same configs
+        (16, GemvConfig(block_n=32, block_k=512, split_k=1, num_stages=4, mode="dot")),
+        (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=6, mode="dot_t")),
+        (None, GemvConfig(block_n=32, block_k=128, split_k=1, num_stages=6, mode="dot", block_m=64)),
     ),
 }
 

@@ -224,23 +224,25 @@ def _check_table(name):
         assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
 
 
-SHAPES_Q35 = {"in_proj": (12352, 2560), "q": (8192, 2560), "gate_up": (18432, 2560), "down": (2560, 9216),
-              "lm_head": (248320, 2560)}
+SHAPES_Q35 = {"in_proj": (12352, 2560), "q": (8192, 2560), "kv": (1024, 2560), "gate_up": (18432, 2560),
+              "down": (2560, 9216), "lm_head": (248320, 2560)}
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES_Q35))
-def test_q35_shapes_take_a_mask_free_one_row_config(name):
-    """Qwen3.5-4B's products: the table's one-row fma config (mask-free: its K and column
-    blocks divide the shape), and from two rows the default rule, as for any other shape."""
+def test_q35_shapes_take_mask_free_table_configs(name):
+    """Qwen3.5-4B's products: the table's one-row fma config, then tensor-core tiles, every
+    one mask-free (its K and column blocks divide the shape)."""
     n, k = SHAPES_Q35[name]
     silu = name == "gate_up"
     table = gemv.SILU_MUL_CONFIGS if silu else gemv.LINEAR_CONFIGS
-    ((max_rows, want),) = table[(n, k)]
+    entries = table[(n, k)]
     cfg = select_config(n, k, silu, 1)
-    assert max_rows == 1 and cfg is want and cfg.mode == "fma" and cfg.split_k == 1
-    assert k % cfg.block_k == 0 and (n // 2 if silu else n) % cfg.block_n == 0
-    for rows in (2, 4, 16):
-        assert select_config(n, k, silu, rows) not in [c for _, c in table[(n, k)]]
+    assert entries[0] == (1, cfg) and cfg.mode == "fma" and cfg.split_k == 1
+    for rows in (1, 2, 4, 16, 32, 64):
+        cfg = select_config(n, k, silu, rows)
+        assert k % cfg.block_k == 0 and (n // 2 if silu else n) % cfg.block_n == 0, (rows, cfg)
+        assert (k // cfg.block_k) % cfg.split_k == 0
+        assert rows == 1 or cfg.mode in ("dot", "dot_t")
 
 
 def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
@@ -260,6 +262,11 @@ def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
                         (name, rows, cfg)
                     assert k % cfg.block_k == 0 and (n // 2 if name == "gate_up" else n) % cfg.block_n == 0
             assert not gemv.in_order(select_config(*SHAPES_4B["down"], False, 4))
+            # Qwen3.5-4B's products (fq_qwen35._Products forces these in order, as fq_ops does)
+            for name, (n, k) in SHAPES_Q35.items():
+                for rows in range(gemv.EXACT_FROM_ROWS, gemv.EXACT_TO_ROWS + 1):
+                    cfg = select_config(n, k, name == "gate_up", rows)
+                    assert gemv.in_order(cfg) or (not exact and name == "down"), (name, rows, cfg)
     finally:
         select_config.cache_clear()
 
