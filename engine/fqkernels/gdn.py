@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fqkernels.rmsnorm import _inverse, _lane_sum, torch_order
+from fqkernels.swiglu import exp_f32, silu_f32
 
 CHUNK = 64
 EPS = 1e-6
@@ -162,34 +163,18 @@ def gated_rmsnorm_reference(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, e
 
 
 @triton.jit
-def _exp(x, INTERPRETED: tl.constexpr):
-    """expf as PyTorch's CUDA kernels call it (libdevice __nv_expf; Triton's tl.exp is a faster
-    approximation whose last bits differ); numpy's exp under the CPU interpreter."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
-
-
-@triton.jit
-def _silu(x, INTERPRETED: tl.constexpr):
-    """PyTorch's CUDA SiLU of fp32 x: x / (1 + expf(-x)), the division correctly rounded."""
-    return tl.math.div_rn(x, 1.0 + _exp(-x, INTERPRETED))
-
-
-@triton.jit
 def _gate_values(a, b, a_log, dt_bias, INTERPRETED: tl.constexpr):
     """(g fp32, beta bf16) from fp32 a, b, A_log, dt_bias, as gates_reference's torch ops on
     CUDA evaluate them: beta = bf16(1 / (1 + expf(-b))); g = -expf(A_log) * softplus(a +
     dt_bias), softplus(s) = s past 20, else log1p(expf(s))."""
-    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + _exp(-b, INTERPRETED)).to(tl.bfloat16)
+    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + exp_f32(-b, INTERPRETED)).to(tl.bfloat16)
     s = a + dt_bias
-    e = _exp(tl.minimum(s, 20.0), INTERPRETED)
+    e = exp_f32(tl.minimum(s, 20.0), INTERPRETED)
     if INTERPRETED:
         sp = tl.log(1.0 + e)
     else:
         sp = libdevice.log1p(e)
-    return -_exp(a_log, INTERPRETED) * tl.where(s > 20.0, s, sp), beta
+    return -exp_f32(a_log, INTERPRETED) * tl.where(s > 20.0, s, sp), beta
 
 
 @triton.jit
@@ -286,7 +271,7 @@ def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr,
     acc += tl.load(conv_w_ptr + offs * W + W - 1, mask=ok, other=0.0).to(tl.float32) * new.to(tl.float32)
     tl.store(state + W - 1, new, mask=ok)
     conv = acc.to(tl.bfloat16).to(tl.float32)
-    tl.store(x_ptr + b * stride_xb + offs, _silu(conv, INTERPRETED).to(tl.bfloat16), mask=ok)
+    tl.store(x_ptr + b * stride_xb + offs, silu_f32(conv, INTERPRETED).to(tl.bfloat16), mask=ok)
     if tl.program_id(1) == 0:
         h = tl.arange(0, HV)
         g, beta = _gate_values(tl.load(a_ptr + b * stride_ab + h).to(tl.float32),
@@ -345,7 +330,7 @@ def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, s
         uj = tl.load(u_ptr + b * stride_ub + src[:, None] * stride_ut + c[None, :], mask=ok, other=0.0)
         acc += tl.load(conv_w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :] * uj.to(tl.float32)
     conv = acc.to(tl.bfloat16).to(tl.float32)
-    tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], _silu(conv, INTERPRETED).to(tl.bfloat16),
+    tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], silu_f32(conv, INTERPRETED).to(tl.bfloat16),
              mask=(t < T)[:, None] & c_ok[None, :])
 
 

@@ -57,9 +57,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
 from fqkernels import pdl
+from fqkernels.swiglu import silu_f32
 
 __all__ = [
     "GemvConfig",
@@ -298,11 +297,7 @@ def _silu_mul_bf16(g, u, INTERPRETED: tl.constexpr):
     """bf16( bf16(silu(bf16(g))) * bf16(u) ) from fp32 sums g and u."""
     g = g.to(tl.bfloat16).to(tl.float32)
     u = u.to(tl.bfloat16).to(tl.float32)
-    if INTERPRETED:
-        e = tl.exp(-g)              # the CPU interpreter has no libdevice; it evaluates numpy's exp
-    else:
-        e = libdevice.exp(-g)       # __nv_expf, the expf PyTorch's SiLU calls
-    act = tl.math.div_rn(g, 1.0 + e).to(tl.bfloat16).to(tl.float32)
+    act = silu_f32(g, INTERPRETED).to(tl.bfloat16).to(tl.float32)
     return (act * u).to(tl.bfloat16)
 
 

@@ -12,6 +12,24 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
+def exp_f32(x, INTERPRETED: tl.constexpr):
+    """expf as PyTorch's CUDA kernels call it (libdevice __nv_expf; Triton's tl.exp is a faster
+    approximation whose last bits differ); numpy's exp under the CPU interpreter, which has
+    no libdevice."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def silu_f32(x, INTERPRETED: tl.constexpr):
+    """PyTorch's CUDA SiLU of fp32 x: x / (1 + expf(-x)), the division correctly rounded
+    (Triton's default `/` is an approximation that can move the BF16 rounding of the result)."""
+    return tl.math.div_rn(x, 1.0 + exp_f32(-x, INTERPRETED))
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr,
                      INTERPRETED: tl.constexpr = False):
     row = tl.program_id(0)
@@ -19,14 +37,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexp
     mask = offs < I
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + I + offs, mask=mask, other=0.0)
-    # libdevice expf and a correctly rounded division: what PyTorch's CUDA SiLU
-    # evaluates (Triton's default exp and `/` are approximations that can move
-    # the BF16 rounding of the result).
-    if INTERPRETED:
-        e = tl.exp(-g)              # the CPU interpreter has no libdevice; it evaluates numpy's exp
-    else:
-        e = libdevice.exp(-g)
-    act = tl.math.div_rn(g, 1.0 + e).to(tl.bfloat16)
+    act = silu_f32(g, INTERPRETED).to(tl.bfloat16)
     out = (act.to(tl.float32) * u.to(tl.float32)).to(tl.bfloat16)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
