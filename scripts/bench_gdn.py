@@ -127,12 +127,15 @@ SWEEP = {
     "out_tf32": dict(out_prec="tf32"),
     "out_bv128": dict(out_bv=128),
     "out_w8": dict(out_warps=8),
+    "out_bv128_w8": dict(out_bv=128, out_warps=8),
     "state_bv32_s1": dict(block_v=32, state_stages=1),
     "state_bv16_s1": dict(block_v=16, state_stages=1),
-    "state_bv64_s1": dict(block_v=64, state_stages=1),
     "state_bv64_s2": dict(block_v=64),
+    "state_w8_bv32": dict(state_warps=8, block_v=32),
     "state_w8_bv64": dict(state_warps=8, block_v=64),
+    "state_w2_bv16": dict(state_warps=2, block_v=16),
     "solve_w8": dict(solve_warps=8),
+    "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
 }
 
 

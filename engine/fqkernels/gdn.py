@@ -457,12 +457,22 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
 # o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
 #
-# Products run on tensor cores as three TF32 products per fp32 product (_dot3: each operand
-# split into its TF32 head and the rest; about fp32's accuracy, far from TF32's), sums in
-# fp32, the state fp32 throughout. Written out rather than Triton's input_precision="tf32x3",
-# which the platform's Triton 3.1 fails to compile here. Gated against the float64 oracle in
-# tests/kernels/test_gdn_kernels.py; the timing beside flash-linear-attention is
-# scripts/bench_gdn.py ("tf32": one TF32 product, for that comparison only).
+# Precision: fp32 throughout, the state included, on tensor cores in two ways.
+# - A product with one bf16 operand that is exact as loaded (the raw keys, queries and
+#   values, before their l2 norms and gates, which become per-row or per-column factors
+#   applied to the other operand or to the result) splits the fp32 operand into three bf16
+#   parts whose sum is exactly it (_bf16_thirds) and takes three bf16 products: each product
+#   of two bf16 numbers is exact in the fp32 accumulator (_dot_f32_bf16, _dot_bf16_f32). The
+#   key-key and query-key products are one bf16 product of the raw rows.
+# - A product of two fp32 operands (the solve's block products, w S, attn v_new) runs as
+#   three TF32 products (_dot3: each operand split into its TF32 head and the rest; about
+#   fp32's accuracy, far from TF32's). Written out rather than Triton's
+#   input_precision="tf32x3", which the platform's Triton 3.1 fails to compile here.
+# Keeping the bf16 operands as loaded also halves their registers: with every operand in
+# fp32 and split, ptxas for sm_90 gave each kernel 255 registers and 1-1.5 KB of spills a
+# thread (session 11). Gated against the float64 oracle in tests/kernels/test_gdn_kernels.py;
+# the timing beside flash-linear-attention is scripts/bench_gdn.py ("tf32": one TF32 product
+# in _dot3, for that comparison only).
 _PREC = "tf32x3"
 # Tokens per call of the kernels: u (then v_new), w and the chunks' starting states are fp32
 # workspaces of 2 KiB per token and value head (1 GiB for 16K tokens of 32 heads), so longer
@@ -491,9 +501,39 @@ def _dot3(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _l2_rows(x):
-    """Each row times rsqrt(sum of squares + 1e-6) in fp32 (gdn.l2_normalize)."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+def _bf16_thirds(x):
+    """fp32 x as three bf16 parts, hi + mid + lo == x exactly (8 + 8 + 8 significant bits;
+    each remainder is exact in fp32)."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_f32_bf16(a, b):
+    """a @ b for fp32 a and bf16 b, to fp32's precision on bf16 tensor cores: a's three bf16
+    parts times b, each product exact, the small parts first."""
+    hi, mid, lo = _bf16_thirds(a)
+    acc = tl.dot(lo, b)
+    acc = tl.dot(mid, b, acc)
+    return tl.dot(hi, b, acc)
+
+
+@triton.jit
+def _dot_bf16_f32(a, b):
+    """a @ b for bf16 a and fp32 b (_dot_f32_bf16 mirrored)."""
+    hi, mid, lo = _bf16_thirds(b)
+    acc = tl.dot(a, lo)
+    acc = tl.dot(a, mid, acc)
+    return tl.dot(a, hi, acc)
+
+
+@triton.jit
+def _inv_norm(x):
+    """rsqrt(sum of squares + 1e-6) of each row of bf16 x, in fp32 (gdn.l2_normalize's factor)."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
 
 
 @triton.jit
@@ -511,14 +551,18 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
     k_rows = k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh + dk[None, :]
-    k = _l2_rows(tl.load(k_rows, mask=ok[:, None], other=0.0).to(tl.float32))
+    k = tl.load(k_rows, mask=ok[:, None], other=0.0)             # raw bf16 keys
+    rk = _inv_norm(k)
     beta = tl.load(beta_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * stride_gb + t * stride_gt + hv, mask=ok, other=0.0)
     gamma = tl.cumsum(g, axis=0)                                  # log decay from the chunk's start
-    kb = k * beta[:, None]
     # Everything below on transposes (at = A^T, x = (D^-1)^T): a tile's rows stay in one warp,
     # so the substitution's sums run along rows, within warps, with no block-wide barrier.
-    at = tl.where(r[:, None] < r[None, :], _dot3(k, tl.trans(kb), PREC) * tl.exp(gamma[None, :] - gamma[:, None]), 0.0)
+    # at[i, j] = beta_j (k_j . k_i) e^(gamma_j - gamma_i), i < j: the raw keys' product, then
+    # both norms and the gate as factors.
+    at = tl.where(r[:, None] < r[None, :],
+                  tl.dot(k, tl.trans(k)) * (rk[:, None] * (rk * beta)[None, :]) * tl.exp(gamma[None, :] - gamma[:, None]),
+                  0.0)
     # D^-1 by rows (x by columns): step i finishes row i of every 16-row block,
     # D^-1_r = e_r - sum_{j<r} A_rj D^-1_j (rows j < r of the block are final). Row j's
     # coefficient is A[16 (j // 16) + i, j], one row per block, and block-diagonal D^-1 keeps
@@ -534,19 +578,16 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     # M^-1 = (I - N)(I + N^2) D^-1 with N = D^-1 L (L: A off the diagonal blocks), transposed:
     # N^T = L^T x, and (M^-1)^T = x (I + N^T N^T) (I - N^T).
     nt = _dot3(tl.where(same, 0.0, at), x, PREC)
-    m_inv_t = _dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC)
-    m_inv = tl.trans(m_inv_t)
-    # k read again (from L2) and v read only now, each product stored at once: neither the keys
-    # nor the values stay live through the substitution (ptxas for sm_90: spills 192 -> 44 bytes
-    # a thread); the values are the ones above, bit for bit.
+    m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))
+    # u = M^-1 diag(beta) v and w = M^-1 diag(beta rk e^gamma) k_raw: the factors on M^-1's
+    # columns, the raw bf16 rows the exact operand
     base = (pid * NC + c).to(tl.int64) * C
-    k = _l2_rows(tl.load(k_rows, mask=ok[:, None], other=0.0).to(tl.float32))
-    w = _dot3(m_inv, (k * beta[:, None]) * tl.exp(gamma)[:, None], PREC)     # kb e^gamma, as before
-    tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    u = _dot3(m_inv, v * beta[:, None], PREC)
+                mask=ok[:, None], other=0.0)
+    u = _dot_f32_bf16(m_inv * beta[None, :], v)
     tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
+    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k)
+    tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     tl.store(gamma_ptr + base + r, gamma)
 
 
@@ -572,29 +613,40 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
     dv = v0 + tl.arange(0, BV)
     s0 = tl.zeros([DH, BV], dtype=tl.float32)
     s1 = tl.zeros([DH, BV], dtype=tl.float32)
+    # every tile's address as a scalar base (advanced a chunk at a time) plus loop-invariant
+    # int32 offsets: tensors of 64-bit pointers cost two registers an element
+    k_base = k_ptr + b * stride_kb + (hv // RATIO) * stride_kh
+    k_off = r[:, None] * stride_kt + d0[None, :]
+    w_off = r[:, None] * DK + d0[None, :]
+    u_off = r[:, None] * DV + dv[None, :]
+    h_off = d0[:, None] * DV + dv[None, :]
     for c in range(NC):
         t = c * C + r
-        rows = k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh
-        k0 = tl.load(rows + d0[None, :], mask=(t < T)[:, None], other=0.0).to(tl.float32)
-        k1 = tl.load(rows + d1[None, :], mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        kc = k_base + c * C * stride_kt
+        k0 = tl.load(kc + k_off, mask=(t < T)[:, None], other=0.0)       # raw bf16 keys
+        k1 = tl.load(kc + DH + k_off, mask=(t < T)[:, None], other=0.0)
         chunk = pid * NC + c
         base = chunk.to(tl.int64) * C
         gamma = tl.load(gamma_ptr + base + r)
         last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
         # l2 norm of the whole row, then the decay to the chunk's end: one factor per row
-        scale = tl.rsqrt(tl.sum(k0 * k0, axis=1) + tl.sum(k1 * k1, axis=1) + 1e-6) * tl.exp(last - gamma)
-        hrow = chunk.to(tl.int64) * DK
-        tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start
-        tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)
-        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
-        ws = _dot3(w0, s0, PREC)
-        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
-        ws += _dot3(w1, s1, PREC)
-        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
-        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
+        k0f = k0.to(tl.float32)
+        k1f = k1.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(k0f * k0f, axis=1) + tl.sum(k1f * k1f, axis=1) + 1e-6) * tl.exp(last - gamma)
+        hc = h_ptr + chunk.to(tl.int64) * DK * DV
+        tl.store(hc + h_off, s0)                                         # S at the chunk's start
+        tl.store(hc + DH * DV + h_off, s1)
+        wc = w_ptr + base * DK
+        ws = _dot3(tl.load(wc + w_off), s0, PREC)
+        ws += _dot3(tl.load(wc + DH + w_off), s1, PREC)
+        uc = u_ptr + base * DV
+        v_new = tl.load(uc + u_off) - ws
+        tl.store(uc + u_off, v_new)
+        # S <- e^gamma_last S + k_raw^T diag(scale) v_new: the row factor on v_new, the raw keys exact
         carry = tl.exp(last)
-        s0 = s0 * carry + _dot3(tl.trans(k0 * scale[:, None]), v_new, PREC)
-        s1 = s1 * carry + _dot3(tl.trans(k1 * scale[:, None]), v_new, PREC)
+        vs = v_new * scale[:, None]
+        s0 = s0 * carry + _dot_bf16_f32(tl.trans(k0), vs)
+        s1 = s1 * carry + _dot_bf16_f32(tl.trans(k1), vs)
     out = state_ptr + b * stride_sb + hv * DK * DV
     tl.store(out + d0[:, None] * DV + dv[None, :], s0)
     tl.store(out + d1[:, None] * DV + dv[None, :], s1)
@@ -605,31 +657,45 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
                       HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """o = diag(rq e^gamma) (q_raw S_chunk) + attn v_new with attn = the raw rows' q k^T times
+    rq_i rk_j e^(gamma_i - gamma_j), causal; rq, rk the l2 norms' factors (rq with Dk^-0.5).
+    Over Dk in halves, as the state kernel."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     b = pid // HV
     hv = pid % HV
     hk = hv // RATIO
+    DH: tl.constexpr = DK // 2
     r = tl.arange(0, C)
-    dk = tl.arange(0, DK)
+    d0 = tl.arange(0, DH)
+    d1 = DH + tl.arange(0, DH)
     dv = v0 + tl.arange(0, BV)
     t = c * C + r
     ok = t < T
-    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh + dk[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    q = _l2_rows(q) * scale
-    k = _l2_rows(k)
+    q_rows = q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh
+    k_rows = k_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh
+    q0 = tl.load(q_rows + d0[None, :], mask=ok[:, None], other=0.0)
+    q1 = tl.load(q_rows + d1[None, :], mask=ok[:, None], other=0.0)
+    k0 = tl.load(k_rows + d0[None, :], mask=ok[:, None], other=0.0)
+    k1 = tl.load(k_rows + d1[None, :], mask=ok[:, None], other=0.0)
+    q0f = q0.to(tl.float32)
+    q1f = q1.to(tl.float32)
+    k0f = k0.to(tl.float32)
+    k1f = k1.to(tl.float32)
+    rq = tl.rsqrt(tl.sum(q0f * q0f, axis=1) + tl.sum(q1f * q1f, axis=1) + 1e-6) * scale
+    rk = tl.rsqrt(tl.sum(k0f * k0f, axis=1) + tl.sum(k1f * k1f, axis=1) + 1e-6)
     chunk = pid * NC + c
     base = chunk.to(tl.int64) * C
     gamma = tl.load(gamma_ptr + base + r)
+    qk = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
     attn = tl.where(r[:, None] >= r[None, :],
-                    _dot3(q, tl.trans(k), PREC) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
-    h = tl.load(h_ptr + (chunk.to(tl.int64) * DK + dk)[:, None] * DV + dv[None, :])
+                    qk * (rq[:, None] * rk[None, :]) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+    hrow = chunk.to(tl.int64) * DK
+    qh = _dot_bf16_f32(q0, tl.load(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :]))
+    qh += _dot_bf16_f32(q1, tl.load(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :]))
     v_new = tl.load(vn_ptr + (base + r)[:, None] * DV + dv[None, :])
-    o = _dot3(q * tl.exp(gamma)[:, None], h, PREC) + _dot3(attn, v_new, PREC)
+    o = qh * (rq * tl.exp(gamma))[:, None] + _dot3(attn, v_new, PREC)
     tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
              mask=ok[:, None])
 
