@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -124,24 +126,42 @@ def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
 # at a time (each row's per-kernel table shows what that kernel gained), then combinations.
 SWEEP = {
     "default": {},
-    "out_tf32": dict(out_prec="tf32"),
-    "out_bv128": dict(out_bv=128),
     "out_w8": dict(out_warps=8),
     "out_bv128_w8": dict(out_bv=128, out_warps=8),
-    "state_bv32_s1": dict(block_v=32, state_stages=1),
     "state_bv16_s1": dict(block_v=16, state_stages=1),
     "state_bv64_s2": dict(block_v=64),
     "state_w8_bv32": dict(state_warps=8, block_v=32),
-    "state_w8_bv64": dict(state_warps=8, block_v=64),
-    "state_w2_bv16": dict(state_warps=2, block_v=16),
     "solve_w8": dict(solve_warps=8),
     "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
+    "w8_bv16": dict(solve_warps=8, out_warps=8, block_v=16, state_stages=1),
 }
 
 
-def sweep_rows(shapes: list[str], dev: torch.device) -> list[dict]:
-    """Every SWEEP plan at each shape: ms, per-kernel us, and the outputs and final state against
-    the default plan's (and, where it fits, the chunked reference's)."""
+def sweep_isolated(shapes: str) -> list[dict]:
+    """sweep_rows for each SWEEP plan in a process of its own: a plan whose launch faults (an
+    illegal address leaves the CUDA context unusable) is reported as that plan's error and
+    the others still run."""
+    rows = []
+    for name in SWEEP:
+        with tempfile.NamedTemporaryFile(suffix=".json") as part:
+            proc = subprocess.run([sys.executable, __file__, "--sweep", shapes, "--plans", name, "--out", part.name],
+                                  capture_output=True, text=True)
+            got = []
+            if proc.returncode == 0:
+                with open(part.name) as f:
+                    got = json.load(f)["sweep"]
+            if not got:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                got = [{"sweep": name, "plan": SWEEP[name], "error": f"exit {proc.returncode}: {tail[0][:200]}"}]
+        for res in got:
+            print(json.dumps(res), flush=True)
+        rows.extend(got)
+    return rows
+
+
+def sweep_rows(shapes: list[str], dev: torch.device, names: list[str] | None = None) -> list[dict]:
+    """Every SWEEP plan (or those named) at each shape: ms, per-kernel us, and the outputs and
+    final state against the default plan's (and, where it fits, the chunked reference's)."""
     rows = []
     for shape in shapes:
         B, T = (int(x) for x in shape.split("x"))
@@ -151,6 +171,8 @@ def sweep_rows(shapes: list[str], dev: torch.device) -> list[dict]:
         if B * T <= 16384:
             ref = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta)
         for name, knobs in SWEEP.items():
+            if names is not None and name not in names:
+                continue
             res = {"sweep": name, "B": B, "T": T, "plan": knobs}
             try:
                 plan = gdn.PrefillPlan(**knobs)
@@ -211,6 +233,8 @@ def main() -> None:
     ap.add_argument("--decode", default="1,4,16,64", help="batches of the decode-step comparison ('' skips it)")
     ap.add_argument("--sweep", default="", help="shapes at which to time every SWEEP launch plan instead "
                     "(e.g. 4x2048,16x8192); the comparison with fla and the decode rows are skipped")
+    ap.add_argument("--plans", default="", help="with --sweep: only these SWEEP plans, in this process "
+                    "(default: every plan, each in a process of its own)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     ap.add_argument("--best", default="", help="print the best plan of a --sweep report (FASTQWEN_GDN_PLAN text)")
     args = ap.parse_args()
@@ -220,8 +244,13 @@ def main() -> None:
         return
     dev = torch.device("cuda")
     if args.sweep:
+        unknown = [n for n in args.plans.split(",") if n and n not in SWEEP]
+        if unknown:
+            ap.error(f"--plans: unknown plan(s) {', '.join(unknown)}; known: {', '.join(SWEEP)}")
+        rows = (sweep_rows(args.sweep.split(","), dev, args.plans.split(",")) if args.plans
+                else sweep_isolated(args.sweep))
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "sweep": sweep_rows(args.sweep.split(","), dev)}, f, indent=1)
+            json.dump({"torch": torch.__version__, "sweep": rows}, f, indent=1)
         return
     fla = _fla()
     report = {"torch": torch.__version__, "fla": fla is not None, "results": []}

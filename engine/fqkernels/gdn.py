@@ -537,7 +537,7 @@ def _inv_norm(x):
 
 
 @triton.jit
-def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, T, NC,
+def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                         DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
@@ -589,19 +589,22 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k)
     tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     tl.store(gamma_ptr + base + r, gamma)
+    tl.store(rk_ptr + base + r, rk)
 
 
 @triton.jit
-def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
+def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_sb,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """The state's Dk rows kept as two halves and every product taken over one half of Dk at
     a time: each operand tile is half the size, so fewer registers are live at once (with the
     whole Dk in one tile ptxas for sm_90 spilled ~1.2 KB a thread and the kernel took 2.3x
-    as long at (16, 8192), session 10). Sums over Dk run as two half sums, added. The grid is
-    (value blocks, sequence x value head): a head's blocks launch side by side, so the k and
-    w tiles they all read come from L2 after the first."""
+    as long at (16, 8192), session 10). Sums over Dk run as two half sums, added. The keys
+    are loaded already transposed ([Dk/2, C] tiles, only ever a product's operand) and their
+    norms come from the solve kernel (rk). The grid is (value blocks, sequence x value head):
+    a head's blocks launch side by side, so the k and w tiles they all read come from L2
+    after the first."""
     v0 = tl.program_id(0) * BV
     pid = tl.program_id(1)
     b = pid // HV
@@ -613,40 +616,31 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, h_ptr, state_ptr, T, NC,
     dv = v0 + tl.arange(0, BV)
     s0 = tl.zeros([DH, BV], dtype=tl.float32)
     s1 = tl.zeros([DH, BV], dtype=tl.float32)
-    # every tile's address as a scalar base (advanced a chunk at a time) plus loop-invariant
-    # int32 offsets: tensors of 64-bit pointers cost two registers an element
-    k_base = k_ptr + b * stride_kb + (hv // RATIO) * stride_kh
-    k_off = r[:, None] * stride_kt + d0[None, :]
-    w_off = r[:, None] * DK + d0[None, :]
-    u_off = r[:, None] * DV + dv[None, :]
-    h_off = d0[:, None] * DV + dv[None, :]
     for c in range(NC):
         t = c * C + r
-        kc = k_base + c * C * stride_kt
-        k0 = tl.load(kc + k_off, mask=(t < T)[:, None], other=0.0)       # raw bf16 keys
-        k1 = tl.load(kc + DH + k_off, mask=(t < T)[:, None], other=0.0)
+        cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + (hv // RATIO) * stride_kh
+        k0t = tl.load(cols + d0[:, None], mask=(t < T)[None, :], other=0.0)      # raw bf16 keys, [DH, C]
+        k1t = tl.load(cols + d1[:, None], mask=(t < T)[None, :], other=0.0)
         chunk = pid * NC + c
         base = chunk.to(tl.int64) * C
         gamma = tl.load(gamma_ptr + base + r)
         last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
         # l2 norm of the whole row, then the decay to the chunk's end: one factor per row
-        k0f = k0.to(tl.float32)
-        k1f = k1.to(tl.float32)
-        scale = tl.rsqrt(tl.sum(k0f * k0f, axis=1) + tl.sum(k1f * k1f, axis=1) + 1e-6) * tl.exp(last - gamma)
-        hc = h_ptr + chunk.to(tl.int64) * DK * DV
-        tl.store(hc + h_off, s0)                                         # S at the chunk's start
-        tl.store(hc + DH * DV + h_off, s1)
-        wc = w_ptr + base * DK
-        ws = _dot3(tl.load(wc + w_off), s0, PREC)
-        ws += _dot3(tl.load(wc + DH + w_off), s1, PREC)
-        uc = u_ptr + base * DV
-        v_new = tl.load(uc + u_off) - ws
-        tl.store(uc + u_off, v_new)
+        scale = tl.load(rk_ptr + base + r) * tl.exp(last - gamma)
+        hrow = chunk.to(tl.int64) * DK
+        tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start
+        tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)
+        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
+        ws = _dot3(w0, s0, PREC)
+        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
+        ws += _dot3(w1, s1, PREC)
+        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
+        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
         # S <- e^gamma_last S + k_raw^T diag(scale) v_new: the row factor on v_new, the raw keys exact
         carry = tl.exp(last)
         vs = v_new * scale[:, None]
-        s0 = s0 * carry + _dot_bf16_f32(tl.trans(k0), vs)
-        s1 = s1 * carry + _dot_bf16_f32(tl.trans(k1), vs)
+        s0 = s0 * carry + _dot_bf16_f32(k0t, vs)
+        s1 = s1 * carry + _dot_bf16_f32(k1t, vs)
     out = state_ptr + b * stride_sb + hv * DK * DV
     tl.store(out + d0[:, None] * DV + dv[None, :], s0)
     tl.store(out + d1[:, None] * DV + dv[None, :], s1)
@@ -798,6 +792,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u, then v_new in its place
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
+    rk = torch.empty((ws,), dtype=torch.float32, device=dev)            # each key's l2 norm factor
     h = torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)   # each chunk's starting state
     out_bv = min(plan.out_bv, Dv)
     if Dv % out_bv or out_bv < 16:
@@ -807,11 +802,11 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         bs = sl.stop - sl.start
         qs, ks, vs, gs, bts, os_ = q[sl], k[sl], v[sl], g[sl], beta[sl], out[sl]
         _chunk_solve_kernel[(bs * Hv, nc)](
-            ks, vs, gs, bts, u, w, gamma, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
+            ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=plan.solve_warps)
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
-            ks, u, w, gamma, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
+            ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
             num_stages=plan.state_stages)
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
