@@ -458,12 +458,14 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
 #
 # Precision: fp32 throughout, the state included, on tensor cores in two ways.
-# - A product with one bf16 operand that is exact as loaded (the raw keys, queries and
+# - A product with one operand that is exact as loaded in bf16 (the raw keys, queries and
 #   values, before their l2 norms and gates, which become per-row or per-column factors
-#   applied to the other operand or to the result) splits the fp32 operand into three bf16
-#   parts whose sum is exactly it (_bf16_thirds) and takes three bf16 products: each product
-#   of two bf16 numbers is exact in the fp32 accumulator (_dot_f32_bf16, _dot_bf16_f32). The
-#   key-key and query-key products are one bf16 product of the raw rows.
+#   applied to the other operand or to the result) needs no split of that operand: in the
+#   solve kernel the fp32 one becomes three bf16 parts whose sum is exactly it
+#   (_bf16_thirds), three bf16 products, each exact in the fp32 accumulator
+#   (_dot_f32_bf16); in the state and output kernels the bf16 one is exact in TF32, so two
+#   TF32 products of the other's head and rest (_dot_tf32_exact). The key-key and query-key
+#   products are one bf16 product of the raw rows.
 # - A product of two fp32 operands (the solve's block products, w S, attn v_new) runs as
 #   three TF32 products (_dot3: each operand split into its TF32 head and the rest; about
 #   fp32's accuracy, far from TF32's). Written out rather than Triton's
@@ -521,12 +523,14 @@ def _dot_f32_bf16(a, b):
 
 
 @triton.jit
-def _dot_bf16_f32(a, b):
-    """a @ b for bf16 a and fp32 b (_dot_f32_bf16 mirrored)."""
-    hi, mid, lo = _bf16_thirds(b)
-    acc = tl.dot(a, lo)
-    acc = tl.dot(a, mid, acc)
-    return tl.dot(a, hi, acc)
+def _dot_tf32_exact(a, b):
+    """a @ b for fp32 a whose every element is exact in TF32 (a bf16 value converted) and fp32 b,
+    to about fp32's precision: b's TF32 head and the rest, two TF32 products (a's own rest is
+    zero). Not bf16 thirds of b: Triton 3.6 on sm_90 faulted (illegal address) on a product
+    whose bf16 right operand, computed in registers, is 32 columns wide (session 11)."""
+    b_hi = _tf32_head(b)
+    acc = tl.dot(a, b - b_hi, input_precision="tf32")
+    return tl.dot(a, b_hi, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -639,8 +643,8 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
         # S <- e^gamma_last S + k_raw^T diag(scale) v_new: the row factor on v_new, the raw keys exact
         carry = tl.exp(last)
         vs = v_new * scale[:, None]
-        s0 = s0 * carry + _dot_bf16_f32(k0t, vs)
-        s1 = s1 * carry + _dot_bf16_f32(k1t, vs)
+        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
+        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
     out = state_ptr + b * stride_sb + hv * DK * DV
     tl.store(out + d0[:, None] * DV + dv[None, :], s0)
     tl.store(out + d1[:, None] * DV + dv[None, :], s1)
@@ -686,8 +690,8 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
     attn = tl.where(r[:, None] >= r[None, :],
                     qk * (rq[:, None] * rk[None, :]) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
     hrow = chunk.to(tl.int64) * DK
-    qh = _dot_bf16_f32(q0, tl.load(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :]))
-    qh += _dot_bf16_f32(q1, tl.load(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :]))
+    qh = _dot_tf32_exact(q0f, tl.load(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :]))
+    qh += _dot_tf32_exact(q1f, tl.load(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :]))
     v_new = tl.load(vn_ptr + (base + r)[:, None] * DV + dv[None, :])
     o = qh * (rq * tl.exp(gamma))[:, None] + _dot3(attn, v_new, PREC)
     tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
