@@ -11,7 +11,9 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
   gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's conv through gdn.causal_conv_prefill, its rule through
   gdn.chunked_prefill, its gated norm through gdn.gated_rmsnorm; every residual add and the norm
-  after it through fqkernels.rmsnorm (one_plus). Each decode product through our GEMV
+  after it through fqkernels.rmsnorm (one_plus). An attention layer's q_proj, k_proj and v_proj
+  are one packed matrix (one decode product; the prompt pass takes its row slices), its output
+  gate one kernel (swiglu.sigmoid_gate_mul). Each decode product through our GEMV
   (fqkernels/gemv.py) where, timed at the decode batch (`ops.tune`, as the Qwen3 op set
   does), it beats cuBLAS; cuBLAS otherwise. The CUDA default.
 FASTQWEN_QWEN35_BACKEND=torch|triton overrides the default. (flash-linear-attention is
@@ -48,6 +50,7 @@ from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
+from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 
 BACKENDS = ("torch", "triton")
 # The triton backend's prompt pass runs its MLP over row slices of at most this many tokens.
@@ -157,9 +160,9 @@ def load_weights(model_dir: str, cfg: Qwen35Config, device: torch.device, pack: 
     """name -> BF16 tensor on the device, text-model names (`model.layers.3.self_attn.q_proj.weight`);
     the released wrapper's prefix is removed, its vision and MTP weights skipped (one line).
     pack: the triton backend's packed matrices (_pack_groups: gate | up, a GDN layer's qkv | z |
-    b | a) are each read straight into their place in one device tensor, so the load's peak is
-    the weights themselves (packing after the load held both copies: +4.4 GiB reserved on the
-    4B, session 9)."""
+    b | a, an attention layer's q | k | v) are each read straight into their place in one device
+    tensor, so the load's peak is the weights themselves (packing after the load held both
+    copies: +4.4 GiB reserved on the 4B, session 9)."""
     from safetensors import safe_open
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
@@ -216,6 +219,8 @@ def _pack_groups(cfg: Qwen35Config) -> dict:
         if cfg.layer_types[i] == "linear_attention":
             groups[p + "linear_attn.in_proj.weight"] = [p + f"linear_attn.in_proj_{n}.weight"
                                                         for n in ("qkv", "z", "b", "a")]
+        else:
+            groups[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
     return groups
 
 
@@ -255,9 +260,10 @@ class Qwen35Model:
 
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
-        matrix (qkv | z | b | a), per layer gate and up as one (gate | up), packed in the
-        weights dict itself, each original dropped as its pack is made. Packs the loader
-        already made (load_weights(pack=True), what the engine loads) are kept as they are."""
+        matrix (qkv | z | b | a), per attention layer q_proj, k_proj and v_proj as one
+        (q | k | v), per layer gate and up as one (gate | up), packed in the weights dict
+        itself, each original dropped as its pack is made. Packs the loader already made
+        (load_weights(pack=True), what the engine loads) are kept as they are."""
         for packed, names in _pack_groups(self.cfg).items():
             if packed not in self.w:
                 self.w[packed] = torch.cat([self.w.pop(n) for n in names])
@@ -384,31 +390,44 @@ class Qwen35Model:
     def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True):
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE (k not rotated with
         rope_k False, triton backend: rope_store_kv rotates it on its way into the cache);
-        gate [B, T, H * D]."""
+        gate [B, T, H, D], a view of q_proj's rows (per head [query | gate])."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
-        lin = self.ops.linear
-        qp = lin(h, self.w[p + "q_proj.weight"]).view(B, T, -1, 2 * c.head_dim)    # per head [query | gate]
-        q, gate = torch.chunk(qp, 2, dim=-1)
-        k = lin(h, self.w[p + "k_proj.weight"]).view(B, T, -1, c.head_dim)
-        v = lin(h, self.w[p + "v_proj.weight"]).view(B, T, -1, c.head_dim).transpose(1, 2)
+        qp, k, v = self._qkv_proj(p, h)
+        q, gate = torch.chunk(qp.view(B, T, -1, 2 * c.head_dim), 2, dim=-1)    # per head [query | gate]
+        k = k.view(B, T, -1, c.head_dim)
+        v = v.view(B, T, -1, c.head_dim).transpose(1, 2)
         if self.backend == "triton":
-            # each head's (1 + w) norm one kernel row (q: the first D of each 2D), then the partial RoPE
+            # each head's (1 + w) norm one kernel row, read in place (q: the first D of each 2D), then
+            # the partial RoPE
             from fqkernels.rmsnorm import rmsnorm
             from fqkernels.rope_kv import partial_rope
 
             cs, sn = (t.expand(B, T, -1).reshape(B * T, -1) for t in (cos, sin))
-            q = rmsnorm(qp.reshape(-1, 2 * c.head_dim)[:, :c.head_dim], self.w[p + "q_norm.weight"], c.rms_norm_eps,
-                        one_plus=True).view(B * T, -1, c.head_dim)
-            k = rmsnorm(k.reshape(-1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps,
-                        one_plus=True).view(B * T, -1, c.head_dim)
+            q = rmsnorm(q.reshape(B * T, -1, c.head_dim), self.w[p + "q_norm.weight"], c.rms_norm_eps, one_plus=True)
+            k = rmsnorm(k.reshape(B * T, -1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps, one_plus=True)
             q = partial_rope(q, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
             k = (partial_rope(k, cs, sn) if rope_k else k).view(B, T, -1, c.head_dim).transpose(1, 2)
-            return q, k, v, gate.reshape(B, T, -1)
+            return q, k, v, gate
         q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(B, T, -1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate
+
+    def _qkv_proj(self, p: str, h: torch.Tensor):
+        """An attention layer's q_proj (per head [query | gate]), k_proj and v_proj outputs
+        [B, T, *]. On the triton backend from the packed q | k | v matrix: a decode-sized call
+        (at most _Products.GEMV_MAX_ROWS rows) is one product, its columns split (views); a
+        prompt pass runs cuBLAS on the pack's row slices, the separate products' shapes, so
+        their bits. Three products on the references."""
+        if self.backend != "triton":
+            return tuple(self.ops.linear(h, self.w[p + f"{n}_proj.weight"]) for n in "qkv")
+        c = self.cfg
+        sizes = [2 * c.num_heads * c.head_dim, c.kv_size, c.kv_size]
+        w = self.w[p + "qkv_proj.weight"]
+        if h.numel() // h.shape[-1] <= _Products.GEMV_MAX_ROWS:
+            return torch.split(self.ops.linear(h, w), sizes, dim=-1)
+        return tuple(F.linear(h, part) for part in torch.split(w, sizes))
 
     def _attention_prefill(self, i: int, h, cos, sin, rows: slice):
         B, S, _ = h.shape
@@ -418,7 +437,7 @@ class Qwen35Model:
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        return self._attention_out(i, attn.transpose(1, 2).reshape(B, S, -1), gate)
+        return self._attention_out(i, attn.transpose(1, 2), gate)
 
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
@@ -431,7 +450,7 @@ class Qwen35Model:
             q, k, v, gate = self._qkv_gate(i, h, cos, sin, rope_k=False)
             rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc)
             attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
-            return self._attention_out(i, attn.reshape(B, 1, -1), gate)
+            return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)
         kc[rows, :, positions.long()] = k[:, :, 0]
@@ -444,10 +463,14 @@ class Qwen35Model:
             mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
-        return self._attention_out(i, attn.reshape(B, 1, -1), gate)
+        return self._attention_out(i, attn.transpose(1, 2), gate)
 
     def _attention_out(self, i: int, attn, gate):
-        return self.ops.linear(attn * torch.sigmoid(gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+        """o_proj(attn * sigmoid(gate)), attn and gate [B, T, H, D] (views): on the triton backend
+        one kernel reading both in place (swiglu.sigmoid_gate_mul, the torch ops' bits), on the
+        torch backend the reference's ops on both flattened to [B, T, H * D]."""
+        gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
+        return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None) -> torch.Tensor:
         """GDN layer i over h: a prompt pass filling cache rows prompt_rows, or (None) one decode
@@ -533,8 +556,7 @@ class _TorchProducts:
 # The decode products of a Qwen3.5 checkpoint on the triton backend, by their weights' names
 # (the packed ones: _pack); True where SiLU * up is fused into the product.
 _DECODE_PRODUCTS = {"linear_attn.in_proj.weight": False, "linear_attn.out_proj.weight": False,
-                    "self_attn.q_proj.weight": False, "self_attn.k_proj.weight": False,
-                    "self_attn.v_proj.weight": False, "self_attn.o_proj.weight": False,
+                    "self_attn.qkv_proj.weight": False, "self_attn.o_proj.weight": False,
                     "mlp.gate_up.weight": True, "mlp.down_proj.weight": False, "lm_head.weight": False}
 
 

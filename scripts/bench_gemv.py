@@ -45,8 +45,7 @@ OPS = {
 # are the Qwen3 o's shape): timed with --ops q35_..., not by default.
 Q35_OPS = {
     "q35_in_proj": (12352, 2560, False),     # a GDN layer's qkv | z | b | a, packed
-    "q35_q": (8192, 2560, False),            # query | gate per head
-    "q35_kv": (1024, 2560, False),
+    "q35_qkv": (10240, 2560, False),         # an attention layer's q (query | gate per head) | k | v, packed
     "q35_gate_up_silu": (18432, 2560, True),
     "q35_down": (2560, 9216, False),
     "q35_lm_head": (248320, 2560, False),

@@ -635,6 +635,7 @@ def _attention(batch: int, heads: int, kv_heads: int, head_dim: int, num_splits=
 
 def _qwen35_attention(batch: int) -> None:
     from fqkernels.rope_kv import partial_rope, rope_store_kv
+    from fqkernels.swiglu import sigmoid_gate_mul
 
     _attention(batch, 16, 4, 256)
     cs = torch.empty((batch, 64), dtype=torch.bfloat16, device=CUDA)
@@ -645,6 +646,15 @@ def _qwen35_attention(batch: int) -> None:
     table = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
     cache = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
     rope_store_kv(kv[:, 0], kv[:, 1], table, table, torch.empty(batch, dtype=torch.int32, device=CUDA), cache, cache)
+    # the output gate: decode_attention's rows times the sigmoid of the gate read in place from the
+    # packed q | k | v product's rows (per head [query | gate]); a prompt's, from SDPA's transposed
+    # output and q_proj's own rows
+    qkv = torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA)
+    sigmoid_gate_mul(torch.empty((batch, 16, 256), dtype=torch.bfloat16, device=CUDA).unsqueeze(1),
+                     qkv[:, :8192].view(batch, 1, 16, 512)[..., 256:])
+    qp = torch.empty((batch, 512, 8192), dtype=torch.bfloat16, device=CUDA)
+    sigmoid_gate_mul(torch.empty((batch, 16, 512, 256), dtype=torch.bfloat16, device=CUDA).transpose(1, 2),
+                     qp.view(batch, 512, 16, 512)[..., 256:])
 
 
 def _qwen35_products(batch: int) -> None:
@@ -653,7 +663,7 @@ def _qwen35_products(batch: int) -> None:
     from fqkernels import gemv
 
     x = torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA)
-    for n in (12352, 8192, 1024, 248320):
+    for n in (12352, 10240, 248320):                     # GDN in_proj, attention q | k | v, lm_head
         gemv.linear(x, torch.empty((n, 2560), dtype=torch.bfloat16, device=CUDA))
     gemv.linear(torch.empty((batch, 9216), dtype=torch.bfloat16, device=CUDA),
                 torch.empty((2560, 9216), dtype=torch.bfloat16, device=CUDA))
@@ -675,7 +685,8 @@ def _fa2_attention(batch: int) -> None:
 
 
 def _one_plus_norms(batch: int) -> None:
-    """Qwen3.5's (1 + w) norms at its widths: alone (the first layer's) and after the residual add."""
+    """Qwen3.5's (1 + w) norms at its widths: alone (the first layer's) and after the residual add;
+    the attention's q and k heads read in place from the packed q | k | v product's rows."""
     from fqkernels import rmsnorm
 
     for n in (2560, 256):
@@ -683,6 +694,9 @@ def _one_plus_norms(batch: int) -> None:
         w = torch.empty(n, dtype=torch.bfloat16, device=CUDA)
         rmsnorm.rmsnorm(x, w, 1e-6, one_plus=True)
         rmsnorm.add_rmsnorm(x, x, w, 1e-6, one_plus=True)
+    qkv = torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA)
+    rmsnorm.rmsnorm(qkv[:, :8192].view(batch, 16, 512)[..., :256], w, 1e-6, one_plus=True)
+    rmsnorm.rmsnorm(qkv[:, 8192:9216].view(batch, 4, 256), w, 1e-6, one_plus=True)
 
 
 def _exact_products(batch: int) -> None:

@@ -261,7 +261,7 @@ for l in sys.stdin:
     r = json.loads(l); print('exact=$exact', '$rep', r['shape'], 'step %.4f ms' % r['graph_step_ms'])"
                  done; done ;;
     exact-on) export FASTQWEN_EXACT_DECODE=1 ;;
-    kernels-gdn) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py \
+    kernels-gdn) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py tests/kernels/test_sigmoid_gate.py \
                    tests/kernels/test_qwen35_step.py 2>&1 | tail -30 | tee "$OUT/pytest_gdn.log" ;;
     kernels-norm) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_norm_rope_swiglu.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_norms.log" ;;

@@ -163,13 +163,13 @@ def test_released_layout_loads_the_same(tiny, tmp_path, capsys):
 
 def test_packed_load_is_the_packing_of_the_plain_load(tiny, tmp_path):
     """load_weights(pack=True), what the engine loads for the triton backend: each packed matrix
-    (gate | up, qkv | z | b | a) read straight into place equals the plain load's tensors
+    (gate | up, qkv | z | b | a, q | k | v) read straight into place equals the plain load's tensors
     stacked (Qwen35Model._pack); everything else is the same tensor, the released layout too."""
     cfg = fq_qwen35.Qwen35Config.from_dir(str(tiny))
     plain = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"))
     packed = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"), pack=True)
     groups = fq_qwen35._pack_groups(cfg)
-    assert len(groups) == cfg.num_layers + sum(t == "linear_attention" for t in cfg.layer_types)
+    assert len(groups) == 2 * cfg.num_layers       # gate | up per layer, one mixer's pack per layer
     for name, parts in groups.items():
         assert name not in plain and not any(p in packed for p in parts)
         assert torch.equal(packed[name], torch.cat([plain[p] for p in parts]))

@@ -162,11 +162,7 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
     ),
-    (8192, 2560): (                                                     # q_proj (query | gate)
-        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
-        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
-    ),
-    (1024, 2560): (                                                     # k_proj, v_proj
+    (10240, 2560): (                                                    # attention q | k | v, packed
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
     ),

@@ -8,6 +8,9 @@ Formula (the reference's cast points, kept exactly):
 Keeping y in float32 through the weight product would be "more accurate" and a
 different function: it moves a cast point the 2.0-logit margin was calibrated on.
 Shapes: x, r, out [M, N] bf16 (unit stride on N); w [N] bf16. One program per row.
+`rmsnorm` also takes x [M, H, N], rows of heads read in place through x's strides (a column
+slice of a packed product's rows, whose heads sit another stride apart than its rows); out is
+then [M, H, N], contiguous.
 
 `embed_rmsnorm` starts a forward pass: x = table[ids] (the embedding lookup, written
 out as the residual stream) and its RMSNorm, in one kernel.
@@ -105,10 +108,14 @@ def _row_values(src, r_ptr, stride_split, offs, mask,
 
 
 @triton.jit
-def _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER: tl.constexpr):
-    """Where the row's input values are: x's row, or (GATHER) row ids[row] of `table`."""
+def _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER: tl.constexpr,
+                HEADS: tl.constexpr):
+    """Where the row's input values are: x's row, or (GATHER) row ids[row] of `table`; with
+    HEADS > 1, head row % HEADS (stride_h apart) of x's row row // HEADS."""
     if GATHER:
         return table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
+    if HEADS > 1:
+        return x_ptr + (row // HEADS) * stride_x + (row % HEADS) * stride_h
     return x_ptr + row * stride_x
 
 
@@ -124,18 +131,21 @@ def _scaled(xf, inv, w, ONE_PLUS: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
-                    stride_x, stride_r, stride_o, stride_split, stride_t,
+                    stride_x, stride_h, stride_r, stride_o, stride_split, stride_t,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
+                    GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ONE_PLUS: tl.constexpr = False,
+                    HEADS: tl.constexpr = 1):
     """FASTQWEN_TORCH_ORDER_NORM=0's kernel: the mean of squares is Triton's tl.sum.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
-    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup)."""
+    GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
+    HEADS > 1 (no residual, no gather): program `row` normalizes head row % HEADS of x's row
+    row // HEADS (_row_source)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER)
+    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
@@ -213,21 +223,22 @@ def _column_sums(t, NB: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, stats_ptr, inv_n, eps,
-                                stride_x, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
+                                stride_x, stride_h, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                                 VEC: tl.constexpr, HALVES: tl.constexpr, STATS: tl.constexpr = False,
                                 GATHER: tl.constexpr = False, PDL: tl.constexpr = False,
-                                ONE_PLUS: tl.constexpr = False):
+                                ONE_PLUS: tl.constexpr = False, HEADS: tl.constexpr = 1):
     """The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
     order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
     accumulator c // 32, and the lanes go through ATen's tree (module doc).
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
-    STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests)."""
+    STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests).
+    HEADS > 1 (no residual, no gather): rows of heads, as in _rmsnorm_kernel."""
     row = tl.program_id(0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_t, GATHER)
+    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     NB: tl.constexpr = (BLOCK + 127) // 128
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < N
@@ -326,8 +337,10 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> None:
 
 def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None, one_plus=False):
     """gather: (ids, table) to fill x with table[ids] first (x then is written, not read).
-    stats: an fp32 [M] tensor for each row's mean of squares (runs the torch-order kernel)."""
-    _check("x", x, 2)
+    stats: an fp32 [M] tensor for each row's mean of squares (runs the torch-order kernel).
+    x [M, H, N] (rmsnorm's rows of heads; r and gather None): out is [M * H, N]."""
+    heads = x.shape[1] if x.dim() == 3 else 1
+    _check("x", x, 3 if x.dim() == 3 and r is None and gather is None else 2)
     _check("w", w, 1)
     splits, stride_split = 0, 0
     if partials:
@@ -343,20 +356,24 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None, one_plus
         _check("residual", r, 2)
         if r.shape != x.shape:
             raise ValueError(f"residual shape {tuple(r.shape)} != x shape {tuple(x.shape)}")
-    if w.shape[0] != x.shape[1]:
-        raise ValueError(f"weight has {w.shape[0]} elements, rows have {x.shape[1]}")
+    N = x.shape[-1]
+    M = x.shape[0] * heads
+    if w.shape[0] != N:
+        raise ValueError(f"weight has {w.shape[0]} elements, rows have {N}")
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     _check("out", out, 2)
-    M, N = x.shape
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"out must have shape ({M}, {N}), got {tuple(out.shape)}")
     block = triton.next_power_of_2(N)
-    use_pdl, pdl_launch = pdl.for_rows(M)
+    use_pdl, pdl_launch = pdl.for_rows(x.shape[0])     # tokens: a decode step's heads are one launch
     ids, table = gather if gather is not None else (x, x)   # (no gather: unused)
     rows = (x, r if r is not None else x, w, out, ids, table)
-    strides = (x.stride(0), (r if r is not None else x).stride(0), out.stride(0), stride_split,
-               table.stride(0) if gather is not None else 0)
+    strides = (x.stride(0), x.stride(1) if heads > 1 else 0, (r if r is not None else x).stride(0), out.stride(0),
+               stride_split, table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
-                 ONE_PLUS=bool(one_plus), num_warps=4 if block <= 4096 else 8, PDL=use_pdl, **pdl_launch)
+                 ONE_PLUS=bool(one_plus), HEADS=heads, num_warps=4 if block <= 4096 else 8, PDL=use_pdl,
+                 **pdl_launch)
     # The torch-order kernel where this torch's order at width N is one it implements
     # (torch_order found it), or when asked for its statistics; else the tl.sum kernel.
     use_torch_order = stats is not None
@@ -391,8 +408,18 @@ def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None,
             one_plus: bool = False) -> torch.Tensor:
     """out = RMSNorm(x) * w with the reference's cast points (one_plus: Qwen3.5's
-    (1 + w) norm, rmsnorm_one_plus_reference)."""
-    return _launch(x, None, w, eps, out, one_plus=one_plus)
+    (1 + w) norm, rmsnorm_one_plus_reference). x [M, N], or [M, H, N]: each head's row
+    normalized, read in place through x's strides (Qwen3.5's q and k heads: column slices of
+    the attention's packed q | k | v product); out then [M, H, N], contiguous."""
+    if x.dim() != 3:
+        return _launch(x, None, w, eps, out, one_plus=one_plus)
+    if out is None:
+        out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous of shape {tuple(x.shape)}, got {tuple(out.shape)} "
+                         f"with strides {out.stride()}")
+    _launch(x, None, w, eps, out.view(-1, x.shape[-1]), one_plus=one_plus)
+    return out
 
 
 def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor = None,

@@ -224,7 +224,7 @@ def _check_table(name):
         assert k_blocks % cfg.split_k == 0, "chunks of equal whole blocks keep the inner loop mask-free"
 
 
-SHAPES_Q35 = {"in_proj": (12352, 2560), "q": (8192, 2560), "kv": (1024, 2560), "gate_up": (18432, 2560),
+SHAPES_Q35 = {"in_proj": (12352, 2560), "qkv": (10240, 2560), "gate_up": (18432, 2560),
               "down": (2560, 9216), "lm_head": (248320, 2560)}
 
 

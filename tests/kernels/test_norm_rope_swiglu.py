@@ -190,6 +190,17 @@ def test_one_plus_norm_gives_qwen35s_reference_bits(rows, n):
     assert torch.equal(xk, s[:rows]) and torch.equal(got, rmsnorm_one_plus_reference(s, w, 1e-6)[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_rows_of_heads_are_the_rows(rows):
+    """rmsnorm over Qwen3.5-4B's q and k heads read in place from the packed q | k | v product's
+    rows: the bits of the same rows made contiguous."""
+    qkv = (torch.randn(rows, 10240, device=DEV) * 3).bfloat16()
+    w = (torch.randn(256, device=DEV) * 0.3).bfloat16()
+    for x in (qkv[:, :8192].view(rows, 16, 512)[..., :256], qkv[:, 8192:9216].view(rows, 4, 256)):
+        want = rmsnorm(x.reshape(-1, 256).contiguous(), w, 1e-6, one_plus=True)
+        assert torch.equal(rmsnorm(x, w, 1e-6, one_plus=True).view(-1, 256), want)
+
+
 def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch):
     """Where torch_order finds no match (a width torch sums some other way), the norms run
     the tl.sum kernel rather than a torch order that is not torch's."""

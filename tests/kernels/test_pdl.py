@@ -13,7 +13,7 @@ from engine_modules import ENGINE_DIR
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
-from fqkernels import decode_attention, gemv, pdl, rmsnorm, rope_kv  # noqa: E402
+from fqkernels import decode_attention, gemv, pdl, rmsnorm, rope_kv, swiglu  # noqa: E402
 
 from .test_gemv import _aot_compile  # noqa: E402
 
@@ -52,21 +52,38 @@ def test_attention_kernels_compile_with_pdl():
 def test_norm_and_rope_kernels_compile_with_pdl():
     base = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
             "table_ptr": "*bf16"}
-    strides = {"stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32", "stride_t": "i32"}
+    strides = {"stride_x": "i32", "stride_h": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32",
+               "stride_t": "i32"}
     for gather in (False, True):
         flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True,
-                     ONE_PLUS=False)
+                     ONE_PLUS=False, HEADS=1)
         sig = {**base, "N": "i32", "eps": "fp32", **strides}
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
         sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
         consts = dict(flags, N=2560, VEC=True, HALVES=True, STATS=False)
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
+    # Qwen3.5's q heads, read in place from the packed q | k | v product's rows
+    consts = dict(HAS_RESIDUAL=False, SPLITS=0, BLOCK=256, GATHER=False, PDL=True, ONE_PLUS=True, HEADS=16, N=256,
+                  VEC=True, HALVES=True, STATS=False)
+    _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
            "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
            "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32"}
     consts = dict(H=32, KVH=8, D=128, PDL=True)
     _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
+
+
+@needs_compiler
+def test_the_output_gate_compiles_with_pdl():
+    """Qwen3.5's sigmoid output gate (Qwen3.5-4B's head_dim 256), its division correctly rounded
+    without flushing subnormal quotients (swiglu.sigmoid_f32)."""
+    sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32",
+           **{f"stride_{t}{d}": "i32" for t in "xg" for d in "bth"}}
+    consts = dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True)
+    ptx = _aot_compile(swiglu._sigmoid_gate_mul_kernel, sig, consts, ("x_ptr", "g_ptr", "out_ptr"), 1, 1).asm["ptx"]
+    _assert_pdl(ptx)
+    assert "div.rn.f32" in ptx and "div.rn.ftz" not in ptx
 
 
 def test_pdl_only_for_decode_sized_launches(monkeypatch):

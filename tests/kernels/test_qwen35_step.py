@@ -110,6 +110,40 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny):
     assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
 
 
+@pytest.mark.parametrize("on_gemv", [False, True], ids=["cublas", "gemv"])
+def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
+    """The triton backend's q | k | v (one packed matrix): in decode one product whose column
+    slices are q_proj's, k_proj's and v_proj's outputs: on our GEMV bit for bit (the pack's
+    config, given to the separate products too: a column's sum does not depend on the other
+    columns), on cuBLAS within a BF16 ulp (another shape may take another kernel); in a prompt
+    pass (more than GEMV_MAX_ROWS rows) the separate products on the pack's row slices, the
+    same bits as on the separate matrices."""
+    from fqkernels import gemv
+
+    cfg, w = tiny
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    p = f"model.layers.{next(iter(model.attn_slot))}.self_attn."
+    packed = model.w[p + "qkv_proj.weight"]
+    assert not any(p + f"{n}_proj.weight" in model.w for n in "qkv"), "the originals stay after packing"
+    if on_gemv:
+        _all_products_on_the_gemv(model, B)
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(B, 1, cfg.hidden_size, generator=gen).bfloat16().to(DEV)
+    rows = h.reshape(B, -1)
+    config = gemv.select_config(*packed.shape, False, B)
+    for got, name in zip(model._qkv_proj(p, h), "qkv"):
+        sep = w[p + f"{name}_proj.weight"]
+        assert got.shape == (B, 1, sep.shape[0])
+        if on_gemv:
+            assert torch.equal(got.reshape(B, -1), gemv.linear(rows, sep, config=config)), name
+        else:
+            want = torch.nn.functional.linear(h, sep).float()
+            assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 1e-30).all(), name
+    prompt = torch.randn(B, fq_qwen35._Products.GEMV_MAX_ROWS, cfg.hidden_size, generator=gen).bfloat16().to(DEV)
+    for got, name in zip(model._qkv_proj(p, prompt), "qkv"):
+        assert torch.equal(got, torch.nn.functional.linear(prompt, w[p + f"{name}_proj.weight"])), name
+
+
 @pytest.mark.skipif(DEV.type != "cuda", reason="times products on a GPU")
 def test_tune_times_every_decode_product(tiny):
     cfg, w = tiny

@@ -177,3 +177,27 @@ def test_one_plus_norm_keeps_qwen35s_cast_points_interpreted(interpreter_bf16_ro
     # the (1 + w) form is not the Qwen3 form on the same rows
     assert not torch.equal(got, rn.rmsnorm(x, w, 1e-6))
 
+
+
+@pytest.mark.skipif(not (INTERPRET and _TRITON_VERSION >= (3, 4)),
+                    reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
+@pytest.mark.parametrize("torch_order", [True, False])
+@pytest.mark.parametrize("one_plus", [True, False])
+@pytest.mark.parametrize("rows,heads,stride_h", [(3, 4, 128), (2, 3, 64), (1, 2, 64)])
+def test_rows_of_heads_are_the_rows_interpreted(interpreter_bf16_rounding, monkeypatch, rows, heads, stride_h,
+                                                 one_plus, torch_order):
+    """rmsnorm over x [M, H, N] read in place (Qwen3.5's q heads: the first N of every 2N-wide
+    head of a packed product's row; k heads: N apart) gives, head for head, the 2-D kernel's
+    bits on the same rows made contiguous."""
+    n = 64
+    monkeypatch.setattr(rn, "TORCH_ORDER", torch_order)
+    monkeypatch.setitem(rn._ORDERS, (n, "cpu"), (True, True, True))
+    g = torch.Generator().manual_seed(rows * heads + stride_h)
+    packed = (torch.randn(rows, heads * stride_h + 96, generator=g) * 3).bfloat16()   # other columns after
+    x = packed[:, :heads * stride_h].view(rows, heads, stride_h)[..., :n]
+    w = (torch.randn(n, generator=g) * 0.3).bfloat16()
+    got = rn.rmsnorm(x, w, 1e-6, one_plus=one_plus)
+    assert got.shape == (rows, heads, n) and got.is_contiguous()
+    assert torch.equal(got, rn.rmsnorm(x.reshape(-1, n).contiguous(), w, 1e-6, one_plus=one_plus).view(rows, heads, n))
+    with pytest.raises(ValueError, match=r"out must be contiguous of shape \(%d, %d, 64\)" % (rows, heads)):
+        rn.rmsnorm(x, w, 1e-6, out=torch.empty(rows, heads, 2 * n, dtype=torch.bfloat16)[..., :n])
