@@ -1,5 +1,6 @@
 """Where the GDN prompt pass's solve kernel spends its time: the kernel timed whole and with
-one stage at a time taken out (its results then wrong; only the time is read), at the 4B's
+one stage at a time taken out (session 11's run 4 also timed the diagonal blocks' substitution
+on [4, 16, 16] tiles here, before the kernel took it) (its results then wrong; only the time is read), at the 4B's
 head shapes. Each variant is the kernel's own source with one stage replaced, compiled from
 a temporary module.
 
@@ -25,9 +26,6 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from fqkernels import gdn  # noqa: E402
 
-# the diagonal blocks' substitution on [blocks, 16, 16] tiles instead of the whole [C, C] tile
-SUB_OLD = '    x = eye\n    for i in range(1, 16):\n        coef = tl.sum(tl.where(r[None, :] == (first_row + i)[:, None], at, 0.0), axis=1)   # [C] over j\n        upd = tl.sum(x * coef[None, :], axis=1)                                              # [C] over columns\n        x = tl.where(same & ((r % 16) == i)[None, :], x - upd[:, None], x)\n'
-SUB_NEW = "    blk = tl.arange(0, C // 16)\n    e16 = tl.arange(0, 16)\n    at4 = tl.reshape(at, [C // 16, 16, C // 16, 16])\n    diag4 = (blk[:, None, None, None] == blk[None, None, :, None])\n    at3 = tl.sum(tl.where(diag4, at4, 0.0), axis=2)                  # [blocks, 16, 16]: at's diagonal blocks\n    xt3 = tl.where(e16[None, :, None] == e16[None, None, :], 1.0, 0.0) + tl.zeros([C // 16, 16, 16], dtype=tl.float32)\n    for i in range(1, 16):\n        coef = tl.sum(tl.where(e16[None, None, :] == i, at3, 0.0), axis=2)          # [blocks, 16] over j\n        upd = tl.sum(xt3 * coef[:, None, :], axis=2)                                 # [blocks, 16] over columns\n        xt3 = tl.where(e16[None, None, :] == i, xt3 - upd[:, :, None], xt3)\n    x = tl.reshape(tl.where(diag4, tl.broadcast_to(xt3[:, :, None, :], [C // 16, 16, C // 16, 16]), 0.0), [C, C])\n"
 # variant -> (old text, new text) pairs applied to the kernel's source
 VARIANTS = {
     "whole": [],
@@ -36,7 +34,6 @@ VARIANTS = {
                            "    m_inv = tl.trans(x + tl.where(same, 0.0, at))")],
     "no_u_w": [("    u = _dot_f32_bf16(m_inv * beta[None, :], v)", "    u = tl.sum(m_inv, axis=1)[:, None] * v.to(tl.float32)"),
                ("    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k)", "    w = tl.sum(m_inv, axis=1)[:, None] * k.to(tl.float32)")],
-    "sub3d": [(SUB_OLD, SUB_NEW)],
     "only_loads_stores": [("    for i in range(1, 16):\n", "    for i in range(1, 1):\n"),
                           ("    nt = _dot3(tl.where(same, 0.0, at), x, PREC)\n    m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))",
                            "    m_inv = tl.trans(x + tl.where(same, 0.0, at))"),
