@@ -571,7 +571,7 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     # (at3[b] = at's block b): step i finishes row i of every block,
     # D^-1_i = e_i - sum_{j<i} A_ij D^-1_j (rows j < i of the block are final), so column i of
     # xt3[b] takes sum_j at3[b, j, i] xt3[b, :, j]. On the whole [C, C] tile (zeros outside the
-    # blocks) the 15 steps were 55% of the kernel (gpu_gdn_solve_probe.py, session 11); on the
+    # blocks) the 15 steps were 55% of the kernel (scripts/gpu_gdn_probe.py, session 11); on the
     # blocks alone the kernel takes 0.54x the time, the same sums.
     same = (r[:, None] // 16) == (r[None, :] // 16)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
