@@ -9,7 +9,9 @@ one. step() runs one decode step of the first `bucket` rows, bucket the smallest
 ... max_slots that holds the running requests (a row past them runs token 0 at position 0 of
 its own row, and its result is dropped), each row at its own position, and returns the
 running requests' logits; the caller samples and passes each request's token back in the
-next step(). On a GPU each bucket's step is a CUDA graph (fq_decode.LogitsStep), captured
+next step(). step_rows() is the same step with the tokens already on the device, in row
+order (a server's sampled tokens, never read back before the next step is queued: the
+host's work on one step's tokens overlaps the next step on the GPU). On a GPU each bucket's step is a CUDA graph (fq_decode.LogitsStep), captured
 when the slots open, before any request. A row's arithmetic does not depend on the other
 rows' contents, so a request's greedy tokens depend only on the bucket's row count.
 
@@ -52,6 +54,12 @@ class Slots:
         self.keys: list = []                      # the request in each running row, in row order
         self.lengths: list[int] = []              # positions cached per running row
         self._steps = {}
+        # positions go to the device through two pinned buffers used in turn, each behind an
+        # event, so a step is queued without waiting on the one before it
+        pinned = device.type == "cuda"
+        self._positions = [torch.zeros(max_slots, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._copied = [None, None]
+        self._turn = 0
         for rows in buckets(max_slots):
             if tune is not None:
                 tune(rows)
@@ -108,18 +116,43 @@ class Slots:
         if set(tokens) != set(self.keys):
             raise SlotError(f"step() needs a token for exactly the running requests {self.keys}, "
                             f"got {sorted(tokens, key=str)}")
-        full = [k for k, n in zip(self.keys, self.lengths) if n >= self.max_len]
+        ids = torch.tensor([int(tokens[k]) for k in self.keys], dtype=torch.int64, device=self.device)
+        logits = self.step_rows(ids)
+        return {k: logits[r] for r, k in enumerate(self.keys)}
+
+    def step_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step with each running row's newest token in `tokens` (int64 [running],
+        row order, on the device; the rows are self.keys' order). Returns the logits
+        [running, vocab]: a view of the step's static buffer, valid until the next step.
+        Nothing here waits on the GPU (on a GPU: the step is queued behind the work before it)."""
+        self._check_open()
+        n = len(self.keys)
+        if tuple(tokens.shape) != (n,) or tokens.dtype != torch.int64:
+            raise SlotError(f"step_rows() needs int64 tokens [{n}] (one per running request), got "
+                            f"{tokens.dtype} {tuple(tokens.shape)}")
+        if not n:
+            raise SlotError("step_rows(): no request is running")
+        full = [k for k, length in zip(self.keys, self.lengths) if length >= self.max_len]
         if full:
             raise SlotError(f"request {full[0]!r} is full ({self.max_len} positions): retire it")
-        n = len(self.keys)
         step = self._steps[next(b for b in self._steps if b >= n)]
-        pad = step.rows - n
-        step.tokens.copy_(torch.tensor([int(tokens[k]) for k in self.keys] + [0] * pad, dtype=torch.int64))
-        step.positions.copy_(torch.tensor(self.lengths + [0] * pad, dtype=torch.int32))
+        step.tokens[:n].copy_(tokens, non_blocking=True)
+        if step.rows > n:
+            step.tokens[n:].zero_()
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()         # the copy two steps back has left this buffer
+        positions = self._positions[turn]
+        positions[:n] = torch.tensor(self.lengths, dtype=torch.int32)
+        positions[n:step.rows] = 0
+        step.positions.copy_(positions[:step.rows], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         with torch.inference_mode():
             logits = step.run()
-        self.lengths = [n + 1 for n in self.lengths]
-        return {k: logits[r] for r, k in enumerate(self.keys)}
+        self.lengths = [length + 1 for length in self.lengths]
+        return logits[:n]
 
     def retire(self, key) -> None:
         """Free a request's row (finished or cancelled); the last running row moves into it."""

@@ -341,3 +341,14 @@ def test_slots_are_sized_by_the_memory_left():
         size_batch(48, gib // 4, 10 * gib, 1280)
     with pytest.raises(ValueError, match="no room for one slot"):
         size_batch(None, gib, gib // 2, 1280)
+
+
+def test_a_request_that_fills_its_slot_ends_with_length(server, client):
+    """A prompt that leaves its slot 4 positions: the first token and 4 steps, then "length",
+    the same tokens as the engine's own; the loop queues each step before it hands out the
+    one before (scheduler.py), so the slot's room must count the step in flight."""
+    prompt = torch.randint(0, 4000, (508,), generator=torch.Generator().manual_seed(3)).tolist()
+    res = client.completions.create(model="tiny", prompt=prompt, max_tokens=50, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert res.choices[0].finish_reason == "length"
+    assert res.choices[0].token_ids == _alone(server[0], prompt, 5)
