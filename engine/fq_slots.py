@@ -154,14 +154,19 @@ class Slots:
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:n]
 
-    def retire(self, key) -> None:
-        """Free a request's row (finished or cancelled); the last running row moves into it."""
+    def retire(self, key) -> tuple | None:
+        """Free a request's row (finished or cancelled); the last running row moves into it.
+        Returns (last, row) when a row moved (a caller's own per-row buffers move likewise),
+        else None."""
         if key not in self.keys:
-            return
+            return None
         row, last = self.keys.index(key), len(self.keys) - 1
+        moved = None
         if row != last:
             with torch.inference_mode():
                 self.model.copy_row(last, row, self.lengths[last])
             self.keys[row], self.lengths[row] = self.keys[last], self.lengths[last]
+            moved = (last, row)
         self.keys.pop()
         self.lengths.pop()
+        return moved

@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fqkernels.rmsnorm import _inverse, _lane_sum, torch_order
-from fqkernels.swiglu import exp_f32, silu_f32
+from fqkernels.swiglu import exp_f32, sigmoid_f32, silu_f32
 
 CHUNK = 64
 EPS = 1e-6
@@ -165,9 +165,9 @@ def gated_rmsnorm_reference(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, e
 @triton.jit
 def _gate_values(a, b, a_log, dt_bias, INTERPRETED: tl.constexpr):
     """(g fp32, beta bf16) from fp32 a, b, A_log, dt_bias, as gates_reference's torch ops on
-    CUDA evaluate them: beta = bf16(1 / (1 + expf(-b))); g = -expf(A_log) * softplus(a +
-    dt_bias), softplus(s) = s past 20, else log1p(expf(s))."""
-    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + exp_f32(-b, INTERPRETED)).to(tl.bfloat16)
+    CUDA evaluate them: beta = bf16(sigmoid(b)) (swiglu.sigmoid_f32); g = -expf(A_log) *
+    softplus(a + dt_bias), softplus(s) = s past 20, else log1p(expf(s))."""
+    beta = sigmoid_f32(b, INTERPRETED).to(tl.bfloat16)
     s = a + dt_bias
     e = exp_f32(tl.minimum(s, 20.0), INTERPRETED)
     if INTERPRETED:

@@ -235,11 +235,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if self.running.get(req.id) is req:
             del self.running[req.id]
-            keys = self.slots.keys
-            row, last = keys.index(req.id), len(keys) - 1
-            if row != last:      # the last row moves into the freed one: its newest token too
+            moved = self.slots.retire(req.id)
+            if moved is not None:      # the last row moved into the freed one: its newest token too
+                last, row = moved
                 self._tokens[row].copy_(self._tokens[last])
-            self.slots.retire(req.id)
         req.finish_reason = reason
         if self.metrics is not None:
             self.metrics.finished(req)
