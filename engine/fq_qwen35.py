@@ -321,8 +321,7 @@ class Qwen35Model:
         B, S = ids.shape
         rows = slice(row, row + B)
         cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
-        h = self._layers(self.w["model.embed_tokens.weight"][ids], rows,   # [B, S, hidden] in
-                         lambda i, h: self._attention_prefill(i, h, cos, sin, rows))
+        h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows))
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -333,31 +332,36 @@ class Qwen35Model:
         return out
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        h = self._layers(self.w["model.embed_tokens.weight"][tokens].unsqueeze(1), None,  # [B, 1, hidden] in
-                         lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
+        if self.backend == "triton":      # the RoPE kernels read the tables at the positions themselves
+            cos = sin = None
+        else:
+            cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
+        h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
         return self._logits(h)
 
-    def _layers(self, x: torch.Tensor, prompt_rows: slice | None, attention) -> torch.Tensor:
-        """Every decoder layer over x: the GDN mixer (chunked over a prompt filling cache rows
-        prompt_rows, one step in decode: None) or attention(i, h), then the MLP, each behind its
-        (1 + w) norm, adds in BF16. Returns the final norm's output at each sequence's last
-        position, [B, hidden]. On the triton
-        backend each residual add and the norm after it are one kernel (fqkernels.rmsnorm,
-        one_plus)."""
+    def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention) -> torch.Tensor:
+        """Every decoder layer over the embeddings of ids [B, T]: the GDN mixer (chunked over a
+        prompt filling cache rows prompt_rows, one step in decode: None) or attention(i, h), then
+        the MLP, each behind its (1 + w) norm, adds in BF16. Returns the final norm's output at
+        each sequence's last position, [B, hidden]. On the triton backend the embedding lookup and
+        the first norm are one kernel, and each residual add and the norm after it one kernel
+        (fqkernels.rmsnorm, one_plus)."""
         eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
         ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
+        table = self.w["model.embed_tokens.weight"]
         if self.backend != "triton":
+            x = table[ids]
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
                 x = x + (self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h))
                 x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
             return _norm(x[:, -1], self.w["model.norm.weight"], eps)
-        from fqkernels.rmsnorm import add_rmsnorm, rmsnorm
+        from fqkernels.rmsnorm import add_rmsnorm, embed_rmsnorm
 
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])                       # the residual stream, added to in place
-        h = rmsnorm(rows, ln(0, "input_layernorm"), eps, one_plus=True).view(shape)
+        shape = (*ids.shape, table.shape[1])
+        # rows: the residual stream, added to in place
+        rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
+        h = h.view(shape)
         for i in range(L):
             mixed = self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h)
             h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
@@ -387,10 +391,11 @@ class Qwen35Model:
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
-    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True):
+    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True, positions=None):
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE (k not rotated with
         rope_k False, triton backend: rope_store_kv rotates it on its way into the cache);
-        gate [B, T, H, D], a view of q_proj's rows (per head [query | gate])."""
+        gate [B, T, H, D], a view of q_proj's rows (per head [query | gate]). positions (triton
+        backend, T = 1): the RoPE kernel reads the tables there, cos and sin unused."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
         qp, k, v = self._qkv_proj(p, h)
@@ -403,12 +408,15 @@ class Qwen35Model:
             from fqkernels.rmsnorm import rmsnorm
             from fqkernels.rope_kv import partial_rope
 
-            cs, sn = (t.expand(B, T, -1).reshape(B * T, -1) for t in (cos, sin))
             q = rmsnorm(q.reshape(B * T, -1, c.head_dim), self.w[p + "q_norm.weight"], c.rms_norm_eps, one_plus=True)
             k = rmsnorm(k.reshape(B * T, -1, c.head_dim), self.w[p + "k_norm.weight"], c.rms_norm_eps, one_plus=True)
-            q = partial_rope(q, cs, sn).view(B, T, -1, c.head_dim).transpose(1, 2)
-            k = (partial_rope(k, cs, sn) if rope_k else k).view(B, T, -1, c.head_dim).transpose(1, 2)
-            return q, k, v, gate
+            if positions is not None:
+                q = partial_rope(q, self.cos, self.sin, positions=positions)
+            else:
+                cs, sn = (t.expand(B, T, -1).reshape(B * T, -1) for t in (cos, sin))
+                q = partial_rope(q, cs, sn)
+                k = partial_rope(k, cs, sn) if rope_k else k
+            return q.view(B, T, -1, c.head_dim).transpose(1, 2), k.view(B, T, -1, c.head_dim).transpose(1, 2), v, gate
         q = _norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         k = _norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -447,7 +455,7 @@ class Qwen35Model:
             from fqkernels.decode_attention import decode_attention
             from fqkernels.rope_kv import rope_store_kv
 
-            q, k, v, gate = self._qkv_gate(i, h, cos, sin, rope_k=False)
+            q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
             rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc)
             attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
             return self._attention_out(i, attn.unsqueeze(1), gate)

@@ -606,6 +606,9 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
                         per_head, per_head)
     gdn.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    # a prompt's gated norm: rows several to a program
+    many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
+    gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # the prompt pass's rule (chunked, two kernels), a prompt of 512
     qk = torch.empty((batch, 512, 16, 128), dtype=torch.bfloat16, device=CUDA)
     v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
@@ -613,6 +616,8 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
     # another launch plan bench_gdn.py --sweep times
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
+    # the state and output kernels as one (PrefillPlan.fused)
+    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(fused=1))
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
@@ -641,6 +646,9 @@ def _qwen35_attention(batch: int) -> None:
     cs = torch.empty((batch, 64), dtype=torch.bfloat16, device=CUDA)
     for heads in (16, 4):
         partial_rope(torch.empty((batch, heads, 256), dtype=torch.bfloat16, device=CUDA), cs, cs)
+    # the decode step's query: the tables read at the positions
+    partial_rope(torch.empty((batch, 16, 256), dtype=torch.bfloat16, device=CUDA), cs, cs,
+                 positions=torch.empty(batch, dtype=torch.int32, device=CUDA))
     # the step's key and value into the caches (k normed, v: column views of their products' rows)
     kv = torch.empty((batch, 2, 4, 256), dtype=torch.bfloat16, device=CUDA)
     table = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)

@@ -114,7 +114,7 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
                                           num_stages=plan.state_stages, **common)
 
     def out_(kern):
-        kern[(B * HV, nc, D // plan.out_bv)](q, k, u, gamma, h, out, T, nc, D ** -0.5, q.stride(0), q.stride(1),
+        kern[(B * HV, nc, D // plan.out_bv)](q, k, u, gamma, rk, h, out, T, nc, D ** -0.5, q.stride(0), q.stride(1),
                                              q.stride(2), out.stride(0), out.stride(1), out.stride(2),
                                              BV=plan.out_bv, num_warps=plan.out_warps, **common)
 

@@ -63,6 +63,8 @@
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
+#   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
+#                 default (scripts/gpu_prefill_pieces.py)
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
@@ -225,6 +227,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     use-best-gdn-plan) # the fastest plan of this call's bench-gdn-sweep within the gates, for every later stage
                  export FASTQWEN_GDN_PLAN=$(python3 scripts/bench_gdn.py --best "$OUT/bench_gdn_sweep.json")
                  echo "FASTQWEN_GDN_PLAN=$FASTQWEN_GDN_PLAN" | tee "$OUT/gdn_plan.txt" ;;
+    prefill-pieces) timeout 200 python3 scripts/gpu_prefill_pieces.py --out "$OUT/prefill_pieces.json" 2>&1 \
+                      | grep -v Warn | tail -40 ;;
     gdn-probe) timeout 200 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \
                        | grep -v Warn | tail -6 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fqkernels.rmsnorm import _inverse, _lane_sum, torch_order
+from fqkernels import pdl
+from fqkernels.rmsnorm import _inverse, torch_order
 from fqkernels.swiglu import exp_f32, sigmoid_f32, silu_f32
 
 CHUNK = 64
@@ -181,7 +182,8 @@ def _gate_values(a, b, a_log, dt_bias, INTERPRETED: tl.constexpr):
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                         stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_ob, stride_oh,
                         stride_sb, stride_sh, stride_sk,
-                        HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+                        HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One program per (sequence, value head, BLOCK_V columns of the state). q/k head
     hv // RATIO; q and k l2-normalized in fp32 over DK, q divided by sqrt(DK) (the
     reference's recurrent form divides); S <- exp(g) S; u = beta (v - S^T k);
@@ -193,6 +195,8 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     hk = hv // RATIO
     offs_k = tl.arange(0, DK)
     offs_v = col0 + tl.arange(0, BLOCK_V)
+    pdl.wait(PDL)  # q, k, v, the gates and the state come from earlier kernels
+    pdl.launch_dependents(PDL)
     q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
     k = tl.load(k_ptr + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
@@ -234,10 +238,11 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         v = v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    use_pdl, pdl_launch = pdl.for_rows(B)
     _decode_step_kernel[(B * Hv, Dv // block_v)](
         q, k, v, g, beta, state, out, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        HV=Hv, RATIO=Hv // Hk, DK=Dk, BLOCK_V=block_v, num_warps=4)
+        HV=Hv, RATIO=Hv // Hk, DK=Dk, BLOCK_V=block_v, PDL=use_pdl, num_warps=4, **pdl_launch)
     return out
 
 
@@ -253,7 +258,8 @@ def decode_step_reference(q, k, v, g, beta, state):
 @triton.jit
 def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
                             g_ptr, beta_ptr, C, stride_mb, stride_sb, stride_sc, stride_xb, stride_ab,
-                            HV: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
+                            HV: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """One program per (sequence, BLOCK_C channels): the conv's window is the state's last
     W - 1 inputs and the new one; out = bf16(silu(bf16(sum_j w_j x_j))), the products summed
     in fp32 in window order; the state shifts by one in place. Program (b, 0) also forms the
@@ -261,6 +267,8 @@ def _conv_gates_step_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr,
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
+    pdl.wait(PDL)  # mixed, a and b are the previous product's; the conv state an earlier step's
+    pdl.launch_dependents(PDL)
     new = tl.load(mixed_ptr + b * stride_mb + offs, mask=ok, other=0.0)
     state = conv_state_ptr + b * stride_sb + offs * stride_sc
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -306,10 +314,11 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
     x = torch.empty((B, C), dtype=mixed.dtype, device=mixed.device)
     g = torch.empty((B, Hv), dtype=torch.float32, device=mixed.device)
     beta = torch.empty((B, Hv), dtype=torch.bfloat16, device=mixed.device)
+    use_pdl, pdl_launch = pdl.for_rows(B)
     _conv_gates_step_kernel[(B, triton.cdiv(C, block_c))](
         mixed, conv_state, conv_w, x, a, b, a_log, dt_bias, g, beta, C, mixed.stride(0), conv_state.stride(0),
         conv_state.stride(1), x.stride(0), a.stride(0), HV=Hv, W=W, BLOCK_C=block_c, INTERPRETED=_INTERPRETED,
-        num_warps=4)
+        PDL=use_pdl, num_warps=4, **pdl_launch)
     return x, g, beta
 
 
@@ -334,7 +343,8 @@ def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, s
              mask=(t < T)[:, None] & c_ok[None, :])
 
 
-def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32, block_c: int = 128):
+def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32, block_c: int = 128,
+                        num_warps: int = 4):
     """A prompt's causal conv + SiLU as one kernel: u [B, T, C] bf16, position-major (in_proj's
     output; channels need unit stride), conv_w [C, W] bf16. Returns (x [B, T, C] bf16, the conv
     state [B, C, W]: the last W inputs, zeros on the left when T < W), what
@@ -348,7 +358,7 @@ def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32
     x = torch.empty((B, T, C), dtype=u.dtype, device=u.device)
     _conv_prefill_kernel[(B, triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         u, conv_w, x, T, C, u.stride(0), u.stride(1), x.stride(0), x.stride(1), W=W, BLOCK_T=block_t,
-        BLOCK_C=block_c, INTERPRETED=_INTERPRETED, num_warps=4)
+        BLOCK_C=block_c, INTERPRETED=_INTERPRETED, num_warps=num_warps)
     state = F.pad(u[:, -W:].transpose(1, 2), (max(W - T, 0), 0))
     return x, state
 
@@ -400,43 +410,91 @@ def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_n, eps, z_heads, stride_z, D: tl.constexpr,
-                          VEC: tl.constexpr, HALVES: tl.constexpr):
-    """One program per row of D = 128 values: the mean of squares summed in torch's own order
-    for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the lane
-    tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once.
-    Row r's z is head r % z_heads of z's row r // z_heads (rows stride_z apart)."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, D)
-    x = tl.load(x_ptr + row * D + offs).to(tl.float32)
+def _lane_sum_rows(acc, ROWS: tl.constexpr, HALVES: tl.constexpr):
+    """rmsnorm._lane_sum for ROWS rows at once: acc [ROWS, 32 lanes, 4]. Each lane's
+    ((a0 + a1) + a2) + a3, then the lane tree, halves first (lane t + 16, then + 8, ...) or
+    adjacent pairs first, each level a sum over an axis of two (one fp add per output, in
+    either operand order the same value): every row's sum has _lane_sum's bits."""
+    col = tl.arange(0, 4)[None, None, :]
+    v = tl.sum(tl.where(col == 0, acc, 0.0), axis=2)                     # [ROWS, 32]
+    for i in tl.static_range(1, 4):
+        v = v + tl.sum(tl.where(col == i, acc, 0.0), axis=2)
+    if HALVES:
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 16)), axis=1)
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 8)), axis=1)
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 4)), axis=1)
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 2)), axis=1)
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 1)), axis=1)
+    else:
+        v = tl.sum(tl.reshape(v, (ROWS, 16, 2)), axis=2)
+        v = tl.sum(tl.reshape(v, (ROWS, 8, 2)), axis=2)
+        v = tl.sum(tl.reshape(v, (ROWS, 4, 2)), axis=2)
+        v = tl.sum(tl.reshape(v, (ROWS, 2, 2)), axis=2)
+        v = tl.sum(tl.reshape(v, (ROWS, 1, 2)), axis=2)
+    return tl.reshape(v, (ROWS,))
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, stride_z, D: tl.constexpr,
+                          ROWS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per ROWS rows of D = 128 values: each row's mean of squares summed in torch's
+    own order for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the
+    lane tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once.
+    Row r's z is head r % z_heads of z's row r // z_heads (rows stride_z apart). The rows are one
+    [ROWS, D] tile, so a program's loads are all in flight at once (a prompt's 8,192 tokens are
+    262,144 rows of the 4B's heads)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = (rows < R)[:, None]
+    offs = tl.arange(0, D)[None, :]
+    pdl.wait(PDL)  # x and z are earlier kernels' outputs
+    pdl.launch_dependents(PDL)
+    x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0).to(tl.float32)
     sq = x * x
     if VEC:
-        lanes = tl.reshape(sq, (32, 4))
+        lanes = tl.reshape(sq, (ROWS, 32, 4))
     else:
-        lanes = tl.permute(tl.reshape(sq, (4, 32)), (1, 0))
-    mean = _lane_sum(lanes, HALVES) * inv_n
-    y = (x * tl.rsqrt(mean + eps)).to(tl.bfloat16)
+        lanes = tl.permute(tl.reshape(sq, (ROWS, 4, 32)), (0, 2, 1))
+    mean = _lane_sum_rows(lanes, ROWS, HALVES) * inv_n
+    y = (x * tl.rsqrt(mean + eps)[:, None]).to(tl.bfloat16)
     wy = (tl.load(w_ptr + offs).to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
-    z = tl.load(z_ptr + (row // z_heads).to(tl.int64) * stride_z + (row % z_heads) * D + offs).to(tl.float32)
-    tl.store(out_ptr + row * D + offs, (wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16))
+    z = tl.load(z_ptr + (rows // z_heads)[:, None] * stride_z + (rows % z_heads)[:, None] * D + offs, mask=ok,
+                other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * D + offs, (wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16),
+             mask=ok)
 
 
-def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+# Rows a program of gated_rmsnorm takes, and its warps, by the launch's row count (decode: one
+# row a program; a prompt: tiles of GATED_NORM_ROWS rows)
+GATED_NORM_ROWS = int(os.environ.get("FASTQWEN_GATED_NORM_ROWS", "8"))
+GATED_NORM_WARPS = int(os.environ.get("FASTQWEN_GATED_NORM_WARPS", "2"))
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float = EPS,
+                  rows_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """gated_rmsnorm_reference as one kernel for heads of 128: x [R, 128] bf16, w [128] bf16, z
     bf16 either [R, 128] or [G, H * 128] with R = G H (e.g. the z columns of a packed
     projection's rows, read in place: any row stride, unit column stride); z's rows in
-    x's order."""
+    x's order. rows_per_program (a power of two) and num_warps: the launch (None: one row and
+    one warp a program up to 4,096 rows, else GATED_NORM_ROWS and GATED_NORM_WARPS); every
+    launch gives the same bits."""
     R, D = x.shape
     if D != 128 or z.dim() != 2 or z.shape[1] % D or z.shape[0] * (z.shape[1] // D) != R or tuple(w.shape) != (D,):
         raise ValueError(f"gdn.gated_rmsnorm: x {tuple(x.shape)}, z {tuple(z.shape)}, w {tuple(w.shape)}: "
                          "rows of 128 (the 4B's value head), z's rows holding whole heads, one weight per column")
+    small = R <= 4096
+    rows = rows_per_program or (1 if small else GATED_NORM_ROWS)
+    warps = num_warps or (1 if small else GATED_NORM_WARPS)
+    if rows < 1 or rows & (rows - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"gdn.gated_rmsnorm: rows_per_program ({rows}) and num_warps ({warps}) must be powers of two")
     x = x.contiguous()
     if z.stride(-1) != 1:
         z = z.contiguous()
     out = torch.empty_like(x)
     vec, halves, _ = torch_order(D, x.device)
-    _gated_rmsnorm_kernel[(R,)](x, z, w, out, _inverse(D), eps, z.shape[1] // D, z.stride(0), D=D, VEC=vec,
-                                HALVES=halves, num_warps=1, enable_fp_fusion=False)
+    use_pdl, pdl_launch = pdl.for_rows(z.shape[0])
+    _gated_rmsnorm_kernel[(triton.cdiv(R, rows),)](x, z, w, out, R, _inverse(D), eps, z.shape[1] // D, z.stride(0),
+                                                   D=D, ROWS=rows, VEC=vec, HALVES=halves, PDL=use_pdl,
+                                                   num_warps=warps, enable_fp_fusion=False, **pdl_launch)
     return out
 
 
@@ -456,6 +514,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # chunk's starting state and v_new (in u's place) and the final state.
 # _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
 # o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
+# _chunk_state_out_kernel (PrefillPlan.fused): the last two as one, each chunk's outputs formed
+# while the walk holds its starting state.
 #
 # Precision: fp32 throughout, the state included, on tensor cores in two ways.
 # - A product with one operand that is exact as loaded in bf16 (the raw keys, queries and
@@ -657,13 +717,13 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
 
 
 @triton.jit
-def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scale,
+def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale,
                       stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
                       HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                       DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """o = diag(rq e^gamma) (q_raw S_chunk) + attn v_new with attn = the raw rows' q k^T times
-    rq_i rk_j e^(gamma_i - gamma_j), causal; rq, rk the l2 norms' factors (rq with Dk^-0.5).
-    Over Dk in halves, as the state kernel."""
+    rq_i rk_j e^(gamma_i - gamma_j), causal; rq, rk the l2 norms' factors (rq with Dk^-0.5; rk the
+    solve kernel's). Over Dk in halves, as the state kernel."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -685,12 +745,10 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
     k1 = tl.load(k_rows + d1[None, :], mask=ok[:, None], other=0.0)
     q0f = q0.to(tl.float32)
     q1f = q1.to(tl.float32)
-    k0f = k0.to(tl.float32)
-    k1f = k1.to(tl.float32)
     rq = tl.rsqrt(tl.sum(q0f * q0f, axis=1) + tl.sum(q1f * q1f, axis=1) + 1e-6) * scale
-    rk = tl.rsqrt(tl.sum(k0f * k0f, axis=1) + tl.sum(k1f * k1f, axis=1) + 1e-6)
     chunk = pid * NC + c
     base = chunk.to(tl.int64) * C
+    rk = tl.load(rk_ptr + base + r)
     gamma = tl.load(gamma_ptr + base + r)
     qk = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
     attn = tl.where(r[:, None] >= r[None, :],
@@ -704,6 +762,69 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, h_ptr, o_ptr, T, NC, scal
              mask=ok[:, None])
 
 
+@triton.jit
+def _chunk_state_out_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, o_ptr, state_ptr, T, NC, scale,
+                            stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh, stride_sb,
+                            HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """_chunk_state_kernel and _chunk_out_kernel in one (PrefillPlan.fused): while the walk over
+    the chunks holds S at a chunk's start it forms that chunk's outputs for its BV value columns,
+    o = diag(rq e^gamma) (q_raw S) + attn v_new, with _chunk_out_kernel's products, so neither S
+    per chunk (h: 64 KiB a chunk and head in fp32) nor v_new goes through memory. q and k share
+    strides (chunked_prefill's check)."""
+    v0 = tl.program_id(0) * BV
+    pid = tl.program_id(1)
+    b = pid // HV
+    hv = pid % HV
+    hk = hv // RATIO
+    DH: tl.constexpr = DK // 2
+    r = tl.arange(0, C)
+    d0 = tl.arange(0, DH)
+    d1 = DH + tl.arange(0, DH)
+    dv = v0 + tl.arange(0, BV)
+    s0 = tl.zeros([DH, BV], dtype=tl.float32)
+    s1 = tl.zeros([DH, BV], dtype=tl.float32)
+    for c in range(NC):
+        t = c * C + r
+        ok = t < T
+        cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + hk * stride_kh
+        k0t = tl.load(cols + d0[:, None], mask=ok[None, :], other=0.0)           # raw bf16 keys, [DH, C]
+        k1t = tl.load(cols + d1[:, None], mask=ok[None, :], other=0.0)
+        q_rows = q_ptr + b * stride_kb + t[:, None] * stride_kt + hk * stride_kh
+        q0 = tl.load(q_rows + d0[None, :], mask=ok[:, None], other=0.0)        # raw bf16 queries, [C, DH]
+        q1 = tl.load(q_rows + d1[None, :], mask=ok[:, None], other=0.0)
+        q0f = q0.to(tl.float32)
+        q1f = q1.to(tl.float32)
+        chunk = pid * NC + c
+        base = chunk.to(tl.int64) * C
+        gamma = tl.load(gamma_ptr + base + r)
+        rk = tl.load(rk_ptr + base + r)
+        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
+        rq = tl.rsqrt(tl.sum(q0f * q0f, axis=1) + tl.sum(q1f * q1f, axis=1) + 1e-6) * scale
+        # the outputs' state part, from S at the chunk's start
+        qh = _dot_tf32_exact(q0f, s0)
+        qh += _dot_tf32_exact(q1f, s1)
+        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
+        ws = _dot3(w0, s0, PREC)
+        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
+        ws += _dot3(w1, s1, PREC)
+        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
+        qk = tl.dot(q1, k1t, tl.dot(q0, k0t))
+        attn = tl.where(r[:, None] >= r[None, :],
+                        qk * (rq[:, None] * rk[None, :]) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
+        o = qh * (rq * tl.exp(gamma))[:, None] + _dot3(attn, v_new, PREC)
+        tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
+                 mask=ok[:, None])
+        # S <- e^gamma_last S + k_raw^T diag(rk e^(gamma_last - gamma)) v_new, as _chunk_state_kernel
+        carry = tl.exp(last)
+        vs = v_new * (rk * tl.exp(last - gamma))[:, None]
+        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
+        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
+    out = state_ptr + b * stride_sb + hv * DK * DV
+    tl.store(out + d0[:, None] * DV + dv[None, :], s0)
+    tl.store(out + d1[:, None] * DV + dv[None, :], s1)
+
+
 @dataclass(frozen=True)
 class PrefillPlan:
     """How chunked_prefill launches its kernels (what scripts/bench_gdn.py --sweep varies):
@@ -714,7 +835,9 @@ class PrefillPlan:
     the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3; on the H200 the
     one-pass outputs sat at 5.0e-3 of the three-pass ones, so the default keeps three).
     The defaults are session 10's sweep on an H200: 32 state columns with two stages was
-    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048)."""
+    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048).
+    fused=1: the state and output kernels as one (_chunk_state_out_kernel, at the state
+    kernel's block_v, warps and stages; out_* unused), the chunks' states never stored."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -722,8 +845,11 @@ class PrefillPlan:
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "tf32x3"
+    fused: int = 0
 
     def __post_init__(self) -> None:
+        if self.fused not in (0, 1):
+            raise ValueError(f"gdn.PrefillPlan.fused must be 0 or 1, got {self.fused!r}")
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -803,7 +929,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
     rk = torch.empty((ws,), dtype=torch.float32, device=dev)            # each key's l2 norm factor
-    h = torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)   # each chunk's starting state
+    # each chunk's starting state (the separate output kernel's input; none when fused)
+    h = None if plan.fused else torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)
     out_bv = min(plan.out_bv, Dv)
     if Dv % out_bv or out_bv < 16:
         raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
@@ -815,12 +942,18 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=plan.solve_warps)
+        if plan.fused:
+            _chunk_state_out_kernel[(Dv // block_v, bs * Hv)](
+                qs, ks, u, w, gamma, rk, os_, state[sl], T, nc, Dk ** -0.5, ks.stride(0), ks.stride(1), ks.stride(2),
+                os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
+                DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps, num_stages=plan.state_stages)
+            continue
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
             num_stages=plan.state_stages)
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
-            qs, ks, u, gamma, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
+            qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
     return out, state

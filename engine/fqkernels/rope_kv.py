@@ -164,12 +164,19 @@ def _rope_row(x_row, cos_row, sin_row, D: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_c,
-                         D: tl.constexpr, R: tl.constexpr):
-    """Program (row, head): _rope_row of that head."""
+def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, stride_xr, stride_xh, stride_c,
+                         D: tl.constexpr, R: tl.constexpr, GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program (row, head): _rope_row of that head, with cos/sin row `row` (GATHER: row
+    positions[row] of the tables)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    out = _rope_row(x_ptr + row * stride_xr + head * stride_xh, cos_ptr + row * stride_c, sin_ptr + row * stride_c,
+    pdl.wait(PDL)  # x (and the positions) come from earlier kernels
+    pdl.launch_dependents(PDL)
+    if GATHER:
+        p = tl.load(pos_ptr + row).to(tl.int64)
+    else:
+        p = row.to(tl.int64)
+    out = _rope_row(x_ptr + row * stride_xr + head * stride_xh, cos_ptr + p * stride_c, sin_ptr + p * stride_c,
                     D, R)
     tl.store(out_ptr + (row * H + head) * D + tl.arange(0, D), out.to(tl.bfloat16))
 
@@ -177,11 +184,13 @@ def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_
 @triton.jit
 def _rope_store_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, stride_kb, stride_kh,
                           stride_vb, stride_vh, stride_c, stride_cb, stride_ch, stride_cp,
-                          D: tl.constexpr, R: tl.constexpr):
+                          D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
     """Program (sequence, KV head): the key's _rope_row at the sequence's position (its cos/sin
     rows read from the tables there) and the value, both stored into the caches at that position."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl.wait(PDL)  # k, v and the positions come from earlier kernels
+    pdl.launch_dependents(PDL)
     p = tl.load(pos_ptr + b).to(tl.int64)
     offs = tl.arange(0, D)
     key = _rope_row(k_ptr + b * stride_kb + h * stride_kh, cos_ptr + p * stride_c, sin_ptr + p * stride_c, D, R)
@@ -207,9 +216,10 @@ def rope_store_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError(f"rope_store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}, "
                          f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, positions {tuple(positions.shape)}"
                          " do not fit")
+    use_pdl, pdl_launch = pdl.for_rows(B)
     _rope_store_kv_kernel[(B, H)](k, v, cos, sin, positions, k_cache, v_cache, k.stride(0), k.stride(1),
                                   v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                  k_cache.stride(2), D=D, R=R, num_warps=1)
+                                  k_cache.stride(2), D=D, R=R, PDL=use_pdl, num_warps=1, **pdl_launch)
 
 
 def rope_store_kv_reference(k, v, cos, sin, positions, k_cache, v_cache) -> None:
@@ -220,21 +230,29 @@ def rope_store_kv_reference(k, v, cos, sin, positions, k_cache, v_cache) -> None
     v_cache[rows, :, pos] = v
 
 
-def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3.5's RoPE on the first R = cos.shape[-1] dims of each head: x [N, H, D] bf16 (unit
-    stride on D), cos, sin [N, R] bf16 (the row's position); returns [N, H, D] bf16:
-    bf16(bf16(x_r * cos) + bf16(rotate_half(x_r) * sin)) on the first R dims, the rest as is
-    (partial_rope_reference, the reference's cast points)."""
+    stride on D), cos, sin [N, R] bf16 (the row's position), or with positions ([N] int on the
+    device, graph-safe) the [length, R] tables, row n rotated at positions[n]; returns
+    [N, H, D] bf16: bf16(bf16(x_r * cos) + bf16(rotate_half(x_r) * sin)) on the first R dims,
+    the rest as is (partial_rope_reference, the reference's cast points)."""
     N, H, D = x.shape
     R = cos.shape[-1]
-    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or tuple(cos.shape) != (N, R) or sin.shape != cos.shape \
+    rows_ok = tuple(cos.shape) == (N, R) if positions is None else (
+        cos.dim() == 2 and tuple(positions.shape) == (N,) and not positions.is_floating_point())
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or not rows_ok or sin.shape != cos.shape \
             or R % 2 or R > D or D & (D - 1):
         raise ValueError(f"partial_rope: x {x.dtype} {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
-                         " do not fit (bf16 x with unit last stride, D a power of two, cos/sin [N, R], R even <= D)")
+                         + ("" if positions is None else f", positions {positions.dtype} {tuple(positions.shape)}")
+                         + " do not fit (bf16 x with unit last stride, D a power of two, cos/sin [N, R] or tables "
+                         "[length, R] with positions [N] int, R even <= D)")
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((N, H, D), dtype=torch.bfloat16, device=x.device)
-    _partial_rope_kernel[(N, H)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), D=D, R=R,
-                                 num_warps=1)
+    use_pdl, pdl_launch = pdl.for_rows(N)
+    _partial_rope_kernel[(N, H)](x, cos, sin, cos if positions is None else positions, out, H, x.stride(0),
+                                 x.stride(1), cos.stride(0), D=D, R=R, GATHER=positions is not None, PDL=use_pdl,
+                                 num_warps=1, **pdl_launch)
     return out
 
 

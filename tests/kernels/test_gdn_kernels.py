@@ -167,6 +167,23 @@ def test_gated_rmsnorm_is_the_reference(rows, packed):
     assert (d > 0).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("rows,per_program,warps", [(37, 8, 2), (4100, None, None), (64, 16, 4), (40, 4, 1)])
+def test_gated_rmsnorm_launches_give_one_result(rows, per_program, warps):
+    """Rows taken several to a program (a prompt's launch; 4,100 rows: the default's tiles of
+    gdn.GATED_NORM_ROWS, the last one partly masked) give the one-row-a-program launch's bits:
+    each row's sum of squares is the same tree of the same adds (_lane_sum_rows)."""
+    g_ = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 128, generator=g_) * 3).bfloat16().to(DEV)
+    wide = torch.randn(rows // 2 + rows % 2, 2 * 128 + 64, generator=g_).bfloat16().to(DEV)
+    z = wide[:, 64:] if rows % 2 == 0 else torch.randn(rows, 128, generator=g_).bfloat16().to(DEV)
+    w = (torch.rand(128, generator=g_) + 0.5).bfloat16().to(DEV)
+    one = gdn.gated_rmsnorm(x, z, w, rows_per_program=1, num_warps=1)
+    many = gdn.gated_rmsnorm(x, z, w, rows_per_program=per_program, num_warps=warps)
+    assert torch.equal(one, many)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        gdn.gated_rmsnorm(x, z, w, rows_per_program=3)
+
+
 def _prefill_inputs(B, T, Hk, Hv, D, seed, repeat_keys=False):
     """q, k as the conv's bf16 outputs (Hk heads, not repeated), v, and the layer's gates."""
     g_ = torch.Generator().manual_seed(seed)
@@ -215,8 +232,9 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
 
 @pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
                                   gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=64, state_stages=1),
-                                  gdn.PrefillPlan(block_v=16, state_stages=1)],
-                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16"])
+                                  gdn.PrefillPlan(block_v=16, state_stages=1), gdn.PrefillPlan(fused=1),
+                                  gdn.PrefillPlan(fused=1, block_v=64, state_stages=1)],
+                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "fused", "fused-bv64"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
@@ -239,6 +257,8 @@ def test_a_bad_prefill_plan_is_named():
         gdn.PrefillPlan(out_prec="bf16")
     with pytest.raises(ValueError, match="out_warps"):
         gdn.PrefillPlan(out_warps=3)
+    with pytest.raises(ValueError, match="fused"):
+        gdn.plan_from_text("fused=2")
 
 
 def test_the_prefill_gate_catches_a_wrong_decay_or_gate(interpreter_fixes):
@@ -271,6 +291,9 @@ def test_partial_rope_is_the_reference(N, H, D, R):
     got = partial_rope(x.to(DEV), cos[pos].to(DEV), sin[pos].to(DEV)).cpu()
     want = partial_rope_reference(x, cos[pos][:, None], sin[pos][:, None])
     assert torch.equal(got, want)
+    # the decode step's form: the tables and the positions on the device, rows read there
+    at = partial_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), positions=pos.int().to(DEV)).cpu()
+    assert torch.equal(at, want)
     if R < D:
         assert torch.equal(got[..., R:], x[..., R:])
 
