@@ -95,18 +95,38 @@ class Engine:
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
 
-    def slots(self, max_slots: int, max_len: int):
+    def slots(self, max_slots: int, max_len: int, page_size: int | None = None, num_pages: int | None = None,
+              share_prefixes: bool = True):
         """Continuous batching for a server (fq_slots.Slots): max_slots rows of max_len positions
-        in this engine's caches, each step size's graph captured now. The caches and graphs
-        generate() made are dropped (and generate() makes its own again when called)."""
+        in this engine's caches, or with page_size a pool of num_pages pages of page_size
+        positions read through each row's block table (None: max_slots rows' worth; with
+        share_prefixes the pages of common prompt prefixes shared where the model allows), each
+        step size's graph captured now. The caches and graphs generate() made are dropped (and
+        generate() makes its own again when called)."""
         from fq_slots import Slots
 
         self._drop_graphs()
         self._close_slots()
-        self._check_memory(max_slots, max_len)
-
-        self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune)
+        if page_size is None:
+            self._check_memory(max_slots + 1, max_len)         # and the staging row (fq_slots)
+        else:
+            self._check_paged_memory(max_slots, max_len, page_size, num_pages)
+        self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
+                            page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes)
         return self._slots
+
+    def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None) -> None:
+        """The paged cache's pools (and Qwen3.5's per-row GDN states) must fit: a clear error first."""
+        if self.device.type != "cuda":
+            return
+        self.model.allocate_cache(1, 2)      # generate()'s cache, if any, goes first
+        torch.cuda.empty_cache()
+        pages = (rows * (max_len // page_size) if num_pages is None else num_pages) + 1   # and the spare one
+        need = pages * self.model.page_bytes(page_size) + (rows + 1) * getattr(self.model, "row_bytes", lambda: 0)()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free:
+            raise ValueError(f"{pages} KV pages of {page_size} positions for {rows} rows need {need / 2**30:.1f} GiB; "
+                             f"{free / 2**30:.1f} GiB is available on the device")
 
     def _close_slots(self) -> None:
         if self._slots is not None:

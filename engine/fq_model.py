@@ -14,7 +14,7 @@ import torch
 
 from fq_config import ModelConfig
 from fq_weights import ModelWeights
-from fq_ops import prefill_attention
+from fq_ops import prefill_attention, prefix_attention
 from fqkernels.rope_kv import rope_tables
 
 # Prompts are prefilled in groups of whole sequences of at most this many
@@ -29,6 +29,10 @@ ROPE_GRANULE = 4096
 
 
 class Qwen3Model:
+    # A cached prompt prefix is all a later prompt needs from it (its K/V): paged slots may share
+    # its pages (fq_slots).
+    prefix_sharing = True
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device, ops):
         self.cfg = cfg
         self.w = weights
@@ -37,6 +41,9 @@ class Qwen3Model:
         self.scale = cfg.head_dim ** -0.5
         self.cos = self.sin = None
         self.k_cache = self.v_cache = None
+        # Paged form (allocate_paged_cache): the caches are pools of pages, [L, P, KVH, page, D],
+        # and row b's position p sits in page block_table[b, p // page]; None: rows of positions.
+        self.block_table = None
 
     # ---- buffers -----------------------------------------------------------------
     def ensure_rope(self, length: int) -> bool:
@@ -50,12 +57,16 @@ class Qwen3Model:
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Cache row dst becomes row src's first `length` positions (fq_slots moves the last
-        running request into a freed row)."""
+        running request into a freed row); in the paged form row src's block table (its pages
+        stay where they are)."""
+        if self.block_table is not None:
+            self.block_table[dst] = self.block_table[src]
+            return
         self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
         self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
 
     def cache_fits(self, batch: int, capacity: int) -> bool:
-        return (self.k_cache is not None and self.k_cache.shape[1] == batch
+        return (self.k_cache is not None and self.block_table is None and self.k_cache.shape[1] == batch
                 and self.k_cache.shape[3] >= capacity)
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
@@ -65,11 +76,47 @@ class Qwen3Model:
     def allocate_cache(self, batch: int, capacity: int) -> None:
         """One [L, B, KVH, C, D] buffer each for K and V. Contents are never read
         past a sequence's length, so nothing needs clearing between calls."""
-        self.k_cache = self.v_cache = None  # free the old pair before taking the new
+        self.k_cache = self.v_cache = self.block_table = None  # free the old pair before taking the new
         c = self.cfg
         shape = (c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim)
         self.k_cache = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+
+    def page_bytes(self, page: int) -> int:
+        """Bytes of one page of `page` positions in every layer's K and V pools."""
+        return self.cache_bytes(1, page)
+
+    def allocate_paged_cache(self, rows: int, pages: int, page: int, capacity: int) -> None:
+        """The paged form: K and V pools of `pages` pages of `page` positions, [L, P, KVH, page, D],
+        and a block table of `rows` rows of capacity // page pages (int32 on the device, all
+        page 0 until a row is given its pages). A pool is zeroed: a page is read only below
+        its row's length, but a never-written position must not hold a NaN a mask multiplies."""
+        if capacity % page:
+            raise ValueError(f"allocate_paged_cache: capacity {capacity} is not a multiple of the page size {page}")
+        self.k_cache = self.v_cache = self.block_table = None
+        c = self.cfg
+        shape = (c.num_layers, pages, c.num_kv_heads, page, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self.block_table = torch.zeros((rows, capacity // page), dtype=torch.int32, device=self.device)
+
+    def _paged(self, B: int, b0: int = 0) -> dict:
+        """The block-table argument of the KV kernels for rows [b0, b0 + B) (none in the row form)."""
+        return {} if self.block_table is None else {"block_table": self.block_table[b0:b0 + B]}
+
+    def _page_out(self, i: int, k: torch.Tensor, v: torch.Tensor, b0: int, start: int = 0) -> None:
+        """A prompt pass's K/V of layer i, [nb, KVH, S, D] at positions [start, start + S) of rows
+        [b0, b0 + nb), into those rows' pages (the paged form)."""
+        page_of, slot_of = page_positions(self.block_table[b0:b0 + k.shape[0]], k.shape[2], start, self.k_cache.shape[3])
+        for src, pool in ((k, self.k_cache), (v, self.v_cache)):
+            pool[i][page_of, :, slot_of] = src.transpose(1, 2).reshape(-1, src.shape[1], src.shape[3])
+
+    def _gather(self, i: int, b0: int, nb: int, length: int) -> tuple:
+        """Layer i's K/V of positions [0, length) of rows [b0, b0 + nb), [nb, KVH, length, D]: the
+        rows' slice, or (paged form) their pages gathered in order."""
+        if self.block_table is None:
+            return self.k_cache[i, b0:b0 + nb, :, :length], self.v_cache[i, b0:b0 + nb, :, :length]
+        return tuple(gather_pages(pool[i], self.block_table[b0:b0 + nb], length) for pool in (self.k_cache, self.v_cache))
 
     # ---- forward passes ------------------------------------------------------------
     def _next_norm(self, i: int) -> torch.Tensor:
@@ -81,35 +128,53 @@ class Qwen3Model:
         Writes K/V for positions [0, S) of every sequence."""
         return self.ops.argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
         """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill,
-        in cache rows [row, row + B) (a slot's own row: fq_slots)."""
+        in cache rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
+        [start, start + S) of sequences whose first `start` positions those rows already hold
+        (a prompt prefilled in chunks): their queries attend to the cached keys as well."""
         B, S = ids.shape
-        group = max(1, PREFILL_TOKENS // S)
-        return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0) for b0 in range(0, B, group)])
+        group = max(1, PREFILL_TOKENS // (start + S))
+        return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0, start) for b0 in range(0, B, group)])
 
-    def _prefill_group(self, ids: torch.Tensor, b0: int) -> torch.Tensor:
+    def _prefill_group(self, ids: torch.Tensor, b0: int, start: int = 0) -> torch.Tensor:
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         nb, S = ids.shape
-        positions = torch.zeros(nb, dtype=torch.int32, device=self.device)
+        positions = torch.full((nb,), start, dtype=torch.int32, device=self.device)
         x, h = ops.embed_rmsnorm(ids.reshape(-1), self.w.embed, self.w.layers[0].input_norm, eps)
         last = len(self.w.layers) - 1
+        paged = self.block_table is not None
         for i, layer in enumerate(self.w.layers):
-            kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
+            if paged and not start:   # the prompt's K/V in rows of their own, then into the rows' pages
+                kc = torch.empty((nb, c.num_kv_heads, S, c.head_dim), dtype=torch.bfloat16, device=self.device)
+                vc = torch.empty_like(kc)
+            elif paged:               # a continued prompt's K/V straight into its pages
+                kc, vc = self.k_cache[i], self.v_cache[i]
+            else:
+                kc, vc = self.k_cache[i, b0:b0 + nb], self.v_cache[i, b0:b0 + nb]
             # Each activation is dropped as soon as the next one exists: a long prompt's
             # peak memory is then the larger of the attention's and the MLP's working sets.
             qkv = ops.linear(h, layer.qkv)
             del h
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, S,
-                                       kc, vc, eps, c.num_heads, c.num_kv_heads)
+                                       kc, vc, eps, c.num_heads, c.num_kv_heads,
+                                       **(self._paged(nb, b0) if paged and start else {}))
             del qkv
             if i == last:
                 # Every position's K/V is cached above, but only the last position
                 # of each sequence feeds the logits: the rest of the last layer
                 # (attention output, o, MLP) runs on those rows alone.
                 x = x.view(nb, S, -1)[:, -1].contiguous()
-            attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last, window=c.sliding_window)
+            if start:                 # the cached positions and these, the causal mask at the bottom right
+                kc, vc = self._gather(i, b0, nb, start + S)
+                attn = prefix_attention(q, kc, vc, nb, S, start, self.scale, last_only=i == last,
+                                        window=c.sliding_window)
+            else:
+                attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last, window=c.sliding_window)
             del q
+            if paged and not start:
+                self._page_out(i, kc, vc, b0)
+            del kc, vc
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
             del attn
             h = self._prefill_mlp(h, layer, x, self._next_norm(i))
@@ -141,12 +206,28 @@ class Qwen3Model:
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         B = tokens.shape[0]
         x, h = ops.embed_rmsnorm(tokens, self.w.embed, self.w.layers[0].input_norm, eps)
+        paged = self._paged(B)
         for i, layer in enumerate(self.w.layers):
-            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]
+            kc, vc = (self.k_cache[i], self.v_cache[i]) if paged else (self.k_cache[i, :B], self.v_cache[i, :B])
             qkv = ops.linear(h, layer.qkv)
             q = ops.qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, 1,
-                                       kc, vc, eps, c.num_heads, c.num_kv_heads)
-            attn = ops.decode_attention(q, kc, vc, lengths, self.scale, window=c.sliding_window)
+                                       kc, vc, eps, c.num_heads, c.num_kv_heads, **paged)
+            attn = ops.decode_attention(q, kc, vc, lengths, self.scale, window=c.sliding_window, **paged)
             h = ops.linear_add_rmsnorm(attn.view(B, c.q_size), layer.o, x, layer.post_norm, eps)
             h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
         return ops.linear(h, self.w.lm_head)
+
+
+def page_positions(table: torch.Tensor, length: int, start: int, page: int) -> tuple:
+    """(page, slot within the page) of positions [start, start + length) of each row of `table`
+    ([nb, W] int32), each [nb * length] int64, row-major (row 0's positions first)."""
+    pos = torch.arange(start, start + length, device=table.device)
+    return table.long()[:, pos // page].reshape(-1), (pos % page).repeat(table.shape[0])
+
+
+def gather_pages(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [0, length) of each row of `table` ([nb, W]) from a page pool [P, KVH, page, D]:
+    [nb, KVH, length, D], a copy."""
+    n = -(-length // pool.shape[2])
+    pages = pool[table[:, :n].long()]                          # [nb, n, KVH, page, D]
+    return pages.transpose(1, 2).reshape(table.shape[0], pool.shape[1], -1, pool.shape[3])[:, :, :length]

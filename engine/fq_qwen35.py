@@ -50,6 +50,7 @@ from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
+from fq_model import gather_pages, page_positions
 from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 
 BACKENDS = ("torch", "triton")
@@ -239,6 +240,9 @@ def _expected_names(cfg: Qwen35Config) -> list:
 
 
 class Qwen35Model:
+    # A prefix's GDN states at a page's end are not kept: no prompt pages are shared (fq_slots).
+    prefix_sharing = False
+
     def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, backend: str | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
         self.backend = resolve_backend(device, backend)
@@ -250,6 +254,10 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
+        # Paged form (allocate_paged_cache): the attention layers' caches are pools of pages,
+        # [A, P, KVH, page, D], row b's position p in page block_table[b, p // page]; the GDN
+        # states stay one row per sequence. None: rows of positions.
+        self.block_table = None
         self.ops = _Products() if self.backend == "triton" else _TorchProducts()
         if self.backend == "triton":   # torch.argmax's picks, bit for bit, in two small kernels
             from fqkernels.argmax import argmax as triton_argmax
@@ -282,14 +290,27 @@ class Qwen35Model:
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Cache row dst becomes row src: its first `length` K/V positions and its GDN states
-        (fq_slots moves the last running request into a freed row)."""
-        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
-        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+        (fq_slots moves the last running request into a freed row); in the paged form its block
+        table row instead of its K/V (the pages stay where they are)."""
+        if self.block_table is not None:
+            self.block_table[dst] = self.block_table[src]
+        else:
+            self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+            self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
         self.conv_state[:, dst] = self.conv_state[:, src]
         self.state[:, dst] = self.state[:, src]
 
     def cache_fits(self, batch: int, capacity: int) -> bool:
-        return self.k_cache is not None and self.k_cache.shape[1] == batch and self.k_cache.shape[3] >= capacity
+        return (self.k_cache is not None and self.block_table is None and self.k_cache.shape[1] == batch
+                and self.k_cache.shape[3] >= capacity)
+
+    def page_bytes(self, page: int) -> int:
+        """Bytes of one page of `page` positions in every attention layer's K and V pools."""
+        return 2 * len(self.attn_slot) * self.cfg.kv_size * page * 2
+
+    def row_bytes(self) -> int:
+        """Bytes of one sequence's GDN states (conv and recurrent), which are not paged."""
+        return self.cache_bytes(1, 0)
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         c = self.cfg
@@ -298,9 +319,37 @@ class Qwen35Model:
                                                  + c.linear_v_heads * c.linear_k_dim * c.linear_v_dim * 4)
         return kv + states
 
+    def allocate_paged_cache(self, rows: int, pages: int, page: int, capacity: int) -> None:
+        """The paged form: K and V pools of `pages` pages of `page` positions per attention layer,
+        a block table of `rows` rows of capacity // page pages (int32, all page 0 until a row
+        is given its pages), and the GDN states of `rows` sequences."""
+        if capacity % page:
+            raise ValueError(f"allocate_paged_cache: capacity {capacity} is not a multiple of the page size {page}")
+        self.allocate_cache(rows, 0)
+        self.k_cache = self.v_cache = None
+        c = self.cfg
+        shape = (len(self.attn_slot), pages, c.num_kv_heads, page, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self.block_table = torch.zeros((rows, capacity // page), dtype=torch.int32, device=self.device)
+
+    def _page_out(self, slot: int, k: torch.Tensor, v: torch.Tensor, b0: int, start: int = 0) -> None:
+        """A prompt pass's K/V of attention layer `slot`, [nb, KVH, S, D] at positions [start, start + S)
+        of rows [b0, b0 + nb), into those rows' pages."""
+        page_of, slot_of = page_positions(self.block_table[b0:b0 + k.shape[0]], k.shape[2], start, self.k_cache.shape[3])
+        for src, pool in ((k, self.k_cache), (v, self.v_cache)):
+            pool[slot][page_of, :, slot_of] = src.transpose(1, 2).reshape(-1, src.shape[1], src.shape[3])
+
+    def _gather(self, slot: int, rows: slice, length: int) -> tuple:
+        """Attention layer `slot`'s K/V of positions [0, length) of `rows`, [nb, KVH, length, D]: the
+        rows' slice, or (paged form) their pages gathered in order."""
+        if self.block_table is None:
+            return self.k_cache[slot, rows, :, :length], self.v_cache[slot, rows, :, :length]
+        return tuple(gather_pages(pool[slot], self.block_table[rows], length) for pool in (self.k_cache, self.v_cache))
+
     def allocate_cache(self, batch: int, capacity: int) -> None:
         c, dev = self.cfg, self.device
-        self.k_cache = self.v_cache = self.conv_state = self.state = None
+        self.k_cache = self.v_cache = self.conv_state = self.state = self.block_table = None
         shape = (len(self.attn_slot), batch, c.num_kv_heads, capacity, c.head_dim)
         # zeros: the torch backend's masked attention over rows of other lengths (fq_slots) reads
         # past a row's length, where a mask cannot hide a NaN an empty buffer may hold
@@ -315,13 +364,17 @@ class Qwen35Model:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self._argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
-        in rows [row, row + B) (a slot's own row: fq_slots)."""
+        in rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
+        [start, start + S) of sequences whose first `start` positions those rows already hold
+        (a prompt prefilled in chunks): the GDN layers go on from their conv and recurrent
+        states, the attention layers' queries see the cached keys too."""
         B, S = ids.shape
         rows = slice(row, row + B)
-        cos, sin = self.cos[None, :S], self.sin[None, :S]                  # [1, S, r]
-        h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows))
+        self.ensure_rope(start + S)
+        cos, sin = self.cos[None, start:start + S], self.sin[None, start:start + S]     # [1, S, r]
+        h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows, start), start)
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -339,7 +392,7 @@ class Qwen35Model:
         h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
         return self._logits(h)
 
-    def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention, start: int = 0) -> torch.Tensor:
         """Every decoder layer over the embeddings of ids [B, T]: the GDN mixer (chunked over a
         prompt filling cache rows prompt_rows, one step in decode: None) or attention(i, h), then
         the MLP, each behind its (1 + w) norm, adds in BF16. Returns the final norm's output at
@@ -353,7 +406,7 @@ class Qwen35Model:
             x = table[ids]
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
-                x = x + (self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h))
+                x = x + (self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h))
                 x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
             return _norm(x[:, -1], self.w["model.norm.weight"], eps)
         from fqkernels.rmsnorm import add_rmsnorm, embed_rmsnorm
@@ -363,7 +416,7 @@ class Qwen35Model:
         rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
         h = h.view(shape)
         for i in range(L):
-            mixed = self._gdn(i, h, prompt_rows) if i in self.gdn_slot else attention(i, h)
+            mixed = self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h)
             h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
                             one_plus=True).view(shape)
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
@@ -437,11 +490,20 @@ class Qwen35Model:
             return torch.split(self.ops.linear(h, w), sizes, dim=-1)
         return tuple(F.linear(h, part) for part in torch.split(w, sizes))
 
-    def _attention_prefill(self, i: int, h, cos, sin, rows: slice):
+    def _attention_prefill(self, i: int, h, cos, sin, rows: slice, start: int = 0):
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
-        self.k_cache[slot, rows, :, :S], self.v_cache[slot, rows, :, :S] = k, v
+        if self.block_table is not None:
+            self._page_out(slot, k, v, rows.start, start)
+        else:
+            self.k_cache[slot, rows, :, start:start + S], self.v_cache[slot, rows, :, start:start + S] = k, v
+        if start:   # a continued prompt: the cached keys and these, the causal mask at the bottom right
+            kc, vc = self._gather(slot, rows, start + S)
+            qpos = torch.arange(start, start + S, device=h.device)[:, None]
+            mask = torch.arange(start + S, device=h.device)[None, :] <= qpos
+            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            return self._attention_out(i, attn.transpose(1, 2), gate)
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -450,19 +512,29 @@ class Qwen35Model:
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
         slot = self.attn_slot[i]
-        kc, vc = self.k_cache[slot, :B], self.v_cache[slot, :B]     # the first B rows: this call's sequences
+        paged = self.block_table is not None
+        # the first B rows: this call's sequences (paged: the layer's pools, read through the table)
+        kc, vc = (self.k_cache[slot], self.v_cache[slot]) if paged else (self.k_cache[slot, :B], self.v_cache[slot, :B])
+        table = {"block_table": self.block_table[:B]} if paged else {}
         if self.backend == "triton":   # the key rotated and both stored at the positions in one kernel
             from fqkernels.decode_attention import decode_attention
             from fqkernels.rope_kv import rope_store_kv
 
             q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
-            rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc)
-            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale)      # [B, H, D], lengths on device
+            rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
+            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
             return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)
-        kc[rows, :, positions.long()] = k[:, :, 0]
-        vc[rows, :, positions.long()] = v[:, :, 0]
+        if paged:   # written into the pages, then the rows gathered back as [B, KVH, C, D]
+            pos, table_rows = positions.long(), self.block_table[:B].long()
+            page = kc.shape[2]
+            kc[table_rows[rows, pos // page], :, pos % page] = k[:, :, 0]
+            vc[table_rows[rows, pos // page], :, pos % page] = v[:, :, 0]
+            kc, vc = (pool[table_rows].transpose(1, 2).reshape(B, pool.shape[1], -1, pool.shape[3]) for pool in (kc, vc))
+        else:
+            kc[rows, :, positions.long()] = k[:, :, 0]
+            vc[rows, :, positions.long()] = v[:, :, 0]
         # One query over the cached prefix, unmasked when every sequence has the same length
         # (always, in the engine's calls), as 5.17's cached step; a mask otherwise.
         L = int(lengths.max())
@@ -480,9 +552,9 @@ class Qwen35Model:
         gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
         return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
-    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None) -> torch.Tensor:
-        """GDN layer i over h: a prompt pass filling cache rows prompt_rows, or (None) one decode
-        step of the first B rows."""
+    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0) -> torch.Tensor:
+        """GDN layer i over h: a prompt pass filling cache rows prompt_rows (start > 0: going on
+        from the rows' conv and recurrent states), or (None) one decode step of the first B rows."""
         prompt = prompt_rows is not None
         if not prompt and self.backend == "triton":
             return self._gdn_step_kernels(i, h)
@@ -493,13 +565,15 @@ class Qwen35Model:
         mixed, z, b, a = self._in_proj(p, h)                                        # mixed [B, T, conv_dim]
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
         kernels = prompt and self.backend == "triton"
+        carried = not prompt or start > 0          # the rows' states go on (a decode step, a continued prompt)
         if kernels:   # in_proj's output read in place by the gates, the conv + SiLU and the gated norm
             g, beta = gdn.gates(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
-            mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w)
+            mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w,
+                                                      conv_state=self.conv_state[slot, rows] if carried else None)
         else:
             g, beta = gdn.gates_reference(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
             mixed, new_conv = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w,
-                                                        None if prompt else self.conv_state[slot, rows])
+                                                        self.conv_state[slot, rows] if carried else None)
             mixed = mixed.transpose(1, 2)
         self.conv_state[slot, rows].copy_(new_conv)
         kd = c.linear_k_heads * c.linear_k_dim
@@ -508,11 +582,12 @@ class Qwen35Model:
         v = v.reshape(B, T, -1, c.linear_v_dim)
         if kernels:   # q, k, v read in place from the conv's rows, heads shared by index, the state
             # written into its cache rows
-            o, _ = gdn.chunked_prefill(q, k, v, g, beta, state_out=self.state[slot, rows])
+            o, _ = gdn.chunked_prefill(q, k, v, g, beta, state_out=self.state[slot, rows],
+                                       initial_state=self.state[slot, rows] if carried else None)
         else:
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
             rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
-            o, state = rule(q, k, v, g, beta, state=None if prompt else self.state[slot, rows])
+            o, state = rule(q, k, v, g, beta, state=self.state[slot, rows] if carried else None)
             self.state[slot, rows].copy_(state)
         if kernels and c.linear_v_dim == 128:    # z's heads read in place from in_proj's rows
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z.reshape(B * T, -1), self.w[p + "norm.weight"], c.rms_norm_eps)

@@ -15,11 +15,34 @@ host's work on one step's tokens overlaps the next step on the GPU). On a GPU ea
 when the slots open, before any request. A row's arithmetic does not depend on the other
 rows' contents, so a request's greedy tokens depend only on the bucket's row count.
 
-Not yet here (the serving issue's later parts): a paged cache (blocks and block tables, so a
-request holds memory for its own length and shared prefixes share blocks) and prefills
-chunked between steps (admit() prefills a whole prompt, eagerly).
+Paged form (page_size): the attention caches are pools of pages of page_size positions and
+each row has a block table (the model's allocate_paged_cache): a request takes the pages for
+the positions it may hold (its prompt and the tokens it may generate: admit's `reserve`)
+when it is admitted and gives them back when it retires, so short requests take little and
+many fit where rows of max_len would not. A retired row's place is taken by the last row's
+block table, not by a copy of its K/V. The decode kernels read the same K/V through the table
+in the same order (the same bits as the row form; GPU tests). Every row not holding a request
+points at a spare page no request gets, where a padding row of a step's bucket writes. The GDN
+states of Qwen3.5 stay one row per request.
+
+A prompt can also be prefilled in chunks between steps (begin(), then prefill_next() once per
+step until it returns the logits): the chunks go into a staging row past the step's rows, which
+no step touches, each chunk's queries seeing the positions before it (the models'
+prefill_logits with start); the last chunk moves the request into the next running row (its
+K/V and states, or its block table). So a long prompt joins without stalling the running
+requests for its whole prompt pass.
+
+Shared prefixes (paged form, share_prefixes, models whose whole state is their K/V: Qwen3):
+each full page of an admitted prompt is kept under the prompt's tokens up to its end; a later
+prompt starting with the same tokens takes those pages (counted: a page is free again when
+no request holds it, and stays findable until the pool needs it) and prefills only the rest,
+its queries seeing the shared positions (prefill_logits with start). At least the last
+token is always prefilled (its logits start the request). Qwen3.5's GDN states at a page's
+end are not kept, so its prompts share nothing.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -39,20 +62,117 @@ def buckets(max_slots: int) -> list[int]:
     return out + [max_slots]
 
 
+def pages_for(positions: int, page_size: int) -> int:
+    """Pages of page_size positions that hold `positions`."""
+    return -(-positions // page_size)
+
+
+class PagePool:
+    """The paged cache's pages (module doc): free ones, and with sharing the full prompt pages kept
+    under the prompt prefix they end, counted by the requests holding them; those no request
+    holds are reused last (oldest first), their prefix forgotten then."""
+
+    def __init__(self, num_pages: int, page_size: int, share: bool):
+        self.page_size, self.share = page_size, share
+        self._free = list(range(num_pages - 1, -1, -1))     # holding nothing; popped from the end
+        self._refs = [0] * num_pages
+        self._prefix_of: dict[int, tuple] = {}               # page -> the prompt prefix it ends
+        self._page_of: dict[tuple, int] = {}                 # prompt prefix (whole pages) -> page
+        self._idle: OrderedDict = OrderedDict()              # kept pages no request holds, oldest first
+        self.hit_tokens = 0                                  # prompt positions found in kept pages
+
+    @property
+    def free(self) -> int:
+        return len(self._free) + len(self._idle)
+
+    def take(self, n: int) -> list:
+        """n pages for a request: free ones first, then the oldest kept ones (forgotten)."""
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._idle.popitem(last=False)
+                del self._page_of[self._prefix_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def lookup(self, prompt: list) -> list:
+        """The kept pages of the prompt's longest kept prefix of whole pages, leaving at least its
+        last token to prefill; the request now holds them too."""
+        if not self.share:
+            return []
+        found = []
+        for i in range((len(prompt) - 1) // self.page_size):
+            page = self._page_of.get(tuple(prompt[:(i + 1) * self.page_size]))
+            if page is None:
+                break
+            found.append(page)
+        for page in found:
+            self._idle.pop(page, None)
+            self._refs[page] += 1
+        self.hit_tokens += len(found) * self.page_size
+        return found
+
+    def keep(self, prompt: list, pages: list) -> None:
+        """The prompt's full pages (prefilled) kept under their prefixes, where none is yet."""
+        if not self.share:
+            return
+        for i in range(len(prompt) // self.page_size):
+            prefix = tuple(prompt[:(i + 1) * self.page_size])
+            if prefix not in self._page_of and pages[i] not in self._prefix_of:
+                self._page_of[prefix] = pages[i]
+                self._prefix_of[pages[i]] = prefix
+
+    def release(self, pages: list) -> None:
+        """A request's pages given back: each one no request holds any more is free, or kept."""
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._prefix_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
+
+
 class Slots:
     def __init__(self, model, device: torch.device, max_slots: int, max_len: int, use_graphs: bool = False,
-                 tune=None):
+                 tune=None, page_size: int | None = None, num_pages: int | None = None, share_prefixes: bool = True):
         """tune(rows): called once per bucket before its step is built (the engine's choice of
-        products at that many rows)."""
+        products at that many rows). page_size: the paged form (module doc), max_len a multiple of
+        it; num_pages: the pool's pages (None: max_slots rows' worth); share_prefixes: pages of a
+        common prompt prefix shared (paged form, where the model allows: module doc)."""
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"Slots: max_slots ({max_slots}) must be >= 1 and max_len ({max_len}) >= 2")
+        if page_size is not None and (page_size < 1 or max_len % page_size):
+            raise ValueError(f"Slots: page_size {page_size} must be >= 1 and divide max_len {max_len}")
         self.model, self.device = model, device
         self.max_slots, self.max_len = max_slots, max_len
+        self.page_size = page_size
         model.ensure_rope(max_len)
-        model.allocate_cache(max_slots, max_len)
+        # row max_slots: the staging row of a prompt prefilled in chunks (begin), never in a step
+        self.staging = max_slots
+        if page_size is None:
+            self.num_pages = 0
+            model.allocate_cache(max_slots + 1, max_len)
+        else:
+            self.num_pages = max_slots * (max_len // page_size) if num_pages is None else num_pages
+            if self.num_pages < 1:
+                raise ValueError(f"Slots: num_pages must be >= 1, got {num_pages}")
+            # one page more, never handed out: every row not holding a request points at it, so the
+            # padding rows of a step's bucket (token 0 at position 0, dropped) write there, never
+            # into a page a request holds
+            model.allocate_paged_cache(max_slots + 1, self.num_pages + 1, page_size, max_len)
+            model.block_table.fill_(self.num_pages)
+        self.pool = PagePool(self.num_pages, page_size or 1,
+                             share_prefixes and page_size is not None and getattr(model, "prefix_sharing", False))
         self.closed = False                       # Engine.generate() takes the caches back
         self.keys: list = []                      # the request in each running row, in row order
         self.lengths: list[int] = []              # positions cached per running row
+        self.reserved: list[int] = []             # positions each running row may hold
+        self.pages: list[list[int]] = []          # each running row's pages (paged form)
+        self._staged = None                       # the request in the staging row: [key, prompt, reserve, pages, done]
         self._steps = {}
         # positions go to the device through two pinned buffers used in turn, each behind an
         # event, so a step is queued without waiting on the one before it
@@ -67,24 +187,82 @@ class Slots:
 
     @property
     def free(self) -> int:
-        return self.max_slots - len(self.keys)
+        """Rows free for requests (a request being prefilled in chunks holds the row it will take)."""
+        return self.max_slots - len(self.keys) - (self._staged is not None)
+
+    @property
+    def staged(self):
+        """The key of the request being prefilled in chunks, or None."""
+        return None if self._staged is None else self._staged[0]
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free
+
+    def fits(self, reserves: list) -> bool:
+        """Whether requests that may hold these many positions each can be admitted now (free rows,
+        and in the paged form free pages)."""
+        if len(reserves) > self.free:
+            return False
+        if self.page_size is None:
+            return True
+        return sum(pages_for(min(r, self.max_len), self.page_size) for r in reserves) <= self.free_pages
+
+    @property
+    def kv_usage(self) -> float:
+        """The KV cache in use: pages taken over the pool's (paged form), else cached positions over
+        all rows' positions."""
+        if self.page_size is not None:
+            return 1.0 - self.free_pages / self.num_pages
+        return sum(self.lengths) / (self.max_slots * self.max_len)
 
     def _check_open(self) -> None:
         if self.closed:
             raise SlotError("the engine's caches were taken back (a generate() call): open new slots")
 
-    def admit(self, key, prompt: list[int]) -> torch.Tensor:
+    def admit(self, key, prompt: list[int], reserve: int | None = None) -> torch.Tensor:
         """Prefill `prompt` for request `key` into the next free row; returns the last
-        position's logits [vocab]."""
-        return self.admit_group([key], [prompt])[0]
+        position's logits [vocab]. reserve: as admit_group's."""
+        return self.admit_group([key], [prompt], None if reserve is None else [reserve])[0]
 
-    def admit_group(self, keys: list, prompts: list) -> torch.Tensor:
+    def admit_group(self, keys: list, prompts: list, reserve: list | None = None) -> torch.Tensor:
         """Prefill prompts of one length together (one prompt pass, as Engine.generate's) into
-        the next free rows; returns their last positions' logits [len(keys), vocab]."""
+        the next free rows; returns their last positions' logits [len(keys), vocab]. reserve:
+        the positions each request may hold, prompt included (None: max_len each; more than
+        max_len counts as max_len); room() counts against it, and in the paged form the
+        request takes the pages for it now."""
+        reserve = self._check_new(keys, prompts, reserve)
+        length = len(prompts[0])
+        row = len(self.keys)
+        taken = [self._take_pages(row + j, r, p) for j, (r, p) in enumerate(zip(reserve, prompts))]
+        pages = [t[0] for t in taken]
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
+        try:
+            with torch.inference_mode():
+                if not any(t[1] for t in taken):     # nothing shared: one prompt pass
+                    logits = self.model.prefill_logits(ids, row=row)
+                else:                                # each prompt's rest after its shared prefix
+                    logits = torch.cat([self.model.prefill_logits(ids[j:j + 1, start:], row=row + j, start=start)
+                                        for j, (_, start) in enumerate(taken)])
+        except Exception:
+            for j, p in enumerate(pages):
+                self._give_back(row + j, p)
+            raise
+        for prompt, p in zip(prompts, pages):
+            self.pool.keep(prompt, p)
+        self.keys += list(keys)
+        self.lengths += [length] * len(keys)
+        self.reserved += reserve
+        self.pages += pages
+        return logits
+
+    def _check_new(self, keys: list, prompts: list, reserve: list | None) -> list:
+        """admit_group's and begin's checks; returns the reserves (positions each may hold)."""
         self._check_open()
         if not keys or len(keys) != len(prompts):
             raise SlotError(f"admit_group: {len(keys)} keys for {len(prompts)} prompts")
-        clash = [k for k in keys if k in self.keys] or [k for i, k in enumerate(keys) if k in keys[:i]]
+        clash = [k for k in keys if k in self.keys or k == self.staged] or [k for i, k in enumerate(keys)
+                                                                           if k in keys[:i]]
         if clash:
             raise SlotError(f"request {clash[0]!r} is already running")
         length = len(prompts[0])
@@ -97,17 +275,76 @@ class Slots:
         if len(keys) > self.free:
             raise SlotError(f"all {self.max_slots} slots are running" if not self.free else
                             f"{len(keys)} requests for {self.free} free slots")
-        row = len(self.keys)
-        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
+        reserve = [self.max_len] * len(keys) if reserve is None else [min(int(r), self.max_len) for r in reserve]
+        if len(reserve) != len(keys) or any(r <= length for r in reserve):
+            raise SlotError(f"admit_group: reserve {reserve} must give each of the {len(keys)} requests more than "
+                            f"its {length} prompt positions")
+        if not self.fits(reserve):
+            need = sum(pages_for(r, self.page_size) for r in reserve)
+            raise SlotError(f"{need} KV pages needed for {len(keys)} request(s), {self.free_pages} free")
+        return reserve
+
+    def _take_pages(self, row: int, reserve: int, prompt: list) -> tuple:
+        """The pages for `reserve` positions, into row's block table (paged form; else none): the
+        kept pages of the prompt's shared prefix first. Returns (pages, prompt positions shared)."""
+        if self.page_size is None:
+            return [], 0
+        shared = self.pool.lookup(prompt)
+        pages = shared + self.pool.take(pages_for(reserve, self.page_size) - len(shared))
+        self.model.block_table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return pages, len(shared) * self.page_size
+
+    def _give_back(self, row: int, pages: list) -> None:
+        """Pages back to the pool, and the row's block table back to the spare page."""
+        self.pool.release(pages)
+        if self.page_size is not None:
+            self.model.block_table[row].fill_(self.num_pages)
+
+    def begin(self, key, prompt: list, reserve: int | None = None) -> None:
+        """Start prefilling `prompt` in chunks for request `key` in the staging row (one request at a
+        time): it takes its pages (paged form) and counts against the free rows now; each
+        prefill_next() call then prefills the next chunk. reserve: as admit_group's."""
+        if self._staged is not None:
+            raise SlotError(f"request {self.staged!r} is being prefilled in chunks: one at a time")
+        reserve = self._check_new([key], [prompt], None if reserve is None else [reserve])[0]
+        pages, shared = self._take_pages(self.staging, reserve, prompt)
+        self._staged = [key, list(prompt), reserve, pages, shared]
+
+    def prefill_next(self, tokens: int) -> torch.Tensor | None:
+        """Prefill the staged prompt's next `tokens` positions (at most). While positions remain,
+        returns None; after the last chunk the request runs in the next row (as admit's would) and
+        its last position's logits [vocab] are returned."""
+        self._check_open()
+        if self._staged is None:
+            raise SlotError("prefill_next(): no request is being prefilled (begin() first)")
+        if tokens < 1:
+            raise SlotError(f"prefill_next(): tokens must be >= 1, got {tokens}")
+        key, prompt, reserve, pages, done = self._staged
+        stop = min(len(prompt), done + tokens)
+        ids = torch.tensor([prompt[done:stop]], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            logits = self.model.prefill_logits(ids, row=row)
-        self.keys += list(keys)
-        self.lengths += [length] * len(keys)
-        return logits
+            logits = self.model.prefill_logits(ids, row=self.staging, start=done)
+        self._staged[4] = stop
+        if stop < len(prompt):
+            return None
+        row = len(self.keys)
+        self.pool.keep(prompt, pages)
+        with torch.inference_mode():
+            self.model.copy_row(self.staging, row, len(prompt))
+        if self.page_size is not None:
+            self.model.block_table[self.staging].fill_(self.num_pages)
+        self._staged = None
+        self.keys.append(key)
+        self.lengths.append(len(prompt))
+        self.reserved.append(reserve)
+        self.pages.append(pages)
+        return logits[0]
 
     def room(self, key) -> int:
-        """Tokens the request can still take (step() appends one each time)."""
-        return self.max_len - self.lengths[self.keys.index(key)]
+        """Tokens the request can still take (step() appends one each time): its reserve (admit)
+        less the positions it holds."""
+        i = self.keys.index(key)
+        return self.reserved[i] - self.lengths[i]
 
     def step(self, tokens: dict) -> dict:
         """One decode step: `tokens` maps every running request to its newest token (the one
@@ -132,9 +369,9 @@ class Slots:
                             f"{tokens.dtype} {tuple(tokens.shape)}")
         if not n:
             raise SlotError("step_rows(): no request is running")
-        full = [k for k, length in zip(self.keys, self.lengths) if length >= self.max_len]
+        full = [(k, r) for k, length, r in zip(self.keys, self.lengths, self.reserved) if length >= r]
         if full:
-            raise SlotError(f"request {full[0]!r} is full ({self.max_len} positions): retire it")
+            raise SlotError(f"request {full[0][0]!r} is full ({full[0][1]} positions): retire it")
         step = self._steps[next(b for b in self._steps if b >= n)]
         step.tokens[:n].copy_(tokens, non_blocking=True)
         if step.rows > n:
@@ -158,15 +395,23 @@ class Slots:
         """Free a request's row (finished or cancelled); the last running row moves into it.
         Returns (last, row) when a row moved (a caller's own per-row buffers move likewise),
         else None."""
+        if key is not None and key == self.staged:          # a request cancelled while being prefilled
+            self._give_back(self.staging, self._staged[3])
+            self._staged = None
+            return None
         if key not in self.keys:
             return None
         row, last = self.keys.index(key), len(self.keys) - 1
+        self.pool.release(self.pages[row])
         moved = None
         if row != last:
             with torch.inference_mode():
                 self.model.copy_row(last, row, self.lengths[last])
-            self.keys[row], self.lengths[row] = self.keys[last], self.lengths[last]
+            for held in (self.keys, self.lengths, self.reserved, self.pages):
+                held[row] = held[last]
             moved = (last, row)
-        self.keys.pop()
-        self.lengths.pop()
+        for held in (self.keys, self.lengths, self.reserved, self.pages):
+            held.pop()
+        if self.page_size is not None:      # the vacated row back to the spare page (see __init__)
+            self.model.block_table[last].fill_(self.num_pages)
         return moved

@@ -575,7 +575,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                                   (f"{EXTRA}qwen3.5-4b decode products B={batch}", _qwen35_products),
                                   (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention),
                                   (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products),
-                                  (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms)):
+                                  (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms),
+                                  (f"{EXTRA}paged KV cache (decode attention, KV writes), B={batch}", _paged_kv)):
                     recorder.scenario = name
                     try:
                         run(batch)
@@ -618,9 +619,16 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
     # the state and output kernels as one (PrefillPlan.fused)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(fused=1))
+    # a sequence continued from its state (a prompt in chunks), both plans
+    state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
+    for plan in (gdn.PrefillPlan(), gdn.PrefillPlan(fused=1)):
+        gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=plan, state_out=state, initial_state=state)
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
+    # continued from a conv state (a prompt in chunks)
+    gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
+                            conv_state=torch.empty((batch, 8192, 4), dtype=torch.bfloat16, device=CUDA))
     # the prompt's gates, reading b and a in place from the same rows
     gdn.gates(packed[..., 8192 + 4096 + 32:], packed[..., 8192 + 4096:8192 + 4096 + 32], per_head, per_head)
 
@@ -663,6 +671,30 @@ def _qwen35_attention(batch: int) -> None:
     qp = torch.empty((batch, 512, 8192), dtype=torch.bfloat16, device=CUDA)
     sigmoid_gate_mul(torch.empty((batch, 16, 512, 256), dtype=torch.bfloat16, device=CUDA).transpose(1, 2),
                      qp.view(batch, 512, 16, 512)[..., 256:])
+
+
+def _paged_kv(batch: int) -> None:
+    """The paged KV cache (fq_slots with page_size, a server's --block-size): the decode attention
+    and the KV writes through a block table, at Qwen3-4B's and Qwen3.5-4B's heads, pages of 64
+    positions (at batch 16 Qwen3's attention runs one split: the FA2 path through pages)."""
+    from fqkernels.decode_attention import decode_attention
+    from fqkernels.rope_kv import qk_norm_rope_store, rope_store_kv
+
+    table = torch.empty((batch, 32), dtype=torch.int32, device=CUDA)          # 32 pages of 64: 2,048 positions
+    lengths = torch.empty(batch, dtype=torch.int32, device=CUDA)
+    for heads, kv_heads, dim in ((32, 8, 128), (16, 4, 256)):
+        pool = torch.empty((40, kv_heads, 64, dim), dtype=torch.bfloat16, device=CUDA)
+        decode_attention(torch.empty((batch, heads, dim), dtype=torch.bfloat16, device=CUDA), pool, pool, lengths,
+                         dim ** -0.5, block_table=table)
+    pool = torch.empty((40, 8, 64, 128), dtype=torch.bfloat16, device=CUDA)
+    norm = torch.empty(128, dtype=torch.bfloat16, device=CUDA)
+    cos = torch.empty((4096, 128), dtype=torch.bfloat16, device=CUDA)
+    qk_norm_rope_store(torch.empty((batch, 48 * 128), dtype=torch.bfloat16, device=CUDA), norm, norm, cos, cos,
+                       lengths, 1, pool, pool, 1e-6, 32, 8, block_table=table)
+    kv = torch.empty((batch, 2, 4, 256), dtype=torch.bfloat16, device=CUDA)
+    tables = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
+    pool = torch.empty((40, 4, 64, 256), dtype=torch.bfloat16, device=CUDA)
+    rope_store_kv(kv[:, 0], kv[:, 1], tables, tables, lengths, pool, pool, block_table=table)
 
 
 def _qwen35_products(batch: int) -> None:

@@ -5,7 +5,11 @@ batch-1 TPOT (Engine.generate, 512 + 128), then `fastqwen serve` in a subprocess
 (TTFT / ITL p50 / p99 against rate), and with --memory-gib the most concurrent 1,024 + 256
 requests the server runs at once under that memory cap. One JSON report.
 
-    python scripts/gpu_serve_bench.py --model DIR [--out FILE] [--memory-gib 24]
+    python scripts/gpu_serve_bench.py --model DIR [--out FILE] [--memory-gib 24] [--block-size 64] [--prefill-chunk 256]
+        [--runs one_stream,sixteen_streams]
+
+--block-size, --prefill-chunk: the server's options of those names; --runs: only these of the runs
+(one_stream, sixteen_streams, rate_1, rate_4, rate_16; the memory cap's run with --memory-gib).
 """
 from __future__ import annotations
 
@@ -77,8 +81,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve_bench.json"))
     ap.add_argument("--memory-gib", type=float, default=None)
     ap.add_argument("--quick", action="store_true", help="a few small requests (a CPU smoke run)")
+    ap.add_argument("--block-size", type=int, default=0, help="the server's paged KV cache (0: rows)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="the server's chunked prefill (0: whole prompts)")
+    ap.add_argument("--runs", default="", help="comma-separated subset of the runs (default: all)")
     args = ap.parse_args()
-    report = {"model": args.model}
+    report = {"model": args.model, "block_size": args.block_size, "prefill_chunk": args.prefill_chunk}
+    paged = ["--block-size", str(args.block_size)] if args.block_size else []
+    paged += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
 
     def save():
         with open(args.out, "w") as f:
@@ -93,13 +102,15 @@ def main() -> None:
     print("engine batch 1", report["engine_batch1"], flush=True)
     save()
     port = free_port()
-    proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"])
+    proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"] + paged)
     url = f"http://127.0.0.1:{port}"
     try:
         runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1),
                 "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16)}
         for rate in (1.0, 4.0, 16.0):
             runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate)
+        if args.runs:
+            runs = {name: kw for name, kw in runs.items() if name in args.runs.split(",")}
         if args.quick:
             runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
         for name, kw in runs.items():
@@ -117,7 +128,8 @@ def main() -> None:
         fraction = args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
         port = free_port()
         # no --max-batch: the server opens as many slots as the capped memory holds (at most 64)
-        proc = start_server(args.model, port, ["--max-model-len", "1280", "--gpu-memory-fraction", f"{fraction:.4f}"])
+        proc = start_server(args.model, port, ["--max-model-len", "1280", "--gpu-memory-fraction", f"{fraction:.4f}"]
+                            + paged)
         try:
             r = slim(asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", requests=64, prompt_len=1024,
                                                output_len=256, concurrency=64, progress=False)))

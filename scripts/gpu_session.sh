@@ -66,6 +66,9 @@
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
 #                 default (scripts/gpu_prefill_pieces.py)
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
+#   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
+#   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
+#   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
 #                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
@@ -220,6 +223,15 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
+    serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
+                   --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams --out "$OUT/serve_paged.json" 2>&1 \
+                   | grep -v Warn | tail -8 ;;
+    serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
+                     --model /tmp/q4b --prefill-chunk 256 --runs one_stream,sixteen_streams,rate_4,rate_16 \
+                     --out "$OUT/serve_chunked.json" 2>&1 | grep -v Warn | tail -8 ;;
+    kernels-paged) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_paged_kv_writes.py \
+                     tests/kernels/test_decode_attention.py tests/test_engine_gpu.py -k "paged or slots" 2>&1 \
+                     | tail -30 | tee "$OUT/pytest_paged.log" ;;
     serve-bench) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 560 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
     bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x512,1x2048,4x2048,16x8192 \

@@ -204,3 +204,15 @@ def test_slots_serve_ragged_requests_within_the_margin(engine, tiny_model):
     for r, toks in graphed.items():
         slack = _slack(tiny_model, [prompts[r]], [[t] for t in toks])
         assert slack.max() <= 2.0, (r, slack.max())
+
+
+def test_paged_slots_give_the_row_slots_tokens(engine):
+    """The paged cache on the GPU (pages of 64 positions through block tables, the decode kernels
+    reading them; few pages, so requests also wait for pages): each request's greedy tokens are
+    those the row cache of the same capacity gives, graphed."""
+    from test_slots_cpu import SCHEDULE, run_schedule
+
+    prompts = [_prompts(1, n, seed=300 + r)[0] for r, (n, _, _) in enumerate(SCHEDULE)]
+    rows = run_schedule(engine, prompts, max_len=192)
+    assert run_schedule(engine, prompts, max_len=192, page_size=64, num_pages=5) == rows
+    assert engine._slots.free_pages == 5

@@ -352,3 +352,125 @@ def test_a_request_that_fills_its_slot_ends_with_length(server, client):
                                     extra_body={"ignore_eos": True})
     assert res.choices[0].finish_reason == "length"
     assert res.choices[0].token_ids == _alone(server[0], prompt, 5)
+
+
+def test_a_paged_server_gives_each_request_its_own_tokens(tiny_model):
+    """--block-size: the paged KV cache behind the same API. 8 concurrent requests of different
+    lengths on 4 slots and 12 blocks of 64 (each request takes the blocks for its prompt and
+    max_tokens, so some wait for blocks as well as slots), each with its greedy tokens; every
+    block is free again at the end and /metrics reports the cache in use."""
+    import asyncio
+
+    from fastqwen.serve.app import Server, create_app
+
+    srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny", block_size=64)
+    srv.scheduler.close()                      # the same server with a smaller pool, to make requests wait
+    from fastqwen.serve.scheduler import Scheduler
+
+    srv.scheduler = Scheduler(srv.engine, srv.codec, 4, 512, metrics=srv.metrics, block_size=64, num_blocks=12)
+    try:
+        assert srv.num_blocks == 4 * 512 // 64
+        gen = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (5, 90, 17, 200, 33, 64, 8, 129)]
+        want = [6, 10, 14, 4, 9, 12, 7, 5]
+
+        async def calls():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                done = await asyncio.gather(*(ac.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": n, "temperature": 0}) for p, n in zip(prompts, want)))
+                metrics = (await ac.get("/metrics")).text
+                return [r.json() for r in done], metrics
+
+        results, metrics = asyncio.run(calls())
+        for i, res in enumerate(results):
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], want[i])), i
+        assert "fastqwen:kv_cache_usage_perc" in metrics
+        assert srv.scheduler.slots.free_pages == 12 and srv.scheduler.kv_usage == 0.0
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("block_size", [0, 64])
+def test_long_prompts_join_in_chunks(tiny_model, block_size):
+    """--prefill-chunk 32: prompts longer than 32 tokens that arrive while others run are prefilled
+    32 tokens between two decode steps; 8 concurrent requests of different lengths each get
+    their greedy tokens (rows and the paged cache)."""
+    import asyncio
+
+    from fastqwen.serve.app import Server, create_app
+
+    srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny", block_size=block_size,
+                 prefill_chunk=32)
+    try:
+        gen = torch.Generator().manual_seed(8)
+        prompts = [torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (5, 90, 17, 200, 33, 64, 8, 129)]
+        want = [12, 10, 14, 4, 9, 12, 7, 5]
+
+        async def calls():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                first = asyncio.create_task(ac.post("/v1/completions", json={
+                    "prompt": prompts[0], "max_tokens": want[0], "temperature": 0}))
+                await asyncio.sleep(0.05)              # running when the long prompts arrive
+                rest = await asyncio.gather(*(ac.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": n, "temperature": 0}) for p, n in zip(prompts[1:], want[1:])))
+                return [r.json() for r in [await first] + list(rest)]
+
+        results = asyncio.run(calls())
+        for i, res in enumerate(results):
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], want[i])), i
+        assert srv.scheduler.slots.staged is None and not srv.scheduler.running
+        assert srv.scheduler.chunks >= 3            # at least the 200-token prompt went in chunks
+    finally:
+        srv.close()
+
+
+def test_prompts_that_start_alike_share_their_pages(tiny_model):
+    """--block-size 64: a second request whose prompt starts with the first's 200 tokens takes the
+    first's 3 full pages of them (192 positions, counted in /metrics) and gets its own greedy
+    tokens; the same server with --no-prefix-sharing shares nothing."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fastqwen.serve.app import Server, create_app
+
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(0, 4000, (200,), generator=gen).tolist()
+    prompts = [base + [11, 12, 13], base + [21, 22]]
+    for share in (True, False):
+        srv = Server(str(tiny_model), max_batch=2, max_model_len=512, served_model_name="tiny", block_size=64,
+                     share_prefixes=share)
+        try:
+            async def calls():
+                transport = httpx.ASGITransport(app=create_app(srv))
+                async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                    out = [(await ac.post("/v1/completions", json={"prompt": p, "max_tokens": 6,
+                                                                   "temperature": 0})).json() for p in prompts]
+                    return out, (await ac.get("/metrics")).text
+
+            results, metrics = asyncio.run(calls())
+            for i, res in enumerate(results):
+                assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], 6)), i
+            hits = sum(x.value for fam in text_string_to_metric_families(metrics) for x in fam.samples
+                       if x.name == "fastqwen:prefix_cache_hit_tokens_total")
+            assert hits == (192 if share else 0), hits
+        finally:
+            srv.close()
+
+
+def test_paged_cache_is_sized_by_the_memory_left():
+    from fastqwen.serve.app import DEFAULT_MAX_BATCH, size_pages
+
+    gib, mib = 2**30, 2**20
+    assert size_pages(64, None, 4096, mib, 0, None) == (16, 16 * 64)          # the CPU: every slot's worth
+    assert size_pages(64, 8, 1024, mib, 0, None) == (8, 8 * 16)
+    # the GPU: 64 slots' rows and the staging row (Qwen3.5's states) out of the budget, the rest in pages
+    assert size_pages(64, None, 1280, mib, 16 * mib, 2 * gib) == (DEFAULT_MAX_BATCH, 2 * 1024 - 65 * 16)
+    assert size_pages(64, None, 1280, mib, 16 * mib, 10 * gib) == (DEFAULT_MAX_BATCH, 64 * 20)
+    assert size_pages(64, 4, 1280, mib, 0, 10 * gib) == (4, 4 * 20)           # never more than the slots hold
+    with pytest.raises(ValueError, match="--max-model-len 1000 must be a multiple of --block-size 64"):
+        size_pages(64, None, 1000, mib, 0, 10 * gib)
+    with pytest.raises(ValueError, match="one request of --max-model-len 1280 need"):
+        size_pages(64, None, 1280, gib, 0, 10 * gib)

@@ -19,21 +19,37 @@ def _prompt(length, seed, vocab):
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_schedule(engine, prompts, schedule=SCHEDULE, max_slots=3):
+def run_schedule(engine, prompts, schedule=SCHEDULE, max_slots=3, page_size=None, num_pages=None, max_len=160,
+                 chunk=None):
     """The schedule through slots, greedy, with prompts[r] for request r: {request: emitted
     tokens}; more requests than slots, so some wait for a row to free up, and retiring moves
-    the last row into the freed one (tests/test_engine_gpu.py runs it on a GPU too)."""
-    slots = engine.slots(max_slots, 160)
+    the last row into the freed one (tests/test_engine_gpu.py runs it on a GPU too). With
+    page_size: the paged cache, each request reserving its prompt and tokens, so with few
+    pages requests also wait for pages. With chunk: a prompt longer than that arriving while
+    others run is prefilled in chunks of it, one before each step (Slots.begin, prefill_next)."""
+    slots = engine.slots(max_slots, max_len, page_size=page_size, num_pages=num_pages)
     waiting = [(r, prompts[r], want, at) for r, (_, want, at) in enumerate(schedule)]
     out, step = {}, 0
     running = set()
-    while waiting or running:
+    while waiting or running or slots.staged is not None:
+        if slots.staged is not None:
+            r = slots.staged
+            logits = slots.prefill_next(chunk)
+            if logits is not None:
+                out[r] = [int(logits.argmax())]
+                running.add(r)
         for item in [w for w in waiting if w[3] <= step]:
-            if not slots.free:
-                break
             r, prompt, want, _ = item
+            if not slots.fits([len(prompt) + want]):
+                break
             waiting.remove(item)
-            out[r] = [int(slots.admit(r, prompt).argmax())]
+            if chunk and running and len(prompt) > chunk:
+                if slots.staged is not None:
+                    waiting.insert(0, item)
+                    break
+                slots.begin(r, prompt, reserve=len(prompt) + want)
+                continue
+            out[r] = [int(slots.admit(r, prompt, reserve=len(prompt) + want).argmax())]
             running.add(r)
         for r in list(running):
             if len(out[r]) >= schedule[r][1]:
@@ -78,7 +94,50 @@ def test_qwen3_requests_get_their_own_tokens_and_pass_the_margin(qwen3, tiny_mod
 def test_qwen35_requests_get_their_own_tokens(tmp_path_factory):
     path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35s") / "tiny", seed=3, progress=False)
     engine = load_engine_module(ENGINE_DIR, "fastqwen_slots_qwen35").Engine(str(path))
-    assert _run_schedule(engine, 1024) == _alone(engine, 1024)
+    alone = _alone(engine, 1024)
+    assert _run_schedule(engine, 1024) == alone
+    # the paged cache: the attention layers' K/V in pages, the GDN states in rows
+    prompts = [_prompt(n, 100 + r, 1024) for r, (n, _, _) in enumerate(SCHEDULE)]
+    assert run_schedule(engine, prompts, page_size=16, num_pages=14) == alone
+
+
+@pytest.mark.parametrize("page_size,num_pages,max_slots", [(16, 14, 3), (32, 15, 3), (160, 3, 3), (16, 12, 4)])
+def test_qwen3_paged_requests_get_their_own_tokens(qwen3, page_size, num_pages, max_slots):
+    """The paged cache: each request takes the pages its prompt and tokens need and gives them back
+    when it retires; with 14 pages of 16 the 138-position request waits until enough are free.
+    With 4 slots, 3 running requests step as a bucket of 4, whose padding row must write into
+    no request's page (pages are handed out again as requests leave). Every request's tokens
+    are its tokens alone, and every page is free at the end."""
+    prompts = [_prompt(n, 100 + r, 4096) for r, (n, _, _) in enumerate(SCHEDULE)]
+    got = run_schedule(qwen3, prompts, page_size=page_size, num_pages=num_pages, max_slots=max_slots)
+    slots = qwen3._slots
+    assert slots.free_pages == num_pages and slots.kv_usage == 0.0 and not slots.keys
+    assert got == _alone(qwen3, 4096)
+
+
+def test_paged_slot_errors_are_named(qwen3):
+    from fq_slots import SlotError
+
+    with pytest.raises(ValueError, match="page_size 48 must be >= 1 and divide max_len 160"):
+        qwen3.slots(2, 160, page_size=48)
+    slots = qwen3.slots(2, 160, page_size=16, num_pages=6)
+    slots.admit("a", [1, 2, 3], reserve=40)                  # 3 pages
+    assert slots.free_pages == 3 and slots.room("a") == 37 and slots.kv_usage == 0.5
+    assert not slots.fits([49]) and slots.fits([48])
+    with pytest.raises(SlotError, match="4 KV pages needed for 1 request"):
+        slots.admit("b", [1, 2], reserve=64)
+    with pytest.raises(SlotError, match="more than its 3 prompt positions"):
+        slots.admit("b", [1, 2, 3], reserve=3)
+    slots.admit("b", [4, 5], reserve=48)
+    assert slots.free_pages == 0
+    for _ in range(slots.room("a")):
+        slots.step({"a": 6, "b": 7})
+    with pytest.raises(SlotError, match="request 'a' is full \\(40 positions\\)"):
+        slots.step({"a": 6, "b": 7})
+    slots.retire("a")                                         # b's block table row moves into row 0
+    assert slots.keys == ["b"] and slots.free_pages == 3
+    slots.retire("b")
+    assert slots.free_pages == 6
 
 
 def test_slot_errors_are_named(qwen3):
@@ -104,3 +163,127 @@ def test_slot_errors_are_named(qwen3):
     list(qwen3.generate([[1, 2, 3]], 2))       # generate() takes the caches back
     with pytest.raises(SlotError, match="taken back"):
         slots.admit("c", [1])
+
+
+def _chunked_against_whole(engine, vocab, page_size):
+    """Row 0 takes a 150-token prompt in one prompt pass, row 1 the same prompt in chunks of 64, 64
+    and 22 (prefill_logits with start: the later chunks' queries see the cached keys, the GDN
+    layers go on from their states); then one decode step of both rows. Returns the largest
+    logit differences (last prompt position, decode step) and whether the argmaxes agree."""
+    engine.slots(2, 256, page_size=page_size)
+    model = engine.model
+    if page_size:                     # each row its own pages (what Slots.admit does)
+        per_row = 256 // page_size
+        model.block_table[:2].copy_(torch.arange(2 * per_row, dtype=torch.int32).view(2, per_row))
+    ids = torch.tensor([_prompt(150, 7, vocab)])
+    with torch.inference_mode():
+        whole = model.prefill_logits(ids, row=0)[0].float()
+        for start, stop in ((0, 64), (64, 128), (128, 150)):
+            chunked = model.prefill_logits(ids[:, start:stop], row=1, start=start)[0].float()
+        nxt = torch.tensor([int(whole.argmax())] * 2)
+        positions = torch.tensor([150, 150], dtype=torch.int32)
+        step = model.decode_logits(nxt, positions, positions + 1).float()
+    return ((whole - chunked).abs().max().item(), (step[0] - step[1]).abs().max().item(),
+            int(whole.argmax()) == int(chunked.argmax()) and int(step[0].argmax()) == int(step[1].argmax()))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_qwen3_prompt_in_chunks_is_the_whole_prompt(qwen3, page_size):
+    """A prompt prefilled in chunks (Qwen3): the last position's logits and the next step's are the
+    whole prompt's, bit for bit on the CPU (the chunks' attention runs over a masked key range,
+    the whole prompt's with the causal flag: on the GPU other kernels, so the margin decides)."""
+    last, step, same = _chunked_against_whole(qwen3, 4096, page_size)
+    assert last == 0.0 and step == 0.0 and same, (last, step)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_qwen35_prompt_in_chunks_is_the_whole_prompt(tmp_path_factory, page_size):
+    """The same for Qwen3.5: the GDN layers continue from the conv and recurrent states the
+    chunk before left (chunks of 64: the rule's own chunk boundaries), the attention layers
+    over the cached keys; bit for bit on the CPU."""
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35c") / "tiny", seed=3, progress=False)
+    engine = load_engine_module(ENGINE_DIR, "fastqwen_chunks_qwen35").Engine(str(path))
+    last, step, same = _chunked_against_whole(engine, 1024, page_size)
+    assert last == 0.0 and step == 0.0 and same, (last, step)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_prompts_admitted_in_chunks_get_their_own_tokens(qwen3, tmp_path_factory, page_size):
+    """Prompts longer than 24 tokens that arrive while others run are prefilled 24 tokens at a
+    time, one chunk before each step, in the staging row, then join: every request's tokens are
+    its tokens alone (Qwen3 and Qwen3.5, row and paged caches); a request cancelled while being
+    prefilled gives its row and pages back."""
+    from fq_slots import SlotError
+
+    prompts = [_prompt(n, 100 + r, 4096) for r, (n, _, _) in enumerate(SCHEDULE)]
+    assert run_schedule(qwen3, prompts, page_size=page_size, chunk=24) == _alone(qwen3, 4096)
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False)
+    q35 = load_engine_module(ENGINE_DIR, "fastqwen_chunked_qwen35").Engine(str(path))
+    prompts35 = [_prompt(n, 100 + r, 1024) for r, (n, _, _) in enumerate(SCHEDULE)]
+    assert run_schedule(q35, prompts35, page_size=page_size, chunk=24) == _alone(q35, 1024)
+    slots = qwen3.slots(2, 160, page_size=page_size, num_pages=None if page_size is None else 20)
+    slots.admit("a", [1, 2, 3], reserve=20)
+    free = slots.free_pages
+    slots.begin("b", list(range(50)), reserve=80)
+    assert slots.free == 0 and slots.staged == "b"
+    with pytest.raises(SlotError, match="one at a time"):
+        slots.begin("c", [1, 2], reserve=10)
+    assert slots.prefill_next(24) is None
+    slots.retire("b")                                         # cancelled mid-prefill
+    assert slots.staged is None and slots.free == 1 and slots.free_pages == free
+    with pytest.raises(SlotError, match="no request is being prefilled"):
+        slots.prefill_next(24)
+
+
+def _greedy(slots, prompts: dict, want: int) -> dict:
+    """Admit each prompt (in order, one at a time) and step all together until each has `want`
+    tokens; {key: tokens}."""
+    out = {}
+    for key, prompt in prompts.items():
+        out[key] = [int(slots.admit(key, prompt, reserve=len(prompt) + want).argmax())]
+    while any(len(t) < want for t in out.values()):
+        logits = slots.step({k: t[-1] for k, t in out.items()})
+        for k in out:
+            out[k].append(int(logits[k].argmax()))
+    for key in prompts:
+        slots.retire(key)
+    return {k: t[:want] for k, t in out.items()}
+
+
+def test_requests_with_a_common_prefix_share_its_pages(qwen3):
+    """Paged slots, pages of 16: two prompts starting with the same 100 tokens; the second takes
+    the first's 6 full pages of them (96 positions) and prefills only its rest, a third after
+    both left finds the pages kept; each request's tokens are its tokens alone. Without sharing
+    every page is new."""
+    base = _prompt(100, 1, 4096)
+    prompts = {"a": base + _prompt(10, 2, 4096), "b": base + _prompt(7, 3, 4096)}
+    alone = {k: [s[0] for s in qwen3.generate([p], 6)] for k, p in prompts.items()}
+    alone["c"] = [s[0] for s in qwen3.generate([base + [5]], 6)]
+    slots = qwen3.slots(3, 160, page_size=16, num_pages=30)
+    assert _greedy(slots, {"a": prompts["a"]}, 6) == {"a": alone["a"]}
+    assert slots.pool.hit_tokens == 0 and slots.free_pages == 30           # a's 6 full pages kept, free
+    free = slots.free_pages
+    slots.admit("x", prompts["b"], reserve=120)                           # 8 pages, 6 of them a's
+    assert slots.pool.hit_tokens == 96 and slots.free_pages == free - 8
+    slots.retire("x")
+    got = _greedy(slots, {"b": prompts["b"], "c": base + [5]}, 6)
+    assert got == {"b": alone["b"], "c": alone["c"]} and slots.pool.hit_tokens == 3 * 96
+    unshared = qwen3.slots(3, 160, page_size=16, num_pages=30, share_prefixes=False)
+    assert _greedy(unshared, {"b": prompts["b"]}, 6) == {"b": alone["b"]} and unshared.pool.hit_tokens == 0
+
+
+def test_pages_kept_for_a_prefix_are_reused_when_the_pool_runs_short(qwen3):
+    """Kept pages no request holds count as free and are handed out (their prefix forgotten) when
+    no free page is left: a pool of 8 pages fills with one request's kept pages and serves
+    another's whole reserve after it."""
+    slots = qwen3.slots(2, 128, page_size=16, num_pages=8)
+    first, second = _prompt(96, 11, 4096), _prompt(100, 12, 4096)
+    _greedy(slots, {"a": first}, 4)
+    assert slots.free_pages == 8
+    assert _greedy(slots, {"b": second}, 20) == {"b": [s[0] for s in qwen3.generate([second], 20)]}
+    slots = qwen3.slots(2, 128, page_size=16, num_pages=8)
+    _greedy(slots, {"a": first}, 4)
+    _greedy(slots, {"b": second}, 20)
+    assert slots.pool.hit_tokens == 0
+    _greedy(slots, {"c": first + [1]}, 2)            # a's pages were reused by b: nothing found
+    assert slots.pool.hit_tokens == 0

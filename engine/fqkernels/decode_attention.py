@@ -11,6 +11,15 @@ Shapes and dtypes: q [B, H, D] bf16; k_cache, v_cache [B, KVH, C, D] bf16 (unit 
 on D; any other strides, so one layer of a [L, B, KVH, C, D] buffer is passed as a
 view); lengths [B] int32 on the device; out [B, H, D] bf16.
 
+Paged form (block_table=, as vLLM's): k_cache, v_cache are pools of pages
+[P, KVH, PAGE, D] (one layer of a bigger buffer is fine) and block_table [B, W] int32
+on the device maps sequence b's position p to row p % PAGE of page block_table[b, p // PAGE];
+C = W * PAGE is the capacity everywhere (plan, workspace, clamping, window). PAGE must be a
+multiple of the plan's block_n, so every key tile lies in one page: each tile reads its
+page index from the table, and only its addresses change. Same tiles, order, masks and
+casts, so the same bits as the unpaged form over a [B, KVH, C, D] cache of the same
+contents (and, with PAGED a constexpr, the unpaged kernel compiles as before).
+
 Cast points (the same as the pure-torch reference below and as SDPA's flash path):
 scores are fp32 sums of bf16 products (tl.dot), softmax runs in fp32, the
 probabilities are rounded to bf16 before P @ V, that product accumulates in fp32, and
@@ -185,18 +194,22 @@ def decode_attention_plan(
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
+    table_ptr,  # the paged form's block table [B, W] int32 (None without PAGED)
     acc_ptr, m_ptr, l_ptr, out_ptr,
     qk_scale,  # scale * log2(e): scores come out in the exp2 domain
     WINDOW,  # keys a query sees, itself included (>= CAPACITY: no window)
     stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
+    stride_kb, stride_kh, stride_kn,  # PAGED: stride_kb / stride_vb step from page to page
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh,
+    stride_tb,  # the block table's row stride (None without PAGED)
     KVH: tl.constexpr, G: tl.constexpr, CAPACITY,
     SPLIT_LEN, NUM_SPLITS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     DIRECT: tl.constexpr, FLASH_ORDER: tl.constexpr, PDL: tl.constexpr = False,
     FA2_PATH: tl.constexpr = False,
+    PAGED: tl.constexpr = False,  # k/v are pools of pages of PAGE positions, addressed through table_ptr
+    PAGE: tl.constexpr = 1,  # positions a page (a multiple of BLOCK_N); unused without PAGED
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -223,12 +236,20 @@ def _split_kernel(
     # int64 bases: b * stride_kb exceeds int32 for large batch x capacity.
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h0 * stride_qh
     q = tl.load(q_base + offs_g[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    if PAGED:
+        # The sequence's rows are its table row's pages: each tile adds its own page's base
+        # (_page_tile), so the per-(b, kvh) base holds the KV head alone.
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        t_base = table_ptr + b.to(tl.int64) * stride_tb
+    else:
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+        t_base = table_ptr
 
     if FA2_PATH:
-        _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
-                         length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL)
+        _flash_one_split(q, k_base, v_base, t_base, out_ptr, b, h0, stride_kb, stride_kn, stride_vb, stride_vn,
+                         stride_ob, stride_oh, length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, PAGED, PAGE)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -241,7 +262,11 @@ def _split_kernel(
             last = ((length - 1) // BLOCK_N) * BLOCK_N
             pos = last + offs_n
             pos_ok = (pos < length) & (pos >= first)
-            k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            if PAGED:
+                k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, last, offs_n, stride_kb, stride_vb, PAGE)
+            else:
+                k_tile, rows = k_base, pos
+            k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
             s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
             m_i = tl.max(s, axis=1)
 
@@ -255,10 +280,14 @@ def _split_kernel(
                 start = lo + t * BLOCK_N
             pos = start + offs_n
             pos_ok = (pos < hi) & (pos >= first)
+            if PAGED:
+                k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE)
+            else:
+                k_tile, v_tile, rows = k_base, v_base, pos
             # Masked loads: positions past lengths[b] may hold stale or garbage K/V
             # (even NaN), which must not reach the sums, not even as 0 * NaN.
-            k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-            v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+            v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
             s = tl.where(pos_ok[None, :], s, float("-inf"))
             # Every tile holds at least one valid position (lo is the window's first
@@ -287,9 +316,20 @@ def _split_kernel(
 
 
 @triton.jit
-def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, stride_ob, stride_oh,
-                     length, first, qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+def _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE: tl.constexpr):
+    """The paged form's addresses of the tile of positions start + offs_n (start a multiple of
+    BLOCK_N, so the tile lies in one page): (K page base, V page base, rows in the page).
+    The table index is kept >= 0: the newest-first walk's first tile of a zero-length row
+    starts before position 0 (all its positions masked), and must still read row b's table."""
+    page = tl.load(t_base + tl.maximum(start // PAGE, 0)).to(tl.int64)
+    return k_base + page * stride_kb, v_base + page * stride_vb, start % PAGE + offs_n
+
+
+@triton.jit
+def _flash_one_split(q, k_base, v_base, t_base, out_ptr, b, h0, stride_kb, stride_kn, stride_vb, stride_vn,
+                     stride_ob, stride_oh, length, first, qk_scale, G: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, PAGED: tl.constexpr,
+                     PAGE: tl.constexpr):
     """One split over positions [first, length), newest 64-key tile first, in flash attention's
     arithmetic (the FA2 note at the top of the module); writes the bf16 output rows. The
     kernel is compiled without FMA contraction: the one FMA flash has is written out."""
@@ -307,8 +347,13 @@ def _flash_one_split(q, k_base, v_base, out_ptr, b, h0, stride_kn, stride_vn, st
     for t in range(0, n_tiles):
         pos = last - t * BLOCK_N + offs_n
         pos_ok = (pos < length) & (pos >= first)
-        k = tl.load(k_base + pos[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
-        v = tl.load(v_base + pos[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+        if PAGED:
+            k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, last - t * BLOCK_N, offs_n,
+                                              stride_kb, stride_vb, PAGE)
+        else:
+            k_tile, v_tile, rows = k_base, v_base, pos
+        k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
+        v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
         s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))   # unscaled fp32 scores
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # The first tile takes no rescale (its partials and accumulator are zero).
@@ -403,7 +448,9 @@ def _check_inputs(
     lengths: torch.Tensor,
     scale: float,
     out: torch.Tensor | None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
+    paged = block_table is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"decode_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -413,18 +460,21 @@ def _check_inputs(
     if q.dim() != 3:
         raise ValueError(f"decode_attention: q must be [B, H, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
-        raise ValueError(f"decode_attention: k_cache must be [B, KVH, C, D], got shape {tuple(k_cache.shape)}")
+        form = "[P, KVH, PAGE, D] (pages, with block_table)" if paged else "[B, KVH, C, D]"
+        raise ValueError(f"decode_attention: k_cache must be {form}, got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"decode_attention: v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}"
         )
     batch, heads, head_dim = q.shape
-    kb, kv_heads, capacity, kd = k_cache.shape
-    if kb != batch:
+    kb, kv_heads, capacity, kd = k_cache.shape   # paged: kb pages of `capacity` (PAGE) positions
+    if paged:
+        _check_block_table(block_table, batch, q.device)
+    elif kb != batch:
         raise ValueError(f"decode_attention: k_cache batch {kb} differs from q batch {batch}")
     if kd != head_dim:
         raise ValueError(f"decode_attention: k_cache head_dim {kd} differs from q head_dim {head_dim}")
-    if batch < 1 or heads < 1 or kv_heads < 1 or capacity < 1:
+    if batch < 1 or heads < 1 or kv_heads < 1 or capacity < 1 or kb < 1:
         raise ValueError(
             f"decode_attention: empty dimension in q {tuple(q.shape)} / k_cache {tuple(k_cache.shape)}"
         )
@@ -436,10 +486,12 @@ def _check_inputs(
         if t.stride(-1) != 1:
             raise ValueError(f"decode_attention: {name} needs unit stride on head_dim, got strides {t.stride()}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        # In-slice offsets are int32 in the kernel (the (b, kvh) base is int64).
+        # In-slice offsets are int32 in the kernel (the (b, kvh) base is int64; paged, the
+        # (page, kvh) base, and the slice is one page).
         if (capacity - 1) * t.stride(2) + head_dim >= _INT32_LIMIT:
+            what = "page size" if paged else "capacity"
             raise ValueError(
-                f"decode_attention: {name} position stride {t.stride(2)} x capacity {capacity} overflows int32 offsets"
+                f"decode_attention: {name} position stride {t.stride(2)} x {what} {capacity} overflows int32 offsets"
             )
     if lengths.dtype != torch.int32:
         raise ValueError(f"decode_attention: lengths must be int32, got {lengths.dtype}")
@@ -464,8 +516,29 @@ def _check_inputs(
             raise ValueError(f"decode_attention: out needs unit stride on head_dim, got strides {out.stride()}")
         if out.device != device:
             raise ValueError(f"decode_attention: out is on {out.device}, q is on {device}")
+
+
+def _check_device(device: torch.device) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"decode_attention: tensors are on {device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
+
+
+def _check_block_table(
+    block_table: object, batch: int, device: torch.device | None, who: str = "decode_attention"
+) -> None:
+    """The paged form's table: int32 [B, W], W >= 1, unit stride on W, on `device` (None: any)."""
+    if not isinstance(block_table, torch.Tensor):
+        raise ValueError(f"{who}: block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"{who}: block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(
+            f"{who}: block_table must be [B, W] = [{batch}, W >= 1], got shape {tuple(block_table.shape)}"
+        )
+    if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+        raise ValueError(f"{who}: block_table needs unit stride on W, got strides {block_table.stride()}")
+    if device is not None and block_table.device != device:
+        raise ValueError(f"{who}: block_table is on {block_table.device}, q is on {device}")
 
 
 def decode_attention(
@@ -480,6 +553,7 @@ def decode_attention(
     block_n: int | None = None,
     plan: DecodeAttentionPlan | None = None,
     window: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions
     (the last `window` of them when a window is given).
@@ -510,6 +584,17 @@ def decode_attention(
     window: the model's sliding window (keys a query sees, itself included), or None.
     It moves each split's start, nothing else: same tiles, plan and graph.
 
+    block_table: the paged form (module docstring). k_cache, v_cache are then pools
+    [P, KVH, PAGE, D] bf16 (any strides but unit stride on D: one layer of a
+    [L, P, KVH, PAGE, D] buffer is fine) and block_table int32 [B, W] on q's device
+    (unit stride on W): sequence b's position p is row p % PAGE of page
+    block_table[b, p // PAGE]. C = W * PAGE stands for the capacity everywhere (plan,
+    workspace, clamping of lengths, window), and PAGE must be a multiple of the plan's
+    block_n. Only the entries of pages holding positions in the window / below
+    lengths[b] address memory; the others are never used to load K/V (they may hold
+    anything), and the table is read on the device (graph replays see its contents
+    then). Same bits as the unpaged call on a [B, KVH, C, D] cache of the same contents.
+
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
@@ -517,13 +602,22 @@ def decode_attention(
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"decode_attention: num_splits must be a positive int or None, got {num_splits!r}")
     _check_window(window)
-    _check_inputs(q, k_cache, v_cache, lengths, scale, out)
+    _check_inputs(q, k_cache, v_cache, lengths, scale, out, block_table)
     batch, heads, head_dim = q.shape
-    _, kv_heads, capacity, _ = k_cache.shape
+    _, kv_heads, rows, _ = k_cache.shape
+    paged = block_table is not None
+    # The logical capacity: paged, W pages of PAGE = rows positions.
+    capacity = block_table.shape[1] * rows if paged else rows
     if plan is None:
         plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n)
     else:
         _check_plan(plan, heads // kv_heads, capacity, num_splits, block_n)
+    if paged and rows % plan.block_n:
+        raise ValueError(
+            f"decode_attention: page size {rows} (k_cache.shape[2]) is not a multiple of the plan's "
+            f"block_n {plan.block_n}: a key tile must lie inside one page"
+        )
+    _check_device(q.device)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group = heads // kv_heads
@@ -546,6 +640,7 @@ def decode_attention(
     use_pdl, pdl_launch = pdl.for_rows(batch)
     _split_kernel[(batch * kv_heads, plan.num_splits)](
         q, k_cache, v_cache, lengths,
+        block_table,  # None (a constexpr) when unpaged: the unpaged kernel is the same as without the argument
         acc_ws, m_ws, l_ws, out,
         qk_scale,
         capacity if window is None else min(window, capacity),  # a window >= C masks nothing
@@ -553,11 +648,13 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
+        block_table.stride(0) if paged else None,
         KVH=kv_heads, G=group, CAPACITY=capacity,
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
-        FA2_PATH=fa2, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
     )
     if not direct:
@@ -600,7 +697,7 @@ def _check_window(window: object) -> None:
 
 def decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
-    window: int | None = None,
+    window: int | None = None, block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch decode_attention with the same cast points (slow; reads lengths on the host).
 
@@ -608,7 +705,14 @@ def decode_attention_reference(
     first lengths[b] without a window) expanded to the H query heads,
     fp32 scores of the bf16 operands times scale, fp32 softmax, probabilities rounded
     to bf16, P @ V in fp32, result rounded to bf16. A zero length gives zeros.
+
+    block_table: the paged form (decode_attention's): k_cache, v_cache pools
+    [P, KVH, PAGE, D] and block_table int32 [B, W]. Each sequence's pages below its
+    length are gathered (block_table read on the host, their indices checked against P)
+    into a [B, KVH, W * PAGE, D] copy, NaN past the pages gathered, and the above runs on it.
     """
+    if block_table is not None:
+        k_cache, v_cache = _gather_pages(q, k_cache, v_cache, lengths, block_table)
     _check_shapes_for_reference(q, k_cache, v_cache, lengths)
     _check_window(window)
     batch, heads, head_dim = q.shape
@@ -641,3 +745,38 @@ def _check_shapes_for_reference(
         )
     if lengths.shape != (q.shape[0],):
         raise ValueError(f"decode_attention_reference: lengths shape {tuple(lengths.shape)} is not ({q.shape[0]},)")
+
+
+def _gather_pages(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's paged form: each sequence's pages holding positions below its length,
+    copied in table order into contiguous [B, KVH, W * PAGE, D] caches (NaN elsewhere)."""
+    who = "decode_attention_reference"
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{who}: want q [B, H, D] and k/v pages [P, KVH, PAGE, D], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    batch = q.shape[0]
+    _check_block_table(block_table, batch, None, who)
+    if lengths.shape != (batch,):
+        raise ValueError(f"{who}: lengths shape {tuple(lengths.shape)} is not ({batch},)")
+    pages, kv_heads, page, head_dim = k_cache.shape
+    width = block_table.shape[1]
+    table = block_table.long()
+    # Pages holding a position below the length (lengths past W * PAGE are refused later).
+    used = torch.arange(width, device=table.device)[None, :] * page < lengths.to(table.device).long()[:, None]
+    rows, cols = used.nonzero(as_tuple=True)
+    index = table[rows, cols]
+    bad = (index < 0) | (index >= pages)
+    if bool(bad.any()):
+        b, j = int(rows[bad][0]), int(cols[bad][0])
+        raise ValueError(f"{who}: block_table[{b}, {j}] = {int(table[b, j])} outside [0, {pages})")
+    gathered = []
+    for cache in (k_cache, v_cache):
+        full = torch.full((batch, kv_heads, width, page, head_dim), float("nan"), dtype=cache.dtype,
+                          device=cache.device)
+        full[rows.to(cache.device), :, cols.to(cache.device)] = cache[index.to(cache.device)]
+        gathered.append(full.view(batch, kv_heads, width * page, head_dim))
+    return gathered[0], gathered[1]

@@ -324,10 +324,12 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
 
 @triton.jit
 def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, stride_xb, stride_xt,
-                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+                         state_ptr=None, stride_sb=None, stride_sc=None, HAS_STATE: tl.constexpr = False):
     """One program per (sequence, BLOCK_T positions, BLOCK_C channels) of a prompt: out =
-    bf16(silu(bf16(sum_j w_j u_{t-W+1+j}))), zeros before position 0, the products summed in
-    fp32 in window order (as the step kernel and the reference's depthwise conv)."""
+    bf16(silu(bf16(sum_j w_j u_{t-W+1+j}))), zeros before position 0 (HAS_STATE: the conv
+    state's inputs there, state[b, c, W + t'] for t' < 0, a continued sequence), the products
+    summed in fp32 in window order (as the step kernel and the reference's depthwise conv)."""
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -337,6 +339,10 @@ def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, s
         src = t - (W - 1) + j
         ok = ((src >= 0) & (src < T))[:, None] & c_ok[None, :]
         uj = tl.load(u_ptr + b * stride_ub + src[:, None] * stride_ut + c[None, :], mask=ok, other=0.0)
+        if HAS_STATE:
+            before = (src < 0)[:, None] & c_ok[None, :]
+            sj = tl.load(state_ptr + b * stride_sb + c[None, :] * stride_sc + (W + src)[:, None], mask=before, other=0.0)
+            uj = tl.where(before, sj, uj)
         acc += tl.load(conv_w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :] * uj.to(tl.float32)
     conv = acc.to(tl.bfloat16).to(tl.float32)
     tl.store(x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :], silu_f32(conv, INTERPRETED).to(tl.bfloat16),
@@ -344,22 +350,32 @@ def _conv_prefill_kernel(u_ptr, conv_w_ptr, x_ptr, T, C, stride_ub, stride_ut, s
 
 
 def causal_conv_prefill(u: torch.Tensor, conv_w: torch.Tensor, block_t: int = 32, block_c: int = 128,
-                        num_warps: int = 4):
+                        num_warps: int = 4, conv_state: torch.Tensor | None = None):
     """A prompt's causal conv + SiLU as one kernel: u [B, T, C] bf16, position-major (in_proj's
-    output; channels need unit stride), conv_w [C, W] bf16. Returns (x [B, T, C] bf16, the conv
-    state [B, C, W]: the last W inputs, zeros on the left when T < W), what
-    causal_conv_reference returns on u transposed."""
+    output; channels need unit stride), conv_w [C, W] bf16; conv_state [B, C, W] (unit stride
+    on W): the last W inputs before u (a sequence continued), else zeros before position 0.
+    Returns (x [B, T, C] bf16, the conv state [B, C, W]: the last W inputs, zeros on the left
+    when fewer have been seen), what causal_conv_reference returns on u transposed."""
     B, T, C = u.shape
     W = conv_w.shape[1]
     if tuple(conv_w.shape) != (C, W) or u.stride(2) != 1 or T < 1:
         raise ValueError(f"gdn.causal_conv_prefill: u {tuple(u.shape)} (strides {u.stride()}) and conv_w "
                          f"{tuple(conv_w.shape)} do not fit")
+    if conv_state is not None and (tuple(conv_state.shape) != (B, C, W) or conv_state.stride(2) != 1
+                                   or conv_state.dtype != u.dtype):
+        raise ValueError(f"gdn.causal_conv_prefill: conv_state must be {u.dtype} {(B, C, W)} with unit stride on W, "
+                         f"got {conv_state.dtype} {tuple(conv_state.shape)} (strides {conv_state.stride()})")
     conv_w = conv_w.contiguous()
     x = torch.empty((B, T, C), dtype=u.dtype, device=u.device)
+    prior = {} if conv_state is None else dict(state_ptr=conv_state, stride_sb=conv_state.stride(0),
+                                               stride_sc=conv_state.stride(1), HAS_STATE=True)
     _conv_prefill_kernel[(B, triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         u, conv_w, x, T, C, u.stride(0), u.stride(1), x.stride(0), x.stride(1), W=W, BLOCK_T=block_t,
-        BLOCK_C=block_c, INTERPRETED=_INTERPRETED, num_warps=num_warps)
-    state = F.pad(u[:, -W:].transpose(1, 2), (max(W - T, 0), 0))
+        BLOCK_C=block_c, INTERPRETED=_INTERPRETED, num_warps=num_warps, **prior)
+    if conv_state is None:
+        state = F.pad(u[:, -W:].transpose(1, 2), (max(W - T, 0), 0)).contiguous()
+    else:
+        state = torch.cat([conv_state, u[:, -W:].transpose(1, 2)], dim=-1)[..., -W:]
     return x, state
 
 
@@ -663,10 +679,22 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
 
 
 @triton.jit
+def _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                    HAS_INIT: tl.constexpr):
+    """The walk's starting state as its two Dk halves [Dk/2, BV]: sequence b's head hv of the fp32
+    states at init_ptr ([B, Hv, Dk, Dv], rows stride_ib apart), or zeros (a fresh prompt)."""
+    if HAS_INIT:
+        src = init_ptr + b.to(tl.int64) * stride_ib + hv * DK * DV
+        return tl.load(src + d0[:, None] * DV + dv[None, :]), tl.load(src + d1[:, None] * DV + dv[None, :])
+    return tl.zeros([DK // 2, BV], dtype=tl.float32), tl.zeros([DK // 2, BV], dtype=tl.float32)
+
+
+@triton.jit
 def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_sb,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                        init_ptr=None, stride_ib=None, HAS_INIT: tl.constexpr = False):
     """The state's Dk rows kept as two halves and every product taken over one half of Dk at
     a time: each operand tile is half the size, so fewer registers are live at once (with the
     whole Dk in one tile ptxas for sm_90 spilled ~1.2 KB a thread and the kernel took 2.3x
@@ -674,7 +702,8 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
     are loaded already transposed ([Dk/2, C] tiles, only ever a product's operand) and their
     norms come from the solve kernel (rk). The grid is (value blocks, sequence x value head):
     a head's blocks launch side by side, so the k and w tiles they all read come from L2
-    after the first."""
+    after the first. HAS_INIT: the walk starts from the state at init_ptr (a continued
+    sequence), else from zeros."""
     v0 = tl.program_id(0) * BV
     pid = tl.program_id(1)
     b = pid // HV
@@ -684,8 +713,7 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
     d0 = tl.arange(0, DH)
     d1 = DH + tl.arange(0, DH)
     dv = v0 + tl.arange(0, BV)
-    s0 = tl.zeros([DH, BV], dtype=tl.float32)
-    s1 = tl.zeros([DH, BV], dtype=tl.float32)
+    s0, s1 = _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK, DV, BV, HAS_INIT)
     for c in range(NC):
         t = c * C + r
         cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + (hv // RATIO) * stride_kh
@@ -766,7 +794,8 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, 
 def _chunk_state_out_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, o_ptr, state_ptr, T, NC, scale,
                             stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh, stride_sb,
                             HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                            init_ptr=None, stride_ib=None, HAS_INIT: tl.constexpr = False):
     """_chunk_state_kernel and _chunk_out_kernel in one (PrefillPlan.fused): while the walk over
     the chunks holds S at a chunk's start it forms that chunk's outputs for its BV value columns,
     o = diag(rq e^gamma) (q_raw S) + attn v_new, with _chunk_out_kernel's products, so neither S
@@ -782,8 +811,7 @@ def _chunk_state_out_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, o_ptr
     d0 = tl.arange(0, DH)
     d1 = DH + tl.arange(0, DH)
     dv = v0 + tl.arange(0, BV)
-    s0 = tl.zeros([DH, BV], dtype=tl.float32)
-    s1 = tl.zeros([DH, BV], dtype=tl.float32)
+    s0, s1 = _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK, DV, BV, HAS_INIT)
     for c in range(NC):
         t = c * C + r
         ok = t < T
@@ -886,8 +914,12 @@ DEFAULT_PLAN = plan_from_text(os.environ.get("FASTQWEN_GDN_PLAN"))
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN, state_out: torch.Tensor | None = None):
-    """The chunked rule over a fresh prompt (zero initial state), as three kernels: q, k
+                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN, state_out: torch.Tensor | None = None,
+                    initial_state: torch.Tensor | None = None):
+    """The chunked rule over a prompt, as three kernels (from a zero state; with initial_state,
+    a contiguous fp32 [B, Hv, Dk, Dv], from it: the rest of a sequence whose first part a
+    call before this one took, e.g. a prompt prefilled in chunks; it may be state_out itself,
+    the cache rows updated in place): q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
     bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
     power of two dividing Dv; None: the plan's); plan: the launches
@@ -924,6 +956,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                          f"{state_out.dtype} {tuple(state_out.shape)}")
     else:
         state = state_out
+    if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()
+                                      or tuple(initial_state.shape) != (B, Hv, Dk, Dv)):
+        raise ValueError(f"gdn.chunked_prefill: initial_state must be contiguous float32 {(B, Hv, Dk, Dv)}, got "
+                         f"{initial_state.dtype} {tuple(initial_state.shape)}")
     ws = min(rows, B) * Hv * nc * CHUNK
     u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u, then v_new in its place
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
@@ -938,6 +974,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
         qs, ks, vs, gs, bts, os_ = q[sl], k[sl], v[sl], g[sl], beta[sl], out[sl]
+        init = {} if initial_state is None else dict(init_ptr=initial_state[sl], stride_ib=initial_state.stride(0),
+                                                     HAS_INIT=True)
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
@@ -946,12 +984,12 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             _chunk_state_out_kernel[(Dv // block_v, bs * Hv)](
                 qs, ks, u, w, gamma, rk, os_, state[sl], T, nc, Dk ** -0.5, ks.stride(0), ks.stride(1), ks.stride(2),
                 os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
-                DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps, num_stages=plan.state_stages)
+                DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps, num_stages=plan.state_stages, **init)
             continue
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
-            num_stages=plan.state_stages)
+            num_stages=plan.state_stages, **init)
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,

@@ -12,6 +12,10 @@ copied unchanged to v_cache[b, kvh, p]. Caches are [B, KVH, C, D] (strided views
 of the full [L, B, KVH, C, D] buffers are fine; unit stride on D).
 Grid: (T, H + KVH), one program per (token, q-or-k head).
 
+Paged caches (block_table, as vLLM's): the caches are page pools [P, KVH, PAGE, D]
+and position p of sequence b lives in page block_table[b, p // PAGE] at offset
+p % PAGE; only the store address changes (PAGED=False compiles as before).
+
 Why `_round_bf16` instead of `.to(tl.bfloat16).to(tl.float32)`: measured on an
 H200 (Triton 3.6), the cast pair before the sum was not honoured: the two
 products were summed unrounded (contracted into an FMA), and 16% of the outputs
@@ -41,6 +45,7 @@ def _qk_norm_rope_store_kernel(
     stride_qkv, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
+    table_ptr=None, stride_tb=None, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
 ):
     t = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,15 +73,47 @@ def _qk_norm_rope_store_kernel(
         tl.store(q_ptr + t * stride_qt + head * stride_qh + offs, out)
     else:
         kvh = head - H
-        tl.store(kc_ptr + b * stride_kb + kvh * stride_kh + p * stride_ks + offs, out)
-        v = tl.load(qkv_ptr + t * stride_qkv + (H + KVH + kvh) * D + offs)
-        tl.store(vc_ptr + b * stride_vb + kvh * stride_vh + p * stride_vs + offs, v)
+        if PAGED:  # position p of sequence b: page block_table[b, p // PAGE], offset p % PAGE
+            page = tl.load(table_ptr + b * stride_tb + p // PAGE).to(tl.int64)
+            slot = p % PAGE
+            tl.store(kc_ptr + page * stride_kb + kvh * stride_kh + slot * stride_ks + offs, out)
+            v = tl.load(qkv_ptr + t * stride_qkv + (H + KVH + kvh) * D + offs)
+            tl.store(vc_ptr + page * stride_vb + kvh * stride_vh + slot * stride_vs + offs, v)
+        else:
+            tl.store(kc_ptr + b * stride_kb + kvh * stride_kh + p * stride_ks + offs, out)
+            v = tl.load(qkv_ptr + t * stride_qkv + (H + KVH + kvh) * D + offs)
+            tl.store(vc_ptr + b * stride_vb + kvh * stride_vh + p * stride_vs + offs, v)
+
+
+def _check_block_table(fn: str, block_table, sequences: int, k_cache, v_cache) -> int:
+    """The page size (k_cache.shape[2]) after checking a block table for `sequences` sequences
+    against page pools k_cache, v_cache [P, KVH, PAGE, D]; ValueError naming what does not fit."""
+    if not isinstance(block_table, torch.Tensor):
+        raise ValueError(f"{fn}: block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"{fn}: block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2:
+        raise ValueError(f"{fn}: block_table must be 2-D [B, W], got shape {tuple(block_table.shape)}")
+    if not block_table.is_contiguous():
+        raise ValueError(f"{fn}: block_table must be contiguous, got strides {block_table.stride()}")
+    if block_table.device != k_cache.device:
+        raise ValueError(f"{fn}: block_table is on {block_table.device}, the caches on {k_cache.device}")
+    if block_table.shape[0] < sequences:
+        raise ValueError(f"{fn}: block_table has {block_table.shape[0]} rows for {sequences} sequences")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[2] != k_cache.shape[2] or k_cache.shape[2] < 1:
+        raise ValueError(f"{fn}: paged caches must be page pools [P, KVH, PAGE, D] with one page size, got "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    return k_cache.shape[2]
 
 
 def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
                        k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int,
-                       q_out: torch.Tensor = None) -> torch.Tensor:
-    """Normalize + rotate Q and K of `qkv` [T, (H+2KVH)*D], write K/V to the caches; return Q [T, H, D]."""
+                       q_out: torch.Tensor = None, *, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalize + rotate Q and K of `qkv` [T, (H+2KVH)*D], write K/V to the caches; return Q [T, H, D].
+
+    With block_table (int32 [B, W], contiguous, on the caches' device) the caches are page pools
+    [P, KVH, PAGE, D] and position p of sequence b goes to k_cache[block_table[b, p // PAGE], :, p % PAGE];
+    positions below W * PAGE and page ids below P are the caller's to ensure (as C is, unpaged)."""
     D = k_cache.shape[-1]
     T = qkv.shape[0]
     for name, t in (("qkv", qkv), ("q_norm", q_norm), ("k_norm", k_norm), ("cos", cos), ("sin", sin),
@@ -89,8 +126,14 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         raise ValueError(f"qkv has {qkv.shape[1]} columns, expected {(num_heads + 2 * num_kv_heads) * D}")
     if positions.dtype != torch.int32:
         raise ValueError(f"positions must be int32, got {positions.dtype}")
-    if T % seq_len or T // seq_len > positions.shape[0] or T // seq_len > k_cache.shape[0]:
+    # paged: the sequences must fit the block table's rows (checked there), not the pool's pages
+    if T % seq_len or T // seq_len > positions.shape[0] or (block_table is None and T // seq_len > k_cache.shape[0]):
         raise ValueError(f"{T} tokens do not split into sequences of {seq_len} for {positions.shape[0]} positions")
+    if block_table is not None:
+        page = _check_block_table("qk_norm_rope_store", block_table, T // seq_len, k_cache, v_cache)
+        paged = dict(table_ptr=block_table, stride_tb=block_table.stride(0), PAGED=True, PAGE=page)
+    else:
+        paged = {}   # table_ptr, stride_tb None (constexprs): the unpaged kernel's arguments as before
     if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == D):
         raise ValueError("cos/sin tables must be contiguous [max_pos, head_dim]")
     if q_out is None:
@@ -102,7 +145,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
-        PDL=use_pdl, **pdl_launch,
+        PDL=use_pdl, **paged, **pdl_launch,
     )
     return q_out
 
@@ -113,8 +156,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def qk_norm_rope_store_reference(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
-                                 k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Transformers' Qwen3Attention prologue (q_norm/k_norm, apply_rotary_pos_emb) plus the cache write."""
+                                 k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int, *,
+                                 block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformers' Qwen3Attention prologue (q_norm/k_norm, apply_rotary_pos_emb) plus the cache write.
+    With block_table the caches are page pools [P, KVH, PAGE, D]: position p of sequence b is written
+    to page block_table[b, p // PAGE] at offset p % PAGE (qk_norm_rope_store's paged form)."""
     from fqkernels.rmsnorm import rmsnorm_reference
 
     D = k_cache.shape[-1]
@@ -129,8 +175,12 @@ def qk_norm_rope_store_reference(qkv, q_norm, k_norm, cos, sin, positions, seq_l
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]
     q = q * c + _rotate_half(q) * s
     k = k * c + _rotate_half(k) * s
-    k_cache[b_idx, :, pos] = k
-    v_cache[b_idx, :, pos] = v.reshape(T, num_kv_heads, D)
+    rows, slots = b_idx, pos
+    if block_table is not None:
+        page = _check_block_table("qk_norm_rope_store_reference", block_table, B, k_cache, v_cache)
+        rows, slots = block_table.long()[b_idx, pos // page], pos % page
+    k_cache[rows, :, slots] = k
+    v_cache[rows, :, slots] = v.reshape(T, num_kv_heads, D)
     return q.contiguous()
 
 
@@ -184,9 +234,11 @@ def _partial_rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, stride_xr
 @triton.jit
 def _rope_store_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, stride_kb, stride_kh,
                           stride_vb, stride_vh, stride_c, stride_cb, stride_ch, stride_cp,
-                          D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
+                          D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False,
+                          table_ptr=None, stride_tb=None, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1):
     """Program (sequence, KV head): the key's _rope_row at the sequence's position (its cos/sin
-    rows read from the tables there) and the value, both stored into the caches at that position."""
+    rows read from the tables there) and the value, both stored into the caches at that position
+    (PAGED: in page table[b, p // PAGE] of the pools, at offset p % PAGE)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl.wait(PDL)  # k, v and the positions come from earlier kernels
@@ -194,40 +246,58 @@ def _rope_store_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_pt
     p = tl.load(pos_ptr + b).to(tl.int64)
     offs = tl.arange(0, D)
     key = _rope_row(k_ptr + b * stride_kb + h * stride_kh, cos_ptr + p * stride_c, sin_ptr + p * stride_c, D, R)
-    dst = b.to(tl.int64) * stride_cb + h * stride_ch + p * stride_cp + offs
+    if PAGED:
+        page = tl.load(table_ptr + b * stride_tb + p // PAGE).to(tl.int64)
+        dst = page * stride_cb + h * stride_ch + (p % PAGE) * stride_cp + offs
+    else:
+        dst = b.to(tl.int64) * stride_cb + h * stride_ch + p * stride_cp + offs
     tl.store(kc_ptr + dst, key.to(tl.bfloat16))
     tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vb + h * stride_vh + offs))
 
 
 def rope_store_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_table: torch.Tensor | None = None) -> None:
     """A decode step's keys and values into one attention layer's caches, one kernel: k, v [B, KVH, D]
     bf16 (k normed, not yet rotated; unit stride on D), cos, sin the [length, R] bf16 tables,
     positions [B] int on the device, k_cache, v_cache [B, KVH, C, D] bf16 (one layer's, same
     strides). k_cache[b, h, positions[b]] = partial_rope(k) there, v_cache[...] = v
-    (rope_store_kv_reference); no host reads (graph-safe)."""
+    (rope_store_kv_reference); no host reads (graph-safe).
+    With block_table (int32 [B', W], B' >= B, contiguous, on the device) the caches are page pools
+    [P, KVH, PAGE, D] and position p of sequence b goes to page block_table[b, p // PAGE], offset
+    p % PAGE; positions below W * PAGE and page ids below P are the caller's to ensure (as C is, unpaged)."""
     B, H, D = k.shape
     R = cos.shape[-1]
+    rows_ok = k_cache.shape[:2] == (B, H) if block_table is None else k_cache.shape[1] == H
     if (k.dtype != torch.bfloat16 or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
-            or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D or v_cache.shape != k_cache.shape
+            or not rows_ok or k_cache.shape[3] != D or v_cache.shape != k_cache.shape
             or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or sin.shape != cos.shape
             or cos.stride(-1) != 1 or sin.stride() != cos.stride() or R % 2 or R > D or D & (D - 1)
             or tuple(positions.shape) != (B,)):
         raise ValueError(f"rope_store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}, "
                          f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, positions {tuple(positions.shape)}"
                          " do not fit")
+    paged = {}   # unpaged: table_ptr, stride_tb None (constexprs), the kernel's arguments as before
+    if block_table is not None:
+        page = _check_block_table("rope_store_kv", block_table, B, k_cache, v_cache)
+        paged = dict(table_ptr=block_table, stride_tb=block_table.stride(0), PAGED=True, PAGE=page)
     use_pdl, pdl_launch = pdl.for_rows(B)
     _rope_store_kv_kernel[(B, H)](k, v, cos, sin, positions, k_cache, v_cache, k.stride(0), k.stride(1),
                                   v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                  k_cache.stride(2), D=D, R=R, PDL=use_pdl, num_warps=1, **pdl_launch)
+                                  k_cache.stride(2), D=D, R=R, PDL=use_pdl, num_warps=1, **paged, **pdl_launch)
 
 
-def rope_store_kv_reference(k, v, cos, sin, positions, k_cache, v_cache) -> None:
-    """rope_store_kv through partial_rope_reference and indexed writes."""
+def rope_store_kv_reference(k, v, cos, sin, positions, k_cache, v_cache, *,
+                            block_table: torch.Tensor | None = None) -> None:
+    """rope_store_kv through partial_rope_reference and indexed writes (with block_table: position p
+    of sequence b at page block_table[b, p // PAGE], offset p % PAGE of the page pools)."""
     pos = positions.long()
     rows = torch.arange(k.shape[0], device=k.device)
-    k_cache[rows, :, pos] = partial_rope_reference(k, cos[pos][:, None], sin[pos][:, None])
-    v_cache[rows, :, pos] = v
+    slots = pos
+    if block_table is not None:
+        page = _check_block_table("rope_store_kv_reference", block_table, k.shape[0], k_cache, v_cache)
+        rows, slots = block_table.long()[rows, pos // page], pos % page
+    k_cache[rows, :, slots] = partial_rope_reference(k, cos[pos][:, None], sin[pos][:, None])
+    v_cache[rows, :, slots] = v
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

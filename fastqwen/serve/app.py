@@ -51,6 +51,28 @@ def size_batch(requested: int | None, row_bytes: int, budget_bytes: int | None, 
     return requested
 
 
+def size_pages(block_size: int, max_batch: int | None, max_model_len: int, page_bytes: int, row_bytes: int,
+               budget_bytes: int | None) -> tuple[int, int]:
+    """(slots, KV pages) of the paged cache: `max_batch` slots (None: DEFAULT_MAX_BATCH, 16 on the
+    CPU), each holding `row_bytes` of its own (Qwen3.5's GDN states), and as many pages of
+    `block_size` positions as the budget holds beside them, at most every slot's max_model_len
+    worth. Too little for one request of max_model_len positions is an error naming the sizes."""
+    if block_size < 1 or max_model_len % block_size:
+        raise ValueError(f"--max-model-len {max_model_len} must be a multiple of --block-size {block_size}")
+    per_request = max_model_len // block_size
+    if budget_bytes is None:
+        rows = max_batch or 16
+        return rows, rows * per_request
+    rows = max_batch or DEFAULT_MAX_BATCH
+    states = (rows + 1) * row_bytes            # the slots' rows and the staging row (fq_slots)
+    pages = min(rows * per_request, max(0, budget_bytes - states) // page_bytes)
+    if pages < per_request:
+        raise ValueError(f"{rows} slots and one request of --max-model-len {max_model_len} need "
+                         f"{(states + per_request * page_bytes) / 2**30:.2f} GiB of cache; "
+                         f"{max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
+    return rows, pages
+
+
 def _engine_module():
     """The engine folder's Engine (the repository's engine/, the folder a user submits)."""
     folder = pathlib.Path(__file__).resolve().parents[2] / "engine"
@@ -70,7 +92,12 @@ class Server:
 
     def __init__(self, model_dir: str, max_batch: int | None = 16, max_model_len: int | None = None,
                  served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, block_size: int | None = None,
+                 prefill_chunk: int | None = None, share_prefixes: bool = True):
+        """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
+        row of max_model_len positions per slot. prefill_chunk: a joining prompt longer than
+        that is prefilled in chunks of it between decode steps (scheduler.py); None or 0: whole.
+        share_prefixes: with block_size, prompts that start alike share those pages (Qwen3)."""
         from fastqwen.serve.metrics import Metrics
         from fastqwen.serve.scheduler import Scheduler
         from fastqwen.serve.text import TextCodec
@@ -88,12 +115,21 @@ class Server:
             total = torch.cuda.get_device_properties(self.engine.device).total_memory
             cap = total * (memory_fraction or 1.0)
             budget = int(cap - torch.cuda.memory_reserved(self.engine.device) - HEADROOM_BYTES)
-        max_batch = size_batch(max_batch, self.engine.model.cache_bytes(1, self.max_model_len), budget,
-                               self.max_model_len)
+        model = self.engine.model
+        self.block_size = block_size or None
+        self.num_blocks = None
+        if self.block_size is None:      # the slots' rows, and one more: the staging row of a chunked prefill
+            row = model.cache_bytes(1, self.max_model_len)
+            max_batch = size_batch(max_batch, row, None if budget is None else budget - row, self.max_model_len)
+        else:
+            max_batch, self.num_blocks = size_pages(self.block_size, max_batch, self.max_model_len,
+                                                    model.page_bytes(self.block_size),
+                                                    getattr(model, "row_bytes", lambda: 0)(), budget)
         self.max_batch = max_batch
         self.metrics = Metrics(self.name)
         self.scheduler = Scheduler(self.engine, self.codec, max_batch, self.max_model_len, max_waiting, seed,
-                                   self.metrics)
+                                   self.metrics, block_size=self.block_size, num_blocks=self.num_blocks,
+                                   prefill_chunk=prefill_chunk, share_prefixes=share_prefixes)
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -300,7 +336,8 @@ def create_app(server: Server):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
           max_model_len: int | None = None, gpu_memory_fraction: float | None = None,
-          served_model_name: str | None = None, max_waiting: int = 256) -> None:
+          served_model_name: str | None = None, max_waiting: int = 256, block_size: int | None = None,
+          prefill_chunk: int | None = None, share_prefixes: bool = True) -> None:
     """Run the server until interrupted (`fastqwen serve`)."""
     import torch
     import uvicorn
@@ -312,9 +349,13 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
             torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction)
     print(f"fastqwen serve: loading {model_dir}", file=sys.stderr, flush=True)
     server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting,
-                    memory_fraction=gpu_memory_fraction)
-    print(f"fastqwen serve: {server.name} on http://{host}:{port} ({server.max_batch} slots of {server.max_model_len} "
-          f"tokens; pid {os.getpid()})", file=sys.stderr, flush=True)
+                    memory_fraction=gpu_memory_fraction, block_size=block_size, prefill_chunk=prefill_chunk,
+                    share_prefixes=share_prefixes)
+    cache = (f"{server.max_batch} slots of {server.max_model_len} tokens" if server.block_size is None else
+             f"{server.max_batch} slots of up to {server.max_model_len} tokens, {server.num_blocks} KV blocks of "
+             f"{server.block_size}")
+    print(f"fastqwen serve: {server.name} on http://{host}:{port} ({cache}; pid {os.getpid()})", file=sys.stderr,
+          flush=True)
     try:
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
     finally:

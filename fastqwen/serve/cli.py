@@ -22,6 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
                         "folder's name)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="a paged KV cache of blocks of this many positions (a multiple of 64 that divides "
+                        "--max-model-len): each request holds blocks for its prompt and max_tokens only, so more "
+                        "short requests fit; 0 (default): one row of --max-model-len positions per slot")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="a prompt longer than this many tokens that arrives while others run is prefilled "
+                        "in chunks of it, one between two decode steps, so running streams keep their "
+                        "inter-token latency; 0 (default): whole prompts")
+    parser.add_argument("--no-prefix-sharing", action="store_true",
+                        help="with --block-size: do not share the pages of prompts that start alike (shared by "
+                        "default where the model allows: Qwen3)")
 
 
 def default_model() -> pathlib.Path:
@@ -45,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"{str(folder)!r} has no tokenizer.json (fastqwen synth writes one)")
     for name, value, lo in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
-                            ("--max-waiting", args.max_waiting, 1)):
+                            ("--max-waiting", args.max_waiting, 1), ("--block-size", args.block_size, 0),
+                            ("--prefill-chunk", args.prefill_chunk, 0)):
         if value is not None and value < lo:
             raise UserError(f"{name} must be >= {lo}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -56,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
-              args.served_model_name, args.max_waiting)
+              args.served_model_name, args.max_waiting, args.block_size or None, args.prefill_chunk or None,
+              not args.no_prefix_sharing)
     except ValueError as exc:       # a size that cannot fit (the slots' KV rows, the engine's limits)
         raise UserError(str(exc)) from None
     return 0

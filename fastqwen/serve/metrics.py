@@ -35,8 +35,14 @@ class Metrics:
         self.running_peak = named(Gauge, "num_requests_running_peak", "The most requests in slots at once so far")
         self._peak = 0
         self.waiting = named(Gauge, "num_requests_waiting", "Requests queued for a slot")
-        self.kv_usage = named(Gauge, "kv_cache_usage_perc", "Cached positions of running requests over all slots' "
-                              "positions (1 = full)")
+        self.kv_usage = named(Gauge, "kv_cache_usage_perc", "The KV cache in use (1 = full): pages the running "
+                              "requests hold over the pool's (paged cache), else their cached positions over all "
+                              "slots' positions")
+        self.prefix_hit_tokens = named(Counter, "prefix_cache_hit_tokens", "Prompt positions taken from the "
+                                       "pages of a shared prefix instead of prefilled (paged cache)")
+
+    def prefix_hits(self, tokens: int) -> None:
+        self.prefix_hit_tokens.labels(**self.labels).inc(tokens)
 
     def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.labels(**self.labels).set(running)

@@ -6,6 +6,11 @@ left in its slot. Events go back to each request's asyncio queue on the server's
 
 A request the client abandons (`cancel`) leaves its slot at the next step.
 
+With `prefill_chunk` a prompt longer than that which arrives while others run is prefilled in
+chunks of that many tokens, one chunk between two decode steps (fq_slots.Slots.begin /
+prefill_next), so the running requests' inter-token latency grows by a chunk's time, not by
+the whole prompt pass's; shorter prompts, and any prompt when nothing runs, go in whole.
+
 The loop runs one step ahead of the host. Each step's tokens are sampled on the device, kept
 there as the next step's input (`Slots.step_rows`) and copied back to the host without
 waiting; the next step is queued before the host turns the previous step's tokens into
@@ -70,10 +75,21 @@ class Scheduler:
     """Owns an fastqwen Engine's slots in a thread of its own. submit() from any thread."""
 
     def __init__(self, engine, codec, max_batch: int, max_len: int, max_waiting: int = 256, seed: int = 0,
-                 metrics=None):
+                 metrics=None, block_size: int | None = None, num_blocks: int | None = None,
+                 prefill_chunk: int | None = None, share_prefixes: bool = True):
+        """block_size: the paged KV cache (pages of block_size positions, num_blocks of them; a
+        request takes those its prompt and max_tokens need); None: a row of max_len positions
+        per slot. prefill_chunk: tokens of a joining prompt prefilled between two decode steps
+        (module doc); None or 0: whole prompts. share_prefixes: with block_size, requests whose
+        prompts start alike share those pages (fq_slots, where the model allows)."""
+        self.prefill_chunk = prefill_chunk or None
+        self._staged: Request | None = None          # the request being prefilled in chunks
+        self.chunks = 0                              # chunks prefilled so far (a prompt in several counts each)
         self.engine, self.codec, self.metrics = engine, codec, metrics
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
-        self.slots = engine.slots(max_batch, max_len)
+        self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
+                                  share_prefixes=share_prefixes)
+        self._hit_tokens = 0                         # prefix hits already reported to the metrics
         self.device = engine.device
         self.server_generator = torch.Generator().manual_seed(seed)
         self.waiting: queue.Queue = queue.Queue()
@@ -95,7 +111,7 @@ class Scheduler:
     # ---- the HTTP side -----------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self.waiting.qsize() + len(self._held)
+        return self.waiting.qsize() + len(self._held) + (self._staged is not None)
 
     def submit(self, prompt: list, params: SamplingParams, loop, events) -> Request:
         if self.num_waiting >= self.max_waiting:
@@ -117,8 +133,12 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """Cached positions of the running requests over all slots' positions."""
-        return sum(self.slots.lengths) / (self.max_batch * self.max_len)
+        """The KV cache in use (fq_slots.Slots.kv_usage: pages taken, or positions cached)."""
+        return self.slots.kv_usage
+
+    def _reserve(self, req: Request) -> int:
+        """Positions a request may hold: its prompt and max_tokens (the last token is never cached)."""
+        return min(self.max_len, len(req.prompt) + req.params.max_tokens)
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -130,6 +150,10 @@ class Scheduler:
                 busy = False
             if self.metrics is not None:
                 self.metrics.gauges(len(self.running), self.num_waiting, self.kv_usage)
+                hits = self.slots.pool.hit_tokens
+                if hits > self._hit_tokens:
+                    self.metrics.prefix_hits(hits - self._hit_tokens)
+                    self._hit_tokens = hits
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -142,15 +166,32 @@ class Scheduler:
         for req in [r for r in self._held if r.cancelled]:
             self._held.remove(req)
             self._finish(req, "abort")
+        if self._staged is not None:
+            return self._prefill_staged()
         if not self._held or not self.slots.free:
             return False
+        first = self._held[0]
+        if self.prefill_chunk and self.running and len(first.prompt) > self.prefill_chunk:
+            if not self.slots.fits([self._reserve(first)]):
+                return False           # it waits for pages (paged cache)
+            self._held.remove(first)
+            self._prepare(first)
+            self.slots.begin(first.id, first.prompt, self._reserve(first))
+            self._staged = first
+            return self._prefill_staged()
         n = len(self._held[0].prompt)
-        group = [r for r in self._held if len(r.prompt) == n][:self.slots.free]
+        group = []
+        for req in (r for r in self._held if len(r.prompt) == n):     # in arrival order, while they fit
+            if not self.slots.fits([self._reserve(r) for r in group + [req]]):
+                break
+            group.append(req)
+        if not group:                  # the first waits for pages (paged cache)
+            return False
         for req in group:
-            req.detok = self.codec.detokenizer(req.params.stop)
-            req.generator = make_generator(req.params, self.device, self.server_generator)
+            self._prepare(req)
         row = len(self.slots.keys)
-        logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group])
+        logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
+                                        [self._reserve(r) for r in group])
         for req in group:
             self._held.remove(req)
         firsts = sample(logits, [r.params for r in group], [r.generator for r in group])
@@ -158,6 +199,31 @@ class Scheduler:
         for req, tok in zip(group, firsts.tolist()):
             self.running[req.id] = req
             self._emit(req, tok)
+        return True
+
+    def _prepare(self, req: Request) -> None:
+        """What a request needs once it has a slot: its detokenizer and its sampling generator."""
+        req.detok = self.codec.detokenizer(req.params.stop)
+        req.generator = make_generator(req.params, self.device, self.server_generator)
+
+    def _prefill_staged(self) -> bool:
+        """The staged request's next chunk; after its last it runs, its first token sampled and sent."""
+        req = self._staged
+        if req.cancelled:
+            self._staged = None
+            self.slots.retire(req.id)
+            self._finish(req, "abort")
+            return True
+        logits = self.slots.prefill_next(self.prefill_chunk)
+        self.chunks += 1
+        if logits is None:
+            return True
+        self._staged = None
+        row = len(self.slots.keys) - 1
+        first = sample(logits[None], [req.params], [req.generator])
+        self._tokens[row:row + 1].copy_(first)
+        self.running[req.id] = req
+        self._emit(req, int(first[0]))
         return True
 
     def _step(self) -> bool:
@@ -247,6 +313,10 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         self._pending = None
         for req in list(self.running.values()):
+            self._finish(req, "error", message)
+        if self._staged is not None:                  # a prompt whose chunked prefill failed
+            req, self._staged = self._staged, None
+            self.slots.retire(req.id)
             self._finish(req, "error", message)
         for req in [r for r in self._held if r.detok is not None]:    # a group whose prompt pass failed
             self._held.remove(req)

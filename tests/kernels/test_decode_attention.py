@@ -133,6 +133,38 @@ def _make_inputs(
     return q, k, v, lengths_t
 
 
+def _paginate(
+    k: torch.Tensor, v: torch.Tensor, page: int, seed: int, lengths: list[int] | None = None, spare: int = 3,
+    layers: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same logical contents as k, v [B, KVH, C, D] in the paged form: one layer of
+    [layers, P, KVH, page, D] pools (P = B * C / page + spare) and an int32 block table
+    [B, C / page] on k's device, every logical page in a pool page of a random permutation.
+    The spare pages, and the other layer, hold NaN. With `lengths`, the entries of pages
+    wholly at or past a sequence's length point to a spare page instead (NaN there as in
+    _make_inputs' caches past the length, so the logical contents stay the same)."""
+    batch, kv_heads, capacity, head_dim = k.shape
+    assert capacity % page == 0
+    width = capacity // page
+    pages = batch * width + spare
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(pages, generator=gen)
+    table = order[:batch * width].view(batch, width).clone()
+    garbage = int(order[-1])
+    shape = (layers, pages, kv_heads, page, head_dim)
+    pools = []
+    for cache in (k, v):
+        pool = torch.full(shape, float("nan"), dtype=cache.dtype, device=cache.device)[layers - 1]
+        pool[table.reshape(-1).to(cache.device)] = (
+            cache.reshape(batch, kv_heads, width, page, head_dim).transpose(1, 2).reshape(-1, kv_heads, page, head_dim)
+        )
+        pools.append(pool)
+    if lengths is not None:
+        for b, length in enumerate(lengths):
+            table[b, -(-max(length, 0) // page):] = garbage
+    return pools[0], pools[1], table.to(torch.int32).to(k.device)
+
+
 def _check_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,6 +241,42 @@ def test_reference_rejects_length_past_capacity():
     q, k, v, _ = _make_inputs(1, 2, 1, 8, 16, [8], "cpu", seed=3)
     with pytest.raises(ValueError, match=r"lengths\[0\] = 9"):
         decode_attention_reference(q, k, v, torch.tensor([9], dtype=torch.int32), 0.25)
+
+
+@pytest.mark.parametrize(
+    "page,lengths,window",
+    [
+        (16, [0, 1, 16, 96], None),   # zero, one, a page boundary, full capacity
+        (32, [96, 33, 0], None),
+        (32, [96, 70, 5], 40),        # a window starting inside a page
+        (96, [96, 95, 1], 7),         # one page a sequence
+    ],
+)
+def test_paged_reference_matches_unpaged(page, lengths, window):
+    q, k, v, lengths_t = _make_inputs(len(lengths), 4, 2, 96, 32, lengths, "cpu", seed=20, window=window)
+    plain = decode_attention_reference(q, k, v, lengths_t, 32**-0.5, window=window)
+    for redirect in (None, lengths):
+        kp, vp, table = _paginate(k, v, page, seed=21, lengths=redirect)
+        paged = decode_attention_reference(q, kp, vp, lengths_t, 32**-0.5, window=window, block_table=table)
+        assert torch.equal(plain, paged)
+
+
+def test_paged_reference_rejects_bad_tables():
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 64, 16, [64, 10], "cpu", seed=22)
+    kp, vp, table = _paginate(k, v, 16, seed=23)
+    pages = kp.shape[0]
+    bad = table.clone()
+    bad[1, 0] = pages   # a page holding positions below lengths[1]
+    with pytest.raises(ValueError, match=rf"block_table\[1, 0\] = {pages} outside \[0, {pages}\)"):
+        decode_attention_reference(q, kp, vp, lengths_t, 0.25, block_table=bad)
+    bad = table.clone()
+    bad[1, 1:] = -1      # past lengths[1] = 10: never read
+    assert torch.equal(decode_attention_reference(q, kp, vp, lengths_t, 0.25, block_table=bad),
+                       decode_attention_reference(q, k, v, lengths_t, 0.25))
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        decode_attention_reference(q, kp, vp, lengths_t, 0.25, block_table=table.long())
+    with pytest.raises(ValueError, match=r"block_table must be \[B, W\]"):
+        decode_attention_reference(q, kp, vp, lengths_t, 0.25, block_table=table[:1])
 
 
 @pytest.mark.parametrize(
@@ -317,6 +385,65 @@ def test_wrapper_rejects_cpu_tensors_without_interpreter():
         decode_attention(q, k, v, lengths, 0.25)
 
 
+def _bad_paged_call(case: str) -> dict:
+    """Keyword arguments for a paged decode_attention call (D = 16: 64-position tiles) with
+    exactly one thing wrong ("none": nothing)."""
+    q, k, v, lengths = _make_inputs(2, 4, 2, 128, 16, [128, 3], "cpu", seed=24)
+    kp, vp, table = _paginate(k, v, 64, seed=25)
+    args = dict(q=q, k_cache=kp, v_cache=vp, lengths=lengths, scale=0.25, block_table=table)
+    if case == "page_size":          # 32-position pages, 64-position tiles
+        args["k_cache"], args["v_cache"], args["block_table"] = _paginate(k, v, 32, seed=25)
+    elif case == "page_size_block_n":
+        args["k_cache"], args["v_cache"], args["block_table"] = _paginate(k, v, 32, seed=25)
+        args["block_n"] = 64
+    elif case == "table_dtype":
+        args["block_table"] = table.long()
+    elif case == "table_rank":
+        args["block_table"] = table.reshape(-1)
+    elif case == "table_batch":
+        args["block_table"] = torch.cat([table, table[:1]])
+    elif case == "table_stride":
+        args["block_table"] = torch.cat([table, table], dim=1)[:, ::2]
+    elif case == "table_type":
+        args["block_table"] = table.tolist()
+    elif case == "pages_shape":
+        args["k_cache"] = kp[..., None, :]
+    elif case == "page_stride":
+        args["k_cache"] = kp.transpose(2, 3).contiguous().transpose(2, 3)
+    elif case != "none":
+        raise AssertionError(case)
+    return args
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("page_size", r"page size 32 \(k_cache.shape\[2\]\) is not a multiple of the plan's block_n 64"),
+        ("page_size_block_n", "page size 32 .* block_n 64"),
+        ("table_dtype", "block_table must be int32, got torch.int64"),
+        ("table_rank", r"block_table must be \[B, W\] = \[2, W >= 1\], got shape \(4,\)"),
+        ("table_batch", r"block_table must be \[B, W\] = \[2, W >= 1\], got shape \(3, 2\)"),
+        ("table_stride", "block_table needs unit stride on W"),
+        ("table_type", "block_table must be a torch.Tensor, got list"),
+        ("pages_shape", r"k_cache must be \[P, KVH, PAGE, D\]"),
+        ("page_stride", "k_cache needs unit stride"),
+    ],
+)
+def test_paged_wrapper_rejects_bad_arguments(case, message):
+    with pytest.raises(ValueError, match=message):
+        decode_attention(**_bad_paged_call(case))
+
+
+@pytest.mark.skipif(INTERPRET, reason="CPU tensors are accepted under TRITON_INTERPRET=1")
+def test_paged_wrapper_accepts_pools_of_another_size_without_interpreter():
+    # 7 pages for 2 sequences: the unpaged form's batch check does not apply; every check
+    # passes and only the device is refused.
+    args = _bad_paged_call("none")
+    assert args["k_cache"].shape[0] != args["q"].shape[0]
+    with pytest.raises(ValueError, match="needs CUDA"):
+        decode_attention(**args)
+
+
 # ------------------------------------------------------------------ CPU, Triton interpreter
 
 _INTERPRETED_CASES = [
@@ -417,6 +544,83 @@ def test_kernel_ignores_garbage_past_lengths_interpreted(interpreter_fixes):
     k[:, :, 50:] = 3.0e38
     v[:, :, 50:] = -3.0e38
     assert torch.equal(clean, decode_attention(q, k, v, lengths_t, 0.2, num_splits=2))
+
+
+_PAGED_CASES = [
+    # batch, heads, kv_heads, head_dim, page, width, lengths, window, block_n
+    (4, 4, 2, 64, 64, 4, [0, 1, 64, 256], None, None),     # page = tile: zero, one, a page boundary, full
+    (4, 4, 2, 64, 128, 2, [0, 1, 128, 256], None, None),   # two tiles a page: rows from start % PAGE = 64
+    (4, 4, 2, 64, 128, 2, [129, 65, 200, 256], 100, None),  # a window starting inside a page
+    (3, 8, 2, 32, 16, 8, [0, 17, 128], None, 16),          # the smallest tile and page
+    (2, 4, 1, 256, 64, 2, [0, 77], None, None),            # D = 256: 32-position tiles, two a page
+    (2, 4, 2, 64, 64, 3, [500, 2**31 - 1], None, None),    # lengths past C: clamped to C, as unpaged
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page,width,lengths,window,block_n", _PAGED_CASES)
+def test_paged_kernel_matches_unpaged_bits_interpreted(
+    interpreter_fixes, batch, heads, kv_heads, head_dim, page, width, lengths, window, block_n, num_splits,
+    flash_order,
+):
+    """The paged form gives the unpaged form's bits on the same logical contents, pages
+    shuffled and the rest of the pool (spare pages, the other layer) NaN."""
+    capacity = page * width
+    scale = head_dim**-0.5
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=30,
+                                      window=window)
+    kw = dict(num_splits=num_splits, flash_order=flash_order, window=window, block_n=block_n)
+    plain = decode_attention(q, k, v, lengths_t, scale, **kw)
+    for redirect in (None, lengths):   # entries past a length: the sequence's own pages, then a NaN page
+        kp, vp, table = _paginate(k, v, page, seed=31, lengths=redirect)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, kp, vp, lengths_t, scale, out=out, block_table=table, **kw)
+        assert torch.equal(out, plain), f"paged differs from unpaged (past-length entries redirected: {bool(redirect)})"
+    assert bool(torch.isfinite(out).all())
+    if max(lengths) <= capacity:
+        ref = decode_attention_reference(q, kp, vp, lengths_t, scale, window=window, block_table=table)
+        assert _ulp_error(out, ref) <= MAX_ULPS
+
+
+@needs_interpreter
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("lengths,window", [([300, 1, 64], None), ([65, 128, 0], None), ([383, 200, 77], 100)])
+def test_paged_fa2_path_matches_unpaged_bits_interpreted(interpreter_fixes, monkeypatch, page, lengths, window):
+    """The FA2 path (one split, head_dim 128, 64-key tiles) paged: the unpaged path's bits."""
+    import fqkernels.decode_attention as da
+
+    monkeypatch.setattr(da, "FA2", True)
+    capacity = 384
+    q, k, v, lengths_t = _make_inputs(3, 16, 4, capacity, 128, lengths, "cpu", seed=32, window=window)
+    assert da.fa2_applies(da.decode_attention_plan(3, 16, 4, capacity, 128, num_splits=1), True, 128)
+    plain = decode_attention(q, k, v, lengths_t, 128**-0.5, num_splits=1, window=window)
+    kp, vp, table = _paginate(k, v, page, seed=33, lengths=lengths)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, kp, vp, lengths_t, 128**-0.5, out=out, num_splits=1, window=window, block_table=table)
+    assert torch.equal(out, plain)
+    assert bool(torch.isfinite(out).all())
+
+
+@needs_interpreter
+def test_paged_kernel_reads_the_table_at_call_time_interpreted(interpreter_fixes):
+    """Pages moved elsewhere in the pool, the table updated to match: the same bits; the
+    table changed alone: another result (the table is read by the kernel at each call)."""
+    q, k, v, lengths_t = _make_inputs(2, 4, 2, 256, 32, [256, 150], "cpu", seed=34)
+    kp, vp, table = _paginate(k, v, 64, seed=35, spare=8)
+    first = decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table)
+    used = set(table.reshape(-1).tolist())
+    free = [p for p in range(kp.shape[0]) if p not in used]
+    for j, dst in zip((0, 2), free):    # row 1's pages 0 and 2 to spare pages
+        src = int(table[1, j])
+        kp[dst], vp[dst] = kp[src], vp[src]
+        kp[src] = vp[src] = float("nan")
+        table[1, j] = dst
+    assert torch.equal(first, decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table))
+    table[0, 0], table[0, 1] = int(table[0, 1]), int(table[0, 0])   # row 0's first two pages swapped
+    swapped = decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table)
+    assert torch.equal(swapped[1], first[1]) and not torch.equal(swapped[0], first[0])
 
 
 # ------------------------------------------------------------------------------------ CUDA
@@ -550,6 +754,69 @@ def test_cuda_graph_replay_with_window_gpu():
         assert torch.equal(out, decode_attention(q, k, v, lengths_t, 0.088, window=window))
         ref = decode_attention_reference(q, k, v, lengths_t, 0.088, window=window)
         assert _ulp_error(out, ref) <= MAX_ULPS
+
+
+def _paged_length_patterns(batch: int, capacity: int, page: int) -> list[list[int]]:
+    """_length_patterns, and one with a zero length, page boundaries and a full row."""
+    edges = [0, page, page + 1, 2 * page - 1, capacity]
+    return _length_patterns(batch, capacity) + [[edges[i % len(edges)] for i in range(batch)]]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,page",
+    [(32, 8, 128, 64), (32, 8, 128, 128), (16, 4, 256, 64)],
+    ids=["qwen3-page64", "qwen3-page128", "qwen3.5-page64"],
+)
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_paged_matches_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page):
+    """Plain (eager) calls at the models' shapes: the paged form's bits are the unpaged
+    form's, for the default plan, one split either way (the FA2 path at head_dim 128),
+    several splits, and a window."""
+    capacity, scale = 2048, head_dim**-0.5
+    for i, lengths in enumerate(_paged_length_patterns(batch, capacity, page)):
+        q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=600 + i)
+        kp, vp, table = _paginate(k, v, page, seed=610 + i, lengths=lengths)
+        for num_splits, flash_order, window in ((None, None, None), (1, True, None), (1, False, None),
+                                                (7, False, None), (7, True, None), (None, None, 1000), (1, True, 100)):
+            kw = dict(num_splits=num_splits, flash_order=flash_order, window=window)
+            plain = decode_attention(q, k, v, lengths_t, scale, **kw)
+            paged = decode_attention(q, kp, vp, lengths_t, scale, block_table=table, **kw)
+            assert torch.equal(plain, paged), f"paged differs at lengths {lengths}, {kw}"
+        # the last call's (one split, window 100) against the paged reference
+        ref = decode_attention_reference(q, kp, vp, lengths_t, scale, window=100, block_table=table)
+        assert torch.equal(ref, decode_attention_reference(q, k, v, lengths_t, scale, window=100))
+        assert _ulp_error(paged, ref) <= MAX_ULPS
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_paged_cuda_graph_replay_gpu():
+    """A graph captured over the paged call follows lengths and the table's contents at replay."""
+    batch, heads, kv_heads, head_dim, capacity, page = 4, 32, 8, 128, 4096, 64
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, [capacity] * batch, "cuda",
+                                      seed=620)
+    kp, vp, table = _paginate(k, v, page, seed=621, spare=capacity // page)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, kp, vp, lengths_t, scale, out=out, block_table=table)   # warmup: compile + workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, kp, vp, lengths_t, scale, out=out, block_table=table)
+    spare = sorted(set(range(kp.shape[0])) - set(table.reshape(-1).tolist()))[:capacity // page]
+    for step, lengths in enumerate(([1, 2, 3, 4], [4096, 17, 1000, 2049], [64, 65, 4095, 129])):
+        if step == 2:    # row 2's pages move to the spare pages, its table row follows
+            moved = table[2].long()
+            kp[spare], vp[spare] = kp[moved], vp[moved]
+            kp[moved] = vp[moved] = float("nan")
+            table[2] = torch.tensor(spare, dtype=torch.int32, device="cuda")
+        lengths_t.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode_attention(q, k, v, lengths_t, scale)), f"replay at lengths {lengths}"
 
 
 @pytest.mark.parametrize("block_n", [0, 8, 48, True, 64.0])

@@ -217,6 +217,46 @@ def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, B, T, Hk, H
     assert rel(s, s_r) <= 1e-5 and rel(o, o_r.float()) <= 2e-2
 
 
+@pytest.mark.parametrize("first,rest", [(1, 3), (2, 70), (3, 1), (40, 33)])
+def test_causal_conv_prefill_continues_from_a_state(first, rest):
+    """A sequence's conv in two calls, the second starting from the first's conv state (a prompt
+    prefilled in chunks): the one call's outputs and state, bit for bit (each output is the same
+    products in the same order); the reference's continued form agrees."""
+    g_ = torch.Generator().manual_seed(first * 100 + rest)
+    C = 72
+    w = (torch.randn(C, 4, generator=g_) * 0.5).bfloat16().to(DEV)
+    u = torch.randn(2, first + rest, C + 8, generator=g_).bfloat16().to(DEV)[..., 8:]
+    whole, state = gdn.causal_conv_prefill(u, w)
+    x1, s1 = gdn.causal_conv_prefill(u[:, :first], w)
+    x2, s2 = gdn.causal_conv_prefill(u[:, first:], w, conv_state=s1)
+    assert torch.equal(torch.cat([x1, x2], dim=1), whole) and torch.equal(s2, state)
+    xr, sr = gdn.causal_conv_reference(u[:, first:].transpose(1, 2).cpu(), w.cpu(), s1.cpu())
+    assert torch.equal(sr, s2.cpu())
+    d = (x2.cpu().float() - xr.transpose(1, 2).float()).abs()
+    assert (d <= xr.transpose(1, 2).float().abs() * 2.0 ** -7 + 1e-30).all()
+    with pytest.raises(ValueError, match="conv_state must be"):
+        gdn.causal_conv_prefill(u[:, first:], w, conv_state=s1[:, :8])
+
+
+@pytest.mark.parametrize("first,rest,plan", [(64, 70, gdn.PrefillPlan()), (30, 1, gdn.PrefillPlan()),
+                                             (100, 40, gdn.PrefillPlan(fused=1)), (1, 64, gdn.PrefillPlan())],
+                         ids=["chunk-then-more", "then-one", "fused", "one-then-chunk"])
+def test_chunked_prefill_continues_from_a_state(interpreter_fixes, first, rest, plan):
+    """A sequence's rule in two calls, the second from the first's final state (initial_state,
+    here the same tensor as its state_out: the cache rows updated in place): within the float64
+    oracle's gates over the whole sequence, outputs and final state."""
+    q, k, v, g, beta = _prefill_inputs(2, first + rest, 1, 2, 64, seed=first + rest)
+    dev = [t.to(DEV) for t in (q, k, v, g, beta)]
+    o1, state = gdn.chunked_prefill(*(t[:, :first] for t in dev), plan=plan)
+    o2, state2 = gdn.chunked_prefill(*(t[:, first:] for t in dev), plan=plan, state_out=state, initial_state=state)
+    assert state2 is state
+    o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
+    o = torch.cat([o1, o2], dim=1).cpu()
+    assert rel(o, o64) <= GATE_OUT and rel(state.cpu(), s64) <= GATE_STATE, (rel(o, o64), rel(state.cpu(), s64))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        gdn.chunked_prefill(*dev, initial_state=state[:1])
+
+
 def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
     """A batch longer than the workspace budget runs in slices of whole sequences (here one
     sequence a slice) and gives what one call gives, within the oracle's gates."""

@@ -33,15 +33,16 @@ def _assert_pdl(ptx: str) -> None:
 
 @needs_compiler
 def test_attention_kernels_compile_with_pdl():
-    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i32",
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i32", "table_ptr": "*i32",
            "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32",
            "WINDOW": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_ob": "i32", "stride_oh": "i32",
-           "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
-    consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True,
-                  FA2_PATH=False)
-    _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
-                .asm["ptx"])
+           "stride_tb": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
+    for paged in (False, True):   # the row cache, and the paged one (pages through a block table)
+        consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True,
+                      FA2_PATH=False, PAGED=paged, PAGE=64)
+        _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
+                    .asm["ptx"])
     sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
            "stride_ob": "i32", "stride_oh": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
     consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True)
@@ -69,9 +70,11 @@ def test_norm_and_rope_kernels_compile_with_pdl():
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
            "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
-           "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32"}
-    consts = dict(H=32, KVH=8, D=128, PDL=True)
-    _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
+           "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32",
+           "table_ptr": "*i32", "stride_tb": "i32"}
+    for paged in (False, True):   # the row cache, and the paged one (pages through a block table)
+        consts = dict(H=32, KVH=8, D=128, PDL=True, PAGED=paged, PAGE=64)
+        _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
 
 
 @needs_compiler

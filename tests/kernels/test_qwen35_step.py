@@ -238,3 +238,25 @@ def test_the_prompt_mlp_in_row_slices_is_the_whole_one(tiny, monkeypatch):
     diff = (out[50] - out[None]).abs().max().item()
     assert diff <= 0.02 * out[None].std().item() + 0.07, diff
     assert torch.equal(out[50].argmax(-1), out[None].argmax(-1))
+
+
+def test_triton_prompt_in_chunks_tracks_the_whole_prompt(tiny):
+    """The triton backend's prompt pass continued from cached states (prefill_logits with start:
+    the conv and the chunked rule from the rows' states, the attention over the cached keys):
+    a 70-token prompt as 64 + 6 gives the last logits and the states of the whole pass within
+    the kernels' fp32-order noise, and the same argmax."""
+    cfg, w = tiny
+    seq = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(5)).to(DEV)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    model.ensure_rope(S + 1)
+    model.allocate_cache(B, S + 1)
+    with torch.inference_mode():
+        whole = model.prefill_logits(seq).float()
+        states = model.conv_state.clone(), model.state.clone()
+        model.prefill_logits(seq[:, :64])
+        chunked = model.prefill_logits(seq[:, 64:], start=64).float()
+    spread = whole.std().item()
+    assert (chunked - whole).abs().max().item() <= 0.02 * spread + 0.07
+    assert torch.equal(chunked.argmax(-1), whole.argmax(-1))
+    assert torch.equal(model.conv_state, states[0])
+    assert (model.state - states[1]).abs().max().item() <= 1e-4 * states[1].abs().max().item()
