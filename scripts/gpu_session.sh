@@ -66,6 +66,8 @@
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
 #                 default (scripts/gpu_prefill_pieces.py)
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
+#   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
+#                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
@@ -229,6 +231,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                      --model /tmp/q4b --prefill-chunk 256 --runs one_stream,sixteen_streams,rate_4,rate_16 \
                      --out "$OUT/serve_chunked.json" 2>&1 | grep -v Warn | tail -8 ;;
+    paged-attn-probe) timeout 300 python3 scripts/gpu_paged_attn_probe.py --out "$OUT/paged_attn_probe.json" 2>&1 \
+                        | grep -v Warn | tail -30 ;;
     kernels-paged) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_paged_kv_writes.py \
                      tests/kernels/test_decode_attention.py tests/test_engine_gpu.py -k "paged or slots" 2>&1 \
                      | tail -30 | tee "$OUT/pytest_paged.log" ;;
