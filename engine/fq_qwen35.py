@@ -516,13 +516,27 @@ class Qwen35Model:
         # the first B rows: this call's sequences (paged: the layer's pools, read through the table)
         kc, vc = (self.k_cache[slot], self.v_cache[slot]) if paged else (self.k_cache[slot, :B], self.v_cache[slot, :B])
         table = {"block_table": self.block_table[:B]} if paged else {}
-        if self.backend == "triton":   # the key rotated and both stored at the positions in one kernel
+        if self.backend == "triton":
             from fqkernels.decode_attention import decode_attention
-            from fqkernels.rope_kv import rope_store_kv
+            from fqkernels.rope_kv import qk_norm_partial_rope_store, rope_store_kv
 
-            q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
-            rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
-            attn = decode_attention(q[:, :, 0], kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
+            c, p = self.cfg, f"model.layers.{i}.self_attn."
+            # the packed q | k | v product, then one kernel: each q and k head's (1 + w) norm and
+            # partial RoPE, the key and value into the caches at the positions
+            # (past GEMV_MAX_ROWS rows _qkv_proj takes the separate products: the separate kernels then)
+            q = None
+            if B <= _Products.GEMV_MAX_ROWS:
+                y = self.ops.linear(h, self.w[p + "qkv_proj.weight"]).view(B, -1)
+                q = qk_norm_partial_rope_store(y, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
+                                               self.cos, self.sin, positions, kc, vc, c.rms_norm_eps, c.num_heads,
+                                               c.num_kv_heads, **table)
+            if q is not None:
+                gate = y[:, :2 * c.num_heads * c.head_dim].view(B, 1, c.num_heads, 2 * c.head_dim)[..., c.head_dim:]
+            else:   # this torch's order of the norm's mean is not the fused kernel's: the separate kernels
+                q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
+                rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
+                q = q[:, :, 0]
+            attn = decode_attention(q, kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
             return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)

@@ -662,6 +662,12 @@ def _qwen35_attention(batch: int) -> None:
     table = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
     cache = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
     rope_store_kv(kv[:, 0], kv[:, 1], table, table, torch.empty(batch, dtype=torch.int32, device=CUDA), cache, cache)
+    # the fused prologue the decode step runs: the packed q | k | v rows' norms and RoPE, K/V into the caches
+    from fqkernels.rope_kv import qk_norm_partial_rope_store
+
+    norm = torch.empty(256, dtype=torch.bfloat16, device=CUDA)
+    qk_norm_partial_rope_store(torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA), norm, norm, table, table,
+                               torch.empty(batch, dtype=torch.int32, device=CUDA), cache, cache, 1e-6, 16, 4)
     # the output gate: decode_attention's rows times the sigmoid of the gate read in place from the
     # packed q | k | v product's rows (per head [query | gate]); a prompt's, from SDPA's transposed
     # output and q_proj's own rows
@@ -695,6 +701,12 @@ def _paged_kv(batch: int) -> None:
     tables = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
     pool = torch.empty((40, 4, 64, 256), dtype=torch.bfloat16, device=CUDA)
     rope_store_kv(kv[:, 0], kv[:, 1], tables, tables, lengths, pool, pool, block_table=table)
+    from fqkernels.rope_kv import qk_norm_partial_rope_store
+
+    qk_norm_partial_rope_store(torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA),
+                               torch.empty(256, dtype=torch.bfloat16, device=CUDA),
+                               torch.empty(256, dtype=torch.bfloat16, device=CUDA), tables, tables, lengths, pool, pool,
+                               1e-6, 16, 4, block_table=table)
 
 
 def _qwen35_products(batch: int) -> None:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import pdl
+from fqkernels.rmsnorm import _column_sums, _lane_sum, _scaled
 
 
 @triton.jit
@@ -333,3 +334,108 @@ def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     xr, xp = x[..., :r], x[..., r:]
     half = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
     return torch.cat([xr * cos + half * sin, xp], dim=-1)
+
+
+# ------------------------------------------------------------------ Qwen3.5's decode q/k prologue, fused
+@triton.jit
+def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                                       inv_n, eps, stride_row, stride_c, stride_cb, stride_ch, stride_cp,
+                                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                                       BLOCK: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr,
+                                       PDL: tl.constexpr = False, table_ptr=None, stride_tb=None,
+                                       PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1):
+    """Program (sequence b, head): a decode step's query head (head < H) or key head of the packed
+    q | k | v row (per query head [query | gate], then the keys, then the values), its (1 + w)
+    norm with the mean of squares in torch's order (rmsnorm's torch-order kernel, the same adds),
+    then its partial RoPE at the sequence's position (_rope_row's cast points): queries to q_ptr
+    [B, H, D]; keys, and the head's value, into the caches at that position (PAGED: through the
+    block table). The RoPE's partner values are the partner dims normalized again (the same
+    arithmetic, so the same bits)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    pdl.wait(PDL)  # the packed row and the positions come from earlier kernels
+    pdl.launch_dependents(PDL)
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    is_q = head < H
+    row = qkv_ptr + b.to(tl.int64) * stride_row
+    if is_q:
+        src = row + head * (2 * D)
+    else:
+        src = row + 2 * H * D + (head - H) * D
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    xf = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    NB: tl.constexpr = BLOCK // 128
+    cols = _column_sums(tl.permute(tl.reshape(xf * xf, (NB, 128)), (1, 0)), NB)
+    if VEC:
+        lanes = tl.reshape(cols, (32, 4))
+    else:
+        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
+    inv = tl.rsqrt(_lane_sum(lanes, HALVES) * inv_n + eps)
+    if is_q:
+        w_ptr = qn_ptr
+    else:
+        w_ptr = kn_ptr
+    n = _scaled(xf, inv, tl.load(w_ptr + offs, mask=ok, other=0.0), True).to(tl.float32)
+    rot = offs < R
+    half = R // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    y = _scaled(tl.load(src + partner, mask=rot, other=0.0).to(tl.float32), inv,
+                tl.load(w_ptr + partner, mask=rot, other=0.0), True).to(tl.float32)
+    y = tl.where(offs < half, -y, y)                                   # rotate_half over the first R dims
+    c = tl.load(cos_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
+    out = tl.where(rot, _round_bf16(_round_bf16(n * c) + _round_bf16(y * s)), n).to(tl.bfloat16)
+    if is_q:
+        tl.store(q_ptr + (b * H + head) * D + offs, out, mask=ok)
+    else:
+        kvh = head - H
+        if PAGED:
+            page = tl.load(table_ptr + b * stride_tb + p // PAGE).to(tl.int64)
+            dst = page * stride_cb + kvh * stride_ch + (p % PAGE) * stride_cp + offs
+        else:
+            dst = b.to(tl.int64) * stride_cb + kvh * stride_ch + p * stride_cp + offs
+        tl.store(kc_ptr + dst, out, mask=ok)
+        tl.store(vc_ptr + dst, tl.load(row + 2 * H * D + KVH * D + kvh * D + offs, mask=ok), mask=ok)
+
+
+def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, *,
+                               block_table: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Qwen3.5's decode-step attention prologue in one kernel: qkv [B, (2H + 2KVH) D] bf16 (the packed
+    q | k | v product's rows; per query head [query | gate]), q_norm, k_norm [D] (the (1 + w)
+    norms' weights), cos, sin the [length, R] bf16 tables, positions [B] int on the device, the
+    caches as rope_store_kv takes them (with block_table: page pools). Returns the queries
+    [B, H, D] (normed and rotated); the keys (normed and rotated) and the values go into the
+    caches at the positions. The bits of rmsnorm(one_plus) on each head, then partial_rope /
+    rope_store_kv (GPU tests). None when this torch's order of the norm's mean at width D is one
+    the kernel does not implement (the caller then runs the separate kernels)."""
+    from fqkernels.rmsnorm import TORCH_ORDER, _inverse, _no_order_to_measure, torch_order
+
+    B = qkv.shape[0]
+    D = k_cache.shape[-1]
+    R = cos.shape[-1]
+    H, KVH = num_heads, num_kv_heads
+    if (qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (2 * H + 2 * KVH) * D
+            or tuple(q_norm.shape) != (D,) or tuple(k_norm.shape) != (D,) or sin.shape != cos.shape
+            or cos.stride(-1) != 1 or R % 2 or R > D or D & (D - 1) or tuple(positions.shape) != (B,)
+            or k_cache.shape[1] != KVH or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride()
+            or (block_table is None and k_cache.shape[0] < B)):
+        raise ValueError(f"qk_norm_partial_rope_store: qkv {tuple(qkv.shape)}, norms {tuple(q_norm.shape)} / "
+                         f"{tuple(k_norm.shape)}, cos {tuple(cos.shape)}, positions {tuple(positions.shape)}, caches "
+                         f"{tuple(k_cache.shape)} for {H} query and {KVH} key heads do not fit")
+    vec, halves, matched = torch_order(D, qkv.device)
+    if not TORCH_ORDER or not (matched or _no_order_to_measure(qkv.device)):
+        return None
+    paged = {}
+    if block_table is not None:
+        page = _check_block_table("qk_norm_partial_rope_store", block_table, B, k_cache, v_cache)
+        paged = dict(table_ptr=block_table, stride_tb=block_table.stride(0), PAGED=True, PAGE=page)
+    q = torch.empty((B, H, D), dtype=torch.bfloat16, device=qkv.device)
+    use_pdl, pdl_launch = pdl.for_rows(B)
+    _qk_norm_partial_rope_store_kernel[(B, H + KVH)](
+        qkv, q_norm, k_norm, cos, sin, positions, q, k_cache, v_cache, _inverse(D), eps, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, KVH=KVH, D=D, R=R, BLOCK=max(128, D), VEC=vec,
+        HALVES=halves, PDL=use_pdl, num_warps=1 if D <= 128 else 2, enable_fp_fusion=False, **paged, **pdl_launch)
+    return q

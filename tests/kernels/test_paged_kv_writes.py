@@ -359,3 +359,47 @@ def test_bad_paged_caches_are_named():
         rope_store_kv(*kv, kp, other_page, block_table=table)
     with pytest.raises(ValueError, match="rope_store_kv_reference: paged caches must be page pools"):
         rope_store_kv_reference(*kv, kp, other_page, block_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+@pytest.mark.parametrize("B,H,KVH,D,R,page", [(3, 4, 2, 256, 64, None), (2, 4, 2, 256, 64, 16),
+                                              (5, 2, 1, 64, 16, None), (1, 16, 4, 256, 64, 64)])
+def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding, B, H, KVH, D, R, page):
+    """Qwen3.5's decode prologue in one kernel (rope_kv.qk_norm_partial_rope_store): each head's
+    (1 + w) norm, its partial RoPE at the sequence's position, the key and value into the
+    caches (rows, or pages through a block table), the same bits as the separate kernels the
+    model ran before (rmsnorm with one_plus on the q and k heads read in place, partial_rope at
+    the positions, rope_store_kv), every other cache entry untouched."""
+    from fqkernels.rmsnorm import rmsnorm
+    from fqkernels.rope_kv import partial_rope, qk_norm_partial_rope_store
+
+    g_ = torch.Generator().manual_seed(B * D + H)
+    C = 128
+    qkv = (torch.randn(B, (2 * H + 2 * KVH) * D, generator=g_) * 3).bfloat16().to(DEV)
+    qn, kn = ((torch.randn(D, generator=g_) * 0.3).bfloat16().to(DEV) for _ in range(2))
+    cos, sin = (t.to(DEV) for t in rope_tables(R, 1e7, C, torch.device("cpu")))
+    pos = torch.randint(0, C, (B,), generator=g_).int().to(DEV)
+    caches = [torch.randn(B, KVH, C, D, generator=g_).bfloat16().to(DEV) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    rows = qkv.view(B, -1)
+    q_heads = rows[:, :2 * H * D].view(B, H, 2 * D)[..., :D]
+    k_heads = rows[:, 2 * H * D:2 * H * D + KVH * D].view(B, KVH, D)
+    v_heads = rows[:, 2 * H * D + KVH * D:].view(B, KVH, D)
+    q_want = partial_rope(rmsnorm(q_heads, qn, 1e-6, one_plus=True), cos, sin, positions=pos)
+    rope_store_kv(rmsnorm(k_heads, kn, 1e-6, one_plus=True), v_heads, cos, sin, pos, *want)
+    if page is None:
+        got = [c.clone() for c in caches]
+        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *got, 1e-6, H, KVH)
+    else:   # the same contents in pages of a shuffled table, gathered back to compare
+        width = C // page
+        perm = torch.randperm(B * width, generator=g_).int()
+        table = perm.view(B, width).to(DEV)
+        pools = [torch.empty(B * width, KVH, page, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+        for pool, c in zip(pools, caches):
+            pool[table.reshape(-1).long()] = c.view(B, KVH, width, page, D).transpose(1, 2).reshape(-1, KVH, page, D)
+        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *pools, 1e-6, H, KVH, block_table=table)
+        got = [pool[table.long()].transpose(1, 2).reshape(B, KVH, C, D) for pool in pools]
+    assert q_got is not None
+    assert torch.equal(q_got, q_want)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
