@@ -104,19 +104,6 @@ class Qwen3Model:
         """The block-table argument of the KV kernels for rows [b0, b0 + B) (none in the row form)."""
         return {} if self.block_table is None else {"block_table": self.block_table[b0:b0 + B]}
 
-    def _page_out(self, i: int, k: torch.Tensor, v: torch.Tensor, b0: int, start: int = 0) -> None:
-        """A prompt pass's K/V of layer i, [nb, KVH, S, D] at positions [start, start + S) of rows
-        [b0, b0 + nb), into those rows' pages (the paged form)."""
-        page_of, slot_of = page_positions(self.block_table[b0:b0 + k.shape[0]], k.shape[2], start, self.k_cache.shape[3])
-        for src, pool in ((k, self.k_cache), (v, self.v_cache)):
-            pool[i][page_of, :, slot_of] = src.transpose(1, 2).reshape(-1, src.shape[1], src.shape[3])
-
-    def _gather(self, i: int, b0: int, nb: int, length: int) -> tuple:
-        """Layer i's K/V of positions [0, length) of rows [b0, b0 + nb), [nb, KVH, length, D]: the
-        rows' slice, or (paged form) their pages gathered in order."""
-        if self.block_table is None:
-            return self.k_cache[i, b0:b0 + nb, :, :length], self.v_cache[i, b0:b0 + nb, :, :length]
-        return tuple(gather_pages(pool[i], self.block_table[b0:b0 + nb], length) for pool in (self.k_cache, self.v_cache))
 
     # ---- forward passes ------------------------------------------------------------
     def _next_norm(self, i: int) -> torch.Tensor:
@@ -166,14 +153,14 @@ class Qwen3Model:
                 # (attention output, o, MLP) runs on those rows alone.
                 x = x.view(nb, S, -1)[:, -1].contiguous()
             if start:                 # the cached positions and these, the causal mask at the bottom right
-                kc, vc = self._gather(i, b0, nb, start + S)
+                kc, vc = cached_kv(self.k_cache[i], self.v_cache[i], self.block_table, slice(b0, b0 + nb), start + S)
                 attn = prefix_attention(q, kc, vc, nb, S, start, self.scale, last_only=i == last,
                                         window=c.sliding_window)
             else:
                 attn = prefill_attention(q, kc, vc, nb, S, self.scale, last_only=i == last, window=c.sliding_window)
             del q
             if paged and not start:
-                self._page_out(i, kc, vc, b0)
+                write_pages(self.k_cache[i], self.v_cache[i], self.block_table[b0:b0 + nb], kc, vc, 0)
             del kc, vc
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
             del attn
@@ -223,6 +210,25 @@ def page_positions(table: torch.Tensor, length: int, start: int, page: int) -> t
     ([nb, W] int32), each [nb * length] int64, row-major (row 0's positions first)."""
     pos = torch.arange(start, start + length, device=table.device)
     return table.long()[:, pos // page].reshape(-1), (pos % page).repeat(table.shape[0])
+
+
+def write_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                start: int) -> None:
+    """One layer's K/V of a prompt pass, k, v [nb, KVH, S, D] at positions [start, start + S) of the
+    rows of `table` ([nb, W]), into their pages of the pools [P, KVH, page, D]."""
+    page_of, slot_of = page_positions(table, k.shape[2], start, k_pool.shape[2])
+    for src, pool in ((k, k_pool), (v, v_pool)):
+        pool[page_of, :, slot_of] = src.transpose(1, 2).reshape(-1, src.shape[1], src.shape[3])
+
+
+def cached_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor | None, rows: slice,
+              length: int) -> tuple:
+    """One layer's cached K/V of positions [0, length) of `rows`, [nb, KVH, length, D]: the rows'
+    slice of a row cache [B, KVH, C, D] (table None), or their pages gathered in order from the
+    pools [P, KVH, page, D] through table[rows] (a copy)."""
+    if table is None:
+        return k_layer[rows, :, :length], v_layer[rows, :, :length]
+    return tuple(gather_pages(pool, table[rows], length) for pool in (k_layer, v_layer))
 
 
 def gather_pages(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

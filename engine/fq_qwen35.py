@@ -50,7 +50,7 @@ from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
-from fq_model import gather_pages, page_positions
+from fq_model import cached_kv, write_pages
 from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 
 BACKENDS = ("torch", "triton")
@@ -333,20 +333,6 @@ class Qwen35Model:
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.block_table = torch.zeros((rows, capacity // page), dtype=torch.int32, device=self.device)
 
-    def _page_out(self, slot: int, k: torch.Tensor, v: torch.Tensor, b0: int, start: int = 0) -> None:
-        """A prompt pass's K/V of attention layer `slot`, [nb, KVH, S, D] at positions [start, start + S)
-        of rows [b0, b0 + nb), into those rows' pages."""
-        page_of, slot_of = page_positions(self.block_table[b0:b0 + k.shape[0]], k.shape[2], start, self.k_cache.shape[3])
-        for src, pool in ((k, self.k_cache), (v, self.v_cache)):
-            pool[slot][page_of, :, slot_of] = src.transpose(1, 2).reshape(-1, src.shape[1], src.shape[3])
-
-    def _gather(self, slot: int, rows: slice, length: int) -> tuple:
-        """Attention layer `slot`'s K/V of positions [0, length) of `rows`, [nb, KVH, length, D]: the
-        rows' slice, or (paged form) their pages gathered in order."""
-        if self.block_table is None:
-            return self.k_cache[slot, rows, :, :length], self.v_cache[slot, rows, :, :length]
-        return tuple(gather_pages(pool[slot], self.block_table[rows], length) for pool in (self.k_cache, self.v_cache))
-
     def allocate_cache(self, batch: int, capacity: int) -> None:
         c, dev = self.cfg, self.device
         self.k_cache = self.v_cache = self.conv_state = self.state = self.block_table = None
@@ -495,11 +481,11 @@ class Qwen35Model:
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
         if self.block_table is not None:
-            self._page_out(slot, k, v, rows.start, start)
+            write_pages(self.k_cache[slot], self.v_cache[slot], self.block_table[rows], k, v, start)
         else:
             self.k_cache[slot, rows, :, start:start + S], self.v_cache[slot, rows, :, start:start + S] = k, v
         if start:   # a continued prompt: the cached keys and these, the causal mask at the bottom right
-            kc, vc = self._gather(slot, rows, start + S)
+            kc, vc = cached_kv(self.k_cache[slot], self.v_cache[slot], self.block_table, rows, start + S)
             qpos = torch.arange(start, start + S, device=h.device)[:, None]
             mask = torch.arange(start + S, device=h.device)[None, :] <= qpos
             attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -540,12 +526,12 @@ class Qwen35Model:
             return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)
-        if paged:   # written into the pages, then the rows gathered back as [B, KVH, C, D]
-            pos, table_rows = positions.long(), self.block_table[:B].long()
-            page = kc.shape[2]
-            kc[table_rows[rows, pos // page], :, pos % page] = k[:, :, 0]
-            vc[table_rows[rows, pos // page], :, pos % page] = v[:, :, 0]
-            kc, vc = (pool[table_rows].transpose(1, 2).reshape(B, pool.shape[1], -1, pool.shape[3]) for pool in (kc, vc))
+        if paged:   # written into the pages at each row's position, then the rows gathered back as [B, KVH, C, D]
+            pos, page = positions.long(), kc.shape[2]
+            pages = self.block_table[:B].long()[rows, pos // page]
+            kc[pages, :, pos % page] = k[:, :, 0]
+            vc[pages, :, pos % page] = v[:, :, 0]
+            kc, vc = cached_kv(kc, vc, self.block_table, slice(0, B), self.block_table.shape[1] * page)
         else:
             kc[rows, :, positions.long()] = k[:, :, 0]
             vc[rows, :, positions.long()] = v[:, :, 0]
