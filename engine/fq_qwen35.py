@@ -7,8 +7,10 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
   below), on any device, eager; the decode step reads the lengths on the host. The CPU
   default: its logits are Transformers 5.17's bit for bit (tests/test_engine_qwen35_cpu.py).
 - "triton": the decode step's attention through fqkernels.decode_attention and each GDN
-  layer's step through gdn.conv_gates_step, gdn.decode_step and (heads of 128)
-  gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
+  layer's step through in_proj's GEMV with the conv and gates in its epilogue
+  (gdn.in_proj_conv_gates_step; where cuBLAS runs in_proj, or FASTQWEN_FUSE_IN_PROJ=0,
+  gdn.conv_gates_step after the product), then gdn.decode_step with (heads of 128) the
+  gated norm in the same kernel; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's conv through gdn.causal_conv_prefill, its rule through
   gdn.chunked_prefill, its gated norm through gdn.gated_rmsnorm; every residual add and the norm
   after it through fqkernels.rmsnorm (one_plus). An attention layer's q_proj, k_proj and v_proj
@@ -56,6 +58,12 @@ from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 BACKENDS = ("torch", "triton")
 # The triton backend's prompt pass runs its MLP over row slices of at most this many tokens.
 MLP_ROWS = 8192
+# The GDN step's conv and gates in in_proj's GEMV epilogue (the same bits as the separate kernel;
+# FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
+FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
+# The GDN step's rule and gated norm in one kernel (heads of 128, one program a head;
+# FASTQWEN_FUSE_GATED_NORM=0: the rule over quarter heads, then the norm's kernel, an A/B)
+FUSE_GATED_NORM = os.environ.get("FASTQWEN_FUSE_GATED_NORM", "1") != "0"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -612,16 +620,28 @@ class Qwen35Model:
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
         slot = self.gdn_slot[i]
-        mixed, z, b, a = self._in_proj(p, h[:, 0])          # column slices of one product: mixed [B, conv_dim]
-        mixed, g, beta = gdn.conv_gates_step(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
-                                             a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
+        conv_state, conv_w = self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1)
+        w_in = self.w[p + "in_proj.weight"] if self.backend == "triton" else None
+        config = self.ops.gemv_config(B, w_in) if FUSE_IN_PROJ and w_in is not None else None
+        if config is not None and config.split_k == 1:   # the conv and gates in the product's epilogue
+            mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
+                                                            self.w[p + "A_log"], self.w[p + "dt_bias"],
+                                                            c.linear_v_heads * c.linear_v_dim, config)
+        else:
+            mixed, z, b, a = self._in_proj(p, h[:, 0])      # column slices of one product: mixed [B, conv_dim]
+            mixed, g, beta = gdn.conv_gates_step(mixed, conv_state, conv_w, a, b, self.w[p + "A_log"],
+                                                 self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
-        o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
-        if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
+        if c.linear_v_dim == 128 and FUSE_GATED_NORM:   # the rule's step and the gated norm in one kernel
+            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B], num_warps=8,
+                                norm=(z.reshape(B, -1), self.w[p + "norm.weight"], c.rms_norm_eps))
+        elif c.linear_v_dim == 128:      # the kernel's width; it reads z's heads in place
+            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:
+            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
@@ -631,6 +651,9 @@ class _TorchProducts:
     """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
 
     linear = staticmethod(F.linear)
+
+    def gemv_config(self, rows: int, w: torch.Tensor):
+        return None
 
     def tune(self, weights, rows: int) -> dict:
         return {}
@@ -657,6 +680,12 @@ class _Products:
 
         self._gemv, self._silu_mul = gemv, silu_mul
         self.use_gemv = {}  # (fused SiLU, rows, N, K) -> bool
+
+    def gemv_config(self, rows: int, w: torch.Tensor):
+        """Our GEMV's config for w at `rows` rows where `linear` runs it, else None (cuBLAS)."""
+        if not self.use_gemv.get((False, rows) + tuple(w.shape)):
+            return None
+        return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -607,6 +607,17 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
                         per_head, per_head)
     gdn.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    # the step as the model runs it: in_proj's GEMV with the conv and gates in its epilogue (the
+    # table's config for the batch), then the rule with the gated norm, a program a head
+    from fqkernels import gemv
+
+    w_in = torch.empty((8192 + 4096 + 64, 2560), dtype=torch.bfloat16, device=CUDA)
+    x, z, beta, g = gdn.in_proj_conv_gates_step(torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA), w_in,
+                                                conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
+                                                per_head, per_head, 4096, gemv.select_config(*w_in.shape, False, batch))
+    q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
+    gdn.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
+                    state, num_warps=8, norm=(z, torch.empty(128, dtype=torch.bfloat16, device=CUDA), 1e-6))
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
@@ -682,16 +693,20 @@ def _qwen35_attention(batch: int) -> None:
 def _paged_kv(batch: int) -> None:
     """The paged KV cache (fq_slots with page_size, a server's --block-size): the decode attention
     and the KV writes through a block table, at Qwen3-4B's and Qwen3.5-4B's heads, pages of 64
-    positions (at batch 16 Qwen3's attention runs one split: the FA2 path through pages)."""
-    from fqkernels.decode_attention import decode_attention
+    positions (at batch 16 Qwen3's attention runs one split: the FA2 path through pages). The
+    attention also with the plan's page_ids "split" (the page indices loaded before the key loop:
+    a knob, off by default)."""
+    from fqkernels.decode_attention import decode_attention, decode_attention_plan
     from fqkernels.rope_kv import qk_norm_rope_store, rope_store_kv
 
     table = torch.empty((batch, 32), dtype=torch.int32, device=CUDA)          # 32 pages of 64: 2,048 positions
     lengths = torch.empty(batch, dtype=torch.int32, device=CUDA)
     for heads, kv_heads, dim in ((32, 8, 128), (16, 4, 256)):
         pool = torch.empty((40, kv_heads, 64, dim), dtype=torch.bfloat16, device=CUDA)
-        decode_attention(torch.empty((batch, heads, dim), dtype=torch.bfloat16, device=CUDA), pool, pool, lengths,
-                         dim ** -0.5, block_table=table)
+        q = torch.empty((batch, heads, dim), dtype=torch.bfloat16, device=CUDA)
+        decode_attention(q, pool, pool, lengths, dim ** -0.5, block_table=table)
+        plan = decode_attention_plan(batch, heads, kv_heads, 32 * 64, dim, page_ids="split")
+        decode_attention(q, pool, pool, lengths, dim ** -0.5, block_table=table, plan=plan)
     pool = torch.empty((40, 8, 64, 128), dtype=torch.bfloat16, device=CUDA)
     norm = torch.empty(128, dtype=torch.bfloat16, device=CUDA)
     cos = torch.empty((4096, 128), dtype=torch.bfloat16, device=CUDA)

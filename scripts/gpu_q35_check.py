@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x512x32,4x2048x32,16x512x128")
     ap.add_argument("--profile", default="", help="shapes BxP whose decode step and prompt pass are profiled")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "q35_check.json"))
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the shapes' timings (no torch model, no teacher-forced or graph checks): an A/B")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -77,7 +79,7 @@ def main() -> None:
     models: dict = {}
 
     def load():
-        for backend in ("torch", "triton"):
+        for backend in (("triton",) if args.timing_only else ("torch", "triton")):
             w = fq_qwen35.load_weights(args.model, cfg, dev)
             models[backend] = fq_qwen35.Qwen35Model(cfg, w, dev, backend=backend)
         return {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
@@ -95,9 +97,10 @@ def main() -> None:
         return {"prompt_pass_max_abs": d[:, 0].max().item(), "decode_max_abs_per_step": d[:, 1:].amax(0).tolist(),
                 "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
 
-    _step(report, "teacher_forced_triton_vs_torch", forced)
-    del models["torch"]
-    torch.cuda.empty_cache()
+    if not args.timing_only:
+        _step(report, "teacher_forced_triton_vs_torch", forced)
+        del models["torch"]
+        torch.cuda.empty_cache()
     model = models["triton"]
 
     def graph():
@@ -115,7 +118,8 @@ def main() -> None:
             toks[use_graph] = torch.stack(out)
         return {"graph_equals_eager": bool(torch.equal(toks[True], toks[False]))}
 
-    _step(report, "graph_capture", graph)
+    if not args.timing_only:
+        _step(report, "graph_capture", graph)
 
     for shape in args.shapes.split(","):
         b, p, o = (int(x) for x in shape.split("x"))

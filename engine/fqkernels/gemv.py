@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 from fqkernels import pdl
+from fqkernels.gdn import in_proj_epilogue
 from fqkernels.swiglu import silu_f32
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "linear",
     "linear_silu_mul",
     "linear_partials",
+    "linear_epilogue",
     "linear_reference",
     "linear_silu_mul_reference",
     "in_order",
@@ -299,15 +301,21 @@ def _silu_mul_bf16(g, u, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _write_result(acc, acc_u, rows, cols, M, N, out_ptr, ws_ptr, pid_s, ws_split_stride, ws_cols,
-                  PARTIALS: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr):
+                  PARTIALS: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr,
+                  e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI: tl.constexpr, EPI_CONV: tl.constexpr,
+                  EPI_GATE_COL: tl.constexpr, EPI_HV: tl.constexpr, EPI_W: tl.constexpr):
     """This chunk's fp32 partial when PARTIALS (several K chunks, or the caller
-    asked for the sums), else the final bf16 result.
+    asked for the sums), else the final bf16 result, or with EPI the GDN decode
+    step's conv and gates on it (gdn.in_proj_epilogue; the e_* arguments are its).
 
     rows/cols broadcast against acc (a [BM, BN] tile, or one row's [BN] vector).
     Partials of the up half go ws_cols // 2 = N columns to the right of the gate half.
     """
     mask = (rows < M) & (cols < N)
-    if not PARTIALS:
+    if EPI:
+        in_proj_epilogue(acc, rows, cols, M, N, out_ptr, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc,
+                         EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W, INTERPRETED)
+    elif not PARTIALS:
         if SILU:
             val = _silu_mul_bf16(acc, acc_u, INTERPRETED)
         else:
@@ -350,7 +358,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
                      SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
+                     e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
+                     EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
+                     EPI_HV: tl.constexpr = 1, EPI_W: tl.constexpr = 1):
     """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
     SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
 
@@ -411,7 +422,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
     _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
 
 
 @triton.jit
@@ -453,7 +464,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
                      SILU: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
+                     e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
+                     EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
+                     EPI_HV: tl.constexpr = 1, EPI_W: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -499,15 +513,15 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                                                    EVEN_K, BLOCK_M)
     pdl.launch_dependents(PDL)
     _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
     if BLOCK_M > 1:
         _write_result(tl.sum(acc1, axis=1), tl.sum(accu1, axis=1), m0 + 1, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
     if BLOCK_M > 2:
         _write_result(tl.sum(acc2, axis=1), tl.sum(accu2, axis=1), m0 + 2, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
         _write_result(tl.sum(acc3, axis=1), tl.sum(accu3, axis=1), m0 + 3, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -586,7 +600,7 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str, partials: bool = False) -> torch.Tensor:
+            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -622,6 +636,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     even_k = k % config.block_k == 0 and k_blocks % blocks_per_split == 0
     ws_cols = 2 * n if silu else n
     write_partials = partials or splits > 1
+    if epilogue is not None and (write_partials or silu):
+        raise ValueError(f"an epilogue needs one K chunk a program and no SiLU; config {config} gives "
+                         f"{splits} chunks of K={k}")
     if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
@@ -641,6 +658,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
         PREFETCH_LINES=max(1, config.block_k // 64),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
+        **_epilogue_args(epilogue),
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -674,6 +692,26 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None 
     valid until the next call with the same (device, S, N, row capacity).
     """
     return _launch(x, w, None, config, silu=False, w_name="w", partials=True)
+
+
+_EPILOGUE_ARGS = {"g_ptr": "e_g", "conv_state_ptr": "e_state", "conv_w_ptr": "e_w", "a_log_ptr": "e_alog",
+                  "dt_bias_ptr": "e_dtb", "stride_sb": "e_sb", "stride_sc": "e_sc", "CONV_DIM": "EPI_CONV",
+                  "GATE_COL": "EPI_GATE_COL", "HV": "EPI_HV", "W": "EPI_W"}
+
+
+def _epilogue_args(epilogue: dict | None) -> dict:
+    if epilogue is None:
+        return {}
+    if set(epilogue) != set(_EPILOGUE_ARGS):
+        raise ValueError(f"epilogue must have the keys {sorted(_EPILOGUE_ARGS)}, got {sorted(epilogue)}")
+    return {"EPI": True, **{_EPILOGUE_ARGS[name]: value for name, value in epilogue.items()}}
+
+
+def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: GemvConfig | None = None) -> torch.Tensor:
+    """`linear` with the GDN decode step's conv and gates applied to the product in the same
+    kernel (gdn.in_proj_epilogue, whose arguments `epilogue` names; gdn.in_proj_conv_gates_step
+    builds them). The same sums as `linear` with the same config; it needs split_k 1."""
+    return _launch(x, w, None, config, silu=False, w_name="w", epilogue=epilogue)
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,

@@ -33,8 +33,12 @@ def _bf16_rounding(interpreter_bf16_rounding):
     """tests/kernels/conftest.py: under the interpreter, fp32 -> bf16 rounds as on the GPU."""
 
 
+@pytest.mark.parametrize("whole_head", [False, True], ids=["quarter_heads", "whole_heads"])
 @pytest.mark.parametrize("B,Hk,Hv,D", [(1, 2, 4, 32), (3, 2, 2, 64), (2, 1, 4, 128)])
-def test_decode_steps_track_the_reference_and_the_oracle(B, Hk, Hv, D):
+def test_decode_steps_track_the_reference_and_the_oracle(B, Hk, Hv, D, whole_head):
+    """The default launch (a program per 32 value columns) and a program per head on 8 warps
+    (what the step with the gated norm runs)."""
+    launch = dict(block_v=D, num_warps=8) if whole_head else {}
     T = 12
     g_ = torch.Generator().manual_seed(D + B)
     qk = [(torch.randn(B, T, Hk, D, generator=g_)).bfloat16() for _ in range(2)]
@@ -45,7 +49,7 @@ def test_decode_steps_track_the_reference_and_the_oracle(B, Hk, Hv, D):
     outs_k, outs_r = [], []
     for t in range(T):
         outs_k.append(gdn.decode_step(q[:, t].to(DEV), k[:, t].to(DEV), v[:, t].to(DEV), g[:, t].to(DEV),
-                                      beta[:, t].to(DEV), state_k).cpu())
+                                      beta[:, t].to(DEV), state_k, **launch).cpu())
         outs_r.append(gdn.decode_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state_r))
     o_k, o_r = torch.stack(outs_k, 1), torch.stack(outs_r, 1)
     # the rule's float64 oracle over the same T steps from the same state
@@ -55,6 +59,31 @@ def test_decode_steps_track_the_reference_and_the_oracle(B, Hk, Hv, D):
     assert rel(state_k.cpu(), state_r) <= 1e-5
     a, b = o_k.float(), o_r.float()
     assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-12).all()
+
+
+@pytest.mark.parametrize("B,Hk,Hv,Dk", [(1, 2, 4, 64), (3, 1, 2, 128)])
+def test_decode_step_with_the_gated_norm_is_the_two_kernels(B, Hk, Hv, Dk):
+    """decode_step(norm=...) (the rule's step and the gated norm in one kernel, a program a head)
+    against the same step with block_v = Dv and the same warps, then gated_rmsnorm: the same bits
+    in the outputs and the states, over several steps; z a column slice of wider rows."""
+    Dv, eps = 128, 1e-6
+    g_ = torch.Generator().manual_seed(Hv * Dk + B)
+    _, _, v, g, beta, s0 = inputs(B, 4, Hk, Hv, Dv, seed=B, state=True)
+    s0 = torch.randn(B, Hv, Dk, Dv, generator=g_) * 0.1
+    s_f, s_s = s0.clone().to(DEV), s0.clone().to(DEV)
+    nw = (1 + torch.randn(Dv, generator=g_) * 0.2).bfloat16().to(DEV)
+    for t in range(3):
+        q, k = [torch.randn(B, Hk, Dk, generator=g_).bfloat16().to(DEV) for _ in range(2)]
+        vt = torch.randn(B, Hv, Dv, generator=g_).bfloat16().to(DEV)
+        rows = torch.randn(B, Hv * Dv + 24, generator=g_).bfloat16().to(DEV)
+        z = rows[:, 8:8 + Hv * Dv]
+        gt, bt = g[:, t].contiguous().to(DEV), beta[:, t].contiguous().to(DEV)
+        got = gdn.decode_step(q, k, vt, gt, bt, s_f, num_warps=8, norm=(z, nw, eps))
+        o = gdn.decode_step(q, k, vt, gt, bt, s_s, block_v=Dv, num_warps=8)
+        want = gdn.gated_rmsnorm(o.reshape(-1, Dv), z, nw, eps).view(B, Hv, Dv)
+        assert torch.equal(got.cpu(), want.cpu()) and torch.equal(s_f.cpu(), s_s.cpu())
+    with pytest.raises(ValueError, match="heads of 128"):
+        gdn.decode_step(q, k, vt, gt, bt, s_f, norm=(z[:, :64], nw, eps))
 
 
 def test_bad_shapes_are_named():
@@ -97,6 +126,52 @@ def test_conv_gates_step_is_the_reference(B, C, Hv, packed):
             d, m = (got.float() - want.float()).abs(), torch.maximum(got.float().abs(), want.float().abs())
             assert (d <= m * 2.0 ** -7 + 1e-30).all() and (d > 0).float().mean() < 0.01
         assert rel(gk.cpu(), gr) <= 1e-6
+
+
+@pytest.mark.parametrize("B,mode", [(1, "fma"), (2, "fma"), (3, "dot_t"), (5, "dot")])
+def test_in_proj_epilogue_is_the_product_then_conv_gates(B, mode):
+    """in_proj's product with the conv and gates in its epilogue (gdn.in_proj_conv_gates_step)
+    against the product (gemv.linear, the same config) then conv_gates_step, over several steps:
+    the same bits in every output, g and the conv state (both run the same arithmetic). The
+    columns are split unevenly across programs (uneven N, block_n 8 or 32) and the a past 20
+    reaches softplus's linear branch. A config with split_k > 1 is refused."""
+    from fqkernels import gemv
+
+    C, Hv, Dv, K, W = 72, 4, 16, 96, 4
+    N = C + Hv * Dv + 2 * Hv
+    block_m = {"fma": 2 if B > 1 else 1, "dot_t": 16, "dot": 16}[mode]
+    config = gemv.GemvConfig(block_n=8 if mode == "fma" else 32, block_k=32, mode=mode, block_m=block_m)
+    g_ = torch.Generator().manual_seed(B)
+    w = (torch.randn(N, K, generator=g_) * 0.2).bfloat16().to(DEV)
+    conv_w = (torch.randn(C, W, generator=g_) * 0.5).bfloat16().to(DEV)
+    a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16().to(DEV)
+    dt_bias = (torch.rand(Hv, generator=g_) * 2).bfloat16().to(DEV)
+    st_f = torch.randn(B, C, W, generator=g_).bfloat16().to(DEV)
+    st_s = st_f.clone()
+    for step in range(4):
+        h = torch.randn(B, K, generator=g_).bfloat16()
+        if step == 3:
+            h = h * 40                       # large a: softplus's linear branch
+        h = h.to(DEV)
+        x_f, z_f, beta_f, g_f = gdn.in_proj_conv_gates_step(h, w, st_f, conv_w, a_log, dt_bias, Hv * Dv, config)
+        mixed, z_s, b_s, a_s = torch.split(gemv.linear(h, w, config=config), [C, Hv * Dv, Hv, Hv], dim=-1)
+        x_s, g_s, beta_s = gdn.conv_gates_step(mixed, st_s, conv_w, a_s, b_s, a_log, dt_bias)
+        for got, want in ((x_f, x_s), (z_f, z_s), (beta_f, beta_s), (g_f, g_s), (st_f, st_s)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert torch.equal(got.cpu(), want.cpu())
+    # the decode step reads beta as a column slice in place: the same result as a contiguous copy
+    q = torch.randn(B, 2, Dv, generator=g_).bfloat16().to(DEV)
+    v = torch.randn(B, Hv, Dv, generator=g_).bfloat16().to(DEV)
+    s1 = torch.randn(B, Hv, Dv, Dv, generator=g_).to(DEV)
+    s2 = s1.clone()
+    o1 = gdn.decode_step(q, q, v, g_f, beta_f, s1, block_v=16)
+    o2 = gdn.decode_step(q, q, v, g_f, beta_f.contiguous(), s2, block_v=16)
+    assert torch.equal(o1.cpu(), o2.cpu()) and torch.equal(s1.cpu(), s2.cpu())
+    with pytest.raises(ValueError, match="one K chunk"):
+        gdn.in_proj_conv_gates_step(h, w, st_f, conv_w, a_log, dt_bias, Hv * Dv,
+                                    gemv.GemvConfig(block_n=8, block_k=32, split_k=3, mode="fma", block_m=1))
+    with pytest.raises(ValueError, match="in_proj"):
+        gdn.in_proj_conv_gates_step(h, w[:-1], st_f, conv_w, a_log, dt_bias, Hv * Dv, config)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -357,6 +357,12 @@ def _aot_compile(kernel, signature: dict, constants: dict, aligned: tuple, num_w
 MAIN_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
             "up_offset": "i32", "ws_split_stride": "i32", "ws_cols": "i32"}
 MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_split_stride", "ws_cols")
+# The GDN epilogue's arguments: off (what a plain launch binds by default), or on at Qwen3.5-4B's in_proj
+EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0, EPI=False, EPI_CONV=0,
+               EPI_GATE_COL=0, EPI_HV=1, EPI_W=1)
+EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
+           "e_sb": "i32", "e_sc": "i32"}
+EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32, EPI_W=4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -374,7 +380,7 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
                      PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False,
-                     PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64))
+                     PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_OFF)
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
     else:
@@ -395,6 +401,28 @@ def test_kernels_compile_for_sm90(name, mode, silu):
         _aot_compile(gemv._splitk_reduce_kernel, reduce_sig,
                      dict(SPLIT_K=cfg.split_k, BLOCK=gemv._REDUCE_BLOCK, SILU=silu, INTERPRETED=False, PDL=True),
                      ("ws_ptr", "out_ptr", "N", "ws_split_stride", "ws_cols"), 4, 1)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_the_gdn_epilogue_compiles_for_sm90(rows):
+    """in_proj's product with the GDN step's conv and gates in its epilogue (gdn.in_proj_conv_gates_step)
+    at Qwen3.5-4B's in_proj and the table's config for that many rows: the libdevice calls and the
+    correctly rounded divisions (SiLU, sigmoid) compile on this Triton."""
+    n, k = 12352, 2560
+    cfg = select_config(n, k, False, rows)
+    assert cfg.split_k == 1
+    constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
+                     BLOCKS_PER_SPLIT=k // cfg.block_k, EVEN_N=n % cfg.block_n == 0, EVEN_K=True, PARTIALS=False,
+                     SILU=False, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_ON)
+    if cfg.mode == "fma":
+        kernel = gemv._gemv_fma_kernel
+    else:
+        kernel, constants["SWAP"] = gemv._gemv_dot_kernel, cfg.mode == "dot_t"
+    compiled = _aot_compile(kernel, dict(MAIN_SIG, **EPI_SIG), constants, MAIN_ALIGNED + ("e_g", "e_state", "e_w"),
+                            cfg.num_warps, cfg.num_stages)
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx and "__nv_log1pf" not in ptx    # libdevice inlined; sigmoid's written-out division
 
 
 # ----------------------------------------------------------------------------- the kernels under the interpreter

@@ -85,9 +85,10 @@ def _all_products_on_the_gemv(model, rows):
                 model.ops.use_gemv[(fused, rows) + tuple(w.shape)] = True
 
 
-def test_triton_step_on_the_gemv_tracks_the_reference(tiny):
-    """Every decode product through our GEMV (what tune picks where it is faster): the same
-    bounds as on cuBLAS."""
+def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch):
+    """Every decode product through our GEMV (what tune picks where it is faster), in_proj's with
+    the conv and gates in its epilogue (gdn.in_proj_conv_gates_step): the same bounds as on
+    cuBLAS."""
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
     ref, _, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
@@ -100,10 +101,14 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny):
     class _Counting:      # the GEMV, counting its calls
         linear = staticmethod(lambda x, w: calls.append("linear") or real_linear(x, w))
         linear_silu_mul = staticmethod(lambda x, w: calls.append("silu_mul") or real_silu(x, w))
+        select_config = staticmethod(model.ops._gemv.select_config)
 
+    real_fused = fq_qwen35.gdn.in_proj_conv_gates_step
+    monkeypatch.setattr(fq_qwen35.gdn, "in_proj_conv_gates_step",
+                        lambda *a, **k: calls.append("in_proj_epilogue") or real_fused(*a, **k))
     model.ops._gemv = _Counting
     got, _, state_got = _forced(model, seq)
-    assert {"linear", "silu_mul"} <= set(calls), "a product kind never went through the GEMV"
+    assert {"linear", "silu_mul", "in_proj_epilogue"} <= set(calls), "a product kind never went through the GEMV"
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
