@@ -9,8 +9,8 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
 - "triton": the decode step's attention through fqkernels.decode_attention and each GDN
   layer's step through in_proj's GEMV with the conv and gates in its epilogue
   (gdn.in_proj_conv_gates_step; where cuBLAS runs in_proj, or FASTQWEN_FUSE_IN_PROJ=0,
-  gdn.conv_gates_step after the product), then gdn.decode_step with (heads of 128) the
-  gated norm in the same kernel; no host reads, so the engine captures the step as one CUDA graph.
+  gdn.conv_gates_step after the product), gdn.decode_step and (heads of 128)
+  gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's conv through gdn.causal_conv_prefill, its rule through
   gdn.chunked_prefill, its gated norm through gdn.gated_rmsnorm; every residual add and the norm
   after it through fqkernels.rmsnorm (one_plus). An attention layer's q_proj, k_proj and v_proj
@@ -61,9 +61,6 @@ MLP_ROWS = 8192
 # The GDN step's conv and gates in in_proj's GEMV epilogue (the same bits as the separate kernel;
 # FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
 FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
-# The GDN step's rule and gated norm in one kernel (heads of 128, one program a head;
-# FASTQWEN_FUSE_GATED_NORM=0: the rule over quarter heads, then the norm's kernel, an A/B)
-FUSE_GATED_NORM = os.environ.get("FASTQWEN_FUSE_GATED_NORM", "1") != "0"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -634,14 +631,10 @@ class Qwen35Model:
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
-        if c.linear_v_dim == 128 and FUSE_GATED_NORM:   # the rule's step and the gated norm in one kernel
-            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B], num_warps=8,
-                                norm=(z.reshape(B, -1), self.w[p + "norm.weight"], c.rms_norm_eps))
-        elif c.linear_v_dim == 128:      # the kernel's width; it reads z's heads in place
-            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
+        o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
+        if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:
-            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])

@@ -608,7 +608,7 @@ def _gdn_decode_step(batch: int) -> None:
                         per_head, per_head)
     gdn.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # the step as the model runs it: in_proj's GEMV with the conv and gates in its epilogue (the
-    # table's config for the batch), then the rule with the gated norm, a program a head
+    # table's config for the batch), the rule reading beta in place
     from fqkernels import gemv
 
     w_in = torch.empty((8192 + 4096 + 64, 2560), dtype=torch.bfloat16, device=CUDA)
@@ -617,7 +617,7 @@ def _gdn_decode_step(batch: int) -> None:
                                                 per_head, per_head, 4096, gemv.select_config(*w_in.shape, False, batch))
     q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
     gdn.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
-                    state, num_warps=8, norm=(z, torch.empty(128, dtype=torch.bfloat16, device=CUDA), 1e-6))
+                    state)
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))

@@ -2,11 +2,15 @@
 at the shapes where session 12's run 4 found it slower (batch 16, head_dim 128: the FA2 path,
 60.6 against 36.0 us): each case timed as a CUDA graph over enough layers that K/V stream from
 HBM, the paged form under several pipeline depths (num_stages; the plan is otherwise the
-default's), each checked bit for bit against the row form.
+default's), each checked bit for bit against the row form. The paged form runs with both of the
+plan's page_ids: "tile" (each key tile loads its page index from the table inside the loop, the
+default; depths 2-5) and "split" (each program loads its split's page indices once, before the
+loop; depths 3-5), to see whether the table load in the loop is what costs the time.
 
     python scripts/gpu_paged_attn_probe.py [--out PATH]
 
-Needs a CUDA device. Writes a list of {case, form, num_stages, us, same_bits} rows to JSON.
+Needs a CUDA device. Writes a list of {case, form, page_ids, num_stages, us, same_bits} rows to
+JSON (page_ids None for the row form; "error" instead of us / same_bits where a launch failed).
 """
 from __future__ import annotations
 
@@ -76,20 +80,22 @@ def main() -> None:
         want = decode_attention(q, k[0], v[0], lengths, scale)
         base = _graph_us(lambda: [decode_attention(q, k[i], v[i], lengths, scale) for i in range(LAYERS)])
         case = f"B{batch} H{heads}/{kvh} D{dim} C{cap} page{page}"
-        rows.append({"case": case, "form": "rows", "num_stages": plan.num_stages, "us": round(base, 2),
-                     "same_bits": True})
+        rows.append({"case": case, "form": "rows", "page_ids": None, "num_stages": plan.num_stages,
+                     "us": round(base, 2), "same_bits": True})
         print(json.dumps(rows[-1]), flush=True)
-        for stages in (2, 3, 4, 5):
-            p = dataclasses.replace(plan, num_stages=stages)
-            try:
-                got = decode_attention(q, pool_k[0], pool_v[0], lengths, scale, plan=p, block_table=table)
-                us = _graph_us(lambda: [decode_attention(q, pool_k[i], pool_v[i], lengths, scale, plan=p,
-                                                         block_table=table) for i in range(LAYERS)])
-                rows.append({"case": case, "form": "paged", "num_stages": stages, "us": round(us, 2),
-                             "same_bits": bool(torch.equal(got, want))})
-            except Exception as exc:  # noqa: BLE001 - a depth that does not fit is reported, not fatal
-                rows.append({"case": case, "form": "paged", "num_stages": stages, "error": str(exc)[:200]})
-            print(json.dumps(rows[-1]), flush=True)
+        for page_ids, depths in (("tile", (2, 3, 4, 5)), ("split", (3, 4, 5))):
+            for stages in depths:
+                p = dataclasses.replace(plan, num_stages=stages, page_ids=page_ids)
+                row = {"case": case, "form": "paged", "page_ids": page_ids, "num_stages": stages}
+                try:
+                    got = decode_attention(q, pool_k[0], pool_v[0], lengths, scale, plan=p, block_table=table)
+                    us = _graph_us(lambda: [decode_attention(q, pool_k[i], pool_v[i], lengths, scale, plan=p,
+                                                             block_table=table) for i in range(LAYERS)])
+                    row.update(us=round(us, 2), same_bits=bool(torch.equal(got, want)))
+                except Exception as exc:  # noqa: BLE001 - a depth that does not fit is reported, not fatal
+                    row["error"] = str(exc)[:200]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         del k, v, pool_k, pool_v
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

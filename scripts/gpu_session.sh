@@ -69,7 +69,7 @@
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
-#   q35-step-ab   q35-check's timings with FASTQWEN_FUSE_GATED_NORM=0, FASTQWEN_FUSE_IN_PROJ=0 and both (the A/B)
+#   q35-step-ab   q35-check's timings (--timing-only) with FASTQWEN_FUSE_IN_PROJ=1 and 0 (the A/B)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
@@ -226,14 +226,22 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
-    q35-step-ab) # the decode step's timings with each of session 13's fusions off (needs q35-check's checkpoint)
-                 for v in FASTQWEN_FUSE_GATED_NORM=0 FASTQWEN_FUSE_IN_PROJ=0 "FASTQWEN_FUSE_IN_PROJ=0 FASTQWEN_FUSE_GATED_NORM=0"; do
+    q35-step-ab) # the decode step's timings with in_proj's GDN epilogue on and off; the later stages take the
+                 # faster at batch 1 + 4 (the two public shapes whose bars are closest)
+                 [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                   --out /tmp/q35_4b 2>&1 | tail -1
+                 for v in FASTQWEN_FUSE_IN_PROJ=1 FASTQWEN_FUSE_IN_PROJ=0; do
                    tag=$(echo "$v" | tr ' =' '_-')
                    env $v timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
                      --out "$OUT/q35_step_$tag.json" > /dev/null 2>&1
                    python3 -c "import json; d = json.load(open('$OUT/q35_step_$tag.json')); print('$tag', \
                      {k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})"
-                 done ;;
+                 done
+                 export FASTQWEN_FUSE_IN_PROJ=$(python3 -c "import json
+t = {v: json.load(open('$OUT/q35_step_FASTQWEN_FUSE_IN_PROJ-%s.json' % v)) for v in '10'}
+s = {v: sum(d[k]['graph_step_ms'] for k in ('timing_1x512x32', 'timing_4x2048x32')) for v, d in t.items()}
+print(1 if s['1'] < s['0'] else 0)")
+                 echo "FASTQWEN_FUSE_IN_PROJ=$FASTQWEN_FUSE_IN_PROJ for the later stages" ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams --out "$OUT/serve_paged.json" 2>&1 \
                    | grep -v Warn | tail -8 ;;

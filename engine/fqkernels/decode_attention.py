@@ -19,6 +19,12 @@ multiple of the plan's block_n, so every key tile lies in one page: each tile re
 page index from the table, and only its addresses change. Same tiles, order, masks and
 casts, so the same bits as the unpaged form over a [B, KVH, C, D] cache of the same
 contents (and, with PAGED a constexpr, the unpaged kernel compiles as before).
+Where the page indices come from is the plan's page_ids: "tile" (the default) loads each
+tile's entry from the table inside the key loop; "split" loads the entries of the pages
+the program's split spans once, before the loop, as a small vector (PAGE_IDS entries, a
+power of two), and each tile picks its own from it in registers, so no load of the table
+sits in the loop (whose software pipeline may then keep its stages for K and V). Both give
+the same page for every tile, hence the same bits.
 
 Cast points (the same as the pure-torch reference below and as SDPA's flash path):
 scores are fp32 sums of bf16 products (tl.dot), softmax runs in fp32, the
@@ -116,6 +122,13 @@ _UNSPLIT_MAX_HEAD_DIM = 128
 # Offsets inside one (b, kvh) slice are int32 in the kernel; the per-(b, kvh) base is int64.
 _INT32_LIMIT = 2**31
 
+# The paged form's page_ids: where a program gets its tiles' page indices (module docstring).
+_PAGE_IDS = ("tile", "split")
+# page_ids="split" keeps a split's page indices in registers, at most this many (a power of
+# two): 16 K positions of pages of 64 at one split. A longer split refuses the option
+# (ValueError) rather than spill.
+_MAX_PAGE_IDS = 256
+
 
 @dataclass(frozen=True)
 class DecodeAttentionPlan:
@@ -127,6 +140,9 @@ class DecodeAttentionPlan:
     split_len: int  # cache positions per split, a multiple of block_n
     num_warps: int
     num_stages: int
+    # The paged form's page indices: "tile" loads each tile's table entry in the key loop,
+    # "split" loads the split's entries once before it (module docstring). Unpaged: unused.
+    page_ids: str = "tile"
 
 
 def _block_n(head_dim: int) -> int:
@@ -158,8 +174,11 @@ def decode_attention_plan(
     head_dim: int,
     num_splits: int | None = None,
     block_n: int | None = None,
+    page_ids: str = "tile",
 ) -> DecodeAttentionPlan:
-    """The launch plan for these sizes; `num_splits` / `block_n` None pick the defaults."""
+    """The launch plan for these sizes; `num_splits` / `block_n` None pick the defaults.
+    `page_ids` ("tile" or "split") only matters to the paged form (module docstring)."""
+    _check_page_ids(page_ids)
     if block_n is None:
         block_n = _block_n(head_dim)
     elif isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
@@ -188,7 +207,32 @@ def decode_attention_plan(
         # 576 positions at batch 16 took 14.3 us against 19.1 with 2; splits of one or two
         # tiles do not care.
         num_stages=3,
+        page_ids=page_ids,
     )
+
+
+def _check_page_ids(page_ids: object) -> None:
+    if not isinstance(page_ids, str) or page_ids not in _PAGE_IDS:
+        raise ValueError(f"decode_attention: page_ids must be one of {_PAGE_IDS}, got {page_ids!r}")
+
+
+def _page_ids_vector(plan: DecodeAttentionPlan, capacity: int, page: int) -> int:
+    """The PAGE_IDS constexpr of a paged launch: 0 with page_ids "tile"; with "split", the
+    next power of two of the most pages one split's positions [s * split_len,
+    min((s + 1) * split_len, C)) span (a split need not start on a page boundary, so this
+    can be one more than split_len / PAGE rounded up). ValueError past _MAX_PAGE_IDS."""
+    if plan.page_ids == "tile":
+        return 0
+    span = max((min((s + 1) * plan.split_len, capacity) - 1) // page - (s * plan.split_len) // page + 1
+               for s in range(plan.num_splits))
+    size = triton.next_power_of_2(span)
+    if size > _MAX_PAGE_IDS:
+        raise ValueError(
+            f"decode_attention: page_ids='split' needs {size} page indices a program (a split of "
+            f"{plan.split_len} positions spans {span} pages of {page}), more than {_MAX_PAGE_IDS}; "
+            f"use page_ids='tile' or more splits"
+        )
+    return size
 
 
 @triton.jit
@@ -210,6 +254,8 @@ def _split_kernel(
     FA2_PATH: tl.constexpr = False,
     PAGED: tl.constexpr = False,  # k/v are pools of pages of PAGE positions, addressed through table_ptr
     PAGE: tl.constexpr = 1,  # positions a page (a multiple of BLOCK_N); unused without PAGED
+    PAGE_IDS: tl.constexpr = 0,  # PAGED: 0 loads each tile's page index in the key loop; n > 0 loads
+    # the n (a power of two) from the split's first page on once, before it (_split_page_ids)
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -246,10 +292,19 @@ def _split_kernel(
         k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
         v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
         t_base = table_ptr
+    # page_ids "split" (PAGE_IDS > 0, paged only): the page indices of the split's pages, from
+    # its first page, page0, on; the key loop's tiles pick theirs from them (_page_tile).
+    if PAGE_IDS > 0:
+        page0 = (split * SPLIT_LEN) // PAGE
+        pages = _split_page_ids(t_base, page0, hi, PAGE, PAGE_IDS)
+    else:
+        page0 = 0
+        pages = 0
 
     if FA2_PATH:
-        _flash_one_split(q, k_base, v_base, t_base, out_ptr, b, h0, stride_kb, stride_kn, stride_vb, stride_vn,
-                         stride_ob, stride_oh, length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL, PAGED, PAGE)
+        _flash_one_split(q, k_base, v_base, t_base, pages, out_ptr, b, h0, stride_kb, stride_kn, stride_vb,
+                         stride_vn, stride_ob, stride_oh, length, first, qk_scale, G, D, BLOCK_N, BLOCK_G, PDL,
+                         PAGED, PAGE, PAGE_IDS)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -281,7 +336,8 @@ def _split_kernel(
             pos = start + offs_n
             pos_ok = (pos < hi) & (pos >= first)
             if PAGED:
-                k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE)
+                k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE,
+                                                  pages, page0, PAGE_IDS)
             else:
                 k_tile, v_tile, rows = k_base, v_base, pos
             # Masked loads: positions past lengths[b] may hold stale or garbage K/V
@@ -316,23 +372,43 @@ def _split_kernel(
 
 
 @triton.jit
-def _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE: tl.constexpr):
+def _page_tile(k_base, v_base, t_base, start, offs_n, stride_kb, stride_vb, PAGE: tl.constexpr,
+               pages=0, page0=0, PAGE_IDS: tl.constexpr = 0):
     """The paged form's addresses of the tile of positions start + offs_n (start a multiple of
     BLOCK_N, so the tile lies in one page): (K page base, V page base, rows in the page).
-    The table index is kept >= 0: the newest-first walk's first tile of a zero-length row
-    starts before position 0 (all its positions masked), and must still read row b's table."""
-    page = tl.load(t_base + tl.maximum(start // PAGE, 0)).to(tl.int64)
+
+    PAGE_IDS 0: the page index is loaded from the table. The table index is kept >= 0: the
+    newest-first walk's first tile of a zero-length row starts before position 0 (all its
+    positions masked), and must still read row b's table.
+    PAGE_IDS > 0: it is picked from `pages`, the split's indices from page `page0` on
+    (_split_page_ids), by a sum of one entry and zeros (exact); the tile must lie in the
+    split and below its end (the key loop's tiles do)."""
+    if PAGE_IDS > 0:
+        pick = tl.arange(0, PAGE_IDS) == start // PAGE - page0
+        page = tl.sum(tl.where(pick, pages, 0), axis=0).to(tl.int64)
+    else:
+        page = tl.load(t_base + tl.maximum(start // PAGE, 0)).to(tl.int64)
     return k_base + page * stride_kb, v_base + page * stride_vb, start % PAGE + offs_n
 
 
 @triton.jit
-def _flash_one_split(q, k_base, v_base, t_base, out_ptr, b, h0, stride_kb, stride_kn, stride_vb, stride_vn,
+def _split_page_ids(t_base, page0, hi, PAGE: tl.constexpr, PAGE_IDS: tl.constexpr):
+    """page_ids "split": the table entries page0 .. page0 + PAGE_IDS - 1 of row b (t_base),
+    those of pages holding a position below `hi` (the split's end, or the length: every tile
+    the key loop reads) loaded, the others 0 (never picked, and never read past the table)."""
+    idx = page0 + tl.arange(0, PAGE_IDS)
+    return tl.load(t_base + idx, mask=idx * PAGE < hi, other=0)
+
+
+@triton.jit
+def _flash_one_split(q, k_base, v_base, t_base, pages, out_ptr, b, h0, stride_kb, stride_kn, stride_vb, stride_vn,
                      stride_ob, stride_oh, length, first, qk_scale, G: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, PAGED: tl.constexpr,
-                     PAGE: tl.constexpr):
+                     PAGE: tl.constexpr, PAGE_IDS: tl.constexpr):
     """One split over positions [first, length), newest 64-key tile first, in flash attention's
     arithmetic (the FA2 note at the top of the module); writes the bf16 output rows. The
-    kernel is compiled without FMA contraction: the one FMA flash has is written out."""
+    kernel is compiled without FMA contraction: the one FMA flash has is written out.
+    Paged with PAGE_IDS > 0, `pages` holds the sequence's page indices from page 0 on."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -349,7 +425,7 @@ def _flash_one_split(q, k_base, v_base, t_base, out_ptr, b, h0, stride_kb, strid
         pos_ok = (pos < length) & (pos >= first)
         if PAGED:
             k_tile, v_tile, rows = _page_tile(k_base, v_base, t_base, last - t * BLOCK_N, offs_n,
-                                              stride_kb, stride_vb, PAGE)
+                                              stride_kb, stride_vb, PAGE, pages, 0, PAGE_IDS)
         else:
             k_tile, v_tile, rows = k_base, v_base, pos
         k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :], mask=pos_ok[:, None], other=0.0)
@@ -594,6 +670,9 @@ def decode_attention(
     lengths[b] address memory; the others are never used to load K/V (they may hold
     anything), and the table is read on the device (graph replays see its contents
     then). Same bits as the unpaged call on a [B, KVH, C, D] cache of the same contents.
+    The plan's page_ids picks how the kernel gets the page indices (module docstring):
+    decode_attention_plan(..., page_ids="split") loads a split's indices once, before its key
+    loop (ValueError where a split spans more than 256 pages); "tile", the default, in it.
 
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
@@ -617,6 +696,7 @@ def decode_attention(
             f"decode_attention: page size {rows} (k_cache.shape[2]) is not a multiple of the plan's "
             f"block_n {plan.block_n}: a key tile must lie inside one page"
         )
+    page_ids = _page_ids_vector(plan, capacity, rows) if paged else 0
     _check_device(q.device)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -653,7 +733,7 @@ def decode_attention(
         SPLIT_LEN=plan.split_len, NUM_SPLITS=plan.num_splits,
         D=head_dim, BLOCK_N=plan.block_n, BLOCK_G=plan.block_g,
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
-        FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1,
+        FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1, PAGE_IDS=page_ids,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
     )
@@ -688,6 +768,7 @@ def _check_plan(plan: object, group: int, capacity: int, num_splits: object, blo
     if (plan.split_len % plan.block_n or plan.num_splits * plan.split_len < capacity
             or (plan.num_splits - 1) * plan.split_len >= capacity or plan.block_g < max(16, group)):
         raise ValueError(f"decode_attention: plan {plan} does not cover capacity {capacity} with group {group}")
+    _check_page_ids(plan.page_ids)
 
 
 def _check_window(window: object) -> None:

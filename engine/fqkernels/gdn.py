@@ -184,31 +184,15 @@ def _g_value(a, a_log, dt_bias, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _mul_rn(a, b, INTERPRETED: tl.constexpr):
-    """a * b rounded on its own (mul.rn: never contracted into an FMA with an add after it),
-    what a kernel compiled without fp fusion computes for the product."""
-    if INTERPRETED:
-        return a * b
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                         stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, stride_ob, stride_oh,
                         stride_sb, stride_sh, stride_sk,
                         HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr,
-                        PDL: tl.constexpr = False, z_ptr=None, nw_ptr=None, stride_zb=0, inv_n=1.0, eps=0.0,
-                        NORM: tl.constexpr = False, VEC: tl.constexpr = True, HALVES: tl.constexpr = True,
-                        INTERPRETED: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
     """One program per (sequence, value head, BLOCK_V columns of the state). q/k head
     hv // RATIO; q and k l2-normalized in fp32 over DK, q divided by sqrt(DK) (the
     reference's recurrent form divides); S <- exp(g) S; u = beta (v - S^T k);
-    S <- S + k u^T; o = S^T q, rounded to bf16. S is read and written once, in place.
-    NORM (BLOCK_V the whole head): o then goes through the gated norm as _gated_rmsnorm_kernel
-    computes it (z head hv of row b, stride_zb apart; weight nw), the products that kernel
-    rounds on their own (it is compiled without fp fusion) written as _mul_rn."""
+    S <- S + k u^T; o = S^T q, rounded to bf16. S is read and written once, in place."""
     pid = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_V
     b = pid // HV
@@ -232,38 +216,16 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     s = s + k[:, None] * u[None, :]
     tl.store(s_ptrs, s)
     o = tl.sum(s * q[:, None], axis=0).to(tl.bfloat16)
-    if NORM:
-        x = o.to(tl.float32)[None, :]                             # one row of the gated norm
-        sq = _mul_rn(x, x, INTERPRETED)
-        if VEC:
-            lanes = tl.reshape(sq, (1, 32, BLOCK_V // 32))
-        else:
-            lanes = tl.permute(tl.reshape(sq, (1, BLOCK_V // 32, 32)), (0, 2, 1))
-        mean = _mul_rn(_lane_sum_rows(lanes, 1, HALVES), inv_n, INTERPRETED)
-        y = (x * tl.rsqrt(mean + eps)[:, None]).to(tl.bfloat16)
-        wy = (tl.load(nw_ptr + offs_v).to(tl.float32)[None, :] * y.to(tl.float32)).to(tl.bfloat16)
-        z = tl.load(z_ptr + b * stride_zb + hv * BLOCK_V + offs_v).to(tl.float32)[None, :]
-        o = tl.reshape((wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16), (BLOCK_V,))
     tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, o)
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, block_v: int = 32, norm: tuple | None = None, num_warps: int = 4) -> torch.Tensor:
+                state: torch.Tensor, block_v: int = 32) -> torch.Tensor:
     """One token of the rule for every sequence: q, k [B, Hk, Dk] bf16 (the conv's output,
     not normalized, heads not repeated), v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv]
-    bf16 (any row stride), state [B, Hv, Dk, Dv] fp32 (updated in place). Returns o [B, Hv, Dv] bf16.
-    norm = (z, w, eps): o through the gated norm in the same kernel (gated_rmsnorm's bits on
-    this o; heads of 128, one program a head: block_v is then Dv); z [B, Hv Dv] bf16, any row
-    stride (in_proj's z columns in place), w [Dv]."""
+    bf16 (any row stride), state [B, Hv, Dk, Dv] fp32 (updated in place). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    if norm is not None:
-        z, nw, eps = norm
-        block_v = Dv
-        if Dv != 128 or tuple(z.shape) != (B, Hv * Dv) or z.stride(-1) != 1 or tuple(nw.shape) != (Dv,):
-            raise ValueError(f"gdn.decode_step: the gated norm needs heads of 128, z [B, Hv * 128] with unit "
-                             f"column stride and a weight [128]; got v {tuple(v.shape)}, z {tuple(z.shape)} "
-                             f"(strides {z.stride()}), w {tuple(nw.shape)}")
     if q.shape != k.shape or v.shape[0] != B or Hv % Hk:
         raise ValueError(f"gdn.decode_step: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
     if state.dtype != torch.float32 or tuple(state.shape) != (B, Hv, Dk, Dv) or not state.is_contiguous():
@@ -284,15 +246,10 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         beta = beta.contiguous()
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     use_pdl, pdl_launch = pdl.for_rows(B)
-    extra = {}
-    if norm is not None:
-        vec, halves, _ = torch_order(Dv, v.device)
-        extra = dict(z_ptr=z, nw_ptr=nw, stride_zb=z.stride(0), inv_n=_inverse(Dv), eps=eps, NORM=True, VEC=vec,
-                     HALVES=halves, INTERPRETED=_INTERPRETED)
     _decode_step_kernel[(B * Hv, Dv // block_v)](
         q, k, v, g, beta, state, out, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        HV=Hv, RATIO=Hv // Hk, DK=Dk, BLOCK_V=block_v, PDL=use_pdl, num_warps=num_warps, **extra, **pdl_launch)
+        HV=Hv, RATIO=Hv // Hk, DK=Dk, BLOCK_V=block_v, PDL=use_pdl, num_warps=4, **pdl_launch)
     return out
 
 
@@ -373,15 +330,42 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
 
 
 @triton.jit
-def in_proj_epilogue(acc, rows, cols, M, N, out_ptr, g_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                     stride_sb, stride_sc, CONV_DIM: tl.constexpr, GATE_COL: tl.constexpr, HV: tl.constexpr,
-                     W: tl.constexpr, INTERPRETED: tl.constexpr):
+def in_proj_epilogue_inputs(rows, cols, M, N, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, stride_sb,
+                            stride_sc, CONV_DIM: tl.constexpr, GATE_COL: tl.constexpr, HV: tl.constexpr):
+    """What in_proj_epilogue reads besides the product, loaded before the product's loop (none of it
+    is written by the kernels before this one; its latency then hides under the weights' stream):
+    the conv state's last three inputs and the conv's four weights at the conv columns, A_log and
+    dt_bias at the a columns' heads (a window of 4, the Qwen3.5 conv's)."""
+    ok = (rows < M) & (cols < N)
+    in_conv = cols < CONV_DIM             # cols' own shape: the weights' loads (Triton 3.1 broadcasts no mask)
+    conv = ok & in_conv
+    st = conv_state_ptr + rows * stride_sb + cols * stride_sc
+    x1 = tl.load(st + 1, mask=conv, other=0.0)
+    x2 = tl.load(st + 2, mask=conv, other=0.0)
+    x3 = tl.load(st + 3, mask=conv, other=0.0)
+    w0 = tl.load(conv_w_ptr + cols * 4, mask=in_conv, other=0.0)
+    w1 = tl.load(conv_w_ptr + cols * 4 + 1, mask=in_conv, other=0.0)
+    w2 = tl.load(conv_w_ptr + cols * 4 + 2, mask=in_conv, other=0.0)
+    w3 = tl.load(conv_w_ptr + cols * 4 + 3, mask=in_conv, other=0.0)
+    hb = cols - GATE_COL
+    in_a = (hb >= HV) & (hb < 2 * HV)
+    h = tl.where(in_a, hb - HV, 0)
+    a_log = tl.load(a_log_ptr + h, mask=in_a, other=0.0)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=in_a, other=0.0)
+    return x1, x2, x3, w0, w1, w2, w3, a_log, dt_bias
+
+
+@triton.jit
+def in_proj_epilogue(acc, rows, cols, M, N, out_ptr, g_ptr, conv_state_ptr, stride_sb, stride_sc,
+                     x1, x2, x3, w0, w1, w2, w3, a_log, dt_bias,
+                     CONV_DIM: tl.constexpr, GATE_COL: tl.constexpr, HV: tl.constexpr, INTERPRETED: tl.constexpr):
     """The decode step's conv and gates as the epilogue of in_proj's product (fqkernels/gemv.py,
     EPI): acc holds fp32 sums of output columns `cols` for rows `rows` (broadcast shapes: a
-    vector of one row's columns or a [rows, columns] tile). Each column is first rounded to
-    bf16 (the product's output), then, as _conv_gates_step_kernel computes it:
-      columns [0, CONV_DIM): the conv over the state's last W - 1 inputs and this one, the state
-        shifted in place, out = bf16(silu(bf16(sum)));
+    vector of one row's columns or a [rows, columns] tile), x1..dt_bias what
+    in_proj_epilogue_inputs loaded for them. Each column is first rounded to bf16 (the product's
+    output), then, as _conv_gates_step_kernel computes it:
+      columns [0, CONV_DIM): the conv over the state's last 3 inputs and this one (products
+        summed in fp32 in window order), the state shifted in place, out = bf16(silu(bf16(sum)));
       columns [GATE_COL, GATE_COL + HV) (b): beta = bf16(sigmoid(b)), in place;
       columns [GATE_COL + HV, GATE_COL + 2 HV) (a): g (fp32) to g_ptr [M, HV]; the bf16 a stays;
       the rest (z) as the product gives it.
@@ -390,24 +374,23 @@ def in_proj_epilogue(acc, rows, cols, M, N, out_ptr, g_ptr, conv_state_ptr, conv
     ok = (rows < M) & (cols < N)
     val = acc.to(tl.bfloat16)
     vf = val.to(tl.float32)
-    in_conv = cols < CONV_DIM             # cols' own shape: the weights' loads (Triton 3.1 broadcasts no mask)
-    conv = ok & in_conv
+    conv = ok & (cols < CONV_DIM)
     st = conv_state_ptr + rows * stride_sb + cols * stride_sc
     c = tl.zeros_like(acc)
-    for j in tl.static_range(W - 1):
-        xj = tl.load(st + j + 1, mask=conv, other=0.0)
-        c += tl.load(conv_w_ptr + cols * W + j, mask=in_conv, other=0.0).to(tl.float32) * xj.to(tl.float32)
-        tl.store(st + j, xj, mask=conv)
-    c += tl.load(conv_w_ptr + cols * W + W - 1, mask=in_conv, other=0.0).to(tl.float32) * vf
-    tl.store(st + W - 1, val, mask=conv)
+    c += w0.to(tl.float32) * x1.to(tl.float32)
+    c += w1.to(tl.float32) * x2.to(tl.float32)
+    c += w2.to(tl.float32) * x3.to(tl.float32)
+    c += w3.to(tl.float32) * vf
+    tl.store(st, x1, mask=conv)
+    tl.store(st + 1, x2, mask=conv)
+    tl.store(st + 2, x3, mask=conv)
+    tl.store(st + 3, val, mask=conv)
     x = silu_f32(c.to(tl.bfloat16).to(tl.float32), INTERPRETED).to(tl.bfloat16)
     hb = cols - GATE_COL
     is_b = ok & (hb >= 0) & (hb < HV)
     is_a = ok & (hb >= HV) & (hb < 2 * HV)
-    h = tl.where(is_a, hb - HV, 0)
-    g = _g_value(vf, tl.load(a_log_ptr + h, mask=is_a, other=0.0).to(tl.float32),
-                 tl.load(dt_bias_ptr + h, mask=is_a, other=0.0).to(tl.float32), INTERPRETED)
-    tl.store(g_ptr + rows * HV + h, g, mask=is_a)
+    g = _g_value(vf, a_log.to(tl.float32), dt_bias.to(tl.float32), INTERPRETED)
+    tl.store(g_ptr + rows * HV + tl.where(is_a, hb - HV, 0), g, mask=is_a)
     beta = sigmoid_f32(vf, INTERPRETED).to(tl.bfloat16)
     tl.store(out_ptr + rows * N + cols, tl.where(conv, x, tl.where(is_b, beta, val)), mask=ok)
 
@@ -429,13 +412,15 @@ def in_proj_conv_gates_step(h: torch.Tensor, w: torch.Tensor, conv_state: torch.
     if N != C + value_dim + 2 * Hv or tuple(dt_bias.shape) != (Hv,):
         raise ValueError(f"gdn.in_proj_conv_gates_step: in_proj {tuple(w.shape)} is not conv {C} + value "
                          f"{value_dim} + 2 x {Hv} heads (A_log {tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)})")
+    if W != 4:
+        raise ValueError(f"gdn.in_proj_conv_gates_step: the epilogue runs a conv window of 4, got {W}")
     if tuple(conv_state.shape) != (B, C, W) or conv_state.stride(2) != 1:
         raise ValueError(f"gdn.in_proj_conv_gates_step: conv_state {tuple(conv_state.shape)} (strides "
                          f"{conv_state.stride()}) must be [{B}, {C}, {W}] with unit stride on the window")
     g = torch.empty((B, Hv), dtype=torch.float32, device=h.device)
     epilogue = dict(g_ptr=g, conv_state_ptr=conv_state, conv_w_ptr=conv_w.contiguous(), a_log_ptr=a_log,
                     dt_bias_ptr=dt_bias, stride_sb=conv_state.stride(0), stride_sc=conv_state.stride(1),
-                    CONV_DIM=C, GATE_COL=C + value_dim, HV=Hv, W=W)
+                    CONV_DIM=C, GATE_COL=C + value_dim, HV=Hv)
     out = gemv.linear_epilogue(h, w, epilogue, config=config)
     x, z, beta, _ = torch.split(out, [C, value_dim, Hv, Hv], dim=-1)
     return x, z, beta, g

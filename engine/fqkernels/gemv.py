@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 from fqkernels import pdl
-from fqkernels.gdn import in_proj_epilogue
+from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
 from fqkernels.swiglu import silu_f32
 
 __all__ = [
@@ -301,21 +301,15 @@ def _silu_mul_bf16(g, u, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _write_result(acc, acc_u, rows, cols, M, N, out_ptr, ws_ptr, pid_s, ws_split_stride, ws_cols,
-                  PARTIALS: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr,
-                  e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI: tl.constexpr, EPI_CONV: tl.constexpr,
-                  EPI_GATE_COL: tl.constexpr, EPI_HV: tl.constexpr, EPI_W: tl.constexpr):
+                  PARTIALS: tl.constexpr, SILU: tl.constexpr, INTERPRETED: tl.constexpr):
     """This chunk's fp32 partial when PARTIALS (several K chunks, or the caller
-    asked for the sums), else the final bf16 result, or with EPI the GDN decode
-    step's conv and gates on it (gdn.in_proj_epilogue; the e_* arguments are its).
+    asked for the sums), else the final bf16 result.
 
     rows/cols broadcast against acc (a [BM, BN] tile, or one row's [BN] vector).
     Partials of the up half go ws_cols // 2 = N columns to the right of the gate half.
     """
     mask = (rows < M) & (cols < N)
-    if EPI:
-        in_proj_epilogue(acc, rows, cols, M, N, out_ptr, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc,
-                         EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W, INTERPRETED)
-    elif not PARTIALS:
+    if not PARTIALS:
         if SILU:
             val = _silu_mul_bf16(acc, acc_u, INTERPRETED)
         else:
@@ -361,7 +355,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1, EPI_W: tl.constexpr = 1):
+                     EPI_HV: tl.constexpr = 1):
     """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
     SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
 
@@ -380,6 +374,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
     _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    if EPI:   # the GDN epilogue's other inputs (gdn.in_proj_epilogue_inputs: no earlier kernel writes them)
+        e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
+            offs_m[:, None], offs_n[None, :], M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL,
+            EPI_HV)
     pdl.wait(PDL)  # x is the previous kernel's output
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -421,8 +419,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     if SWAP:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
-    _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
+    if EPI:
+        in_proj_epilogue(acc, offs_m[:, None], offs_n[None, :], M, N, out_ptr, e_g, e_state, e_sb, e_sc,
+                         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed, EPI_CONV, EPI_GATE_COL, EPI_HV, INTERPRETED)
+    else:
+        _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
+                      ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
 
 @triton.jit
@@ -467,7 +469,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1, EPI_W: tl.constexpr = 1):
+                     EPI_HV: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -487,6 +489,9 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
     _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    if EPI:   # one row a program (BLOCK_M 1): the GDN epilogue's other inputs, as in _gemv_dot_kernel
+        e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
+            m0, offs_n, M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL, EPI_HV)
     pdl.wait(PDL)  # x is the previous kernel's output
     # Row pointers, clamped to the last real row (computed, never stored).
     x0 = x_ptr + tl.minimum(m0, M - 1) * K
@@ -512,16 +517,20 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
             accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
                                                    EVEN_K, BLOCK_M)
     pdl.launch_dependents(PDL)
-    _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
+    if EPI:
+        in_proj_epilogue(tl.sum(acc0, axis=1), m0, offs_n, M, N, out_ptr, e_g, e_state, e_sb, e_sc,
+                         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed, EPI_CONV, EPI_GATE_COL, EPI_HV, INTERPRETED)
+    else:
+        _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                      ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 1:
         _write_result(tl.sum(acc1, axis=1), tl.sum(accu1, axis=1), m0 + 1, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 2:
         _write_result(tl.sum(acc2, axis=1), tl.sum(accu2, axis=1), m0 + 2, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
         _write_result(tl.sum(acc3, axis=1), tl.sum(accu3, axis=1), m0 + 3, offs_n, M, N, out_ptr, ws_ptr,
-                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED, e_g, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI, EPI_CONV, EPI_GATE_COL, EPI_HV, EPI_W)
+                      pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -636,9 +645,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     even_k = k % config.block_k == 0 and k_blocks % blocks_per_split == 0
     ws_cols = 2 * n if silu else n
     write_partials = partials or splits > 1
-    if epilogue is not None and (write_partials or silu):
-        raise ValueError(f"an epilogue needs one K chunk a program and no SiLU; config {config} gives "
-                         f"{splits} chunks of K={k}")
+    if epilogue is not None and (write_partials or silu or (config.mode == "fma" and config.block_m != 1)):
+        raise ValueError(f"an epilogue needs one K chunk a program, no SiLU and (fma) one row a program; "
+                         f"config {config} gives {splits} chunks of K={k}")
     if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
@@ -696,7 +705,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None 
 
 _EPILOGUE_ARGS = {"g_ptr": "e_g", "conv_state_ptr": "e_state", "conv_w_ptr": "e_w", "a_log_ptr": "e_alog",
                   "dt_bias_ptr": "e_dtb", "stride_sb": "e_sb", "stride_sc": "e_sc", "CONV_DIM": "EPI_CONV",
-                  "GATE_COL": "EPI_GATE_COL", "HV": "EPI_HV", "W": "EPI_W"}
+                  "GATE_COL": "EPI_GATE_COL", "HV": "EPI_HV"}
 
 
 def _epilogue_args(epilogue: dict | None) -> dict:

@@ -444,6 +444,49 @@ def test_paged_wrapper_accepts_pools_of_another_size_without_interpreter():
         decode_attention(**args)
 
 
+@pytest.mark.parametrize("page_ids", ["rows", "", None, 1])
+def test_plan_rejects_bad_page_ids(page_ids):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"page_ids must be one of \('tile', 'split'\), got"):
+        decode_attention_plan(2, 4, 2, 128, 16, page_ids=page_ids)
+    args = _bad_paged_call("none")
+    plan = dataclasses.replace(decode_attention_plan(2, 4, 2, 128, 16), page_ids=page_ids)
+    with pytest.raises(ValueError, match="page_ids must be one of"):
+        decode_attention(**args, plan=plan)
+
+
+@pytest.mark.parametrize(
+    "capacity,page,num_splits,block_n,expected",
+    [
+        (2048, 64, 1, 64, 32),     # the FA2 path's one split: the whole table row
+        (320, 64, 1, 64, 8),       # 5 pages, rounded up to a power of two
+        (384, 128, 2, 64, 2),      # splits of 192: the second spans pages 1 and 2
+        (384, 128, 3, 64, 1),      # splits of one page each
+        (320, 64, 2, 64, 4),       # splits of 192 over pages of 64: 3 pages, rounded up
+        (128, 64, 4, 32, 1),       # splits of one 32-position tile, two a page
+        (16384, 64, 1, 64, 256),   # the most a program holds
+    ],
+)
+def test_split_page_ids_vector_size(capacity, page, num_splits, block_n, expected):
+    import fqkernels.decode_attention as da
+
+    plan = decode_attention_plan(2, 4, 2, capacity, 64, num_splits, block_n, page_ids="split")
+    assert da._page_ids_vector(plan, capacity, page) == expected
+    assert da._page_ids_vector(decode_attention_plan(2, 4, 2, capacity, 64, num_splits, block_n), capacity, page) == 0
+
+
+def test_split_page_ids_refuse_a_split_past_the_vector_limit():
+    """One split over 32,768 positions in pages of 64 needs 512 page indices a program:
+    refused (before the device is looked at), naming the count; "tile" takes it."""
+    q, k, v, lengths = _make_inputs(1, 4, 2, 64, 16, [64], "cpu", seed=26)
+    kp, vp, _ = _paginate(k, v, 64, seed=27)
+    table = torch.zeros((1, 512), dtype=torch.int32)
+    plan = decode_attention_plan(1, 4, 2, 512 * 64, 16, 1, page_ids="split")
+    with pytest.raises(ValueError, match=r"page_ids='split' needs 512 page indices a program .* more than 256"):
+        decode_attention(q, kp, vp, lengths, 0.25, plan=plan, block_table=table)
+
+
 # ------------------------------------------------------------------ CPU, Triton interpreter
 
 _INTERPRETED_CASES = [
@@ -584,11 +627,49 @@ def test_paged_kernel_matches_unpaged_bits_interpreted(
         assert _ulp_error(out, ref) <= MAX_ULPS
 
 
+_SPLIT_PAGE_IDS_CASES = _PAGED_CASES + [
+    # batch, heads, kv_heads, head_dim, page, width, lengths, window, block_n
+    (1, 4, 2, 64, 64, 5, [300], None, None),                 # batch 1, a length inside a page
+    (1, 4, 2, 64, 128, 3, [383], 150, None),                 # batch 1, a window; 2 splits start mid-page
+    (4, 4, 2, 64, 128, 3, [384, 129, 0, 250], None, None),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,page,width,lengths,window,block_n", _SPLIT_PAGE_IDS_CASES)
+def test_paged_split_page_ids_match_unpaged_bits_interpreted(
+    interpreter_fixes, batch, heads, kv_heads, head_dim, page, width, lengths, window, block_n, num_splits,
+    flash_order,
+):
+    """page_ids "split" (each program loads its split's page indices before the key loop):
+    the unpaged form's bits and page_ids "tile"'s, pages shuffled and the rest of the pool NaN,
+    with splits that start inside a page (num_splits 2 over 3 pages of 128)."""
+    capacity = page * width
+    scale = head_dim**-0.5
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=36,
+                                      window=window)
+    kw = dict(flash_order=flash_order, window=window)
+    plain = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, block_n=block_n, **kw)
+    for redirect in (None, lengths):   # entries past a length: the sequence's own pages, then a NaN page
+        kp, vp, table = _paginate(k, v, page, seed=37, lengths=redirect)
+        outs = {}
+        for page_ids in ("tile", "split"):
+            plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n,
+                                         page_ids=page_ids)
+            outs[page_ids] = torch.full_like(q, float("nan"))
+            decode_attention(q, kp, vp, lengths_t, scale, out=outs[page_ids], plan=plan, block_table=table, **kw)
+        assert torch.equal(outs["split"], plain), f"split page ids differ from unpaged (redirected: {bool(redirect)})"
+        assert torch.equal(outs["split"], outs["tile"])
+
+
 @needs_interpreter
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("lengths,window", [([300, 1, 64], None), ([65, 128, 0], None), ([383, 200, 77], 100)])
 def test_paged_fa2_path_matches_unpaged_bits_interpreted(interpreter_fixes, monkeypatch, page, lengths, window):
-    """The FA2 path (one split, head_dim 128, 64-key tiles) paged: the unpaged path's bits."""
+    """The FA2 path (one split, head_dim 128, 64-key tiles) paged, the page indices read per
+    tile or once for the split (page_ids): the unpaged path's bits."""
     import fqkernels.decode_attention as da
 
     monkeypatch.setattr(da, "FA2", True)
@@ -597,19 +678,23 @@ def test_paged_fa2_path_matches_unpaged_bits_interpreted(interpreter_fixes, monk
     assert da.fa2_applies(da.decode_attention_plan(3, 16, 4, capacity, 128, num_splits=1), True, 128)
     plain = decode_attention(q, k, v, lengths_t, 128**-0.5, num_splits=1, window=window)
     kp, vp, table = _paginate(k, v, page, seed=33, lengths=lengths)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q, kp, vp, lengths_t, 128**-0.5, out=out, num_splits=1, window=window, block_table=table)
-    assert torch.equal(out, plain)
-    assert bool(torch.isfinite(out).all())
+    for page_ids in ("tile", "split"):
+        plan = da.decode_attention_plan(3, 16, 4, capacity, 128, num_splits=1, page_ids=page_ids)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, kp, vp, lengths_t, 128**-0.5, out=out, plan=plan, window=window, block_table=table)
+        assert torch.equal(out, plain), f"page_ids={page_ids!r}"
+        assert bool(torch.isfinite(out).all())
 
 
 @needs_interpreter
-def test_paged_kernel_reads_the_table_at_call_time_interpreted(interpreter_fixes):
+@pytest.mark.parametrize("page_ids", ["tile", "split"])
+def test_paged_kernel_reads_the_table_at_call_time_interpreted(interpreter_fixes, page_ids):
     """Pages moved elsewhere in the pool, the table updated to match: the same bits; the
     table changed alone: another result (the table is read by the kernel at each call)."""
     q, k, v, lengths_t = _make_inputs(2, 4, 2, 256, 32, [256, 150], "cpu", seed=34)
     kp, vp, table = _paginate(k, v, 64, seed=35, spare=8)
-    first = decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table)
+    plan = decode_attention_plan(2, 4, 2, 256, 32, 2, page_ids=page_ids)
+    first = decode_attention(q, kp, vp, lengths_t, 0.2, plan=plan, block_table=table)
     used = set(table.reshape(-1).tolist())
     free = [p for p in range(kp.shape[0]) if p not in used]
     for j, dst in zip((0, 2), free):    # row 1's pages 0 and 2 to spare pages
@@ -617,9 +702,9 @@ def test_paged_kernel_reads_the_table_at_call_time_interpreted(interpreter_fixes
         kp[dst], vp[dst] = kp[src], vp[src]
         kp[src] = vp[src] = float("nan")
         table[1, j] = dst
-    assert torch.equal(first, decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table))
+    assert torch.equal(first, decode_attention(q, kp, vp, lengths_t, 0.2, plan=plan, block_table=table))
     table[0, 0], table[0, 1] = int(table[0, 1]), int(table[0, 0])   # row 0's first two pages swapped
-    swapped = decode_attention(q, kp, vp, lengths_t, 0.2, num_splits=2, block_table=table)
+    swapped = decode_attention(q, kp, vp, lengths_t, 0.2, plan=plan, block_table=table)
     assert torch.equal(swapped[1], first[1]) and not torch.equal(swapped[0], first[0])
 
 
@@ -788,6 +873,36 @@ def test_paged_matches_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page):
         ref = decode_attention_reference(q, kp, vp, lengths_t, scale, window=100, block_table=table)
         assert torch.equal(ref, decode_attention_reference(q, k, v, lengths_t, scale, window=100))
         assert _ulp_error(paged, ref) <= MAX_ULPS
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,page",
+    [(32, 8, 128, 64), (32, 8, 128, 128), (16, 4, 256, 64)],
+    ids=["qwen3-page64", "qwen3-page128", "qwen3.5-page64"],
+)
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_paged_split_page_ids_match_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page):
+    """page_ids "split" at the models' shapes: the unpaged form's bits (and so page_ids "tile"'s)
+    for the default plan, one split either way (the FA2 path at head_dim 128), several splits
+    (7 over 2,048 positions: splits of 320 that start inside pages), windows, and the default
+    pipeline depth and one more (5 may not fit shared memory at head_dim 256)."""
+    import dataclasses
+
+    capacity, scale = 2048, head_dim**-0.5
+    for i, lengths in enumerate(_paged_length_patterns(batch, capacity, page)):
+        q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=630 + i)
+        kp, vp, table = _paginate(k, v, page, seed=640 + i, lengths=lengths)
+        for num_splits, flash_order, window in ((None, None, None), (1, True, None), (1, False, None),
+                                                (7, False, None), (7, True, None), (None, None, 1000), (1, True, 100)):
+            kw = dict(flash_order=flash_order, window=window)
+            plain = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, **kw)
+            base = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, page_ids="split")
+            for stages in (base.num_stages, base.num_stages + 1):
+                plan = dataclasses.replace(base, num_stages=stages)
+                paged = decode_attention(q, kp, vp, lengths_t, scale, plan=plan, block_table=table, **kw)
+                assert torch.equal(plain, paged), f"split page ids differ at lengths {lengths}, {kw}, {plan}"
 
 
 @pytest.mark.gpu

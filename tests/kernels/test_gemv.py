@@ -359,10 +359,10 @@ MAIN_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*
 MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_split_stride", "ws_cols")
 # The GDN epilogue's arguments: off (what a plain launch binds by default), or on at Qwen3.5-4B's in_proj
 EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0, EPI=False, EPI_CONV=0,
-               EPI_GATE_COL=0, EPI_HV=1, EPI_W=1)
+               EPI_GATE_COL=0, EPI_HV=1)
 EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
            "e_sb": "i32", "e_sc": "i32"}
-EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32, EPI_W=4)
+EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -677,7 +677,7 @@ def test_swapped_dot_compiles_for_sm90(name, silu):
     cfg = GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")
     constants = dict(K=k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BLOCKS_PER_SPLIT=k // 256,
                      EVEN_N=cols % 64 == 0, EVEN_K=True, PARTIALS=True, SILU=silu, INTERPRETED=False, SWAP=True,
-                     PDL=False, PREFETCH_LINES=2)
+                     PDL=False, PREFETCH_LINES=2, **EPI_OFF)
     ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     assert "mma" in ptx
