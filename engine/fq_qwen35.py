@@ -7,9 +7,9 @@ Backends, chosen explicitly (never a silent fallback), reported as `model.backen
   below), on any device, eager; the decode step reads the lengths on the host. The CPU
   default: its logits are Transformers 5.17's bit for bit (tests/test_engine_qwen35_cpu.py).
 - "triton": the decode step's attention through fqkernels.decode_attention and each GDN
-  layer's step through in_proj's GEMV with the conv and gates in its epilogue
-  (gdn.in_proj_conv_gates_step; where cuBLAS runs in_proj, or FASTQWEN_FUSE_IN_PROJ=0,
-  gdn.conv_gates_step after the product), gdn.decode_step and (heads of 128)
+  layer's step through in_proj's GEMV with the conv and gates in its epilogue at batch 1
+  (gdn.in_proj_conv_gates_step; at more rows, where cuBLAS runs in_proj, or with
+  FASTQWEN_FUSE_IN_PROJ=0, gdn.conv_gates_step after the product), gdn.decode_step and (heads of 128)
   gdn.gated_rmsnorm; no host reads, so the engine captures the step as one CUDA graph.
   The prompt pass's conv through gdn.causal_conv_prefill, its rule through
   gdn.chunked_prefill, its gated norm through gdn.gated_rmsnorm; every residual add and the norm
@@ -58,8 +58,8 @@ from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 BACKENDS = ("torch", "triton")
 # The triton backend's prompt pass runs its MLP over row slices of at most this many tokens.
 MLP_ROWS = 8192
-# The GDN step's conv and gates in in_proj's GEMV epilogue (the same bits as the separate kernel;
-# FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
+# The GDN step's conv and gates in in_proj's GEMV epilogue at batch 1 (the same bits as the
+# separate kernel; FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
 FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 
 
@@ -620,7 +620,9 @@ class Qwen35Model:
         conv_state, conv_w = self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1)
         w_in = self.w[p + "in_proj.weight"] if self.backend == "triton" else None
         config = self.ops.gemv_config(B, w_in) if FUSE_IN_PROJ and w_in is not None else None
-        if config is not None and config.split_k == 1:   # the conv and gates in the product's epilogue
+        # the conv and gates in the product's epilogue at batch 1: measured 25 us a step faster there,
+        # and slower at batch 4 and 16 (the 4B's tensor-core tiles; PERF_LOG, session 13)
+        if config is not None and config.split_k == 1 and B == 1:
             mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
                                                             self.w[p + "A_log"], self.w[p + "dt_bias"],
                                                             c.linear_v_heads * c.linear_v_dim, config)
