@@ -70,6 +70,7 @@
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
 #   q35-step-ab   q35-check's timings (--timing-only) with FASTQWEN_FUSE_IN_PROJ=1 and 0 (the A/B)
+#   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
@@ -242,6 +243,8 @@ t = {v: json.load(open('$OUT/q35_step_FASTQWEN_FUSE_IN_PROJ-%s.json' % v)) for v
 s = {v: d['timing_1x512x32']['graph_step_ms'] for v, d in t.items()}
 print(1 if s['1'] < s['0'] else 0)")
                  echo "FASTQWEN_FUSE_IN_PROJ=$FASTQWEN_FUSE_IN_PROJ for the later stages" ;;
+    chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
+                   | grep -v Warn | tail -12 ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams --out "$OUT/serve_paged.json" 2>&1 \
                    | grep -v Warn | tail -8 ;;
