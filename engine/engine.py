@@ -121,7 +121,9 @@ class Engine:
             return
         self.model.allocate_cache(1, 2)      # generate()'s cache, if any, goes first
         torch.cuda.empty_cache()
-        pages = (rows * (max_len // page_size) if num_pages is None else num_pages) + 1   # and the spare one
+        from fq_slots import default_pages
+
+        pages = default_pages(rows, max_len, page_size, num_pages) + 1   # and the spare one
         need = pages * self.model.page_bytes(page_size) + (rows + 1) * getattr(self.model, "row_bytes", lambda: 0)()
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free:

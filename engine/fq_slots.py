@@ -62,6 +62,11 @@ def buckets(max_slots: int) -> list[int]:
     return out + [max_slots]
 
 
+def default_pages(max_slots: int, max_len: int, page_size: int, num_pages: int | None = None) -> int:
+    """A paged Slots' pool size: num_pages, or (None) max_slots rows' worth of pages."""
+    return max_slots * (max_len // page_size) if num_pages is None else num_pages
+
+
 def pages_for(positions: int, page_size: int) -> int:
     """Pages of page_size positions that hold `positions`."""
     return -(-positions // page_size)
@@ -157,7 +162,7 @@ class Slots:
             self.num_pages = 0
             model.allocate_cache(max_slots + 1, max_len)
         else:
-            self.num_pages = max_slots * (max_len // page_size) if num_pages is None else num_pages
+            self.num_pages = default_pages(max_slots, max_len, page_size, num_pages)
             if self.num_pages < 1:
                 raise ValueError(f"Slots: num_pages must be >= 1, got {num_pages}")
             # one page more, never handed out: every row not holding a request points at it, so the

@@ -134,11 +134,6 @@ SWEEP = {
     "solve_w8": dict(solve_warps=8),
     "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
     "w8_bv16": dict(solve_warps=8, out_warps=8, block_v=16, state_stages=1),
-    "fused": dict(fused=1),
-    "fused_s1": dict(fused=1, state_stages=1),
-    "fused_bv16_s1": dict(fused=1, block_v=16, state_stages=1),
-    "fused_bv64_s1": dict(fused=1, block_v=64, state_stages=1),
-    "fused_w8": dict(fused=1, state_warps=8),
 }
 
 

@@ -628,12 +628,9 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
     # another launch plan bench_gdn.py --sweep times
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
-    # the state and output kernels as one (PrefillPlan.fused)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(fused=1))
-    # a sequence continued from its state (a prompt in chunks), both plans
+    # a sequence continued from its state (a prompt in chunks)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
-    for plan in (gdn.PrefillPlan(), gdn.PrefillPlan(fused=1)):
-        gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=plan, state_out=state, initial_state=state)
+    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))

@@ -24,33 +24,13 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "engine"))
+from fq_ops import _time_over  # noqa: E402
 from fqkernels.decode_attention import decode_attention, decode_attention_plan  # noqa: E402
 
 # (batch, heads, kv heads, head_dim, capacity, page)
 CASES = [(16, 32, 8, 128, 2048, 64), (16, 32, 8, 128, 2048, 128), (4, 32, 8, 128, 4096, 64),
          (1, 32, 8, 128, 8192, 64), (16, 16, 4, 256, 2048, 64), (1, 16, 4, 256, 8192, 64)]
 LAYERS = 24
-
-
-def _graph_us(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -78,7 +58,8 @@ def main() -> None:
         scale = dim ** -0.5
         plan = decode_attention_plan(batch, heads, kvh, cap, dim)
         want = decode_attention(q, k[0], v[0], lengths, scale)
-        base = _graph_us(lambda: [decode_attention(q, k[i], v[i], lengths, scale) for i in range(LAYERS)])
+        layers = list(range(LAYERS))      # each timed call one layer's attention, all layers in one graph
+        base = _time_over(lambda i: decode_attention(q, k[i], v[i], lengths, scale), layers, 20)
         case = f"B{batch} H{heads}/{kvh} D{dim} C{cap} page{page}"
         rows.append({"case": case, "form": "rows", "page_ids": None, "num_stages": plan.num_stages,
                      "us": round(base, 2), "same_bits": True})
@@ -89,8 +70,8 @@ def main() -> None:
                 row = {"case": case, "form": "paged", "page_ids": page_ids, "num_stages": stages}
                 try:
                     got = decode_attention(q, pool_k[0], pool_v[0], lengths, scale, plan=p, block_table=table)
-                    us = _graph_us(lambda: [decode_attention(q, pool_k[i], pool_v[i], lengths, scale, plan=p,
-                                                             block_table=table) for i in range(LAYERS)])
+                    us = _time_over(lambda i: decode_attention(q, pool_k[i], pool_v[i], lengths, scale, plan=p,
+                                                               block_table=table), layers, 20)
                     row.update(us=round(us, 2), same_bits=bool(torch.equal(got, want)))
                 except Exception as exc:  # noqa: BLE001 - a depth that does not fit is reported, not fatal
                     row["error"] = str(exc)[:200]

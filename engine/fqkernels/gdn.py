@@ -634,8 +634,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # chunk's starting state and v_new (in u's place) and the final state.
 # _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
 # o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
-# _chunk_state_out_kernel (PrefillPlan.fused): the last two as one, each chunk's outputs formed
-# while the walk holds its starting state.
+# (The last two as one kernel, each chunk's outputs formed while the walk holds its starting
+# state, was measured no faster: PERF_LOG, session 12.)
 #
 # Precision: fp32 throughout, the state included, on tensor cores in two ways.
 # - A product with one operand that is exact as loaded in bf16 (the raw keys, queries and
@@ -894,69 +894,6 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, 
              mask=ok[:, None])
 
 
-@triton.jit
-def _chunk_state_out_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, o_ptr, state_ptr, T, NC, scale,
-                            stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh, stride_sb,
-                            HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                            init_ptr=None, stride_ib=None, HAS_INIT: tl.constexpr = False):
-    """_chunk_state_kernel and _chunk_out_kernel in one (PrefillPlan.fused): while the walk over
-    the chunks holds S at a chunk's start it forms that chunk's outputs for its BV value columns,
-    o = diag(rq e^gamma) (q_raw S) + attn v_new, with _chunk_out_kernel's products, so neither S
-    per chunk (h: 64 KiB a chunk and head in fp32) nor v_new goes through memory. q and k share
-    strides (chunked_prefill's check)."""
-    v0 = tl.program_id(0) * BV
-    pid = tl.program_id(1)
-    b = pid // HV
-    hv = pid % HV
-    hk = hv // RATIO
-    DH: tl.constexpr = DK // 2
-    r = tl.arange(0, C)
-    d0 = tl.arange(0, DH)
-    d1 = DH + tl.arange(0, DH)
-    dv = v0 + tl.arange(0, BV)
-    s0, s1 = _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK, DV, BV, HAS_INIT)
-    for c in range(NC):
-        t = c * C + r
-        ok = t < T
-        cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + hk * stride_kh
-        k0t = tl.load(cols + d0[:, None], mask=ok[None, :], other=0.0)           # raw bf16 keys, [DH, C]
-        k1t = tl.load(cols + d1[:, None], mask=ok[None, :], other=0.0)
-        q_rows = q_ptr + b * stride_kb + t[:, None] * stride_kt + hk * stride_kh
-        q0 = tl.load(q_rows + d0[None, :], mask=ok[:, None], other=0.0)        # raw bf16 queries, [C, DH]
-        q1 = tl.load(q_rows + d1[None, :], mask=ok[:, None], other=0.0)
-        q0f = q0.to(tl.float32)
-        q1f = q1.to(tl.float32)
-        chunk = pid * NC + c
-        base = chunk.to(tl.int64) * C
-        gamma = tl.load(gamma_ptr + base + r)
-        rk = tl.load(rk_ptr + base + r)
-        last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
-        rq = tl.rsqrt(tl.sum(q0f * q0f, axis=1) + tl.sum(q1f * q1f, axis=1) + 1e-6) * scale
-        # the outputs' state part, from S at the chunk's start
-        qh = _dot_tf32_exact(q0f, s0)
-        qh += _dot_tf32_exact(q1f, s1)
-        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
-        ws = _dot3(w0, s0, PREC)
-        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
-        ws += _dot3(w1, s1, PREC)
-        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
-        qk = tl.dot(q1, k1t, tl.dot(q0, k0t))
-        attn = tl.where(r[:, None] >= r[None, :],
-                        qk * (rq[:, None] * rk[None, :]) * tl.exp(gamma[:, None] - gamma[None, :]), 0.0)
-        o = qh * (rq * tl.exp(gamma))[:, None] + _dot3(attn, v_new, PREC)
-        tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(tl.bfloat16),
-                 mask=ok[:, None])
-        # S <- e^gamma_last S + k_raw^T diag(rk e^(gamma_last - gamma)) v_new, as _chunk_state_kernel
-        carry = tl.exp(last)
-        vs = v_new * (rk * tl.exp(last - gamma))[:, None]
-        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
-        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
-    out = state_ptr + b * stride_sb + hv * DK * DV
-    tl.store(out + d0[:, None] * DV + dv[None, :], s0)
-    tl.store(out + d1[:, None] * DV + dv[None, :], s1)
-
-
 @dataclass(frozen=True)
 class PrefillPlan:
     """How chunked_prefill launches its kernels (what scripts/bench_gdn.py --sweep varies):
@@ -967,9 +904,7 @@ class PrefillPlan:
     the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3; on the H200 the
     one-pass outputs sat at 5.0e-3 of the three-pass ones, so the default keeps three).
     The defaults are session 10's sweep on an H200: 32 state columns with two stages was
-    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048).
-    fused=1: the state and output kernels as one (_chunk_state_out_kernel, at the state
-    kernel's block_v, warps and stages; out_* unused), the chunks' states never stored."""
+    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -977,11 +912,8 @@ class PrefillPlan:
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "tf32x3"
-    fused: int = 0
 
     def __post_init__(self) -> None:
-        if self.fused not in (0, 1):
-            raise ValueError(f"gdn.PrefillPlan.fused must be 0 or 1, got {self.fused!r}")
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -1069,8 +1001,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
     rk = torch.empty((ws,), dtype=torch.float32, device=dev)            # each key's l2 norm factor
-    # each chunk's starting state (the separate output kernel's input; none when fused)
-    h = None if plan.fused else torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)
+    # each chunk's starting state (the output kernel's input)
+    h = torch.empty((ws // CHUNK * Dk, Dv), dtype=torch.float32, device=dev)
     out_bv = min(plan.out_bv, Dv)
     if Dv % out_bv or out_bv < 16:
         raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
@@ -1084,12 +1016,6 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             PREC=_PREC, num_warps=plan.solve_warps)
-        if plan.fused:
-            _chunk_state_out_kernel[(Dv // block_v, bs * Hv)](
-                qs, ks, u, w, gamma, rk, os_, state[sl], T, nc, Dk ** -0.5, ks.stride(0), ks.stride(1), ks.stride(2),
-                os_.stride(0), os_.stride(1), os_.stride(2), state.stride(0), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk,
-                DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps, num_stages=plan.state_stages, **init)
-            continue
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,

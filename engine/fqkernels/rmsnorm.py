@@ -320,6 +320,17 @@ def torch_order(n: int, device: torch.device) -> tuple[bool, bool, bool]:
     return _ORDERS[key]
 
 
+def torch_order_launch(n: int, device: torch.device) -> tuple[bool, bool] | None:
+    """(VEC, HALVES) where a norm of width n runs the torch-order kernel (TORCH_ORDER on, n within
+    TORCH_ORDER_MAX_N, and this torch's order one the kernel implements, or nothing to measure
+    it on); None where the tl.sum kernel runs. Every kernel that sums a norm's squares in torch's
+    order (this file's, and those that fold a norm in) decides through this."""
+    if not TORCH_ORDER or n > TORCH_ORDER_MAX_N:
+        return None
+    vec, halves, matched = torch_order(n, device)
+    return (vec, halves) if matched or _no_order_to_measure(device) else None
+
+
 def _no_order_to_measure(device: torch.device) -> bool:
     """Compiling without a GPU, or running under the interpreter on the CPU: torch_order
     cannot say what the GPU's torch does, and the torch-order kernel is the one to build."""
@@ -374,15 +385,14 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None, one_plus
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
                  ONE_PLUS=bool(one_plus), HEADS=heads, num_warps=4 if block <= 4096 else 8, PDL=use_pdl,
                  **pdl_launch)
-    # The torch-order kernel where this torch's order at width N is one it implements
-    # (torch_order found it), or when asked for its statistics; else the tl.sum kernel.
-    use_torch_order = stats is not None
-    if (TORCH_ORDER or stats is not None) and N <= TORCH_ORDER_MAX_N:
-        vec, halves, matched = torch_order(N, x.device)
-        use_torch_order = use_torch_order or matched or _no_order_to_measure(x.device)
-    if use_torch_order:
+    # The torch-order kernel where torch_order_launch takes it, or when asked for its
+    # statistics (in the order torch_order found, or 2.11's); else the tl.sum kernel.
+    order = torch_order_launch(N, x.device)
+    if order is None and stats is not None:
+        order = torch_order(N, x.device)[:2]
+    if order is not None:
         _rmsnorm_torch_order_kernel[(M,)](*rows, stats if stats is not None else x, _inverse(N), eps, *strides,
-                                          N=N, VEC=vec, HALVES=halves, STATS=stats is not None,
+                                          N=N, VEC=order[0], HALVES=order[1], STATS=stats is not None,
                                           enable_fp_fusion=False, **flags)
     else:
         _rmsnorm_kernel[(M,)](*rows, N, eps, *strides, **flags)

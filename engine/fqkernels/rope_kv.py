@@ -411,7 +411,7 @@ def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
     caches at the positions. The bits of rmsnorm(one_plus) on each head, then partial_rope /
     rope_store_kv (GPU tests). None when this torch's order of the norm's mean at width D is one
     the kernel does not implement (the caller then runs the separate kernels)."""
-    from fqkernels.rmsnorm import TORCH_ORDER, _inverse, _no_order_to_measure, torch_order
+    from fqkernels.rmsnorm import _inverse, torch_order_launch
 
     B = qkv.shape[0]
     D = k_cache.shape[-1]
@@ -425,9 +425,10 @@ def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
         raise ValueError(f"qk_norm_partial_rope_store: qkv {tuple(qkv.shape)}, norms {tuple(q_norm.shape)} / "
                          f"{tuple(k_norm.shape)}, cos {tuple(cos.shape)}, positions {tuple(positions.shape)}, caches "
                          f"{tuple(k_cache.shape)} for {H} query and {KVH} key heads do not fit")
-    vec, halves, matched = torch_order(D, qkv.device)
-    if not TORCH_ORDER or not (matched or _no_order_to_measure(qkv.device)):
+    order = torch_order_launch(D, qkv.device)
+    if order is None:
         return None
+    vec, halves = order
     paged = {}
     if block_table is not None:
         page = _check_block_table("qk_norm_partial_rope_store", block_table, B, k_cache, v_cache)

@@ -861,54 +861,36 @@ def _paged_length_patterns(batch: int, capacity: int, page: int) -> list[list[in
     ids=["qwen3-page64", "qwen3-page128", "qwen3.5-page64"],
 )
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_paged_matches_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page):
+@pytest.mark.parametrize("page_ids", [None, "split"], ids=["default-plan", "split"])
+def test_paged_matches_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page, page_ids):
     """Plain (eager) calls at the models' shapes: the paged form's bits are the unpaged
     form's, for the default plan, one split either way (the FA2 path at head_dim 128),
-    several splits, and a window."""
+    several splits (7 over 2,048 positions: splits of 320 that start inside pages), and a
+    window; without a plan (the FA2 path takes page_ids "split" then) or with page_ids "split"
+    at the default pipeline depth and one more (5 may not fit shared memory at head_dim 256)."""
+    import dataclasses
+
     capacity, scale = 2048, head_dim**-0.5
     for i, lengths in enumerate(_paged_length_patterns(batch, capacity, page)):
         q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=600 + i)
         kp, vp, table = _paginate(k, v, page, seed=610 + i, lengths=lengths)
         for num_splits, flash_order, window in ((None, None, None), (1, True, None), (1, False, None),
                                                 (7, False, None), (7, True, None), (None, None, 1000), (1, True, 100)):
-            kw = dict(num_splits=num_splits, flash_order=flash_order, window=window)
-            plain = decode_attention(q, k, v, lengths_t, scale, **kw)
-            paged = decode_attention(q, kp, vp, lengths_t, scale, block_table=table, **kw)
-            assert torch.equal(plain, paged), f"paged differs at lengths {lengths}, {kw}"
+            kw = dict(flash_order=flash_order, window=window)
+            plain = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, **kw)
+            if page_ids is None:
+                plans = [None]
+            else:
+                base = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, page_ids=page_ids)
+                plans = [dataclasses.replace(base, num_stages=n) for n in (base.num_stages, base.num_stages + 1)]
+            for plan in plans:
+                paged = decode_attention(q, kp, vp, lengths_t, scale, block_table=table, **kw,
+                                         **(dict(plan=plan) if plan else dict(num_splits=num_splits)))
+                assert torch.equal(plain, paged), f"paged differs at lengths {lengths}, {kw}, {plan}"
         # the last call's (one split, window 100) against the paged reference
         ref = decode_attention_reference(q, kp, vp, lengths_t, scale, window=100, block_table=table)
         assert torch.equal(ref, decode_attention_reference(q, k, v, lengths_t, scale, window=100))
         assert _ulp_error(paged, ref) <= MAX_ULPS
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,page",
-    [(32, 8, 128, 64), (32, 8, 128, 128), (16, 4, 256, 64)],
-    ids=["qwen3-page64", "qwen3-page128", "qwen3.5-page64"],
-)
-@pytest.mark.parametrize("batch", [1, 4, 16])
-def test_paged_split_page_ids_match_unpaged_bits_gpu(batch, heads, kv_heads, head_dim, page):
-    """page_ids "split" at the models' shapes: the unpaged form's bits (and so page_ids "tile"'s)
-    for the default plan, one split either way (the FA2 path at head_dim 128), several splits
-    (7 over 2,048 positions: splits of 320 that start inside pages), windows, and the default
-    pipeline depth and one more (5 may not fit shared memory at head_dim 256)."""
-    import dataclasses
-
-    capacity, scale = 2048, head_dim**-0.5
-    for i, lengths in enumerate(_paged_length_patterns(batch, capacity, page)):
-        q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=630 + i)
-        kp, vp, table = _paginate(k, v, page, seed=640 + i, lengths=lengths)
-        for num_splits, flash_order, window in ((None, None, None), (1, True, None), (1, False, None),
-                                                (7, False, None), (7, True, None), (None, None, 1000), (1, True, 100)):
-            kw = dict(flash_order=flash_order, window=window)
-            plain = decode_attention(q, k, v, lengths_t, scale, num_splits=num_splits, **kw)
-            base = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, page_ids="split")
-            for stages in (base.num_stages, base.num_stages + 1):
-                plan = dataclasses.replace(base, num_stages=stages)
-                paged = decode_attention(q, kp, vp, lengths_t, scale, plan=plan, block_table=table, **kw)
-                assert torch.equal(plain, paged), f"split page ids differ at lengths {lengths}, {kw}, {plan}"
 
 
 @pytest.mark.gpu

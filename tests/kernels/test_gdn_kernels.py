@@ -285,8 +285,9 @@ def test_causal_conv_prefill_continues_from_a_state(first, rest):
 
 
 @pytest.mark.parametrize("first,rest,plan", [(64, 70, gdn.PrefillPlan()), (30, 1, gdn.PrefillPlan()),
-                                             (100, 40, gdn.PrefillPlan(fused=1)), (1, 64, gdn.PrefillPlan())],
-                         ids=["chunk-then-more", "then-one", "fused", "one-then-chunk"])
+                                             (100, 40, gdn.PrefillPlan(block_v=64, state_stages=1)),
+                                             (1, 64, gdn.PrefillPlan())],
+                         ids=["chunk-then-more", "then-one", "bv64", "one-then-chunk"])
 def test_chunked_prefill_continues_from_a_state(interpreter_fixes, first, rest, plan):
     """A sequence's rule in two calls, the second from the first's final state (initial_state,
     here the same tensor as its state_out: the cache rows updated in place): within the float64
@@ -318,9 +319,8 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
 
 @pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
                                   gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=64, state_stages=1),
-                                  gdn.PrefillPlan(block_v=16, state_stages=1), gdn.PrefillPlan(fused=1),
-                                  gdn.PrefillPlan(fused=1, block_v=64, state_stages=1)],
-                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "fused", "fused-bv64"])
+                                  gdn.PrefillPlan(block_v=16, state_stages=1)],
+                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
@@ -344,7 +344,7 @@ def test_a_bad_prefill_plan_is_named():
     with pytest.raises(ValueError, match="out_warps"):
         gdn.PrefillPlan(out_warps=3)
     with pytest.raises(ValueError, match="fused"):
-        gdn.plan_from_text("fused=2")
+        gdn.plan_from_text("fused=1")
 
 
 def test_the_prefill_gate_catches_a_wrong_decay_or_gate(interpreter_fixes):
