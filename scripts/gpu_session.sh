@@ -69,7 +69,10 @@
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
-#   q35-step-ab   q35-check's timings (--timing-only) with FASTQWEN_FUSE_IN_PROJ=1 and 0 (the A/B)
+#   q35-step-ab   q35-check's timings (--timing-only) with FASTQWEN_NORM_TAIL=0 and 1 (the A/B; later stages
+#                 take the faster at batch 1)
+#   norm-tail-probe  a batch-1 product with the residual add + norm in its last program against the two
+#                 kernels (scripts/gpu_norm_tail_probe.py; bits and time)
 #   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
@@ -227,22 +230,26 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
-    q35-step-ab) # the decode step's timings with in_proj's GDN epilogue (used at batch 1) on and off; the later
-                 # stages take the faster at batch 1
+    q35-step-ab) # the decode step's timings with FASTQWEN_NORM_TAIL off and on (each residual add + norm in
+                 # the batch-1 GEMV before it); the later stages take the faster at batch 1
                  [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                    --out /tmp/q35_4b 2>&1 | tail -1
-                 for v in FASTQWEN_FUSE_IN_PROJ=1 FASTQWEN_FUSE_IN_PROJ=0; do
-                   tag=$(echo "$v" | tr ' =' '_-')
-                   env $v timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
-                     --out "$OUT/q35_step_$tag.json" > /dev/null 2>&1
-                   python3 -c "import json; d = json.load(open('$OUT/q35_step_$tag.json')); print('$tag', \
+                 for v in 0 1; do
+                   FASTQWEN_NORM_TAIL=$v timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
+                     --out "$OUT/q35_step_norm_tail_$v.json" > /dev/null 2>&1
+                   python3 -c "import json; d = json.load(open('$OUT/q35_step_norm_tail_$v.json')); print('NORM_TAIL=$v', \
                      {k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})"
                  done
-                 export FASTQWEN_FUSE_IN_PROJ=$(python3 -c "import json
-t = {v: json.load(open('$OUT/q35_step_FASTQWEN_FUSE_IN_PROJ-%s.json' % v)) for v in '10'}
-s = {v: d['timing_1x512x32']['graph_step_ms'] for v, d in t.items()}
-print(1 if s['1'] < s['0'] else 0)")
-                 echo "FASTQWEN_FUSE_IN_PROJ=$FASTQWEN_FUSE_IN_PROJ for the later stages" ;;
+                 # taken only if faster and its bits hold on this GPU (the product's last program sees every row)
+                 timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_gemv.py -k add_rmsnorm 2>&1 | tail -1 \
+                   | tee "$OUT/pytest_norm_tail.log"
+                 export FASTQWEN_NORM_TAIL=$(python3 -c "import json
+s = {v: json.load(open('$OUT/q35_step_norm_tail_%s.json' % v))['timing_1x512x32']['graph_step_ms'] for v in '01'}
+ok = 'passed' in open('$OUT/pytest_norm_tail.log').read() and 'failed' not in open('$OUT/pytest_norm_tail.log').read()
+print(1 if ok and s['1'] < s['0'] else 0)")
+                 echo "FASTQWEN_NORM_TAIL=$FASTQWEN_NORM_TAIL for the later stages" ;;
+    norm-tail-probe) timeout 200 python3 scripts/gpu_norm_tail_probe.py --out "$OUT/norm_tail_probe.json" 2>&1 \
+                       | grep -v Warn | tail -6 ;;
     chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
                    | grep -v Warn | tail -12 ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \

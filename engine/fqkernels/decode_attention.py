@@ -707,10 +707,6 @@ def decode_attention(
             f"decode_attention: page size {rows} (k_cache.shape[2]) is not a multiple of the plan's "
             f"block_n {plan.block_n}: a key tile must lie inside one page"
         )
-    _check_device(q.device)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    group = heads // kv_heads
     direct = plan.num_splits == 1
     if flash_order is None:
         flash_order = direct
@@ -721,6 +717,10 @@ def decode_attention(
         # us), with them in registers 36.5 (H200, session 13); elsewhere "tile" was as fast or faster
         plan = replace(plan, page_ids="split")
     page_ids = _page_ids_vector(plan, capacity, rows) if paged else 0
+    _check_device(q.device)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    group = heads // kv_heads
     # flash's softmax_scale is a float: c = float(float(scale) * log2 e) there.
     qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 else float(scale)) * _LOG2E
     if direct:

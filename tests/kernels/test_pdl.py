@@ -40,7 +40,7 @@ def test_attention_kernels_compile_with_pdl():
            "stride_tb": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
     for paged in (False, True):   # the row cache, and the paged one (pages through a block table)
         consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True,
-                      FA2_PATH=False, PAGED=paged, PAGE=64)
+                      FA2_PATH=False, PAGED=paged, PAGE=64, PAGE_IDS=0)
         _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
                     .asm["ptx"])
     sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
