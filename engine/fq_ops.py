@@ -59,6 +59,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return o.transpose(1, 2).reshape(-1, H * D)
 
 
+def prefix_mask(first: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[keys - first, keys] bool: query position p in [first, keys) sees key j <= p (and j > p -
+    window with a window), the causal mask of a continued prompt, aligned at the bottom right."""
+    qpos = torch.arange(first, keys, device=device)[:, None]
+    kpos = torch.arange(keys, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq_len: int, start: int,
                      scale: float, last_only: bool = False, window: int | None = None) -> torch.Tensor:
     """Attention of a continued prompt's queries (positions [start, start + seq_len), q [B*S, H, D])
@@ -69,15 +80,10 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: i
     attention, in another kernel's arithmetic. Returns [B*S, H*D], or with `last_only` [B, H*D]."""
     H, D = q.shape[1], q.shape[2]
     group = H // k.shape[1]
-    keys = start + seq_len
     qh = q.view(batch, seq_len, H, D)
     first = seq_len - 1 if last_only else 0
     qh = qh[:, first:].transpose(1, 2)
-    qpos = torch.arange(start + first, keys, device=q.device)[:, None]
-    kpos = torch.arange(keys, device=q.device)[None, :]
-    mask = kpos <= qpos
-    if window is not None:
-        mask &= kpos > qpos - window
+    mask = prefix_mask(start + first, start + seq_len, q.device, window)
     with sdpa_kernel(_SDPA_BACKENDS):
         o = F.scaled_dot_product_attention(qh, _expand_kv(k, group), _expand_kv(v, group), attn_mask=mask,
                                            scale=scale)

@@ -53,6 +53,7 @@ from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
 from fq_model import cached_kv, write_pages
+from fq_ops import prefix_mask
 from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 
 BACKENDS = ("torch", "triton")
@@ -426,12 +427,10 @@ class Qwen35Model:
         kernel: the product's last program does the add and norm (gemv.linear_add_rmsnorm)."""
         if norm is not None and NORM_TAIL and x.numel() == x.shape[-1]:
             from fqkernels import gemv
-            from fqkernels.rmsnorm import torch_order_launch
 
             rows, weight, eps = norm
             config = self.ops.gemv_config(1, w)
-            if (config is not None and config.mode == "fma" and config.split_k == 1
-                    and torch_order_launch(w.shape[0], x.device) is not None):
+            if config is not None and gemv.add_rmsnorm_fits(config, w.shape[0], x.device):
                 return gemv.linear_add_rmsnorm(x.reshape(1, -1).contiguous(), w, rows, weight, eps, one_plus=True,
                                                config=config)
         return self._add_norm(self.ops.linear(x, w), norm)
@@ -525,9 +524,8 @@ class Qwen35Model:
             self.k_cache[slot, rows, :, start:start + S], self.v_cache[slot, rows, :, start:start + S] = k, v
         if start:   # a continued prompt: the cached keys and these, the causal mask at the bottom right
             kc, vc = cached_kv(self.k_cache[slot], self.v_cache[slot], self.block_table, rows, start + S)
-            qpos = torch.arange(start, start + S, device=h.device)[:, None]
-            mask = torch.arange(start + S, device=h.device)[None, :] <= qpos
-            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=prefix_mask(start, start + S, h.device),
+                                                  scale=self.scale, enable_gqa=True)
             return self._attention_out(i, attn.transpose(1, 2), gate, norm)
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
@@ -654,11 +652,11 @@ class Qwen35Model:
         B = h.shape[0]
         slot = self.gdn_slot[i]
         conv_state, conv_w = self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1)
-        w_in = self.w[p + "in_proj.weight"] if self.backend == "triton" else None
-        config = self.ops.gemv_config(B, w_in) if FUSE_IN_PROJ and w_in is not None else None
+        w_in = self.w[p + "in_proj.weight"]
         # the conv and gates in the product's epilogue at batch 1: measured 25 us a step faster there,
         # and slower at batch 4 and 16 (the 4B's tensor-core tiles; PERF_LOG, session 13)
-        if config is not None and config.split_k == 1 and B == 1:
+        config = self.ops.gemv_config(1, w_in) if FUSE_IN_PROJ and B == 1 else None
+        if config is not None and config.split_k == 1:
             mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
                                                             self.w[p + "A_log"], self.w[p + "dt_bias"],
                                                             c.linear_v_heads * c.linear_v_dim, config)
@@ -682,9 +680,6 @@ class _TorchProducts:
     """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
 
     linear = staticmethod(F.linear)
-
-    def gemv_config(self, rows: int, w: torch.Tensor):
-        return None
 
     def tune(self, weights, rows: int) -> dict:
         return {}

@@ -21,11 +21,11 @@ casts, so the same bits as the unpaged form over a [B, KVH, C, D] cache of the s
 contents (and, with PAGED a constexpr, the unpaged kernel compiles as before).
 Where the page indices come from is the plan's page_ids: "tile" (decode_attention_plan's
 default; what decode_attention runs without a plan, except on the FA2 path, where it takes
-"split" when the split fits) loads each tile's entry from the table inside the key loop; "split" loads the entries of the pages
-the program's split spans once, before the loop, as a small vector (PAGE_IDS entries, a
-power of two), and each tile picks its own from it in registers, so no load of the table
-sits in the loop (whose software pipeline may then keep its stages for K and V). Both give
-the same page for every tile, hence the same bits.
+"split" when the split fits) loads each tile's entry from the table inside the key loop;
+"split" loads the entries of the pages the program's split spans once, before the loop, as a
+small vector (PAGE_IDS entries, a power of two), and each tile picks its own from it in
+registers, so no load of the table sits in the loop (whose software pipeline may then keep
+its stages for K and V). Both give the same page for every tile, hence the same bits.
 
 Cast points (the same as the pure-torch reference below and as SDPA's flash path):
 scores are fp32 sums of bf16 products (tl.dot), softmax runs in fp32, the
@@ -224,8 +224,7 @@ def _page_ids_vector(plan: DecodeAttentionPlan, capacity: int, page: int) -> int
     can be one more than split_len / PAGE rounded up). ValueError past _MAX_PAGE_IDS."""
     if plan.page_ids == "tile":
         return 0
-    span = max((min((s + 1) * plan.split_len, capacity) - 1) // page - (s * plan.split_len) // page + 1
-               for s in range(plan.num_splits))
+    span = _split_page_span(plan, capacity, page)
     size = triton.next_power_of_2(span)
     if size > _MAX_PAGE_IDS:
         raise ValueError(
@@ -236,13 +235,10 @@ def _page_ids_vector(plan: DecodeAttentionPlan, capacity: int, page: int) -> int
     return size
 
 
-def _fits_split_page_ids(plan: DecodeAttentionPlan, capacity: int, page: int) -> bool:
-    """Whether page_ids="split" fits this launch (_page_ids_vector's limit)."""
-    try:
-        _page_ids_vector(replace(plan, page_ids="split"), capacity, page)
-    except ValueError:
-        return False
-    return True
+def _split_page_span(plan: DecodeAttentionPlan, capacity: int, page: int) -> int:
+    """The most pages of `page` positions one split of the plan spans."""
+    return max((min((s + 1) * plan.split_len, capacity) - 1) // page - (s * plan.split_len) // page + 1
+               for s in range(plan.num_splits))
 
 
 @triton.jit
@@ -711,7 +707,8 @@ def decode_attention(
     if flash_order is None:
         flash_order = direct
     fa2 = fa2_applies(plan, bool(flash_order), head_dim)
-    if paged and default_plan and fa2 and _fits_split_page_ids(plan, capacity, rows):
+    if (paged and default_plan and fa2
+            and triton.next_power_of_2(_split_page_span(plan, capacity, rows)) <= _MAX_PAGE_IDS):
         # the default plan's paged FA2 path takes its page indices once a split: with one table
         # load a tile in the key loop it ran 1.7x the rows' time at batch 16 (60.5 against 35.7
         # us), with them in registers 36.5 (H200, session 13); elsewhere "tile" was as fast or faster

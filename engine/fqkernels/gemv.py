@@ -75,6 +75,7 @@ __all__ = [
     "linear_partials",
     "linear_epilogue",
     "linear_add_rmsnorm",
+    "add_rmsnorm_fits",
     "linear_reference",
     "linear_silu_mul_reference",
     "in_order",
@@ -743,6 +744,15 @@ def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: Ge
 _COUNTERS: dict = {}
 
 
+def add_rmsnorm_fits(config: GemvConfig, n: int, device: torch.device) -> bool:
+    """Whether linear_add_rmsnorm runs a product of n outputs at one row with this config: the fma
+    kernel, one row and one K chunk a program, and a norm width the torch-order kernel runs."""
+    from fqkernels.rmsnorm import torch_order_launch
+
+    return (config.mode == "fma" and config.block_m == 1 and config.split_k == 1
+            and torch_order_launch(n, device) is not None)
+
+
 def linear_add_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
                        one_plus: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """One row's product, then the residual add and RMSNorm after it, in one kernel: r =
@@ -751,8 +761,9 @@ def linear_add_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
     bit for bit: the product's last program does the norm (rmsnorm.add_rmsnorm_tail) instead of a
     kernel of its own. One row, the fma kernel, one K chunk a program (config; None: the table's),
     and a norm width the torch-order kernel runs (rmsnorm.torch_order_launch); ValueError
-    otherwise. Compiled without fp fusion (the norm's arithmetic needs it; the product's bf16
-    products are exact in fp32, so its sums are `linear`'s either way)."""
+    otherwise (add_rmsnorm_fits tells beforehand). Compiled without fp fusion (the norm's
+    arithmetic needs it; the product's bf16 products are exact in fp32, so its sums are
+    `linear`'s either way)."""
     from fqkernels.rmsnorm import _inverse, torch_order_launch
 
     n = w.shape[0]

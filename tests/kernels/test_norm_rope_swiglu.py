@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from bf16_checks import close_to_ulp as _close_to_ulp
 from engine_modules import ENGINE_DIR
 
 sys.path.insert(0, str(ENGINE_DIR))
@@ -25,18 +26,6 @@ from fqkernels.rope_kv import qk_norm_rope_store, qk_norm_rope_store_reference, 
 from fqkernels.swiglu import silu_mul, silu_mul_reference  # noqa: E402
 
 DEV = torch.device("cuda")
-
-
-def _close_to_ulp(out, ref, max_mismatch=2e-3, scale=None, ulps=1):
-    """Bit-identical, or differing by at most `ulps` BF16 ulps (of `scale`, default
-    the element itself) on a tiny fraction of elements."""
-    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
-    diff = out.float() != ref.float()
-    if diff.any():
-        a, b = out[diff].float(), ref[diff].float()
-        ulp = (torch.maximum(a.abs(), b.abs()) if scale is None else scale.expand_as(out)[diff]) * 2.0 ** -7
-        assert ((a - b).abs() <= ulps * ulp).all(), f"max diff {(a - b).abs().max()} exceeds {ulps} bf16 ulp(s)"
-    assert diff.float().mean() <= max_mismatch, f"{diff.float().mean():.2e} of elements differ"
 
 
 @pytest.mark.parametrize("torch_order", [True, False])

@@ -15,6 +15,7 @@ import pytest
 import torch
 import triton
 
+from bf16_checks import close_to_ulp as _close_to_ulp
 from engine_modules import ENGINE_DIR
 
 if str(ENGINE_DIR) not in sys.path:
@@ -35,18 +36,6 @@ needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_I
 @pytest.fixture(autouse=True)
 def _bf16_rounding(interpreter_bf16_rounding):
     """tests/kernels/conftest.py: under the interpreter, fp32 -> bf16 rounds as on the GPU."""
-
-
-def _close_to_ulp(out, ref, max_mismatch=2e-3, scale=None, ulps=1):
-    """As in test_norm_rope_swiglu.py: bit-identical, or differing by at most `ulps` BF16 ulps
-    (of `scale`, default the element itself) on a tiny fraction of elements."""
-    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
-    diff = out.float() != ref.float()
-    if diff.any():
-        a, b = out[diff].float(), ref[diff].float()
-        ulp = (torch.maximum(a.abs(), b.abs()) if scale is None else scale.expand_as(out)[diff]) * 2.0 ** -7
-        assert ((a - b).abs() <= ulps * ulp).all(), f"max diff {(a - b).abs().max()} exceeds {ulps} bf16 ulp(s)"
-    assert diff.float().mean() <= max_mismatch, f"{diff.float().mean():.2e} of elements differ"
 
 
 # ----------------------------------------------------------------------------- pools and tables
