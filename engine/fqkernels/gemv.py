@@ -164,20 +164,22 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
         (4, GemvConfig(block_n=128, block_k=256, split_k=1)),
         (None, GemvConfig(block_n=128, block_k=128, split_k=1)),
     ),
-    # Qwen3.5-4B's decode products (its o_proj / out_proj are the (2560, 4096) above):
-    # Qwen3-4B's configs for the same K at every row count, not yet swept at these shapes
-    # (scripts/bench_gemv.py --ops q35_*). From 2 rows each walks K in order (split_k 1,
-    # tensor-core tiles), what exact decode needs (EXACT_CONFIGS below for down).
+    # Qwen3.5-4B's decode products (its o_proj / out_proj are the (2560, 4096) above): 1 and
+    # 2-4 rows from results/h200-2026-12-01/session14/run1_bench_gemv_q35.json (us, the best
+    # against the Qwen3-4B config these shapes ran before, and cuBLAS); 5+ rows still Qwen3-4B's
+    # configs for the same K. in_proj keeps split_k 1 (its conv + gates epilogue needs it).
     (12352, 2560): (                                                    # GDN in_proj (qkv | z | b | a)
-        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
-        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
+        (1, GemvConfig(block_n=16, block_k=256, split_k=1, mode="fma", block_m=1)),     # 16.0 us (16.8; 19.4)
+        (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),  # 19.3 at 4 (19.7)
     ),
     (10240, 2560): (                                                    # attention q | k | v, packed
-        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (1, GemvConfig(block_n=16, block_k=256, split_k=1, mode="fma", block_m=1)),     # 13.6 us (15.2; 15.6)
+        (4, GemvConfig(block_n=128, block_k=128, split_k=1, num_stages=4, mode="dot_t")),  # 15.7 (16.9; 15.7)
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),
     ),
     (2560, 9216): (                                                     # down_proj
-        (1, GemvConfig(block_n=4, block_k=512, split_k=1, mode="fma", block_m=1)),
+        (1, GemvConfig(block_n=8, block_k=1024, split_k=1, mode="fma", block_m=1)),     # 13.0 us (13.2; 15.9)
+        (4, GemvConfig(block_n=128, block_k=128, split_k=4, num_stages=4, mode="dot_t")),  # 14.4 (14.8; 16.4)
         (None, GemvConfig(block_n=64, block_k=128, split_k=4, num_stages=4, mode="dot_t")),
     ),
     (248320, 2560): (                                                   # lm_head (tied)
@@ -194,7 +196,7 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
         (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
     ),
     (18432, 2560): (                                                    # Qwen3.5-4B's (as above)
-        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
+        (1, GemvConfig(block_n=4, block_k=256, split_k=1, mode="fma", block_m=1)),      # 24.8 us (25.8; 30.2)
         (4, GemvConfig(block_n=128, block_k=128, split_k=1)),
         (None, GemvConfig(block_n=32, block_k=128, split_k=1)),
     ),
