@@ -134,18 +134,24 @@ SWEEP = {
     "solve_w8": dict(solve_warps=8),
     "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
     "w8_bv16": dict(solve_warps=8, out_warps=8, block_v=16, state_stages=1),
+    "out_c4": dict(out_chunks=4),
+    "out_bf16x2": dict(out_prec="bf16x2"),
+    "out_bf16x2_w8": dict(out_prec="bf16x2", out_warps=8),
+    "out_bf16x2_c4": dict(out_prec="bf16x2", out_chunks=4),
+    "out_bf16x2_c4_s3": dict(out_prec="bf16x2", out_chunks=4, out_stages=3),
+    "out_bf16x2_bv128_w8": dict(out_prec="bf16x2", out_bv=128, out_warps=8),
 }
 
 
-def sweep_isolated(shapes: str) -> list[dict]:
-    """sweep_rows for each SWEEP plan in a process of its own: a plan whose launch faults (an
-    illegal address leaves the CUDA context unusable) is reported as that plan's error and
+def sweep_isolated(shapes: str, names: list[str]) -> list[dict]:
+    """sweep_rows for each named SWEEP plan in a process of its own: a plan whose launch faults
+    (an illegal address leaves the CUDA context unusable) is reported as that plan's error and
     the others still run."""
     rows = []
-    for name in SWEEP:
+    for name in names:
         with tempfile.NamedTemporaryFile(suffix=".json") as part:
-            proc = subprocess.run([sys.executable, __file__, "--sweep", shapes, "--plans", name, "--out", part.name],
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, __file__, "--sweep", shapes, "--plans", name, "--in-process",
+                                   "--out", part.name], capture_output=True, text=True)
             got = []
             if proc.returncode == 0:
                 with open(part.name) as f:
@@ -236,8 +242,9 @@ def main() -> None:
     ap.add_argument("--decode", default="1,4,16,64", help="batches of the decode-step comparison ('' skips it)")
     ap.add_argument("--sweep", default="", help="shapes at which to time every SWEEP launch plan instead "
                     "(e.g. 4x2048,16x8192); the comparison with fla and the decode rows are skipped")
-    ap.add_argument("--plans", default="", help="with --sweep: only these SWEEP plans, in this process "
-                    "(default: every plan, each in a process of its own)")
+    ap.add_argument("--plans", default="", help="with --sweep: only these SWEEP plans (default: every plan), "
+                    "each in a process of its own")
+    ap.add_argument("--in-process", action="store_true", help="with --sweep: the plans in this process")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     ap.add_argument("--best", default="", help="print the best plan of a --sweep report (FASTQWEN_GDN_PLAN text)")
     args = ap.parse_args()
@@ -247,11 +254,12 @@ def main() -> None:
         return
     dev = torch.device("cuda")
     if args.sweep:
-        unknown = [n for n in args.plans.split(",") if n and n not in SWEEP]
+        names = [n for n in args.plans.split(",") if n] or list(SWEEP)
+        unknown = [n for n in names if n not in SWEEP]
         if unknown:
             ap.error(f"--plans: unknown plan(s) {', '.join(unknown)}; known: {', '.join(SWEEP)}")
-        rows = (sweep_rows(args.sweep.split(","), dev, args.plans.split(",")) if args.plans
-                else sweep_isolated(args.sweep))
+        rows = (sweep_rows(args.sweep.split(","), dev, names) if args.in_process
+                else sweep_isolated(args.sweep, names))
         with open(args.out, "w") as f:
             json.dump({"torch": torch.__version__, "sweep": rows}, f, indent=1)
         return

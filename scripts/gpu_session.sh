@@ -69,10 +69,7 @@
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
-#   q35-step-ab   q35-check's timings (--timing-only) with FASTQWEN_NORM_TAIL=0 and 1 (the A/B; later stages
-#                 take the faster at batch 1)
-#   norm-tail-probe  a batch-1 product with the residual add + norm in its last program against the two
-#                 kernels (scripts/gpu_norm_tail_probe.py; bits and time)
+#   q35-step-ab   q35-check's timings alone (--timing-only): the decode step's graphed step times
 #   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
@@ -82,6 +79,8 @@
 #   use-best-gdn-plan  FASTQWEN_GDN_PLAN for the later stages: the fastest plan bench-gdn-sweep found (within the
 #                 state and output gates against the reference)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x512, 1x2048, 4x2048, 16x8192
+#                 (SWEEP_PLANS / SWEEP_SHAPES: comma lists, some plans or shapes only)
+#   kernels-gdn-prefill  test_gdn_kernels.py's prompt-pass and in_proj epilogue tests alone
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
 #                 at 4-64 rows, against the table's config and cuBLAS (scripts/gpu_gemm_inorder.py)
@@ -230,26 +229,13 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
-    q35-step-ab) # the decode step's timings with FASTQWEN_NORM_TAIL off and on (each residual add + norm in
-                 # the batch-1 GEMV before it); the later stages take the faster at batch 1
+    q35-step-ab) # the decode step's timings alone
                  [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                    --out /tmp/q35_4b 2>&1 | tail -1
-                 for v in 0 1; do
-                   FASTQWEN_NORM_TAIL=$v timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
-                     --out "$OUT/q35_step_norm_tail_$v.json" > /dev/null 2>&1
-                   python3 -c "import json; d = json.load(open('$OUT/q35_step_norm_tail_$v.json')); print('NORM_TAIL=$v', \
-                     {k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})"
-                 done
-                 # taken only if faster and its bits hold on this GPU (the product's last program sees every row)
-                 timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_gemv.py -k add_rmsnorm 2>&1 | tail -1 \
-                   | tee "$OUT/pytest_norm_tail.log"
-                 export FASTQWEN_NORM_TAIL=$(python3 -c "import json
-s = {v: json.load(open('$OUT/q35_step_norm_tail_%s.json' % v))['timing_1x512x32']['graph_step_ms'] for v in '01'}
-ok = 'passed' in open('$OUT/pytest_norm_tail.log').read() and 'failed' not in open('$OUT/pytest_norm_tail.log').read()
-print(1 if ok and s['1'] < s['0'] else 0)")
-                 echo "FASTQWEN_NORM_TAIL=$FASTQWEN_NORM_TAIL for the later stages" ;;
-    norm-tail-probe) timeout 200 python3 scripts/gpu_norm_tail_probe.py --out "$OUT/norm_tail_probe.json" 2>&1 \
-                       | grep -v Warn | tail -6 ;;
+                 timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
+                   --out "$OUT/q35_step.json" > /dev/null 2>&1
+                 python3 -c "import json; d = json.load(open('$OUT/q35_step.json')); \
+                   print({k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})" ;;
     chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
                    | grep -v Warn | tail -12 ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
@@ -265,8 +251,11 @@ print(1 if ok and s['1'] < s['0'] else 0)")
                      | tail -30 | tee "$OUT/pytest_paged.log" ;;
     serve-bench) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 560 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
-    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep 1x512,1x2048,4x2048,16x8192 \
-                       --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 | tail -45 ;;
+    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep "${SWEEP_SHAPES:-1x512,1x2048,4x2048,16x8192}" \
+                       --plans "${SWEEP_PLANS:-}" --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 \
+                       | tail -45 ;;
+    kernels-gdn-prefill) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py \
+                           -k "prefill or epilogue" 2>&1 | tail -30 | tee "$OUT/pytest_gdn_prefill.log" ;;
     use-best-gdn-plan) # the fastest plan of this call's bench-gdn-sweep within the gates, for every later stage
                  export FASTQWEN_GDN_PLAN=$(python3 scripts/bench_gdn.py --best "$OUT/bench_gdn_sweep.json")
                  echo "FASTQWEN_GDN_PLAN=$FASTQWEN_GDN_PLAN" | tee "$OUT/gdn_plan.txt" ;;
