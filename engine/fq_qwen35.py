@@ -62,9 +62,6 @@ MLP_ROWS = 8192
 # The GDN step's conv and gates in in_proj's GEMV epilogue at batch 1 (the same bits as the
 # separate kernel; FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
 FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
-# FASTQWEN_NORM_TAIL=1: at batch 1 each residual add + norm done by the last program of the GEMV
-# before it (gemv.linear_add_rmsnorm, the same bits); off until timed on a GPU (norm-tail-probe)
-NORM_TAIL = os.environ.get("FASTQWEN_NORM_TAIL", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -369,8 +366,7 @@ class Qwen35Model:
         rows = slice(row, row + B)
         self.ensure_rope(start + S)
         cos, sin = self.cos[None, start:start + S], self.sin[None, start:start + S]     # [1, S, r]
-        h = self._layers(ids, rows, lambda i, h, norm=None: self._attention_prefill(i, h, cos, sin, rows, start, norm),
-                         start)
+        h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows, start), start)
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -385,8 +381,7 @@ class Qwen35Model:
             cos = sin = None
         else:
             cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        h = self._layers(tokens[:, None], None,
-                         lambda i, h, norm=None: self._attention_step(i, h, cos, sin, positions, lengths, norm))
+        h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
         return self._logits(h)
 
     def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention, start: int = 0) -> torch.Tensor:
@@ -395,7 +390,7 @@ class Qwen35Model:
         the MLP, each behind its (1 + w) norm, adds in BF16. Returns the final norm's output at
         each sequence's last position, [B, hidden]. On the triton backend the embedding lookup and
         the first norm are one kernel, and each residual add and the norm after it one kernel
-        (fqkernels.rmsnorm, one_plus), or the tail of the product before it (_product_norm)."""
+        (fqkernels.rmsnorm, one_plus)."""
         eps, L = self.cfg.rms_norm_eps, self.cfg.num_layers
         ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
         table = self.w["model.embed_tokens.weight"]
@@ -406,65 +401,38 @@ class Qwen35Model:
                 x = x + (self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h))
                 x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
             return _norm(x[:, -1], self.w["model.norm.weight"], eps)
-        from fqkernels.rmsnorm import embed_rmsnorm
+        from fqkernels.rmsnorm import add_rmsnorm, embed_rmsnorm
 
         shape = (*ids.shape, table.shape[1])
         # rows: the residual stream, added to in place
         rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
         h = h.view(shape)
         for i in range(L):
-            # each block's last product hands back the residual add and the norm after it
-            post = (rows, ln(i, "post_attention_layernorm"), eps)
-            h = (self._gdn(i, h, prompt_rows, start, post) if i in self.gdn_slot else attention(i, h, post)).view(shape)
+            mixed = self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h)
+            h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
+                            one_plus=True).view(shape)
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
-            h = self._mlp(i, h, (rows, nxt, eps)).view(shape)
+            h = add_rmsnorm(rows, self._mlp(i, h).reshape(rows.shape), nxt, eps, one_plus=True).view(shape)
         return h[:, -1]
-
-    def _product_norm(self, x: torch.Tensor, w: torch.Tensor, norm: tuple | None) -> torch.Tensor:
-        """x @ w.T; with norm = (rows, weight, eps), the residual stream rows [N, hidden] <- rows +
-        the product (in place) and its (1 + w) norm returned, [N, hidden] (rmsnorm.add_rmsnorm's
-        bits). With FASTQWEN_NORM_TAIL=1, at one row where our GEMV runs w in one K chunk, one
-        kernel: the product's last program does the add and norm (gemv.linear_add_rmsnorm)."""
-        if norm is not None and NORM_TAIL and x.numel() == x.shape[-1]:
-            from fqkernels import gemv
-
-            rows, weight, eps = norm
-            config = self.ops.gemv_config(1, w)
-            if config is not None and gemv.add_rmsnorm_fits(config, w.shape[0], x.device):
-                return gemv.linear_add_rmsnorm(x.reshape(1, -1).contiguous(), w, rows, weight, eps, one_plus=True,
-                                               config=config)
-        return self._add_norm(self.ops.linear(x, w), norm)
-
-    @staticmethod
-    def _add_norm(y: torch.Tensor, norm: tuple | None) -> torch.Tensor:
-        """y, or with norm = (rows, weight, eps) rows <- rows + y and its (1 + w) norm (one kernel)."""
-        if norm is None:
-            return y
-        from fqkernels.rmsnorm import add_rmsnorm
-
-        rows, weight, eps = norm
-        return add_rmsnorm(rows, y.reshape(rows.shape), weight, eps, one_plus=True)
 
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """BF16 logits of final-normed rows."""
         return self.ops.linear(h, self.w["lm_head.weight"])
 
-    def _mlp(self, i: int, h: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
-        """Layer i's MLP over h; with norm (the triton backend), the residual add and the norm after
-        it too (_product_norm)."""
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
             gate_up, down = self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"]
             rows = h.reshape(-1, h.shape[-1])
             if rows.shape[0] <= MLP_ROWS:
-                return self._product_norm(self.ops.linear_silu_mul(h, gate_up), down, norm)
+                return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
             # rows are independent: slices bound gate | up's activations (2 x 9216 x 2 B a token on
             # the 4B) at any prompt size; each slice's products are cuBLAS's at its row count
             out = torch.empty((rows.shape[0], down.shape[0]), dtype=h.dtype, device=h.device)
             for r0 in range(0, rows.shape[0], MLP_ROWS):
                 out[r0:r0 + MLP_ROWS] = self.ops.linear(self.ops.linear_silu_mul(rows[r0:r0 + MLP_ROWS], gate_up), down)
-            return self._add_norm(out.view(*h.shape[:-1], down.shape[0]), norm)
+            return out.view(*h.shape[:-1], down.shape[0])
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
@@ -514,7 +482,7 @@ class Qwen35Model:
             return torch.split(self.ops.linear(h, w), sizes, dim=-1)
         return tuple(F.linear(h, part) for part in torch.split(w, sizes))
 
-    def _attention_prefill(self, i: int, h, cos, sin, rows: slice, start: int = 0, norm: tuple | None = None):
+    def _attention_prefill(self, i: int, h, cos, sin, rows: slice, start: int = 0):
         B, S, _ = h.shape
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         slot = self.attn_slot[i]
@@ -526,13 +494,13 @@ class Qwen35Model:
             kc, vc = cached_kv(self.k_cache[slot], self.v_cache[slot], self.block_table, rows, start + S)
             attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=prefix_mask(start, start + S, h.device),
                                                   scale=self.scale, enable_gqa=True)
-            return self._attention_out(i, attn.transpose(1, 2), gate, norm)
+            return self._attention_out(i, attn.transpose(1, 2), gate)
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
         # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        return self._attention_out(i, attn.transpose(1, 2), gate, norm)
+        return self._attention_out(i, attn.transpose(1, 2), gate)
 
-    def _attention_step(self, i: int, h, cos, sin, positions, lengths, norm: tuple | None = None):
+    def _attention_step(self, i: int, h, cos, sin, positions, lengths):
         B = h.shape[0]
         slot = self.attn_slot[i]
         paged = self.block_table is not None
@@ -560,7 +528,7 @@ class Qwen35Model:
                 rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
                 q = q[:, :, 0]
             attn = decode_attention(q, kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
-            return self._attention_out(i, attn.unsqueeze(1), gate, norm)
+            return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
         rows = torch.arange(B, device=h.device)
         if paged:   # written into the pages at each row's position, then the rows gathered back as [B, KVH, C, D]
@@ -580,23 +548,21 @@ class Qwen35Model:
             mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
-        return self._attention_out(i, attn.transpose(1, 2), gate, norm)
+        return self._attention_out(i, attn.transpose(1, 2), gate)
 
-    def _attention_out(self, i: int, attn, gate, norm: tuple | None = None):
+    def _attention_out(self, i: int, attn, gate):
         """o_proj(attn * sigmoid(gate)), attn and gate [B, T, H, D] (views): on the triton backend
         one kernel reading both in place (swiglu.sigmoid_gate_mul, the torch ops' bits), on the
         torch backend the reference's ops on both flattened to [B, T, H * D]."""
         gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
-        return self._product_norm(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"], norm)
+        return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
-    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0,
-             norm: tuple | None = None) -> torch.Tensor:
+    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0) -> torch.Tensor:
         """GDN layer i over h: a prompt pass filling cache rows prompt_rows (start > 0: going on
-        from the rows' conv and recurrent states), or (None) one decode step of the first B rows;
-        with norm (the triton backend), the residual add and the norm after it too."""
+        from the rows' conv and recurrent states), or (None) one decode step of the first B rows."""
         prompt = prompt_rows is not None
         if not prompt and self.backend == "triton":
-            return self._gdn_step_kernels(i, h, norm)
+            return self._gdn_step_kernels(i, h)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
@@ -633,7 +599,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self._product_norm(o.reshape(B, T, -1), self.w[p + "out_proj.weight"], norm)
+        return self.ops.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
 
     def _in_proj(self, p: str, h: torch.Tensor):
         """A GDN layer's four input projections (qkv for the conv, z, b, a): one product of the
@@ -644,10 +610,9 @@ class Qwen35Model:
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
         return torch.split(self.ops.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
 
-    def _gdn_step_kernels(self, i: int, h: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
-        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden] (with
-        norm: the residual add and the norm after it, _product_norm). The conv and recurrent
-        states are updated in place."""
+    def _gdn_step_kernels(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
+        The conv and recurrent states are updated in place."""
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
         slot = self.gdn_slot[i]
@@ -673,7 +638,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self._product_norm(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"], norm)
+        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 
 class _TorchProducts:

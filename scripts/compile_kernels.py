@@ -732,11 +732,6 @@ def _qwen35_products(batch: int) -> None:
     gemv.linear(torch.empty((batch, 9216), dtype=torch.bfloat16, device=CUDA),
                 torch.empty((2560, 9216), dtype=torch.bfloat16, device=CUDA))
     gemv.linear_silu_mul(x, torch.empty((18432, 2560), dtype=torch.bfloat16, device=CUDA))
-    if batch == 1:       # a product with the residual add and norm after it in its last program (one row)
-        row = torch.empty((1, 2560), dtype=torch.bfloat16, device=CUDA)
-        gemv.linear_add_rmsnorm(torch.empty((1, 4096), dtype=torch.bfloat16, device=CUDA),
-                                torch.empty((2560, 4096), dtype=torch.bfloat16, device=CUDA), row,
-                                torch.empty(2560, dtype=torch.bfloat16, device=CUDA), 1e-6, one_plus=True)
     from fqkernels.argmax import argmax
 
     argmax(torch.empty((batch, 248320), dtype=torch.bfloat16, device=CUDA))      # the greedy pick

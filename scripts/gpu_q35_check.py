@@ -8,6 +8,11 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 
     python scripts/gpu_q35_check.py --model DIR [--shapes 1x512x32,4x2048x32,16x512x128]
         [--profile 1x512,16x512] [--out FILE]
+        [--gemv NxK@ROWS:field=value,...]   # an A/B: one GEMV table entry replaced
+
+--gemv (repeatable; --gemv-silu for the fused gate/up table) replaces the config of the table
+entry for weight shape N x K whose row limit is ROWS (fqkernels/gemv.py LINEAR_CONFIGS /
+SILU_MUL_CONFIGS) with GemvConfig(field=value, ...) before the model loads.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
+from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
@@ -63,6 +69,26 @@ def _forced(model, seq, S, N):
     return torch.stack(out, 1)
 
 
+def _replace_entry(ap: argparse.ArgumentParser, table: dict, spec: str) -> None:
+    """--gemv's NxK@ROWS:field=value,...: the config of table[(N, K)]'s pair whose row limit is ROWS."""
+    try:
+        shape, fields = spec.split(":", 1)
+        nk, rows = shape.split("@")
+        n, k = (int(x) for x in nk.split("x"))
+        kw = {}
+        for part in fields.split(","):
+            name, value = part.split("=")
+            kw[name.strip()] = value.strip() if name.strip() == "mode" else int(value)
+        cfg = gemv.GemvConfig(**kw)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--gemv {spec!r}: not NxK@ROWS:field=value,... ({exc})")
+    entry = table.get((n, k))
+    limits = [m for m, _ in entry] if isinstance(entry, tuple) else []
+    if int(rows) not in limits:
+        ap.error(f"--gemv {spec!r}: the table has no entry for {n} x {k} with row limit {rows} (limits: {limits})")
+    table[(n, k)] = tuple((m, cfg if m == int(rows) else c) for m, c in entry)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -71,7 +97,16 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "q35_check.json"))
     ap.add_argument("--timing-only", action="store_true",
                     help="only the shapes' timings (no torch model, no teacher-forced or graph checks): an A/B")
+    ap.add_argument("--gemv", action="append", default=[], metavar="NxK@ROWS:FIELDS",
+                    help="replace a GEMV table entry's config (repeatable), e.g. 12352x2560@1:block_n=8,block_k=256,"
+                    "mode=fma,block_m=1")
+    ap.add_argument("--gemv-silu", action="append", default=[], metavar="NxK@ROWS:FIELDS",
+                    help="the same for the fused gate/up (SiLU) table")
     args = ap.parse_args()
+    for table, specs in ((gemv.LINEAR_CONFIGS, args.gemv), (gemv.SILU_MUL_CONFIGS, args.gemv_silu)):
+        for spec in specs:
+            _replace_entry(ap, table, spec)
+    gemv.select_config.cache_clear()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = fq_qwen35.Qwen35Config.from_dir(args.model)

@@ -69,7 +69,9 @@
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
-#   q35-step-ab   q35-check's timings alone (--timing-only): the decode step's graphed step times
+#   q35-step      q35-check's timings alone (--timing-only): the decode step's graphed step times
+#   q35-gemv-ab   the batch-1 decode step's time with the GEMV table, with in_proj at 16 columns a program,
+#                 and with session 13's batch-1 configs (gpu_q35_check.py --gemv)
 #   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
@@ -229,13 +231,34 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out /tmp/q35_4b 2>&1 | tail -1
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
-    q35-step-ab) # the decode step's timings alone
+    q35-step) # the decode step's timings alone
                  [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
                    --out /tmp/q35_4b 2>&1 | tail -1
                  timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
                    --out "$OUT/q35_step.json" > /dev/null 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step.json')); \
                    print({k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})" ;;
+    q35-gemv-ab) # the batch-1 step with the GEMV table as committed, in_proj at 16 columns a program (its
+                 # epilogue), and session 13's batch-1 configs (each a process of its own, this call)
+                 [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+                   --out /tmp/q35_4b 2>&1 | tail -1
+                 fma1=mode=fma,block_m=1
+                 i=0
+                 for arm in table in_proj_n16 session13; do
+                   i=$((i + 1))
+                   case $arm in
+                     table) extra=() ;;
+                     in_proj_n16) extra=(--gemv "12352x2560@1:block_n=16,block_k=256,$fma1") ;;
+                     session13) extra=(--gemv "12352x2560@1:block_n=8,block_k=256,$fma1"
+                                       --gemv "10240x2560@1:block_n=8,block_k=256,$fma1"
+                                       --gemv "2560x9216@1:block_n=4,block_k=512,$fma1"
+                                       --gemv-silu "18432x2560@1:block_n=8,block_k=256,$fma1") ;;
+                   esac
+                   timeout 120 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only --shapes 1x512x32 \
+                     "${extra[@]}" --out "$OUT/q35_gemv_${i}_$arm.json" > /dev/null 2>&1
+                   python3 -c "import json; d = json.load(open('$OUT/q35_gemv_${i}_$arm.json'))['timing_1x512x32']; \
+                     print('$arm', d.get('graph_step_ms'), d.get('tune'))"
+                 done ;;
     chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
                    | grep -v Warn | tail -12 ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \

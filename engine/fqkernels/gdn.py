@@ -637,7 +637,9 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # (The last two as one kernel, each chunk's outputs formed while the walk holds its starting
 # state, was measured no faster: PERF_LOG, session 12.)
 #
-# Precision: fp32 throughout, the state included, on tensor cores in two ways.
+# Precision: fp32 throughout the solve and state kernels (u, w, the chunks' states, the final
+# state), on tensor cores in two ways; the output kernel's two products with an fp32 operand
+# on bf16 pairs (third point below).
 # - A product with one operand that is exact as loaded in bf16 (the raw keys, queries and
 #   values, before their l2 norms and gates, which become per-row or per-column factors
 #   applied to the other operand or to the result) needs no split of that operand: in the
@@ -650,6 +652,12 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 #   three TF32 products (_dot3: each operand split into its TF32 head and the rest; about
 #   fp32's accuracy, far from TF32's). Written out rather than Triton's
 #   input_precision="tf32x3", which the platform's Triton 3.1 fails to compile here.
+# - The output kernel's q S_chunk and attn v_new (PrefillPlan.out_prec "bf16x2", the default):
+#   each fp32 operand as two bf16 parts (hi + mid, ~16 significant bits), the products exact
+#   in the fp32 accumulator (_dot_bf16_pair). Its sums are rounded to bf16 (8 bits) right
+#   after and nothing else reads them, so an output moves at most one bf16 step from the
+#   three-pass TF32 form ("tf32x3"), at half the kernel's time (session 14: 424 -> 215 us at
+#   4 x 2048, 6.7 -> 3.4 ms at 16 x 8192).
 # Keeping the bf16 operands as loaded also halves their registers: with every operand in
 # fp32 and split, ptxas for sm_90 gave each kernel 255 registers and 1-1.5 KB of spills a
 # thread (session 11). Gated against the float64 oracle in tests/kernels/test_gdn_kernels.py;
@@ -950,22 +958,24 @@ class PrefillPlan:
     """How chunked_prefill launches its kernels (what scripts/bench_gdn.py --sweep varies):
     warps per program of each kernel, the state kernel's value columns a program and
     pipeline stages, the output kernel's value columns a program, and the output kernel's
-    products ("tf32x3", or "tf32": one pass; the output kernel feeds no state, so its
-    precision moves only the bf16 outputs: session 9's emulation put them at 2.2-2.9e-3 of
-    the oracle with one pass against 1.9-2.5e-3 with three, the gate 5e-3; on the H200 the
-    one-pass outputs sat at 5.0e-3 of the three-pass ones, so the default keeps three; or
-    "bf16x2": each fp32 operand as two bf16 parts, ~16 significant bits, on bf16 tensor
-    cores at twice TF32's rate), and the output kernel's chunks a program (out_chunks, from 2
-    a loop pipelined over out_stages stages).
-    The defaults are session 10's sweep on an H200: 32 state columns with two stages was
-    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192 (fastest at 4x2048)."""
+    products with an fp32 operand (the output kernel feeds no state, so its precision moves
+    only the bf16 outputs): "bf16x2", each fp32 operand as two bf16 parts (~16 significant
+    bits, bf16 tensor cores at twice TF32's rate; within one bf16 step of "tf32x3"),
+    "tf32x3" (three TF32 passes, about fp32), or "tf32" (one pass: session 9's emulation
+    put the outputs at 2.2-2.9e-3 of the oracle against 1.9-2.5e-3 with three, the gate
+    5e-3; on the H200 they sat at 5.0e-3 of the three-pass ones); and the output kernel's
+    chunks a program (out_chunks; from 2 a loop pipelined over out_stages stages).
+    The defaults are session 10's sweep on an H200 (32 state columns with two stages was
+    within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192, fastest at 4x2048)
+    and session 14's (bf16 pairs halved the output kernel's time; several chunks a program,
+    8 warps or 128 columns were slower)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
     block_v: int = 32
     out_warps: int = 4
     out_bv: int = 64
-    out_prec: str = "tf32x3"
+    out_prec: str = "bf16x2"
     out_chunks: int = 1
     out_stages: int = 2
 

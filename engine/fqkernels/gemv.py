@@ -64,7 +64,6 @@ import triton
 import triton.language as tl
 from fqkernels import pdl
 from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
-from fqkernels.rmsnorm import add_rmsnorm_tail
 from fqkernels.swiglu import silu_f32
 
 __all__ = [
@@ -74,8 +73,6 @@ __all__ = [
     "linear_silu_mul",
     "linear_partials",
     "linear_epilogue",
-    "linear_add_rmsnorm",
-    "add_rmsnorm_fits",
     "linear_reference",
     "linear_silu_mul_reference",
     "in_order",
@@ -169,7 +166,9 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
     # against the Qwen3-4B config these shapes ran before, and cuBLAS); 5+ rows still Qwen3-4B's
     # configs for the same K. in_proj keeps split_k 1 (its conv + gates epilogue needs it).
     (12352, 2560): (                                                    # GDN in_proj (qkv | z | b | a)
-        (1, GemvConfig(block_n=16, block_k=256, split_k=1, mode="fma", block_m=1)),     # 16.0 us (16.8; 19.4)
+        # one row: the epilogue's (gdn.in_proj_conv_gates_step) config of session 13; 16 columns a
+        # program timed 16.0 us alone against 16.8 but the step measured no faster (run 2; A/B: q35-gemv-ab)
+        (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),  # 19.3 at 4 (19.7)
     ),
     (10240, 2560): (                                                    # attention q | k | v, packed
@@ -479,10 +478,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1,
-                     t_res=None, t_nw=None, t_out=None, t_cnt=None, t_inv_n=1.0, t_eps=0.0,
-                     TAIL: tl.constexpr = False, T_BLOCK: tl.constexpr = 128, T_VEC: tl.constexpr = True,
-                     T_HALVES: tl.constexpr = True, T_ONE_PLUS: tl.constexpr = False):
+                     EPI_HV: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -544,9 +540,6 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                       pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
         _write_result(tl.sum(acc3, axis=1), tl.sum(accu3, axis=1), m0 + 3, offs_n, M, N, out_ptr, ws_ptr,
                       pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
-    if TAIL:   # one row: the residual add and norm after the product, by its last program
-        add_rmsnorm_tail(out_ptr, t_res, t_nw, t_out, t_cnt, t_inv_n, t_eps, N, T_BLOCK, T_VEC, T_HALVES,
-                         T_ONE_PLUS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -625,8 +618,7 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
-            tail: dict | None = None) -> torch.Tensor:
+            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -665,9 +657,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     if epilogue is not None and (write_partials or silu or (config.mode == "fma" and config.block_m != 1)):
         raise ValueError(f"an epilogue needs one K chunk a program, no SiLU and (fma) one row a program; "
                          f"config {config} gives {splits} chunks of K={k}")
-    if tail is not None and (write_partials or silu or config.mode != "fma" or m != 1):
-        raise ValueError(f"the add + norm tail needs one row, the fma kernel and one K chunk a program; "
-                         f"{m} rows, config {config} ({splits} chunks of K={k})")
     if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
@@ -687,7 +676,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
         PREFETCH_LINES=max(1, config.block_k // 64),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
-        **_epilogue_args(epilogue), **(tail or {}),
+        **_epilogue_args(epilogue),
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -741,52 +730,6 @@ def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: Ge
     kernel (gdn.in_proj_epilogue, whose arguments `epilogue` names; gdn.in_proj_conv_gates_step
     builds them). The same sums as `linear` with the same config; it needs split_k 1."""
     return _launch(x, w, None, config, silu=False, w_name="w", epilogue=epilogue)
-
-
-_COUNTERS: dict = {}
-
-
-def add_rmsnorm_fits(config: GemvConfig, n: int, device: torch.device) -> bool:
-    """Whether linear_add_rmsnorm runs a product of n outputs at one row with this config: the fma
-    kernel, one row and one K chunk a program, and a norm width the torch-order kernel runs."""
-    from fqkernels.rmsnorm import torch_order_launch
-
-    return (config.mode == "fma" and config.block_m == 1 and config.split_k == 1
-            and torch_order_launch(n, device) is not None)
-
-
-def linear_add_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                       one_plus: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
-    """One row's product, then the residual add and RMSNorm after it, in one kernel: r =
-    linear(x, w) [1, N], residual [1, N] <- bf16(residual + r) in place, returns
-    RMSNorm(residual) * norm_w (or * (1 + norm_w)) [1, N] as rmsnorm.add_rmsnorm returns it,
-    bit for bit: the product's last program does the norm (rmsnorm.add_rmsnorm_tail) instead of a
-    kernel of its own. One row, the fma kernel, one K chunk a program (config; None: the table's),
-    and a norm width the torch-order kernel runs (rmsnorm.torch_order_launch); ValueError
-    otherwise (add_rmsnorm_fits tells beforehand). Compiled without fp fusion (the norm's
-    arithmetic needs it; the product's bf16 products are exact in fp32, so its sums are
-    `linear`'s either way)."""
-    from fqkernels.rmsnorm import _inverse, torch_order_launch
-
-    n = w.shape[0]
-    _check_matrix("residual", residual)
-    if tuple(residual.shape) != (1, n) or tuple(norm_w.shape) != (n,) or norm_w.dtype != torch.bfloat16:
-        raise ValueError(f"linear_add_rmsnorm: residual {tuple(residual.shape)} and norm weight "
-                         f"{tuple(norm_w.shape)} ({norm_w.dtype}) must be [1, {n}] and [{n}] bf16")
-    order = torch_order_launch(n, x.device)
-    if order is None:
-        raise ValueError(f"linear_add_rmsnorm: no torch-order norm at width {n} here (the tl.sum kernel's)")
-    counter = _COUNTERS.get(x.device)
-    if counter is None:
-        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear_add_rmsnorm: call it once before a CUDA graph captures it (its counter)")
-        counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    normed = torch.empty_like(residual)
-    tail = dict(t_res=residual, t_nw=norm_w, t_out=normed, t_cnt=counter, t_inv_n=_inverse(n), t_eps=eps, TAIL=True,
-                T_BLOCK=triton.next_power_of_2(n), T_VEC=order[0], T_HALVES=order[1], T_ONE_PLUS=bool(one_plus),
-                enable_fp_fusion=False)
-    _launch(x, w, None, config, silu=False, w_name="w", tail=tail)
-    return normed
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,

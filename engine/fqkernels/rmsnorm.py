@@ -222,49 +222,6 @@ def _column_sums(t, NB: tl.constexpr):
 
 
 @triton.jit
-def _mean_of_squares(xf, NB: tl.constexpr, inv_n, VEC: tl.constexpr, HALVES: tl.constexpr):
-    """A row's mean of squares in torch's order, the row held as xf [NB, 128] fp32 (zeros past
-    its end): each of the 128 columns summed over the blocks in order, then column c is lane
-    c // 4, accumulator c % 4 (VEC) or lane c % 32, accumulator c // 32, and the lanes go
-    through ATen's tree (module doc). Its products and adds must not fuse (the launch's
-    enable_fp_fusion=False)."""
-    cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
-    if VEC:
-        lanes = tl.reshape(cols, (32, 4))
-    else:
-        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
-    return _lane_sum(lanes, HALVES) * inv_n
-
-
-@triton.jit
-def add_rmsnorm_tail(r_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, inv_n, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                     VEC: tl.constexpr, HALVES: tl.constexpr, ONE_PLUS: tl.constexpr):
-    """add_rmsnorm of one row by the last program of the kernel whose programs wrote r [N]
-    (bf16): each program arrives on the counter (int32 at cnt_ptr, 0 between calls) after its
-    own stores; the one that arrives last, which then sees every program's part of r, adds r
-    into the residual x [N] in place (bf16), writes the norm times w (or 1 + w) to out, and
-    sets the counter back to 0. The arithmetic of _rmsnorm_torch_order_kernel on one row (the
-    launch must compile without fp fusion, as that kernel's does), so its bits; the loads
-    bypass L1 (.cg), where another program's writes could be stale."""
-    tl.debug_barrier()    # every thread's stores of this program come before its arrival
-    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
-        tl.debug_barrier()
-        NB: tl.constexpr = (BLOCK + 127) // 128
-        offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        mask = offs < N
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-        xf = x.to(tl.float32)
-        inv = tl.rsqrt(_mean_of_squares(xf, NB, inv_n, VEC, HALVES) + eps)
-        tl.store(x_ptr + offs, x, mask=mask)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, _scaled(xf, inv, w, ONE_PLUS), mask=mask)
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, stats_ptr, inv_n, eps,
                                 stride_x, stride_h, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -287,7 +244,12 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     mask = offs < N
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     xf = x.to(tl.float32)
-    mean = _mean_of_squares(xf, NB, inv_n, VEC, HALVES)
+    cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
+    if VEC:
+        lanes = tl.reshape(cols, (32, 4))
+    else:
+        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
+    mean = _lane_sum(lanes, HALVES) * inv_n
     if STATS:
         tl.store(stats_ptr + row, mean)
     inv = tl.rsqrt(mean + eps)

@@ -363,9 +363,6 @@ EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0
 EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
            "e_sb": "i32", "e_sc": "i32"}
 EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32)
-# The fma kernel's add + norm tail (gemv.linear_add_rmsnorm): off, what a plain launch binds by default
-TAIL_OFF = dict(t_res=None, t_nw=None, t_out=None, t_cnt=None, t_inv_n=1.0, t_eps=0.0, TAIL=False, T_BLOCK=128,
-                T_VEC=True, T_HALVES=True, T_ONE_PLUS=False)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -386,7 +383,6 @@ def test_kernels_compile_for_sm90(name, mode, silu):
                      PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_OFF)
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
-        constants.update(TAIL_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, mode == "dot_t"
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
@@ -421,7 +417,6 @@ def test_the_gdn_epilogue_compiles_for_sm90(rows):
                      SILU=False, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_ON)
     if cfg.mode == "fma":
         kernel = gemv._gemv_fma_kernel
-        constants.update(TAIL_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, cfg.mode == "dot_t"
     compiled = _aot_compile(kernel, dict(MAIN_SIG, **EPI_SIG), constants, MAIN_ALIGNED + ("e_g", "e_state", "e_w"),
@@ -456,37 +451,6 @@ def _small_ints(*shape, gen):
     # Entries in {-1, 0, 1}: every sum over K <= 128 is an integer below 256, exact
     # in bf16, so even the interpreter's truncating bf16 cast gives exact results.
     return torch.randint(-1, 2, shape, generator=gen).to(torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (INTERPRETED or HAS_GPU), reason="runs a kernel: needs TRITON_INTERPRET=1 or a GPU")
-@pytest.mark.parametrize("one_plus", [False, True], ids=["w", "one_plus"])
-def test_linear_add_rmsnorm_is_linear_then_add_rmsnorm(interpreter_bf16_rounding, one_plus):
-    """One row's product with the residual add and norm done by its last program
-    (gemv.linear_add_rmsnorm) against gemv.linear then rmsnorm.add_rmsnorm: the same bits in the
-    normed row and the residual, over several calls (the arrival counter back at 0 after each);
-    on a GPU at the 4B's o_proj shape and table config. Refused: more rows, split-K."""
-    from fqkernels import rmsnorm
-
-    dev = "cuda" if HAS_GPU else "cpu"
-    n, k = (2560, 4096) if HAS_GPU else (256, 96)
-    cfg = None if HAS_GPU else GemvConfig(block_n=8, block_k=32, mode="fma", block_m=1)
-    gen = torch.Generator().manual_seed(11)
-    w = randn_bf16(n, k, gen=gen, scale=0.05).to(dev)
-    nw = (randn_bf16(n, gen=gen, scale=0.1) + 1).to(dev)
-    res_a = randn_bf16(1, n, gen=gen).to(dev)
-    res_b = res_a.clone()
-    for _ in range(3):
-        x = randn_bf16(1, k, gen=gen).to(dev)
-        got = gemv.linear_add_rmsnorm(x, w, res_a, nw, 1e-6, one_plus=one_plus, config=cfg)
-        want = rmsnorm.add_rmsnorm(res_b, gemv.linear(x, w, config=cfg), nw, 1e-6, one_plus=one_plus)
-        assert torch.equal(got.cpu(), want.cpu()) and torch.equal(res_a.cpu(), res_b.cpu())
-        assert int(gemv._COUNTERS[x.device].item()) == 0
-    with pytest.raises(ValueError, match="one row"):
-        gemv.linear_add_rmsnorm(randn_bf16(2, k, gen=gen).to(dev), w, res_a, nw, 1e-6, config=cfg)
-    with pytest.raises(ValueError, match="one K chunk"):
-        gemv.linear_add_rmsnorm(x, w, res_a, nw, 1e-6,
-                                config=GemvConfig(block_n=8, block_k=32, split_k=3, mode="fma", block_m=1))
 
 
 @needs_interpreter

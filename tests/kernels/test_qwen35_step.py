@@ -118,32 +118,6 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
     assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
 
 
-def test_norm_tail_gives_the_same_step(tiny, monkeypatch):
-    """FASTQWEN_NORM_TAIL=1 (each residual add + norm done by the last program of the batch-1 GEMV
-    before it, gemv.linear_add_rmsnorm): the same logits and states as the separate norm kernel,
-    bit for bit, every product of one row on the fma kernel (the 4B's batch-1 configs' kind)."""
-    from fqkernels import gemv
-
-    cfg, w = tiny
-    real_select = gemv.select_config
-    fma = gemv.GemvConfig(block_n=8, block_k=32, mode="fma", block_m=1)
-    monkeypatch.setattr(gemv, "select_config",
-                        lambda n, k, silu=False, rows=1: fma if rows == 1 and not silu else real_select(n, k, silu, rows))
-    seq = torch.randint(0, cfg.vocab_size, (1, S + N), generator=torch.Generator().manual_seed(5)).to(DEV)
-    calls = []
-    real_tail = gemv.linear_add_rmsnorm
-    monkeypatch.setattr(gemv, "linear_add_rmsnorm", lambda *a, **k: calls.append(1) or real_tail(*a, **k))
-    runs = []
-    for tail in (False, True):
-        monkeypatch.setattr(fq_qwen35, "NORM_TAIL", tail)
-        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
-        _all_products_on_the_gemv(model, 1)
-        runs.append(_forced(model, seq))
-    (a, ca, sa), (b, cb, sb) = runs
-    assert len(calls) >= cfg.num_layers * 2 * (N - 1), len(calls)   # every norm of every decode step
-    assert torch.equal(a, b) and torch.equal(ca, cb) and torch.equal(sa, sb)
-
-
 @pytest.mark.parametrize("on_gemv", [False, True], ids=["cublas", "gemv"])
 def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
     """The triton backend's q | k | v (one packed matrix): in decode one product whose column
