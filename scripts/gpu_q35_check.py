@@ -10,9 +10,10 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
         [--profile 1x512,16x512] [--out FILE]
         [--gemv NxK@ROWS:field=value,...]   # an A/B: one GEMV table entry replaced
 
---gemv (repeatable; --gemv-silu for the fused gate/up table) replaces the config of the table
-entry for weight shape N x K whose row limit is ROWS (fqkernels/gemv.py LINEAR_CONFIGS /
-SILU_MUL_CONFIGS) with GemvConfig(field=value, ...) before the model loads.
+--gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
+entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
+entry lacks becomes a new row range) (fqkernels/gemv.py LINEAR_CONFIGS / SILU_MUL_CONFIGS)
+to GemvConfig(field=value, ...) before the model loads.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _forced(model, seq, S, N):
 
 
 def _replace_entry(ap: argparse.ArgumentParser, table: dict, spec: str) -> None:
-    """--gemv's NxK@ROWS:field=value,...: the config of table[(N, K)]'s pair whose row limit is ROWS."""
+    """--gemv's NxK@ROWS:field=value,...: the config of table[(N, K)]'s pair whose row limit is ROWS
+    (added in order when there is none)."""
     try:
         shape, fields = spec.split(":", 1)
         nk, rows = shape.split("@")
@@ -83,10 +85,12 @@ def _replace_entry(ap: argparse.ArgumentParser, table: dict, spec: str) -> None:
     except (ValueError, TypeError) as exc:
         ap.error(f"--gemv {spec!r}: not NxK@ROWS:field=value,... ({exc})")
     entry = table.get((n, k))
-    limits = [m for m, _ in entry] if isinstance(entry, tuple) else []
-    if int(rows) not in limits:
-        ap.error(f"--gemv {spec!r}: the table has no entry for {n} x {k} with row limit {rows} (limits: {limits})")
-    table[(n, k)] = tuple((m, cfg if m == int(rows) else c) for m, c in entry)
+    if not isinstance(entry, tuple):
+        ap.error(f"--gemv {spec!r}: the table has no row-ranged entry for {n} x {k}")
+    limit = None if rows == "None" else int(rows)
+    pairs = dict(entry)
+    pairs[limit] = cfg          # replaced, or a new row range
+    table[(n, k)] = tuple(sorted(pairs.items(), key=lambda p: float("inf") if p[0] is None else p[0]))
 
 
 def main() -> None:

@@ -70,8 +70,9 @@
 #                 (scripts/gpu_paged_attn_probe.py)
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
 #   q35-step      q35-check's timings alone (--timing-only): the decode step's graphed step times
-#   q35-gemv-ab   the batch-1 decode step's time with the GEMV table, with in_proj at 16 columns a program,
-#                 and with session 13's batch-1 configs (gpu_q35_check.py --gemv)
+#   q35-gemv-ab   the decode step's time with the GEMV table and with other configs, one process an arm
+#                 (gpu_q35_check.py --gemv): Q35_AB_ARMS (default "table in_proj_n16 session13"; also rows4,
+#                 the 2-4 row candidates), Q35_AB_SHAPES (default 1x512x32)
 #   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
 #   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
@@ -244,7 +245,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                    --out /tmp/q35_4b 2>&1 | tail -1
                  fma1=mode=fma,block_m=1
                  i=0
-                 for arm in table in_proj_n16 session13; do
+                 for arm in ${Q35_AB_ARMS:-table in_proj_n16 session13}; do
                    i=$((i + 1))
                    case $arm in
                      table) extra=() ;;
@@ -253,11 +254,15 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                                        --gemv "10240x2560@1:block_n=8,block_k=256,$fma1"
                                        --gemv "2560x9216@1:block_n=4,block_k=512,$fma1"
                                        --gemv-silu "18432x2560@1:block_n=8,block_k=256,$fma1") ;;
+                     # 2-4 rows: in_proj split-K 4 (bench: 18.65 us against 19.29; no epilogue there), gate_up dot_t
+                     rows4) extra=(--gemv "12352x2560@4:block_n=64,block_k=128,split_k=4,num_stages=3,mode=dot_t"
+                                   --gemv-silu "18432x2560@4:block_n=128,block_k=128,num_stages=3,mode=dot_t") ;;
                    esac
-                   timeout 120 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only --shapes 1x512x32 \
+                   shapes=${Q35_AB_SHAPES:-1x512x32}
+                   timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only --shapes "$shapes" \
                      "${extra[@]}" --out "$OUT/q35_gemv_${i}_$arm.json" > /dev/null 2>&1
-                   python3 -c "import json; d = json.load(open('$OUT/q35_gemv_${i}_$arm.json'))['timing_1x512x32']; \
-                     print('$arm', d.get('graph_step_ms'), d.get('tune'))"
+                   python3 -c "import json; d = json.load(open('$OUT/q35_gemv_${i}_$arm.json'))
+for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step_ms'), d['timing_' + s].get('tune'))"
                  done ;;
     chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
                    | grep -v Warn | tail -12 ;;
