@@ -3,7 +3,8 @@ state, output) timed whole and with one stage at a time taken out (its results t
 only the time is read), at the 4B's head shapes, on the workspaces a real pass leaves. Each
 variant is the kernel's own source with one stage replaced, compiled from a temporary module.
 (Session 11's run 4 timed the solve this way, with the diagonal blocks' substitution on
-[4, 16, 16] tiles as one more variant, before the kernel took it.)
+[4, 16, 16] tiles as one more variant, before the kernel took it.) The output kernel's
+variants edit its per-chunk helper (_out_chunk) at the default plan's bf16-pair products.
 
     python scripts/gpu_gdn_probe.py [--shapes 4x2048,16x8192] [--kernels solve,state,out] [--out PATH]
 
@@ -40,12 +41,9 @@ _NO_UPDATE = [("        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs
                "        s0 = s0 * carry + tl.sum(vs) + tl.sum(k0t.to(tl.float32))"),
               ("        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)",
                "        s1 = s1 * carry + tl.sum(vs) + tl.sum(k1t.to(tl.float32))")]
-_NO_QH = [("    qh = _dot_tf32_exact(q0f, tl.load(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :]))",
-           "    qh = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(q0f) + tl.sum(tl.load(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :]))"),
-          ("    qh += _dot_tf32_exact(q1f, tl.load(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :]))",
-           "    qh += tl.sum(q1f) + tl.sum(tl.load(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :]))")]
-_NO_ATTN_V = [("    o = qh * (rq * tl.exp(gamma))[:, None] + _dot3(attn, v_new, PREC)",
-               "    o = qh * (rq * tl.exp(gamma))[:, None] + tl.sum(attn) + v_new")]
+_NO_QH = [("        qh = _dot_bf16_pair(q0, h0, True)\n        qh += _dot_bf16_pair(q1, h1, True)",
+           "        qh = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(q0f) + tl.sum(h0) + tl.sum(h1)")]
+_NO_ATTN_V = [("        av = _dot_bf16_pair(attn, v_new, False)", "        av = tl.sum(attn) + v_new")]
 
 # kernel -> variant -> (old text, new text) pairs applied to the kernel's source
 VARIANTS = {
@@ -70,11 +68,17 @@ VARIANTS = {
     },
 }
 KERNELS = {"solve": "_chunk_solve_kernel", "state": "_chunk_state_kernel", "out": "_chunk_out_kernel"}
+# the jit functions each variant module copies (edited), in order: the output kernel's work is its
+# per-chunk helper, which the copied kernel then calls
+SOURCES = {"solve": ["_chunk_solve_kernel"], "state": ["_chunk_state_kernel"], "out": ["_out_chunk", "_chunk_out_kernel"]}
 
 
 def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
-    src = inspect.getsource(getattr(gdn, KERNELS[kernel]).fn)
-    src = src[src.index("def "):]                       # without its decorator
+    parts = []
+    for fn_name in SOURCES[kernel]:
+        src = inspect.getsource(getattr(gdn, fn_name).fn)
+        parts.append("@triton.jit\n" + src[src.index("def "):])      # its own decorator, without arguments
+    src = "\n\n".join(parts)
     for old, new in edits:
         if old not in src:
             raise RuntimeError(f"{kernel} variant {name}: {old[:60]!r} not in the kernel's source")
@@ -83,7 +87,7 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\nfrom fqkernels.gdn import *\n"
                 "from fqkernels.gdn import _dot3, _dot_f32_bf16, _dot_tf32_exact, _inv_norm, _tf32_head, "
-                "_bf16_thirds\n\n@triton.jit\n" + src)
+                "_bf16_thirds, _bf16_pair, _dot_bf16_pair\n\n" + src)
     spec = importlib.util.spec_from_file_location(f"{kernel}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -116,7 +120,8 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
     def out_(kern):
         kern[(B * HV, nc, D // plan.out_bv)](q, k, u, gamma, rk, h, out, T, nc, D ** -0.5, q.stride(0), q.stride(1),
                                              q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                                             BV=plan.out_bv, num_warps=plan.out_warps, **common)
+                                             BV=plan.out_bv, num_warps=plan.out_warps,
+                                             **dict(common, PREC=plan.out_prec))
 
     return {"solve": solve, "state": state_, "out": out_}
 
