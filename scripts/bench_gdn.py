@@ -137,8 +137,6 @@ SWEEP = {
     "out_c4": dict(out_chunks=4),
     "out_c4_s3": dict(out_chunks=4, out_stages=3),
     "out_tf32x3": dict(out_prec="tf32x3"),     # the output kernel's products before session 14
-    "state_bv64_w8": dict(block_v=64, state_warps=8),              # 64-wide products, half the w reads
-    "state_bv64_w8_s1": dict(block_v=64, state_warps=8, state_stages=1),
 }
 
 
