@@ -134,8 +134,6 @@ SWEEP = {
     "solve_w8": dict(solve_warps=8),
     "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
     "w8_bv16": dict(solve_warps=8, out_warps=8, block_v=16, state_stages=1),
-    "out_c4": dict(out_chunks=4),
-    "out_c4_s3": dict(out_chunks=4, out_stages=3),
     "out_tf32x3": dict(out_prec="tf32x3"),     # the output kernel's products before session 14
 }
 

@@ -4,7 +4,7 @@ only the time is read), at the 4B's head shapes, on the workspaces a real pass l
 variant is the kernel's own source with one stage replaced, compiled from a temporary module.
 (Session 11's run 4 timed the solve this way, with the diagonal blocks' substitution on
 [4, 16, 16] tiles as one more variant, before the kernel took it.) The output kernel's
-variants edit its per-chunk helper (_out_chunk) at the default plan's bf16-pair products.
+variants edit its default bf16-pair products.
 
     python scripts/gpu_gdn_probe.py [--shapes 4x2048,16x8192] [--kernels solve,state,out] [--out PATH]
 
@@ -68,17 +68,11 @@ VARIANTS = {
     },
 }
 KERNELS = {"solve": "_chunk_solve_kernel", "state": "_chunk_state_kernel", "out": "_chunk_out_kernel"}
-# the jit functions each variant module copies (edited), in order: the output kernel's work is its
-# per-chunk helper, which the copied kernel then calls
-SOURCES = {"solve": ["_chunk_solve_kernel"], "state": ["_chunk_state_kernel"], "out": ["_out_chunk", "_chunk_out_kernel"]}
 
 
 def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
-    parts = []
-    for fn_name in SOURCES[kernel]:
-        src = inspect.getsource(getattr(gdn, fn_name).fn)
-        parts.append("@triton.jit\n" + src[src.index("def "):])      # its own decorator, without arguments
-    src = "\n\n".join(parts)
+    src = inspect.getsource(getattr(gdn, KERNELS[kernel]).fn)
+    src = src[src.index("def "):]                       # without its decorator
     for old, new in edits:
         if old not in src:
             raise RuntimeError(f"{kernel} variant {name}: {old[:60]!r} not in the kernel's source")
@@ -87,7 +81,7 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\nfrom fqkernels.gdn import *\n"
                 "from fqkernels.gdn import _dot3, _dot_f32_bf16, _dot_tf32_exact, _inv_norm, _tf32_head, "
-                "_bf16_thirds, _bf16_pair, _dot_bf16_pair\n\n" + src)
+                "_bf16_thirds, _bf16_pair, _dot_bf16_pair\n\n@triton.jit\n" + src)
     spec = importlib.util.spec_from_file_location(f"{kernel}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -880,15 +880,26 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
 
 
 @triton.jit
-def _out_chunk(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale, c, pid, b, hv, hk,
-               stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-               C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """_chunk_out_kernel's work for chunk c of sequence b, value head hv (query/key head hk)."""
+def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale,
+                      stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                      HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """o = diag(rq e^gamma) (q_raw S_chunk) + attn v_new with attn = the raw rows' q k^T times
+    rq_i rk_j e^(gamma_i - gamma_j), causal; rq, rk the l2 norms' factors (rq with Dk^-0.5; rk the
+    solve kernel's). Over Dk in halves, as the state kernel. PREC "bf16x2": the two products
+    with an fp32 operand on bf16 pairs (_dot_bf16_pair, ~16 bits before o's rounding to bf16's
+    8), else TF32 as named."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    b = pid // HV
+    hv = pid % HV
+    hk = hv // RATIO
     DH: tl.constexpr = DK // 2
     r = tl.arange(0, C)
     d0 = tl.arange(0, DH)
     d1 = DH + tl.arange(0, DH)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)
+    dv = v0 + tl.arange(0, BV)
     t = c * C + r
     ok = t < T
     q_rows = q_ptr + b * stride_qb + t[:, None] * stride_qt + hk * stride_qh
@@ -924,32 +935,6 @@ def _out_chunk(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, sca
              mask=ok[:, None])
 
 
-@triton.jit
-def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale,
-                      stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-                      HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                      CHUNKS: tl.constexpr = 1):
-    """o = diag(rq e^gamma) (q_raw S_chunk) + attn v_new with attn = the raw rows' q k^T times
-    rq_i rk_j e^(gamma_i - gamma_j), causal; rq, rk the l2 norms' factors (rq with Dk^-0.5; rk the
-    solve kernel's). Over Dk in halves, as the state kernel. A program takes CHUNKS chunks in
-    a row (from 2, a loop the launch's num_stages pipelines: the next chunk's loads under this
-    one's products). PREC "bf16x2": the two products with an fp32 operand on bf16 pairs
-    (_dot_bf16_pair, ~16 bits before o's rounding to bf16's 8), else TF32 as named."""
-    pid = tl.program_id(0)
-    b = pid // HV
-    hv = pid % HV
-    c0 = tl.program_id(1) * CHUNKS
-    if CHUNKS == 1:
-        _out_chunk(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale, c0, pid, b, hv, hv // RATIO,
-                   stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, C, DK, DV, BV, PREC)
-    else:
-        for c in range(c0, tl.minimum(c0 + CHUNKS, NC)):
-            _out_chunk(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, NC, scale, c, pid, b, hv,
-                       hv // RATIO, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-                       C, DK, DV, BV, PREC)
-
-
 _OUT_PRECS = ("tf32x3", "tf32", "bf16x2")
 
 
@@ -963,12 +948,11 @@ class PrefillPlan:
     bits, bf16 tensor cores at twice TF32's rate; within one bf16 step of "tf32x3"),
     "tf32x3" (three TF32 passes, about fp32), or "tf32" (one pass: session 9's emulation
     put the outputs at 2.2-2.9e-3 of the oracle against 1.9-2.5e-3 with three, the gate
-    5e-3; on the H200 they sat at 5.0e-3 of the three-pass ones); and the output kernel's
-    chunks a program (out_chunks; from 2 a loop pipelined over out_stages stages).
+    5e-3; on the H200 they sat at 5.0e-3 of the three-pass ones).
     The defaults are session 10's sweep on an H200 (32 state columns with two stages was
     within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192, fastest at 4x2048)
-    and session 14's (bf16 pairs halved the output kernel's time; several chunks a program,
-    8 warps or 128 columns were slower)."""
+    and session 14's (bf16 pairs halved the output kernel's time; 8 warps or 128 columns were
+    slower, and so was a loop over several chunks a program, since removed: PERF_LOG)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -976,18 +960,14 @@ class PrefillPlan:
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "bf16x2"
-    out_chunks: int = 1
-    out_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv", "out_chunks"):
+        for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
         if self.out_prec not in _OUT_PRECS:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be one of {_OUT_PRECS}, got {self.out_prec!r}")
-        if not isinstance(self.out_stages, int) or self.out_stages < 1:
-            raise ValueError(f"gdn.PrefillPlan.out_stages must be a positive int, got {self.out_stages!r}")
 
 
 def plan_from_text(text: str | None) -> PrefillPlan:
@@ -1088,12 +1068,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
             num_stages=plan.state_stages, **init)
-        stages = {} if plan.out_chunks == 1 else dict(num_stages=plan.out_stages)
-        _chunk_out_kernel[(bs * Hv, triton.cdiv(nc, plan.out_chunks), Dv // out_bv)](
+        _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, CHUNKS=plan.out_chunks,
-            num_warps=plan.out_warps, **stages)
+            BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
     return out, state
 
 
