@@ -134,6 +134,10 @@ if [ ! -f /tmp/q4b/config.json ]; then
     | tail -1 >> "$OUT/gpu.txt"
 fi
 flock -u 9
+q35_ckpt() {  # the synthetic Qwen3.5-4B the q35 stages run on, made once per machine
+  [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
+    --out /tmp/q35_4b 2>&1 | tail -1
+}
 judge() {  # name, then judge arguments
   local name=$1; shift
   timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/judge_$name.json" \
@@ -208,41 +212,35 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                # 5.17 (its site-packages first on PYTHONPATH, through fastqwen/refenv.py); the engine as it defaults.
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
-               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                 --out /tmp/q35_4b 2>&1 | tail -1
+               q35_ckpt
                timeout 560 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_q35.json" \
                  --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
     judge-q35-eager) # the same with every prompt pass eager (FASTQWEN_NO_PREFILL_GRAPHS=1)
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
-               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                 --out /tmp/q35_4b 2>&1 | tail -1
+               q35_ckpt
                FASTQWEN_NO_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
                  --out "$OUT/judge_q35_eager.json" --chart "$OUT/judge_q35_eager.png" --model /tmp/q35_4b \
                  --workloads public 2>&1 | tail -40 ;;
     judge-q35-official|judge-q35-own)
                export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
                  "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
-               [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                 --out /tmp/q35_4b 2>&1 | tail -1
+               q35_ckpt
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
-    q35-check) [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                 --out /tmp/q35_4b 2>&1 | tail -1
+    q35-check) q35_ckpt
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;
     q35-step) # the decode step's timings alone
-                 [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                   --out /tmp/q35_4b 2>&1 | tail -1
+                 q35_ckpt
                  timeout 150 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
                    --out "$OUT/q35_step.json" > /dev/null 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step.json')); \
                    print({k: v.get('graph_step_ms', v) for k, v in d.items() if k.startswith('timing')})" ;;
-    q35-gemv-ab) # the batch-1 step with the GEMV table as committed, in_proj at 16 columns a program (its
-                 # epilogue), and session 13's batch-1 configs (each a process of its own, this call)
-                 [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
-                   --out /tmp/q35_4b 2>&1 | tail -1
+    q35-gemv-ab) # the decode step with the GEMV table as committed and with each arm's configs, one process
+                 # an arm, in this call (arms and shapes: the header)
+                 q35_ckpt
                  fma1=mode=fma,block_m=1
                  i=0
                  for arm in ${Q35_AB_ARMS:-table in_proj_n16 session13}; do
