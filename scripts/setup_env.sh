@@ -6,10 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
+# No pip cache: torch 2.5.1's wheels (~3 GB) would otherwise sit twice on the disk, cached
+# and installed (a CI run once stopped on "No space left on device").
+export PIP_NO_CACHE_DIR=1
+free_gb() { df -Pk . | awk 'NR == 2 {printf "%.1f", $4 / 1048576}'; }
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformers, fastqwen, fastapi, uvicorn, \
     prometheus_client, openai, httpx, lm_eval, tenacity" >/dev/null 2>&1; then
-  echo "setting up .venv (torch 2.5.1 brings several GB of CUDA libraries; a few minutes)" >&2
+  echo "setting up .venv (torch 2.5.1 brings several GB of CUDA libraries; a few minutes;" \
+       "$(free_gb) GB free here, ~7 GB needed)" >&2
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.5.1 transformers==4.51.3 safetensors==0.5.3 \
