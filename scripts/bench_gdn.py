@@ -135,6 +135,10 @@ SWEEP = {
     "w8_all": dict(solve_warps=8, out_warps=8, state_warps=8, block_v=32),
     "w8_bv16": dict(solve_warps=8, out_warps=8, block_v=16, state_stages=1),
     "out_tf32x3": dict(out_prec="tf32x3"),     # the output kernel's products before session 14
+    # two warps: mma.sync with both operands in registers (no shared-memory copy of a computed
+    # operand, as four warps' wgmma needs); ~200-240 bytes of spills a thread (ptxas, sm_90a)
+    "state_w2_bv16": dict(state_warps=2, block_v=16),
+    "out_w2_bv32": dict(out_warps=2, out_bv=32),
 }
 
 

@@ -6,7 +6,7 @@ variant is the kernel's own source with one stage replaced, compiled from a temp
 [4, 16, 16] tiles as one more variant, before the kernel took it.) The output kernel's
 variants edit its default bf16-pair products.
 
-    python scripts/gpu_gdn_probe.py [--shapes 4x2048,16x8192] [--kernels solve,state,out] [--out PATH]
+    python scripts/gpu_gdn_probe.py [--shapes 1x8192,4x2048,16x8192] [--kernels solve,state,out] [--out PATH]
 
 Needs a CUDA device. Writes {kernel: {shape: {variant: us}}} to JSON.
 """
@@ -41,6 +41,11 @@ _NO_UPDATE = [("        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs
                "        s0 = s0 * carry + tl.sum(vs) + tl.sum(k0t.to(tl.float32))"),
               ("        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)",
                "        s1 = s1 * carry + tl.sum(vs) + tl.sum(k1t.to(tl.float32))")]
+_NO_H_STORE = [("        tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start\n"
+                "        tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)\n", "")]
+_NO_VNEW_STORE = [("        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)\n", "")]
+_WS_ONE_PASS = [("        ws = _dot3(w0, s0, PREC)", "        ws = _dot3(w0, s0, \"tf32\")"),
+                ("        ws += _dot3(w1, s1, PREC)", "        ws += _dot3(w1, s1, \"tf32\")")]
 _NO_QH = [("        qh = _dot_bf16_pair(q0, h0, True)\n        qh += _dot_bf16_pair(q1, h1, True)",
            "        qh = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(q0f) + tl.sum(h0) + tl.sum(h1)")]
 _NO_ATTN_V = [("        av = _dot_bf16_pair(attn, v_new, False)", "        av = tl.sum(attn) + v_new")]
@@ -59,6 +64,9 @@ VARIANTS = {
         "no_w_s": _NO_WS,
         "no_state_update": _NO_UPDATE,
         "only_loads_stores": _NO_WS + _NO_UPDATE,
+        "no_h_store": _NO_H_STORE,
+        "no_vnew_store": _NO_VNEW_STORE,
+        "ws_one_pass": _WS_ONE_PASS,
     },
     "out": {
         "whole": [],
@@ -81,7 +89,7 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\nfrom fqkernels.gdn import *\n"
                 "from fqkernels.gdn import _dot3, _dot_f32_bf16, _dot_tf32_exact, _inv_norm, _tf32_head, "
-                "_bf16_thirds, _bf16_pair, _dot_bf16_pair\n\n@triton.jit\n" + src)
+                "_bf16_thirds, _bf16_pair, _dot_bf16_pair, _initial_halves\n\n@triton.jit\n" + src)
     spec = importlib.util.spec_from_file_location(f"{kernel}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -122,7 +130,7 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="4x2048,16x8192")
+    ap.add_argument("--shapes", default="1x8192,4x2048,16x8192")
     ap.add_argument("--kernels", default="solve,state,out")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gdn_probe.json"))
     args = ap.parse_args()

@@ -287,7 +287,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                  echo "FASTQWEN_GDN_PLAN=$FASTQWEN_GDN_PLAN" | tee "$OUT/gdn_plan.txt" ;;
     prefill-pieces) timeout 200 python3 scripts/gpu_prefill_pieces.py --out "$OUT/prefill_pieces.json" 2>&1 \
                       | grep -v Warn | tail -40 ;;
-    gdn-probe) timeout 200 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \
+    gdn-probe) timeout 300 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \
                        | grep -v Warn | tail -6 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \

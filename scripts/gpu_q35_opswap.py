@@ -1,0 +1,316 @@
+"""Qwen3.5: is fastqwen's engine further from Transformers' full forward than Transformers'
+own cached decode is, and which piece of the engine moves the logits? On the same tokens:
+native Transformers 5.17 (the judge's native engine: BF16, sdpa, TF32 and cuDNN attention
+off) decodes greedily with its cache (its per-step logits: `native_cached`, the yardstick);
+its full forward over prompt + those tokens, in the judge replay's row slices, is the
+truth; each engine variant is teacher-forced on native's tokens (prefill, then one eager
+decode step per token: the kernels of the engine's graphs, its cache capacity and its
+GEMV/cuBLAS tuning for the batch) and its per-step logits are compared with the truth.
+
+Variants: `engine` (as it runs); `engine_out_tf32x3` (the GDN prompt pass's output kernel
+at out_prec "tf32x3" instead of the default "bf16x2"); `engine_prefill_cublas_unpacked`
+(the prompt pass's products on the reference's separate matrices, cuBLAS, lm_head
+included; decode unchanged); `torch_backend` (Qwen35Model on the torch reference ops). The
+first three need the triton backend (a CUDA device): elsewhere they are skipped with a note.
+
+Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
+vocabulary; argmax agreement with the full forward (and with native's tokens); how many
+positions would carry a slack above 0.75 (the full forward's max minus its logit of the
+variant's argmax, the judge's figure); the worst such slack; seconds. Self-check: the
+engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again.
+
+Native runs with the process's default cuBLAS bf16 reduction flag (the judge's native and
+replay processes never set it); the engine's variants with it off, as Engine sets it.
+
+    python scripts/gpu_q35_opswap.py --model DIR --shapes 16x512x128,4x2048x32 [--variants a,b] [--seed N]
+        [--out FILE] [--no-self-check]
+Needs Transformers 5.17.0: the reference's site (fastqwen/refenv.py: .venv-qwen35 or
+FASTQWEN_QWEN35_SITE) is put first on sys.path when it exists.
+"""
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "engine"))
+sys.path.insert(0, REPO)
+
+import engine as fq_engine  # noqa: E402
+import fq_qwen35  # noqa: E402
+from fqkernels import gdn  # noqa: E402
+
+from fastqwen import refenv  # noqa: E402
+from fastqwen.judge.fidelity import NOISE_SLACK as SLACK  # noqa: E402
+from fastqwen.judge.prompts import PromptSource  # noqa: E402
+from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
+
+VARIANTS = ("engine", "engine_out_tf32x3", "engine_prefill_cublas_unpacked", "torch_backend")
+TRITON_ONLY = ("engine_out_tf32x3", "engine_prefill_cublas_unpacked")
+# what the judge's processes run with (read before Engine() turns it off for the engine)
+_BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+
+
+def load_native(model_dir: str, dev: torch.device):
+    """The judge's native model (Transformers 5.17.0, first on sys.path where installed)."""
+    site = refenv.qwen35_site()
+    if "transformers" not in sys.modules and (site / "transformers").is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    import transformers
+
+    if transformers.__version__ != refenv.QWEN35_TRANSFORMERS:
+        raise SystemExit(f"transformers {transformers.__version__} from {transformers.__file__}; this probe needs "
+                         f"{refenv.QWEN35_TRANSFORMERS} (PYTHONPATH=.venv-qwen35 or FASTQWEN_QWEN35_SITE)")
+    from fastqwen.native_engine.engine import load_model
+    from fastqwen.numerics import pin_reference_numerics
+
+    pin_reference_numerics()  # TF32 off, no cuDNN attention: the judge's native and replay
+    return load_model(model_dir).to(dev).eval()
+
+
+@contextlib.contextmanager
+def native_numerics():
+    """cuBLAS's bf16 reduction flag as a fresh process has it, for native's forwards."""
+    saved = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = _BF16_REDUCTION
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+def native_run(native, prompts, G):
+    """Native's cached greedy decode as its engine runs it: tokens [B, G] and per-step logits
+    [B, G, V] (bf16)."""
+    B = prompts.shape[0]
+    with torch.inference_mode(), native_numerics():
+        out = native(input_ids=prompts, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        del out
+        cached = torch.empty((B, G, logits.shape[-1]), dtype=logits.dtype, device=prompts.device)
+        toks = torch.empty((B, G), dtype=torch.int64, device=prompts.device)
+        for t in range(G):
+            if t:
+                out = native(input_ids=toks[:, t - 1:t], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache, logits = out.past_key_values, out.logits[:, -1]
+                del out
+            cached[:, t], toks[:, t] = logits, logits.argmax(-1)
+        del cache
+    return toks, cached
+
+
+def truth(native, prompts, toks):
+    """The judge replay's figures: one full forward over prompt + all G tokens, logits_to_keep
+    G + 1 (the last predicts nothing), in its row slices; float32 [B, G, V]."""
+    ids = torch.cat([prompts, toks], 1)
+    B, G, V = toks.shape[0], toks.shape[1], native.config.vocab_size
+    rows = max(1, LOGIT_BUDGET_BYTES.get(prompts.device.type, 512 << 20) // ((G + 1) * V * 4 * 2))
+    full = torch.empty((B, G, V), dtype=torch.float32, device=prompts.device)
+    with torch.inference_mode(), native_numerics():
+        for r0 in range(0, B, rows):
+            sl = slice(r0, min(B, r0 + rows))
+            full[sl] = native(input_ids=ids[sl], use_cache=False, logits_to_keep=G + 1).logits[:, :G].float()
+    return full
+
+
+def forced_logits(model, prompts, toks, prefill_patch=contextlib.nullcontext):
+    """The model's logits [B, G, V] (bf16) teacher-forced on toks [B, G]: step 0 the prompt
+    pass's (under prefill_patch()), step t the decode step fed toks[:, t - 1] at position
+    P + t - 1 (int32 positions, lengths = positions + 1, on the device), with the cache the
+    engine allocates for P + G - 1 positions (its rounded capacity: decode attention's split
+    count follows it)."""
+    (B, P), G = prompts.shape, toks.shape[1]
+    with torch.inference_mode():
+        model.ensure_rope(P + G - 1)
+        model.allocate_cache(B, fq_engine._rounded_capacity(P + G - 1))
+        with prefill_patch():
+            first = model.prefill_logits(prompts)
+        out = torch.empty((B, G, first.shape[-1]), dtype=first.dtype, device=first.device)
+        out[:, 0] = first
+        pos = torch.full((B,), P, dtype=torch.int32, device=prompts.device)
+        for t in range(1, G):
+            out[:, t] = model.decode_logits(toks[:, t - 1].contiguous(), pos, pos + 1)
+            pos += 1
+    return out
+
+
+@contextlib.contextmanager
+def out_precision(prec: str):
+    """gdn.chunked_prefill (as fq_qwen35 calls it) with the default plan's out_prec replaced."""
+    orig = gdn.chunked_prefill
+    gdn.chunked_prefill = functools.partial(orig, plan=dataclasses.replace(gdn.DEFAULT_PLAN, out_prec=prec))
+    try:
+        yield
+    finally:
+        gdn.chunked_prefill = orig
+
+
+@contextlib.contextmanager
+def unpacked_products(model):
+    """The triton model's products (model.ops) as the reference's: each packed matrix (a GDN
+    layer's qkv | z | b | a, an attention layer's q | k | v, gate | up) as its separate
+    matrices' F.linear calls, concatenated; every other product F.linear (cuBLAS)."""
+    c, w, ops = model.cfg, model.w, model.ops
+    vd = c.linear_v_heads * c.linear_v_dim
+    splits = {}
+    for i, kind in enumerate(c.layer_types):
+        if kind == "linear_attention":
+            splits[w[f"model.layers.{i}.linear_attn.in_proj.weight"].data_ptr()] = \
+                [c.conv_dim, vd, c.linear_v_heads, c.linear_v_heads]
+        else:
+            splits[w[f"model.layers.{i}.self_attn.qkv_proj.weight"].data_ptr()] = \
+                [2 * c.num_heads * c.head_dim, c.kv_size, c.kv_size]
+
+    def linear(x, wt):
+        sizes = splits.get(wt.data_ptr())
+        if sizes is None:
+            return F.linear(x, wt)
+        return torch.cat([F.linear(x, part) for part in torch.split(wt, sizes)], -1)
+
+    def linear_silu_mul(x, wt):
+        gate, up = wt.chunk(2)
+        return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+    ops.linear, ops.linear_silu_mul = linear, linear_silu_mul   # instance attributes over the class's
+    try:
+        yield
+    finally:
+        del ops.linear, ops.linear_silu_mul
+
+
+def compare(steps, full, toks):
+    """steps [B, G, V] (any float dtype), full [B, G, V] float32 -> the figures (module doc)."""
+    d, slack, agree, agree_tok = [], [], [], []
+    for b in range(full.shape[0]):     # a row at a time: no [B, G, V] temporaries
+        s, f = steps[b].float(), full[b]
+        d.append((s - f).abs().amax(-1))
+        am = s.argmax(-1)
+        slack.append(f.amax(-1) - f.gather(-1, am[:, None])[:, 0])
+        agree.append(am == f.argmax(-1))
+        agree_tok.append(am == toks[b])
+    d, slack, agree, agree_tok = (torch.stack(x).flatten().cpu() for x in (d, slack, agree, agree_tok))
+    return {"positions": d.numel(), "mean_max_abs": float(d.mean()), "p99_max_abs": float(torch.quantile(d, 0.99)),
+            "max_abs": float(d.max()), "argmax_agree": int(agree.sum()), "argmax_agree_fraction": float(agree.float().mean()),
+            f"count_slack_gt_{SLACK}": int((slack > SLACK).sum()), "max_slack": float(slack.max()),
+            "native_token_agree": int(agree_tok.sum())}
+
+
+def decode_choice(model, rows: int) -> dict:
+    """matrix -> "gemv" / "cublas": what the engine's tuning chose for its decode products."""
+    use_gemv = getattr(model.ops, "use_gemv", None)
+    if use_gemv is None:       # the torch backend: cuBLAS throughout
+        return {}
+    out = {}
+    for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items():
+        w = next((t for n, t in model.w.items() if n.endswith(suffix)), None)
+        if w is not None:
+            out[suffix.rsplit(".", 1)[0]] = "gemv" if use_gemv.get((fused, rows) + tuple(w.shape)) else "cublas"
+    return out
+
+
+def self_check(eng, prompts, G) -> dict:
+    """Engine.generate's greedy tokens (its graphs on a GPU), then the eager teacher-forced
+    steps on them: their argmax must be those tokens."""
+    eng._drop_graphs()     # graphs of an earlier call point at caches forced_logits replaced
+    greedy = torch.tensor(list(eng.generate(prompts.tolist(), G)), device=prompts.device).T.contiguous()
+    eng._drop_graphs()
+    forced = forced_logits(eng.model, prompts, greedy)
+    agree = int((torch.stack([forced[b].argmax(-1) for b in range(forced.shape[0])]) == greedy).sum())
+    return {"positions": greedy.numel(), "agree": agree}
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--shapes", default="16x512x128", help="comma-separated BxPxG")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--seed", type=int, default=5, help="the prompt source's seed (fastqwen/judge/prompts.py)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-self-check", action="store_true")
+    args = ap.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    eng = fq_engine.Engine(args.model)      # TF32 off, bf16 reduction off, the backend, packed weights
+    if not isinstance(eng.model, fq_qwen35.Qwen35Model):
+        raise SystemExit(f"{args.model} is not a Qwen3.5 checkpoint (scripts/gpu_opswap.py is the Qwen3 probe)")
+    dev, cfg = eng.device, eng.cfg
+    native = load_native(args.model, dev)
+    source = PromptSource.for_model(args.model, cfg.vocab_size, args.seed)
+    models = {}                             # the torch backend's model, loaded once when asked for
+    report = {"model": args.model, "seed": args.seed, "device": str(dev), "engine": eng.describe(),
+              "prompts": source.kind, "shapes": {}}
+    for shape in args.shapes.split(","):
+        B, P, G = (int(v) for v in shape.split("x"))
+        t0 = time.perf_counter()
+        prompts = torch.tensor(source.draw(B, P), dtype=torch.int64, device=dev)
+        toks, cached = native_run(native, prompts, G)
+        _sync(dev)
+        t_native = time.perf_counter() - t0
+        full = truth(native, prompts, toks)
+        _sync(dev)
+        entry = {"native_seconds": round(t_native, 2), "truth_seconds": round(time.perf_counter() - t0 - t_native, 2),
+                 "results": {"native_cached": compare(cached, full, toks)}, "skipped": {}}
+        entry["results"]["native_cached"]["seconds"] = entry["native_seconds"]
+        del cached
+        with torch.inference_mode():
+            eng.model.ensure_rope(P + G - 1)
+            eng._tune(B)                    # the decode products' GEMV / cuBLAS choice at B rows, as warmup does
+        entry["tuning_us"], entry["choice"] = eng.tuning.get(B, {}), decode_choice(eng.model, B)
+        for name in names:
+            if name in TRITON_ONLY and eng.model.backend != "triton":
+                entry["skipped"][name] = f"needs the triton backend (the engine runs {eng.model.backend} here)"
+                continue
+            if name == "torch_backend" and name not in models:
+                models[name] = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(args.model, cfg, dev, pack=False),
+                                                     dev, "torch")
+            model = models.get(name, eng.model)
+            patch = {"engine_out_tf32x3": lambda: out_precision("tf32x3"),
+                     "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
+            t1 = time.perf_counter()
+            steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)
+            _sync(dev)
+            entry["results"][name] = {**compare(steps, full, toks), "seconds": round(time.perf_counter() - t1, 2)}
+            del steps
+            model.allocate_cache(1, 2)      # the variant's caches go back
+            _sync(dev)
+        del full
+        if not args.no_self_check:
+            entry["self_check"] = self_check(eng, prompts, G)
+            eng.model.allocate_cache(1, 2)
+            _sync(dev)
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+        report["shapes"][shape] = entry
+        sc = entry.get("self_check")
+        print(f"== {shape} ({entry['seconds']:.0f} s) decode products {entry['choice']}"
+              + (f"; self-check {sc['agree']}/{sc['positions']}" if sc else ""), flush=True)
+        print(f"{'variant':32s} {'mean|d|':>8s} {'p99|d|':>7s} {'max|d|':>7s} {'agree':>11s} {'>0.75':>6s} "
+              f"{'maxslk':>7s} {'s':>6s}")
+        for name, r in entry["results"].items():
+            print(f"{name:32s} {r['mean_max_abs']:8.4f} {r['p99_max_abs']:7.3f} {r['max_abs']:7.3f} "
+                  f"{r['argmax_agree']:5d}/{r['positions']:<5d} {r[f'count_slack_gt_{SLACK}']:6d} "
+                  f"{r['max_slack']:7.3f} {r['seconds']:6.1f}", flush=True)
+        for name, why in entry["skipped"].items():
+            print(f"{name:32s} skipped: {why}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
