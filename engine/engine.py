@@ -96,12 +96,13 @@ class Engine:
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
 
     def slots(self, max_slots: int, max_len: int, page_size: int | None = None, num_pages: int | None = None,
-              share_prefixes: bool = True):
+              share_prefixes: bool = True, state_snapshots: int | None = None):
         """Continuous batching for a server (fq_slots.Slots): max_slots rows of max_len positions
         in this engine's caches, or with page_size a pool of num_pages pages of page_size
         positions read through each row's block table (None: max_slots rows' worth; with
-        share_prefixes the pages of common prompt prefixes shared where the model allows), each
-        step size's graph captured now. The caches and graphs generate() made are dropped (and
+        share_prefixes the pages of common prompt prefixes shared where the model allows; a
+        Qwen3.5 model keeps state_snapshots of its GDN states for it, None: fq_slots' default),
+        each step size's graph captured now. The caches and graphs generate() made are dropped (and
         generate() makes its own again when called)."""
         from fq_slots import Slots
 
@@ -110,21 +111,26 @@ class Engine:
         if page_size is None:
             self._check_memory(max_slots + 1, max_len)         # and the staging row (fq_slots)
         else:
-            self._check_paged_memory(max_slots, max_len, page_size, num_pages)
+            self._check_paged_memory(max_slots, max_len, page_size, num_pages, state_snapshots)
         self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
-                            page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes)
+                            page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes,
+                            state_snapshots=state_snapshots)
         return self._slots
 
-    def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None) -> None:
+    def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None,
+                            state_snapshots: int | None = None) -> None:
         """The paged cache's pools (and Qwen3.5's per-row GDN states) must fit: a clear error first."""
         if self.device.type != "cuda":
             return
         self.model.allocate_cache(1, 2)      # generate()'s cache, if any, goes first
         torch.cuda.empty_cache()
-        from fq_slots import default_pages
+        from fq_slots import DEFAULT_STATE_SNAPSHOTS, default_pages
 
         pages = default_pages(rows, max_len, page_size, num_pages) + 1   # and the spare one
-        need = pages * self.model.page_bytes(page_size) + (rows + 1) * getattr(self.model, "row_bytes", lambda: 0)()
+        states = rows + 1                                                # the rows' GDN states (Qwen3.5)
+        if getattr(self.model, "snapshot_granule", None) and page_size % self.model.snapshot_granule == 0:
+            states += DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
+        need = pages * self.model.page_bytes(page_size) + states * getattr(self.model, "row_bytes", lambda: 0)()
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free:
             raise ValueError(f"{pages} KV pages of {page_size} positions for {rows} rows need {need / 2**30:.1f} GiB; "

@@ -115,11 +115,15 @@ class Qwen3Model:
         Writes K/V for positions [0, S) of every sequence."""
         return self.ops.argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None
+                       ) -> torch.Tensor:
         """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill,
         in cache rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
         [start, start + S) of sequences whose first `start` positions those rows already hold
-        (a prompt prefilled in chunks): their queries attend to the cached keys as well."""
+        (a prompt prefilled in chunks): their queries attend to the cached keys as well.
+        snapshot: None (Qwen3's whole state is its K/V; Qwen3.5's model keeps snapshots)."""
+        if snapshot is not None:
+            raise ValueError("prefill_logits: a Qwen3 model keeps no state snapshots (its K/V is its whole state)")
         B, S = ids.shape
         group = max(1, PREFILL_TOKENS // (start + S))
         return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0, start) for b0 in range(0, B, group)])

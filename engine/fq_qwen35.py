@@ -39,6 +39,10 @@ rsqrt(mean x^2 + eps) * (1 + w) rounded once.
 Caches: K/V [L_attn, B, KVH, C, D] BF16 for the attention layers; per GDN layer the conv
 state [B, conv_dim, 4] (the last 4 inputs of the conv) and the recurrent state
 [B, Hv, Dk, Dv] fp32. Tokens of one call share their positions (the engine's contract).
+State snapshots (allocate_snapshots): a sequence's conv and recurrent states after a given
+position, taken by a prompt pass where that position is one of the rule's chunk boundaries
+(the chunked kernels' and reference's starting state of that chunk: no pass of its own), and
+put back into a row later; fq_slots shares a prompt prefix's pages with them.
 """
 import json
 import os
@@ -246,8 +250,10 @@ def _expected_names(cfg: Qwen35Config) -> list:
 
 
 class Qwen35Model:
-    # A prefix's GDN states at a page's end are not kept: no prompt pages are shared (fq_slots).
-    prefix_sharing = False
+    # A prompt prefix's pages are shared (fq_slots) together with the GDN states at its end,
+    # kept as a snapshot (allocate_snapshots) at positions that are multiples of this.
+    prefix_sharing = True
+    snapshot_granule = gdn.CHUNK
 
     def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, backend: str | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
@@ -260,6 +266,8 @@ class Qwen35Model:
             self._pack()
         self.cos = self.sin = None
         self.k_cache = self.v_cache = self.conv_state = self.state = None
+        self.snap_conv = self.snap_state = None     # allocate_snapshots
+        self._capture = None                        # a prompt pass's snapshot: (offset, indices)
         # Paged form (allocate_paged_cache): the attention layers' caches are pools of pages,
         # [A, P, KVH, page, D], row b's position p in page block_table[b, p // page]; the GDN
         # states stay one row per sequence. None: rows of positions.
@@ -339,9 +347,31 @@ class Qwen35Model:
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.block_table = torch.zeros((rows, capacity // page), dtype=torch.int32, device=self.device)
 
+    def allocate_snapshots(self, n: int) -> None:
+        """Room for n snapshots of one sequence's GDN states (conv and recurrent, every GDN layer):
+        taken by prefill_logits(snapshot=) or save_snapshot, put back by load_snapshot. A new
+        cache (allocate_cache) drops them."""
+        c, G = self.cfg, len(self.gdn_slot)
+        self.snap_conv = self.snap_state = None
+        self.snap_conv = torch.zeros((n, G, c.conv_dim, c.conv_width), dtype=torch.bfloat16, device=self.device)
+        self.snap_state = torch.zeros((n, G, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim), dtype=torch.float32,
+                                      device=self.device)
+
+    def save_snapshot(self, row: int, index: int) -> None:
+        """Snapshot `index` becomes cache row `row`'s GDN states as they are."""
+        self.snap_conv[index] = self.conv_state[:, row]
+        self.snap_state[index] = self.state[:, row]
+
+    def load_snapshot(self, index: int, row: int) -> None:
+        """Cache row `row`'s GDN states become snapshot `index` (a prompt then goes on from the
+        snapshot's position: prefill_logits with start)."""
+        self.conv_state[:, row] = self.snap_conv[index]
+        self.state[:, row] = self.snap_state[index]
+
     def allocate_cache(self, batch: int, capacity: int) -> None:
         c, dev = self.cfg, self.device
         self.k_cache = self.v_cache = self.conv_state = self.state = self.block_table = None
+        self.snap_conv = self.snap_state = None
         shape = (len(self.attn_slot), batch, c.num_kv_heads, capacity, c.head_dim)
         # zeros: the torch backend's masked attention over rows of other lengths (fq_slots) reads
         # past a row's length, where a mask cannot hide a NaN an empty buffer may hold
@@ -356,17 +386,32 @@ class Qwen35Model:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self._argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None
+                       ) -> torch.Tensor:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
         in rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
         [start, start + S) of sequences whose first `start` positions those rows already hold
         (a prompt prefilled in chunks): the GDN layers go on from their conv and recurrent
-        states, the attention layers' queries see the cached keys too."""
+        states, the attention layers' queries see the cached keys too. snapshot (position,
+        indices): each sequence's GDN states after `position` are also kept as snapshot
+        indices[b] (allocate_snapshots), position - start a multiple of snapshot_granule in
+        (0, S): the states the pass has there anyway."""
         B, S = ids.shape
+        if snapshot is not None:
+            at, indices = snapshot
+            cut = at - start
+            if self.snap_state is None or len(indices) != B or not 0 < cut < S or cut % self.snapshot_granule:
+                raise ValueError(f"prefill_logits: a snapshot at {at} of {len(indices)} sequence(s) needs allocated "
+                                 f"snapshots, one index per sequence ({B}) and a position past {start} by a multiple "
+                                 f"of {self.snapshot_granule} below {start + S}")
+            self._capture = (cut, torch.tensor(indices, dtype=torch.int64, device=self.device))
         rows = slice(row, row + B)
         self.ensure_rope(start + S)
         cos, sin = self.cos[None, start:start + S], self.sin[None, start:start + S]     # [1, S, r]
-        h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows, start), start)
+        try:
+            h = self._layers(ids, rows, lambda i, h: self._attention_prefill(i, h, cos, sin, rows, start), start)
+        finally:
+            self._capture = None
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
@@ -571,6 +616,15 @@ class Qwen35Model:
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
         kernels = prompt and self.backend == "triton"
         carried = not prompt or start > 0          # the rows' states go on (a decode step, a continued prompt)
+        capture = self._capture if prompt else None
+        if capture is not None:   # the conv's state after `cut` positions: the last conv_width inputs then
+            cut, width = capture[0], c.conv_width
+            if cut >= width:
+                seen = mixed[:, cut - width:cut].transpose(1, 2)
+            else:
+                before = self.conv_state[slot, rows] if carried else torch.zeros_like(self.conv_state[slot, rows])
+                seen = torch.cat([before[..., cut:], mixed[:, :cut].transpose(1, 2).to(before.dtype)], dim=-1)
+            self.snap_conv[capture[1], slot] = seen.to(self.snap_conv.dtype)
         if kernels:   # in_proj's output read in place by the gates, the conv + SiLU and the gated norm
             g, beta = gdn.gates(a, b, self.w[p + "A_log"], self.w[p + "dt_bias"])
             mixed, new_conv = gdn.causal_conv_prefill(mixed, conv_w,
@@ -587,12 +641,21 @@ class Qwen35Model:
         v = v.reshape(B, T, -1, c.linear_v_dim)
         if kernels:   # q, k, v read in place from the conv's rows, heads shared by index, the state
             # written into its cache rows
+            at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
             o, _ = gdn.chunked_prefill(q, k, v, g, beta, state_out=self.state[slot, rows],
-                                       initial_state=self.state[slot, rows] if carried else None)
+                                       initial_state=self.state[slot, rows] if carried else None, capture=at)
+            if capture is not None:
+                self.snap_state[capture[1], slot] = at[1]
         else:
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
-            rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
-            o, state = rule(q, k, v, g, beta, state=self.state[slot, rows] if carried else None)
+            initial = self.state[slot, rows] if carried else None
+            if prompt and capture is not None:    # the state at the start of the snapshot's chunk as well
+                o, state, at = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=initial,
+                                                                capture=capture[0] // gdn.CHUNK)
+                self.snap_state[capture[1], slot] = at
+            else:
+                rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
+                o, state = rule(q, k, v, g, beta, state=initial)
             self.state[slot, rows].copy_(state)
         if kernels and c.linear_v_dim == 128:    # z's heads read in place from in_proj's rows
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z.reshape(B * T, -1), self.w[p + "norm.weight"], c.rms_norm_eps)

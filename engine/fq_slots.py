@@ -32,13 +32,19 @@ prefill_logits with start); the last chunk moves the request into the next runni
 K/V and states, or its block table). So a long prompt joins without stalling the running
 requests for its whole prompt pass.
 
-Shared prefixes (paged form, share_prefixes, models whose whole state is their K/V: Qwen3):
-each full page of an admitted prompt is kept under the prompt's tokens up to its end; a later
-prompt starting with the same tokens takes those pages (counted: a page is free again when
-no request holds it, and stays findable until the pool needs it) and prefills only the rest,
-its queries seeing the shared positions (prefill_logits with start). At least the last
-token is always prefilled (its logits start the request). Qwen3.5's GDN states at a page's
-end are not kept, so its prompts share nothing.
+Shared prefixes (paged form, share_prefixes): each full page of an admitted prompt is kept
+under the prompt's tokens up to its end; a later prompt starting with the same tokens takes
+those pages (counted: a page is free again when no request holds it, and stays findable until
+the pool needs it) and prefills only the rest, its queries seeing the shared positions
+(prefill_logits with start). At least the last token is always prefilled (its logits start
+the request). Qwen3's whole state is its K/V. Qwen3.5's GDN layers also need their conv and
+recurrent states at the shared prefix's end: where the page size is a multiple of the
+model's snapshot_granule (the rule's chunk, 64), a prompt's pass keeps a snapshot of them
+where its last whole page before its last token ends (the pass has that state anyway), in a
+small pool of state_snapshots (each one row's GDN states: ~52 MB on the 4B), the oldest
+dropped first; a later prompt shares only a prefix that ends where a snapshot was taken,
+its row's states put back from it before its rest is prefilled. A prompt prefilled in chunks
+takes its snapshot where a chunk starts there or crosses it by whole rule chunks.
 """
 from __future__ import annotations
 
@@ -72,13 +78,22 @@ def pages_for(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
+# Qwen3.5's GDN state snapshots a paged Slots keeps for shared prefixes, unless told
+DEFAULT_STATE_SNAPSHOTS = 8
+
+
 class PagePool:
     """The paged cache's pages (module doc): free ones, and with sharing the full prompt pages kept
     under the prompt prefix they end, counted by the requests holding them; those no request
     holds are reused last (oldest first), their prefix forgotten then."""
 
-    def __init__(self, num_pages: int, page_size: int, share: bool):
+    def __init__(self, num_pages: int, page_size: int, share: bool, snapshots: int | None = None):
+        """snapshots: a model whose prefixes need a state snapshot at their end (Qwen3.5): how many
+        are kept (a prefix is found only where one ends); None: prefixes need none (Qwen3)."""
         self.page_size, self.share = page_size, share
+        self.snapshots = snapshots
+        self._snap_free = list(range((snapshots or 0) - 1, -1, -1))
+        self._snap_of: OrderedDict = OrderedDict()          # kept page -> its prefix's snapshot, oldest first
         self._free = list(range(num_pages - 1, -1, -1))     # holding nothing; popped from the end
         self._refs = [0] * num_pages
         self._prefix_of: dict[int, tuple] = {}               # page -> the prompt prefix it ends
@@ -99,13 +114,16 @@ class PagePool:
             else:
                 page, _ = self._idle.popitem(last=False)
                 del self._page_of[self._prefix_of.pop(page)]
+                if page in self._snap_of:
+                    self._snap_free.append(self._snap_of.pop(page))
             self._refs[page] = 1
             pages.append(page)
         return pages
 
     def lookup(self, prompt: list) -> list:
         """The kept pages of the prompt's longest kept prefix of whole pages, leaving at least its
-        last token to prefill; the request now holds them too."""
+        last token to prefill (with snapshots: the longest such prefix that ends at a snapshot,
+        snapshot_of(its last page)); the request now holds them too."""
         if not self.share:
             return []
         found = []
@@ -114,6 +132,11 @@ class PagePool:
             if page is None:
                 break
             found.append(page)
+        if self.snapshots is not None:
+            while found and found[-1] not in self._snap_of:
+                found.pop()
+            if found:
+                self._snap_of.move_to_end(found[-1])        # the most recently used, dropped last
         for page in found:
             self._idle.pop(page, None)
             self._refs[page] += 1
@@ -130,6 +153,40 @@ class PagePool:
                 self._page_of[prefix] = pages[i]
                 self._prefix_of[pages[i]] = prefix
 
+    def snapshot_of(self, page: int) -> int:
+        """The snapshot kept for the prefix that page ends (lookup found it)."""
+        return self._snap_of[page]
+
+    def snapshot_point(self, prompt: list, shared: int) -> int:
+        """Where a prompt sharing `shared` positions takes a snapshot: the end of its last whole
+        page before its last token (what lookup would find of the same prompt), or 0 for none
+        (sharing off, no snapshots here, or nothing past the shared prefix)."""
+        if not self.share or not self.snapshots:
+            return 0
+        at = (len(prompt) - 1) // self.page_size * self.page_size
+        return at if at > shared else 0
+
+    def new_snapshot(self) -> int:
+        """A snapshot's index for a prompt's pass to fill: a free one, else the least recently used
+        one (its prefix no longer found)."""
+        if self._snap_free:
+            return self._snap_free.pop()
+        _, index = self._snap_of.popitem(last=False)
+        return index
+
+    def bind_snapshot(self, index: int, prompt: list, pages: list, at: int) -> None:
+        """After keep(): the snapshot a prompt's pass took at `at` becomes its prefix's, if that
+        prefix is kept on the prompt's own page (else another page keeps it: dropped)."""
+        page = pages[at // self.page_size - 1]
+        if self._page_of.get(tuple(prompt[:at])) == page and page not in self._snap_of:
+            self._snap_of[page] = index
+        else:
+            self._snap_free.append(index)
+
+    def drop_snapshot(self, index: int) -> None:
+        """A snapshot taken for a pass that failed, given back."""
+        self._snap_free.append(index)
+
     def release(self, pages: list) -> None:
         """A request's pages given back: each one no request holds any more is free, or kept."""
         for page in reversed(pages):
@@ -143,11 +200,14 @@ class PagePool:
 
 class Slots:
     def __init__(self, model, device: torch.device, max_slots: int, max_len: int, use_graphs: bool = False,
-                 tune=None, page_size: int | None = None, num_pages: int | None = None, share_prefixes: bool = True):
+                 tune=None, page_size: int | None = None, num_pages: int | None = None, share_prefixes: bool = True,
+                 state_snapshots: int | None = None):
         """tune(rows): called once per bucket before its step is built (the engine's choice of
         products at that many rows). page_size: the paged form (module doc), max_len a multiple of
         it; num_pages: the pool's pages (None: max_slots rows' worth); share_prefixes: pages of a
-        common prompt prefix shared (paged form, where the model allows: module doc)."""
+        common prompt prefix shared (paged form, where the model allows: module doc);
+        state_snapshots: how many GDN state snapshots a Qwen3.5 model keeps for it (None:
+        DEFAULT_STATE_SNAPSHOTS; 0: its prefixes are not shared)."""
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"Slots: max_slots ({max_slots}) must be >= 1 and max_len ({max_len}) >= 2")
         if page_size is not None and (page_size < 1 or max_len % page_size):
@@ -170,8 +230,19 @@ class Slots:
             # into a page a request holds
             model.allocate_paged_cache(max_slots + 1, self.num_pages + 1, page_size, max_len)
             model.block_table.fill_(self.num_pages)
-        self.pool = PagePool(self.num_pages, page_size or 1,
-                             share_prefixes and page_size is not None and getattr(model, "prefix_sharing", False))
+        granule = getattr(model, "snapshot_granule", None)       # None: the model's prefixes need no snapshot
+        snapshots = None
+        if granule is not None:
+            snapshots = DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
+            if snapshots < 0:
+                raise ValueError(f"Slots: state_snapshots must be >= 0, got {state_snapshots}")
+            if page_size is None or page_size % granule:
+                snapshots = 0                    # a page's end is not always a snapshot point
+        share = (share_prefixes and page_size is not None and getattr(model, "prefix_sharing", False)
+                 and snapshots != 0)
+        self.pool = PagePool(self.num_pages, page_size or 1, share, snapshots if share else None)
+        if share and snapshots:
+            model.allocate_snapshots(snapshots)
         self.closed = False                       # Engine.generate() takes the caches back
         self.keys: list = []                      # the request in each running row, in row order
         self.lengths: list[int] = []              # positions cached per running row
@@ -242,19 +313,34 @@ class Slots:
         taken = [self._take_pages(row + j, r, p) for j, (r, p) in enumerate(zip(reserve, prompts))]
         pages = [t[0] for t in taken]
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
+        # where each prompt's pass keeps a state snapshot (Qwen3.5; 0: none), taken after every
+        # shared prefix's snapshot is back in its row (a new one may reuse an old one's room)
+        points = [self.pool.snapshot_point(prompt, start) for prompt, (_, start) in zip(prompts, taken)]
+        with torch.inference_mode():
+            for j, (p, start) in enumerate(taken):
+                if start and self.pool.snapshots:
+                    self.model.load_snapshot(self.pool.snapshot_of(p[start // self.page_size - 1]), row + j)
+        snaps = [self.pool.new_snapshot() if at else None for at in points]
         try:
             with torch.inference_mode():
-                if not any(t[1] for t in taken):     # nothing shared: one prompt pass
-                    logits = self.model.prefill_logits(ids, row=row)
+                if not any(t[1] for t in taken):     # nothing shared: one prompt pass (one length: one point)
+                    logits = self.model.prefill_logits(ids, row=row,
+                                                       snapshot=(points[0], snaps) if points[0] else None)
                 else:                                # each prompt's rest after its shared prefix
-                    logits = torch.cat([self.model.prefill_logits(ids[j:j + 1, start:], row=row + j, start=start)
-                                        for j, (_, start) in enumerate(taken)])
+                    logits = torch.cat([self.model.prefill_logits(
+                        ids[j:j + 1, start:], row=row + j, start=start,
+                        snapshot=(points[j], [snaps[j]]) if points[j] else None) for j, (_, start) in enumerate(taken)])
         except Exception:
             for j, p in enumerate(pages):
                 self._give_back(row + j, p)
+            for index in snaps:
+                if index is not None:
+                    self.pool.drop_snapshot(index)
             raise
-        for prompt, p in zip(prompts, pages):
+        for prompt, p, at, index in zip(prompts, pages, points, snaps):
             self.pool.keep(prompt, p)
+            if at:
+                self.pool.bind_snapshot(index, prompt, p, at)
         self.keys += list(keys)
         self.lengths += [length] * len(keys)
         self.reserved += reserve
@@ -291,7 +377,8 @@ class Slots:
 
     def _take_pages(self, row: int, reserve: int, prompt: list) -> tuple:
         """The pages for `reserve` positions, into row's block table (paged form; else none): the
-        kept pages of the prompt's shared prefix first. Returns (pages, prompt positions shared)."""
+        kept pages of the prompt's shared prefix first. Returns (pages, prompt positions shared);
+        with snapshots the caller puts the prefix's snapshot into the row."""
         if self.page_size is None:
             return [], 0
         shared = self.pool.lookup(prompt)
@@ -313,7 +400,12 @@ class Slots:
             raise SlotError(f"request {self.staged!r} is being prefilled in chunks: one at a time")
         reserve = self._check_new([key], [prompt], None if reserve is None else [reserve])[0]
         pages, shared = self._take_pages(self.staging, reserve, prompt)
-        self._staged = [key, list(prompt), reserve, pages, shared]
+        if shared and self.pool.snapshots:
+            with torch.inference_mode():
+                self.model.load_snapshot(self.pool.snapshot_of(pages[shared // self.page_size - 1]), self.staging)
+        at = self.pool.snapshot_point(prompt, shared)
+        # [key, prompt, reserve, pages, positions done, snapshot point, its index (None: none taken)]
+        self._staged = [key, list(prompt), reserve, pages, shared, at, self.pool.new_snapshot() if at else None]
 
     def prefill_next(self, tokens: int) -> torch.Tensor | None:
         """Prefill the staged prompt's next `tokens` positions (at most). While positions remain,
@@ -324,16 +416,28 @@ class Slots:
             raise SlotError("prefill_next(): no request is being prefilled (begin() first)")
         if tokens < 1:
             raise SlotError(f"prefill_next(): tokens must be >= 1, got {tokens}")
-        key, prompt, reserve, pages, done = self._staged
+        key, prompt, reserve, pages, done, at, index = self._staged
         stop = min(len(prompt), done + tokens)
         ids = torch.tensor([prompt[done:stop]], dtype=torch.int64, device=self.device)
+        snapshot = None
+        if index is not None and done <= at < stop:     # the snapshot point is in this chunk or at its start
+            if at == done:
+                with torch.inference_mode():
+                    self.model.save_snapshot(self.staging, index)
+            elif (at - done) % self.model.snapshot_granule == 0:
+                snapshot = (at, [index])
+            else:                                      # not at one of this pass's rule chunks: none taken
+                self.pool.drop_snapshot(index)
+                self._staged[6] = index = None
         with torch.inference_mode():
-            logits = self.model.prefill_logits(ids, row=self.staging, start=done)
+            logits = self.model.prefill_logits(ids, row=self.staging, start=done, snapshot=snapshot)
         self._staged[4] = stop
         if stop < len(prompt):
             return None
         row = len(self.keys)
         self.pool.keep(prompt, pages)
+        if index is not None:
+            self.pool.bind_snapshot(index, prompt, pages, at)
         with torch.inference_mode():
             self.model.copy_row(self.staging, row, len(prompt))
         if self.page_size is not None:
@@ -402,6 +506,8 @@ class Slots:
         else None."""
         if key is not None and key == self.staged:          # a request cancelled while being prefilled
             self._give_back(self.staging, self._staged[3])
+            if self._staged[6] is not None:
+                self.pool.drop_snapshot(self._staged[6])
             self._staged = None
             return None
         if key not in self.keys:

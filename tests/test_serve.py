@@ -290,6 +290,40 @@ def test_a_qwen35_checkpoint_is_served(tmp_path):
         srv.close()
 
 
+def test_qwen35_prompts_share_a_prefix_through_its_state_snapshot(tmp_path):
+    """A Qwen3.5 checkpoint served with pages of 64: the second prompt takes the first's two whole
+    pages of their common 150 tokens (the GDN states at 128 from the first pass's snapshot) and
+    both get their tokens alone; /metrics counts the 128 positions."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fastqwen import synth35
+    from fastqwen.serve.app import Server, create_app
+
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path / "q35", seed=3, progress=False)
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(0, 1000, (150,), generator=gen).tolist()
+    prompts = [base + [11, 12, 13], base + [21, 22]]
+    srv = Server(str(path), max_batch=2, max_model_len=256, served_model_name="q35", block_size=64)
+    try:
+        async def calls():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                out = [(await ac.post("/v1/completions", json={"prompt": p, "max_tokens": 5,
+                                                               "temperature": 0})).json() for p in prompts]
+                return out, (await ac.get("/metrics")).text
+
+        results, metrics = asyncio.run(calls())
+        for i, res in enumerate(results):
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], 5)), i
+        hits = sum(x.value for fam in text_string_to_metric_families(metrics) for x in fam.samples
+                   if x.name == "fastqwen:prefix_cache_hit_tokens_total")
+        assert hits == 128, hits
+    finally:
+        srv.close()
+
+
 def test_the_serve_command_answers_like_the_readme_shows(tiny_model):
     """`fastqwen serve` as a user starts it (a process of its own), asked as the README asks it."""
     import subprocess

@@ -287,3 +287,51 @@ def test_pages_kept_for_a_prefix_are_reused_when_the_pool_runs_short(qwen3):
     assert slots.pool.hit_tokens == 0
     _greedy(slots, {"c": first + [1]}, 2)            # a's pages were reused by b: nothing found
     assert slots.pool.hit_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35p") / "tiny", seed=3, progress=False)
+    return load_engine_module(ENGINE_DIR, "fastqwen_prefix_qwen35").Engine(str(path))
+
+
+def test_qwen35_requests_with_a_common_prefix_share_its_pages_and_states(qwen35):
+    """Qwen3.5, pages of 64 (the rule's chunk): a's pass keeps a snapshot of its GDN states where
+    its last whole page ends (128); b, sharing a's first 150 tokens, takes a's first 2 pages and
+    that snapshot and prefills only positions 128-156; c shares them after both left; d shares
+    only a's first page, where no snapshot was taken, so nothing. Each request's tokens are its
+    tokens alone (bit for bit on the CPU: the snapshot is the state the pass has at a chunk
+    start). Pages of 16 (not a multiple of the chunk): nothing is shared."""
+    base = _prompt(150, 1, 1024)
+    prompts = {"a": base + _prompt(10, 2, 1024), "b": base + _prompt(7, 3, 1024), "c": base[:140] + [5],
+               "d": base[:70] + _prompt(30, 4, 1024)}
+    alone = {k: [s[0] for s in qwen35.generate([p], 6)] for k, p in prompts.items()}
+    slots = qwen35.slots(3, 320, page_size=64, num_pages=20)
+    assert slots.pool.snapshots == 8
+    assert _greedy(slots, {"a": prompts["a"]}, 6) == {"a": alone["a"]} and slots.pool.hit_tokens == 0
+    assert _greedy(slots, {"b": prompts["b"]}, 6) == {"b": alone["b"]} and slots.pool.hit_tokens == 128
+    assert _greedy(slots, {"c": prompts["c"], "d": prompts["d"]}, 6) == {"c": alone["c"], "d": alone["d"]}
+    assert slots.pool.hit_tokens == 2 * 128                   # c found 128 positions, d none
+    small = qwen35.slots(3, 320, page_size=16, num_pages=60)
+    assert not small.pool.share
+    assert _greedy(small, {"a": prompts["a"], "b": prompts["b"]}, 6) == {"a": alone["a"], "b": alone["b"]}
+    assert small.pool.hit_tokens == 0
+
+
+def test_qwen35_snapshots_from_chunked_prompts_and_the_oldest_dropped(qwen35):
+    """A prompt prefilled in chunks of 64 keeps its snapshot at a chunk's start (192), and a later
+    prompt shares up to it; with room for one snapshot, a second prompt's snapshot drops the
+    first's, whose prefix is then not found."""
+    first, second = _prompt(200, 21, 1024), _prompt(140, 22, 1024)
+    alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in
+             (("x", first + [7]), ("y", second + [9]), ("z", first + [8]))}
+    slots = qwen35.slots(2, 320, page_size=64, num_pages=16, state_snapshots=1)
+    slots.begin("a", first, reserve=210)
+    while slots.prefill_next(64) is None:
+        pass
+    slots.retire("a")
+    assert _greedy(slots, {"x": first + [7]}, 4) == {"x": alone["x"]} and slots.pool.hit_tokens == 192
+    assert _greedy(slots, {"y": second + [9]}, 4) == {"y": alone["y"]}    # its snapshot at 128 drops first's
+    assert _greedy(slots, {"z": first + [8]}, 4) == {"z": alone["z"]} and slots.pool.hit_tokens == 192
+    with pytest.raises(ValueError, match="state_snapshots"):
+        qwen35.slots(2, 320, page_size=64, num_pages=16, state_snapshots=-1)

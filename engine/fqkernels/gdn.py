@@ -95,10 +95,12 @@ def delta_rule_recurrent_reference(q, k, v, g, beta, state=None, l2norm: bool = 
     return out.transpose(1, 2).contiguous().to(dtype), S
 
 
-def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = True, chunk: int = CHUNK):
+def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = True, chunk: int = CHUNK,
+                                 capture: int | None = None):
     """The chunked form (every multi-token forward of the reference). T is padded with zeros
     to a multiple of `chunk` (padded steps have k = beta = g = 0: S passes through them).
-    Returns (o [B, T, H, Dv] in q's dtype, final state fp32)."""
+    Returns (o [B, T, H, Dv] in q's dtype, final state fp32), and with capture=c the state at
+    chunk c's start as a third (the state after c * chunk steps: a snapshot, fq_qwen35)."""
     dtype = q.dtype
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -123,12 +125,20 @@ def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = Tr
     q = q * gamma.exp().unsqueeze(-1)
     k = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
     carry = gamma[..., -1].exp()[..., None, None]
+    captured = None
     for c in range(n):
+        if c == capture:
+            captured = S.clone()
         v_new = u[:, :, c] - w[:, :, c] @ S
         out[:, :, c] = q[:, :, c] @ S + attn[:, :, c] @ v_new
         S = S * carry[:, :, c] + k[:, :, c].transpose(-1, -2) @ v_new
     out = out.reshape(B, H, -1, Dv)[:, :, :T]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), S
+    out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    if capture is None:
+        return out, S
+    if captured is None:
+        raise ValueError(f"delta_rule_chunked_reference: capture {capture} is not a chunk of the {n} here")
+    return out, S, captured
 
 
 def causal_conv_reference(u: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None):
@@ -999,11 +1009,13 @@ DEFAULT_PLAN = plan_from_text(os.environ.get("FASTQWEN_GDN_PLAN"))
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN, state_out: torch.Tensor | None = None,
-                    initial_state: torch.Tensor | None = None):
+                    initial_state: torch.Tensor | None = None, capture: tuple | None = None):
     """The chunked rule over a prompt, as three kernels (from a zero state; with initial_state,
     a contiguous fp32 [B, Hv, Dk, Dv], from it: the rest of a sequence whose first part a
     call before this one took, e.g. a prompt prefilled in chunks; it may be state_out itself,
-    the cache rows updated in place): q, k
+    the cache rows updated in place; capture (c, out): also the state at chunk c's start, after c
+    chunks of this call, into out, fp32 [B, Hv, Dk, Dv], which the state kernel writes for the
+    output kernel anyway (a snapshot, fq_qwen35)): q, k
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
     bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
     power of two dividing Dv; None: the plan's); plan: the launches
@@ -1031,6 +1043,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if g.stride() != beta.stride() or g.stride(-1) != 1:
         g, beta = g.contiguous(), beta.contiguous()
     nc = triton.cdiv(T, CHUNK)
+    if capture is not None and (not 0 <= capture[0] < nc or capture[1].dtype != torch.float32
+                                or tuple(capture[1].shape) != (B, Hv, Dk, Dv)):
+        raise ValueError(f"gdn.chunked_prefill: capture must be (a chunk in [0, {nc}), float32 {(B, Hv, Dk, Dv)}), "
+                         f"got ({capture[0]}, {capture[1].dtype} {tuple(capture[1].shape)})")
     dev = v.device
     out = torch.empty((B, T, Hv, Dv), dtype=torch.bfloat16, device=dev)
     if state_out is None:
@@ -1072,6 +1088,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
             BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
+        if capture is not None:     # h: each (sequence, head, chunk)'s starting state, [Dk, Dv] each
+            capture[1][sl] = h[:bs * Hv * nc * Dk].view(bs, Hv, nc, Dk, Dv)[:, :, capture[0]]
     return out, state
 
 

@@ -52,9 +52,10 @@ def size_batch(requested: int | None, row_bytes: int, budget_bytes: int | None, 
 
 
 def size_pages(block_size: int, max_batch: int | None, max_model_len: int, page_bytes: int, row_bytes: int,
-               budget_bytes: int | None) -> tuple[int, int]:
+               budget_bytes: int | None, snapshots: int = 0) -> tuple[int, int]:
     """(slots, KV pages) of the paged cache: `max_batch` slots (None: DEFAULT_MAX_BATCH, 16 on the
-    CPU), each holding `row_bytes` of its own (Qwen3.5's GDN states), and as many pages of
+    CPU), each holding `row_bytes` of its own (Qwen3.5's GDN states), `snapshots` more of those
+    (Qwen3.5's state snapshots for shared prefixes, fq_slots), and as many pages of
     `block_size` positions as the budget holds beside them, at most every slot's max_model_len
     worth. Too little for one request of max_model_len positions is an error naming the sizes."""
     if block_size < 1 or max_model_len % block_size:
@@ -64,7 +65,7 @@ def size_pages(block_size: int, max_batch: int | None, max_model_len: int, page_
         rows = max_batch or 16
         return rows, rows * per_request
     rows = max_batch or DEFAULT_MAX_BATCH
-    states = (rows + 1) * row_bytes            # the slots' rows and the staging row (fq_slots)
+    states = (rows + 1 + snapshots) * row_bytes    # the slots' rows, the staging row, the snapshots (fq_slots)
     pages = min(rows * per_request, max(0, budget_bytes - states) // page_bytes)
     if pages < per_request:
         raise ValueError(f"{rows} slots and one request of --max-model-len {max_model_len} need "
@@ -97,7 +98,8 @@ class Server:
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
         row of max_model_len positions per slot. prefill_chunk: a joining prompt longer than
         that is prefilled in chunks of it between decode steps (scheduler.py); None or 0: whole.
-        share_prefixes: with block_size, prompts that start alike share those pages (Qwen3)."""
+        share_prefixes: with block_size, prompts that start alike share those pages (Qwen3.5: with
+        block_size a multiple of 64, through its GDN state snapshots, fq_slots)."""
         from fastqwen.serve.metrics import Metrics
         from fastqwen.serve.scheduler import Scheduler
         from fastqwen.serve.text import TextCodec
@@ -122,9 +124,15 @@ class Server:
             row = model.cache_bytes(1, self.max_model_len)
             max_batch = size_batch(max_batch, row, None if budget is None else budget - row, self.max_model_len)
         else:
+            granule = getattr(model, "snapshot_granule", None)
+            snapshots = 0
+            if share_prefixes and granule and self.block_size % granule == 0:
+                import fq_slots        # the engine folder's, on the path since the engine's import
+
+                snapshots = fq_slots.DEFAULT_STATE_SNAPSHOTS
             max_batch, self.num_blocks = size_pages(self.block_size, max_batch, self.max_model_len,
                                                     model.page_bytes(self.block_size),
-                                                    getattr(model, "row_bytes", lambda: 0)(), budget)
+                                                    getattr(model, "row_bytes", lambda: 0)(), budget, snapshots)
         self.max_batch = max_batch
         self.metrics = Metrics(self.name)
         self.scheduler = Scheduler(self.engine, self.codec, max_batch, self.max_model_len, max_waiting, seed,

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "inter-token latency; 0 (default): whole prompts")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="with --block-size: do not share the pages of prompts that start alike (shared by "
-                        "default where the model allows: Qwen3)")
+                        "default where the model allows: Qwen3; Qwen3.5 with a block size that is a multiple of 64)")
 
 
 def default_model() -> pathlib.Path:

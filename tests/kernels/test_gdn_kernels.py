@@ -305,6 +305,30 @@ def test_chunked_prefill_continues_from_a_state(interpreter_fixes, first, rest, 
         gdn.chunked_prefill(*dev, initial_state=state[:1])
 
 
+@pytest.mark.parametrize("start", [0, 30])
+def test_chunked_prefill_captures_a_chunks_starting_state(interpreter_fixes, monkeypatch, start):
+    """capture=(c, out): the state after c chunks of this call (a snapshot, fq_qwen35) is, bit
+    for bit, the final state of a call over those chunks alone (from the same initial state when
+    the call continues a sequence); with the batch in slices too; a chunk past the call's is named."""
+    q, k, v, g, beta = _prefill_inputs(3, start + 150, 1, 2, 32, seed=5)
+    dev = [t.to(DEV) for t in (q, k, v, g, beta)]
+    init = None
+    if start:
+        _, init = gdn.chunked_prefill(*(t[:, :start] for t in dev), block_v=32)
+    rest = [t[:, start:] for t in dev]
+    kw = {} if init is None else {"initial_state": init}
+    _, alone = gdn.chunked_prefill(*(t[:, :128] for t in rest), block_v=32, **kw)
+    got = torch.full_like(alone, float("nan"))
+    gdn.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
+    assert torch.equal(got, alone)
+    monkeypatch.setattr(gdn, "_TOKENS_PER_SLICE", 192)          # one sequence a slice
+    got.fill_(float("nan"))
+    gdn.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
+    assert torch.equal(got, alone)
+    with pytest.raises(ValueError, match="capture must be"):
+        gdn.chunked_prefill(*rest, block_v=32, capture=(3, got), **kw)
+
+
 def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
     """A batch longer than the workspace budget runs in slices of whole sequences (here one
     sequence a slice) and gives what one call gives, within the oracle's gates."""
