@@ -24,8 +24,9 @@ replay processes never set it); the engine's variants with it off, as Engine set
 
     python scripts/gpu_q35_opswap.py --model DIR --shapes 16x512x128,4x2048x32 [--variants a,b] [--seed N]
         [--out FILE] [--no-self-check]
-Needs Transformers 5.17.0: the reference's site (fastqwen/refenv.py: .venv-qwen35 or
-FASTQWEN_QWEN35_SITE) is put first on sys.path when it exists.
+Needs Transformers 5.17.0: run as a script, it puts the reference's site (fastqwen/refenv.py:
+.venv-qwen35, or FASTQWEN_QWEN35_SITE) first on sys.path where that holds Transformers; else
+the first Transformers on the path must be 5.17.0.
 """
 import argparse
 import contextlib
@@ -43,11 +44,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "engine"))
 sys.path.insert(0, REPO)
 
+from fastqwen import refenv  # noqa: E402
+
+# Run as a script: the reference's site first, before anything imports safetensors or
+# tokenizers (5.17 needs its own); imported (a test), the importer's path is left alone.
+if __name__ == "__main__" and (refenv.qwen35_site() / "transformers").is_dir():
+    sys.path.insert(0, str(refenv.qwen35_site()))
+
 import engine as fq_engine  # noqa: E402
 import fq_qwen35  # noqa: E402
 from fqkernels import gdn  # noqa: E402
 
-from fastqwen import refenv  # noqa: E402
 from fastqwen.judge.fidelity import NOISE_SLACK as SLACK  # noqa: E402
 from fastqwen.judge.prompts import PromptSource  # noqa: E402
 from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
@@ -59,10 +66,7 @@ _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduct
 
 
 def load_native(model_dir: str, dev: torch.device):
-    """The judge's native model (Transformers 5.17.0, first on sys.path where installed)."""
-    site = refenv.qwen35_site()
-    if "transformers" not in sys.modules and (site / "transformers").is_dir() and str(site) not in sys.path:
-        sys.path.insert(0, str(site))
+    """The judge's native model (Transformers 5.17.0)."""
     import transformers
 
     if transformers.__version__ != refenv.QWEN35_TRANSFORMERS:
@@ -245,11 +249,12 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-    eng = fq_engine.Engine(args.model)      # TF32 off, bf16 reduction off, the backend, packed weights
-    if not isinstance(eng.model, fq_qwen35.Qwen35Model):
+    if fq_engine._model_type(args.model) not in fq_qwen35.MODEL_TYPES:
         raise SystemExit(f"{args.model} is not a Qwen3.5 checkpoint (scripts/gpu_opswap.py is the Qwen3 probe)")
-    dev, cfg = eng.device, eng.cfg
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")     # as Engine picks it
     native = load_native(args.model, dev)
+    eng = fq_engine.Engine(args.model)      # TF32 off, bf16 reduction off, its backend, packed weights
+    cfg = eng.cfg
     source = PromptSource.for_model(args.model, cfg.vocab_size, args.seed)
     models = {}                             # the torch backend's model, loaded once when asked for
     report = {"model": args.model, "seed": args.seed, "device": str(dev), "engine": eng.describe(),

@@ -60,6 +60,9 @@
 #   judge-q35-eager  judge-q35 with FASTQWEN_NO_PREFILL_GRAPHS=1 (every prompt pass eager)
 #   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
 #                 results/workloads/q35_own.json (issue 12's own shapes)
+#   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
+#                 forward of the engine, of variants with one piece swapped, and of native's cached decode
+#                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32)
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
@@ -134,6 +137,10 @@ if [ ! -f /tmp/q4b/config.json ]; then
     | tail -1 >> "$OUT/gpu.txt"
 fi
 flock -u 9
+q35_site() {  # the machine's own Transformers 5.17 first for the Qwen3.5 reference (fastqwen/refenv.py)
+  export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
+    "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+}
 q35_ckpt() {  # the synthetic Qwen3.5-4B the q35 stages run on, made once per machine
   [ -f /tmp/q35_4b/config.json ] || python3 -m fastqwen.cli synth --preset qwen3.5-4b --device cuda \
     --out /tmp/q35_4b 2>&1 | tail -1
@@ -210,25 +217,28 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  --out "$OUT/opswap_b4.json" 2>&1 | grep -v Warn | tail -24 ;;
     judge-q35) # Qwen3.5-4B (synth) in public mode: native and the replay on the machine's own Transformers
                # 5.17 (its site-packages first on PYTHONPATH, through fastqwen/refenv.py); the engine as it defaults.
-               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
-                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               q35_site
                q35_ckpt
                timeout 560 python3 -m fastqwen.cli judge --engine engine --public --out "$OUT/judge_q35.json" \
                  --chart "$OUT/judge_q35.png" --model /tmp/q35_4b --workloads public 2>&1 | tail -40 ;;
     judge-q35-eager) # the same with every prompt pass eager (FASTQWEN_NO_PREFILL_GRAPHS=1)
-               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
-                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               q35_site
                q35_ckpt
                FASTQWEN_NO_PREFILL_GRAPHS=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --public \
                  --out "$OUT/judge_q35_eager.json" --chart "$OUT/judge_q35_eager.png" --model /tmp/q35_4b \
                  --workloads public 2>&1 | tail -40 ;;
     judge-q35-official|judge-q35-own)
-               export FASTQWEN_QWEN35_SITE=$(PYTHONPATH= python3 -c \
-                 "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))")
+               q35_site
                q35_ckpt
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
+    q35-opswap) # teacher-forced on native's tokens: the engine's logits and its variants' against the full
+                # forward, beside native's cached decode (gpu_q35_opswap.py)
+                q35_site
+                q35_ckpt
+                timeout 400 python3 scripts/gpu_q35_opswap.py --model /tmp/q35_4b --shapes "${OPSWAP_SHAPES:-16x512x128,4x2048x32}" \
+                  --out "$OUT/q35_opswap.json" 2>&1 | grep -v Warn | tail -20 ;;
     q35-check) q35_ckpt
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;

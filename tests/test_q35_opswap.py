@@ -1,0 +1,139 @@
+"""scripts/gpu_q35_opswap.py on the CPU, on a tiny Qwen3.5: the script end to end (native
+Transformers 5.17.0 in its own environment, .venv-qwen35), its teacher-forced engine steps
+against the engine's own greedy tokens, and the two triton-only patches (the GDN output
+kernel's precision, the unpacked prompt-pass products) applied and undone."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_modules import ENGINE_DIR, REPO
+from fastqwen import refenv, synth35
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+SCRIPT = REPO / "scripts" / "gpu_q35_opswap.py"
+needs_517 = pytest.mark.skipif(not (refenv.qwen35_site() / "transformers").is_dir(),
+                               reason="the Qwen3.5 reference (Transformers 5.17.0, .venv-qwen35) is not installed")
+
+
+def _script():
+    """The script as a module (imported, it leaves sys.path's Transformers alone)."""
+    if "gpu_q35_opswap" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_q35_opswap", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["gpu_q35_opswap"] = module
+    return sys.modules["gpu_q35_opswap"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35op") / "tiny", seed=3, progress=False)
+
+
+@needs_517
+def test_the_probe_runs_on_the_cpu(tiny, tmp_path):
+    out = tmp_path / "report.json"
+    # one thread: the second shape runs past one GDN chunk (64), and with another process on the
+    # machine's cores two OpenMP threads took this from seconds to minutes
+    env = dict(refenv.reference_env("qwen3_5_text"), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny), "--shapes", "2x40x6,2x100x6",
+                          "--variants", "engine,engine_out_tf32x3,torch_backend", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["engine"]["backend"] == "torch"
+    assert list(report["shapes"]) == ["2x40x6", "2x100x6"]
+    for shape, entry in report["shapes"].items():
+        B, _, G = (int(v) for v in shape.split("x"))
+        res = entry["results"]
+        assert list(res) == ["native_cached", "engine", "torch_backend"], list(res)
+        assert "triton" in entry["skipped"]["engine_out_tf32x3"]
+        for name, r in res.items():
+            assert r["positions"] == B * G, (name, r)
+            assert all(math.isfinite(r[k]) for k in ("mean_max_abs", "p99_max_abs", "max_abs", "max_slack")), r
+            assert 0 <= r["argmax_agree"] <= r["positions"]
+        # native's cached decode emitted its tokens; the engine on the CPU runs the torch reference,
+        # which is that cached decode bit for bit (test_engine_qwen35_cpu.py): the same figures
+        assert res["native_cached"]["native_token_agree"] == B * G
+        same = ("mean_max_abs", "p99_max_abs", "max_abs", "argmax_agree", "max_slack", "native_token_agree")
+        for name in ("engine", "torch_backend"):
+            assert {k: res[name][k] for k in same} == {k: res["native_cached"][k] for k in same}, name
+        assert entry["self_check"] == {"positions": B * G, "agree": B * G}
+        assert f"== {shape}" in run.stdout
+
+
+def test_forced_steps_reproduce_the_engines_greedy_tokens(tiny):
+    """The probe's positions / lengths / cache conventions: teacher-forced on Engine.generate's own
+    tokens, the steps' argmax is those tokens; forced on other tokens it is not (the check can fail)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # as the test above, for the same reason
+    try:
+        _forced_steps_check(tiny)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _forced_steps_check(tiny):
+    from engine import Engine
+
+    mod = _script()
+    eng = Engine(str(tiny))
+    prompts = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(2))
+    greedy = torch.tensor(list(eng.generate(prompts.tolist(), 8))).T.contiguous()
+    assert greedy.unique().numel() > 3, "the continuation must vary"
+    forced = mod.forced_logits(eng.model, prompts, greedy)
+    assert forced.shape == (2, 8, 1024) and forced.dtype == torch.bfloat16
+    assert torch.equal(forced.argmax(-1), greedy)
+    other = torch.roll(greedy, 1, dims=1)
+    assert not torch.equal(mod.forced_logits(eng.model, prompts, other)[:, 1:].argmax(-1), greedy[:, 1:])
+    # against the full forward itself (here: the forced steps), every figure is exact
+    r = mod.compare(forced, forced.float(), greedy)
+    assert r["max_abs"] == 0 and r["argmax_agree"] == 16 and r["max_slack"] == 0 and r["native_token_agree"] == 16
+
+
+def test_out_precision_patch_is_applied_and_undone():
+    from fqkernels import gdn
+
+    mod = _script()
+    orig = gdn.chunked_prefill
+    with mod.out_precision("tf32x3"):
+        patched = gdn.chunked_prefill
+        assert patched is not orig and patched.keywords["plan"].out_prec == "tf32x3"
+        assert patched.keywords["plan"].block_v == gdn.DEFAULT_PLAN.block_v   # the rest of the plan kept
+    assert gdn.chunked_prefill is orig
+
+
+def test_unpacked_products_are_the_separate_matrices(tiny, monkeypatch):
+    """On a triton-backend model (packed weights; TRITON_INTERPRET lets it be built on the CPU),
+    the patched products equal the separate matrices' F.linear calls, and the model's own
+    products come back afterwards."""
+    import fq_qwen35
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = fq_qwen35.Qwen35Config.from_dir(str(tiny))
+    cpu = torch.device("cpu")
+    plain = fq_qwen35.load_weights(str(tiny), cfg, cpu)
+    model = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(str(tiny), cfg, cpu, pack=True), cpu, "triton")
+    x = torch.randn(3, 5, cfg.hidden_size).bfloat16()
+    gdn_p, attn_p = "model.layers.0.linear_attn.", "model.layers.3.self_attn."
+    assert cfg.layer_types[0] == "linear_attention" and cfg.layer_types[3] == "full_attention"
+    with _script().unpacked_products(model):
+        got_in = model.ops.linear(x, model.w[gdn_p + "in_proj.weight"])
+        got_qkv = model.ops.linear(x, model.w[attn_p + "qkv_proj.weight"])
+        got_mlp = model.ops.linear_silu_mul(x, model.w["model.layers.1.mlp.gate_up.weight"])
+    want_in = torch.cat([F.linear(x, plain[gdn_p + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")], -1)
+    want_qkv = torch.cat([F.linear(x, plain[attn_p + f"{n}_proj.weight"]) for n in "qkv"], -1)
+    p = "model.layers.1.mlp."
+    want_mlp = F.silu(F.linear(x, plain[p + "gate_proj.weight"])) * F.linear(x, plain[p + "up_proj.weight"])
+    assert torch.equal(got_in, want_in) and torch.equal(got_qkv, want_qkv) and torch.equal(got_mlp, want_mlp)
+    assert "linear" not in vars(model.ops) and model.ops.linear.__func__ is fq_qwen35._Products.linear
