@@ -139,6 +139,11 @@ SWEEP = {
     # operand, as four warps' wgmma needs); ~200-240 bytes of spills a thread (ptxas, sm_90a)
     "state_w2_bv16": dict(state_warps=2, block_v=16),
     "out_w2_bv32": dict(out_warps=2, out_bv=32),
+    # the solve and state kernels on bf16 pairs (~16 bits in place of three TF32 passes): 139
+    # registers at 16 columns (three programs an SM), 179 at 32 (ptxas, sm_90a); a candidate
+    # whose fidelity gpu_q35_opswap.py measures, never picked by best_plan
+    "prec_bf16x2_bv16": dict(prec="bf16x2", block_v=16),
+    "prec_bf16x2": dict(prec="bf16x2"),
 }
 
 
@@ -206,10 +211,14 @@ def sweep_rows(shapes: list[str], dev: torch.device, names: list[str] | None = N
 def best_plan(rows: list[dict], state_gate: float = 2e-5, out_gate: float = 5e-3) -> str:
     """The SWEEP plan with the least total time over the swept shapes, among those that ran at
     every shape and, where the reference was computed, kept the state within state_gate and the
-    outputs within out_gate of it; as FASTQWEN_GDN_PLAN text ("" for the defaults)."""
+    outputs within out_gate of it; as FASTQWEN_GDN_PLAN text ("" for the defaults). Plans that
+    change the precision (prec, out_prec) are never picked: that is a fidelity decision, made
+    on a fidelity measurement, not a launch choice."""
     shapes = {(r["B"], r["T"]) for r in rows}
     totals = {}
     for name in SWEEP:
+        if {"prec", "out_prec"} & set(SWEEP[name]):
+            continue
         mine = [r for r in rows if r["sweep"] == name]
         if len(mine) != len(shapes) or any("error" in r for r in mine):
             continue

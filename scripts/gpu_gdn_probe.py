@@ -32,8 +32,8 @@ _NO_SUBSTITUTION = ("    for i in range(1, 16):\n", "    for i in range(1, 1):\n
 _NO_BLOCK_PRODUCTS = ("    nt = _dot3(tl.where(same, 0.0, at), x, PREC)\n"
                       "    m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))",
                       "    m_inv = tl.trans(x + tl.where(same, 0.0, at))")
-_NO_U_W = [("    u = _dot_f32_bf16(m_inv * beta[None, :], v)", "    u = tl.sum(m_inv, axis=1)[:, None] * v.to(tl.float32)"),
-           ("    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k)",
+_NO_U_W = [("    u = _dot_f32_bf16(m_inv * beta[None, :], v, PREC)", "    u = tl.sum(m_inv, axis=1)[:, None] * v.to(tl.float32)"),
+           ("    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k, PREC)",
             "    w = tl.sum(m_inv, axis=1)[:, None] * k.to(tl.float32)")]
 _NO_WS = [("        ws = _dot3(w0, s0, PREC)", "        ws = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(w0) + tl.sum(s0)"),
           ("        ws += _dot3(w1, s1, PREC)", "        ws += tl.sum(w1)")]

@@ -8,7 +8,9 @@ decode step per token: the kernels of the engine's graphs, its cache capacity an
 GEMV/cuBLAS tuning for the batch) and its per-step logits are compared with the truth.
 
 Variants: `engine` (as it runs); `engine_out_tf32x3` (the GDN prompt pass's output kernel
-at out_prec "tf32x3" instead of the default "bf16x2"); `engine_prefill_cublas_unpacked`
+at out_prec "tf32x3" instead of the default "bf16x2"); `engine_state_bf16x2` (its solve and
+state kernels on bf16 pairs, PrefillPlan(prec="bf16x2", block_v=16): a faster candidate's
+fidelity); `engine_prefill_cublas_unpacked`
 (the prompt pass's products on the reference's separate matrices, cuBLAS, lm_head
 included; decode unchanged); `torch_backend` (Qwen35Model on the torch reference ops). The
 first three need the triton backend (a CUDA device): elsewhere they are skipped with a note.
@@ -59,8 +61,8 @@ from fastqwen.judge.fidelity import NOISE_SLACK as SLACK  # noqa: E402
 from fastqwen.judge.prompts import PromptSource  # noqa: E402
 from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 
-VARIANTS = ("engine", "engine_out_tf32x3", "engine_prefill_cublas_unpacked", "torch_backend")
-TRITON_ONLY = ("engine_out_tf32x3", "engine_prefill_cublas_unpacked")
+VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "torch_backend")
+TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked")
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
 
@@ -146,10 +148,10 @@ def forced_logits(model, prompts, toks, prefill_patch=contextlib.nullcontext):
 
 
 @contextlib.contextmanager
-def out_precision(prec: str):
-    """gdn.chunked_prefill (as fq_qwen35 calls it) with the default plan's out_prec replaced."""
+def plan_patch(**fields):
+    """gdn.chunked_prefill (as fq_qwen35 calls it) with those fields of the default plan replaced."""
     orig = gdn.chunked_prefill
-    gdn.chunked_prefill = functools.partial(orig, plan=dataclasses.replace(gdn.DEFAULT_PLAN, out_prec=prec))
+    gdn.chunked_prefill = functools.partial(orig, plan=dataclasses.replace(gdn.DEFAULT_PLAN, **fields))
     try:
         yield
     finally:
@@ -284,7 +286,8 @@ def main(argv=None) -> dict:
                 models[name] = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(args.model, cfg, dev, pack=False),
                                                      dev, "torch")
             model = models.get(name, eng.model)
-            patch = {"engine_out_tf32x3": lambda: out_precision("tf32x3"),
+            patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
+                     "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
             t1 = time.perf_counter()
             steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)

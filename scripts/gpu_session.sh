@@ -68,6 +68,8 @@
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
 #                 default (scripts/gpu_prefill_pieces.py)
+#   gdn-ncu       Nsight Compute over the GDN prompt pass's three kernels (gpu_gdn_passes.py; NCU_SHAPE, default
+#                 4x8192): stall reasons, occupancy, throughput, into gdn_ncu.txt
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
@@ -299,6 +301,17 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                       | grep -v Warn | tail -40 ;;
     gdn-probe) timeout 300 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \
                        | grep -v Warn | tail -6 ;;
+    gdn-ncu) # Nsight Compute over one prompt pass's three GDN kernels at 4x8192 (a slice of two sequences:
+             # the state kernel in one wave), after a first pass that compiles them: stall reasons, occupancy,
+             # throughput (the hardware's counters; the clocks left alone, METHOD.md)
+             ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+             [ -n "$ncu_bin" ] || { echo "gdn-ncu: no ncu here"; continue; }
+             timeout 400 "$ncu_bin" --clock-control none --kernel-name regex:"_chunk_(solve|state|out)_kernel" \
+               --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+               python3 scripts/gpu_gdn_passes.py --shape "${NCU_SHAPE:-4x8192}" --passes 2 > "$OUT/gdn_ncu.txt" 2>&1
+             grep -E "_chunk_|Duration|Achieved Occupancy|Registers Per|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Stall|Warp Cycles Per Issued" \
+               "$OUT/gdn_ncu.txt" | head -60 ;;
     bench-gdn) timeout 400 python3 scripts/bench_gdn.py --out "$OUT/bench_gdn.json" 2>&1 | grep -v Warn | tail -12 ;;
     gemm-probe) timeout 200 python3 scripts/gpu_gemm_order_probe.py --out "$OUT/gemm_order_probe.json" 2>&1 \
                   | grep -v Warn | tail -24 ;;

@@ -244,10 +244,12 @@ def test_a_plan_is_read_from_text():
     """FASTQWEN_GDN_PLAN's form (gdn.plan_from_text), and bench_gdn.py's choice of the best
     plan from a sweep report: the fastest within the gates at every shape."""
     assert gdn.plan_from_text("") == gdn.PrefillPlan()
+    assert gdn.plan_from_text("prec=bf16x2,block_v=16") == gdn.PrefillPlan(prec="bf16x2", block_v=16)
     assert gdn.plan_from_text("out_warps=8, block_v=16,state_stages=1,out_prec=tf32") == gdn.PrefillPlan(
         out_warps=8, block_v=16, state_stages=1, out_prec="tf32")
     for bad, match in (("warps=4", "name=value with a name among"), ("block_v=x", "block_v must be an integer"),
-                       ("block_v=24", "block_v must be a power of two"), ("out_prec=bf16", "out_prec")):
+                       ("block_v=24", "block_v must be a power of two"), ("out_prec=bf16", "out_prec"),
+                       ("prec=tf32", "prec must be one of")):
         with pytest.raises(ValueError, match=match):
             gdn.plan_from_text(bad)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -256,7 +258,9 @@ def test_a_plan_is_read_from_text():
     rows = [{"sweep": "default", "B": 1, "T": 512, "ms": 3.0, "state_rel_to_reference": 1e-6},
             {"sweep": "out_tf32", "B": 1, "T": 512, "ms": 1.0, "state_rel_to_reference": 1e-6,
              "out_rel_to_reference": 9e-3},                                    # fastest, outside the output gate
-            {"sweep": "state_bv16_s1", "B": 1, "T": 512, "ms": 2.0, "state_rel_to_reference": 1e-6}]
+            {"sweep": "state_bv16_s1", "B": 1, "T": 512, "ms": 2.0, "state_rel_to_reference": 1e-6},
+            {"sweep": "prec_bf16x2_bv16", "B": 1, "T": 512, "ms": 0.5,      # fastest, within the gates, but
+             "state_rel_to_reference": 5e-6}]                                  # another precision: never picked
     text = bench_gdn.best_plan(rows)
     assert text == "block_v=16,state_stages=1"
     assert gdn.plan_from_text(text) == gdn.PrefillPlan(block_v=16, state_stages=1)

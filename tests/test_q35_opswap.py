@@ -101,15 +101,19 @@ def _forced_steps_check(tiny):
     assert r["max_abs"] == 0 and r["argmax_agree"] == 16 and r["max_slack"] == 0 and r["native_token_agree"] == 16
 
 
-def test_out_precision_patch_is_applied_and_undone():
+def test_plan_patch_is_applied_and_undone():
     from fqkernels import gdn
 
     mod = _script()
     orig = gdn.chunked_prefill
-    with mod.out_precision("tf32x3"):
+    with mod.plan_patch(out_prec="tf32x3"):
         patched = gdn.chunked_prefill
         assert patched is not orig and patched.keywords["plan"].out_prec == "tf32x3"
         assert patched.keywords["plan"].block_v == gdn.DEFAULT_PLAN.block_v   # the rest of the plan kept
+    assert gdn.chunked_prefill is orig
+    with mod.plan_patch(prec="bf16x2", block_v=16):
+        plan = gdn.chunked_prefill.keywords["plan"]
+        assert (plan.prec, plan.block_v, plan.out_prec) == ("bf16x2", 16, gdn.DEFAULT_PLAN.out_prec)
     assert gdn.chunked_prefill is orig
 
 

@@ -689,8 +689,11 @@ def _tf32_head(x):
 @triton.jit
 def _dot3(a, b, PREC: tl.constexpr):
     """a @ b for fp32 a, b on tensor cores: with PREC "tf32x3", head.head + head.rest + rest.head
-    (the small terms first), else one product at that precision."""
-    if PREC == "tf32x3":
+    (the small terms first); "bf16x2": both as bf16 pairs (_dot_bf16_pair, ~16 bits); else one
+    product at that precision."""
+    if PREC == "bf16x2":
+        return _dot_bf16_pair(a, b, False)
+    elif PREC == "tf32x3":
         a_hi = _tf32_head(a)
         b_hi = _tf32_head(b)
         acc = tl.dot(a - a_hi, b_hi, input_precision="tf32")
@@ -711,9 +714,13 @@ def _bf16_thirds(x):
 
 
 @triton.jit
-def _dot_f32_bf16(a, b):
+def _dot_f32_bf16(a, b, PREC: tl.constexpr):
     """a @ b for fp32 a and bf16 b, to fp32's precision on bf16 tensor cores: a's three bf16
-    parts times b, each product exact, the small parts first."""
+    parts times b, each product exact, the small parts first (PREC "bf16x2": a's two parts,
+    ~16 bits)."""
+    if PREC == "bf16x2":
+        hi, mid = _bf16_pair(a)
+        return tl.dot(hi, b, tl.dot(mid, b))
     hi, mid, lo = _bf16_thirds(a)
     acc = tl.dot(lo, b)
     acc = tl.dot(mid, b, acc)
@@ -815,9 +822,9 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
     base = (pid * NC + c).to(tl.int64) * C
     v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
                 mask=ok[:, None], other=0.0)
-    u = _dot_f32_bf16(m_inv * beta[None, :], v)
+    u = _dot_f32_bf16(m_inv * beta[None, :], v, PREC)
     tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
-    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k)
+    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k, PREC)
     tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     tl.store(gamma_ptr + base + r, gamma)
     tl.store(rk_ptr + base + r, rk)
@@ -882,8 +889,12 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
         # S <- e^gamma_last S + k_raw^T diag(scale) v_new: the row factor on v_new, the raw keys exact
         carry = tl.exp(last)
         vs = v_new * scale[:, None]
-        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
-        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
+        if PREC == "bf16x2":          # the raw keys as loaded, v_new's bf16 pair
+            s0 = s0 * carry + _dot_bf16_pair(k0t, vs, True)
+            s1 = s1 * carry + _dot_bf16_pair(k1t, vs, True)
+        else:
+            s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
+            s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
     out = state_ptr + b * stride_sb + hv * DK * DV
     tl.store(out + d0[:, None] * DV + dv[None, :], s0)
     tl.store(out + d1[:, None] * DV + dv[None, :], s1)
@@ -946,6 +957,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, 
 
 
 _OUT_PRECS = ("tf32x3", "tf32", "bf16x2")
+_PRECS = ("tf32x3", "bf16x2")
 
 
 @dataclass(frozen=True)
@@ -962,7 +974,11 @@ class PrefillPlan:
     The defaults are session 10's sweep on an H200 (32 state columns with two stages was
     within 11% of the fastest plan at 1x512, 1x2048, 4x2048 and 16x8192, fastest at 4x2048)
     and session 14's (bf16 pairs halved the output kernel's time; 8 warps or 128 columns were
-    slower, and so was a loop over several chunks a program, since removed: PERF_LOG)."""
+    slower, and so was a loop over several chunks a program, since removed: PERF_LOG).
+    prec: the solve and state kernels' products with an fp32 operand, which make the state:
+    "tf32x3" (about fp32, the default) or "bf16x2" (bf16 pairs, ~16 significant bits, at
+    bf16's rate and fewer registers: 139 at 16 value columns against 211, three programs an
+    SM; a candidate to measure, speed beside fidelity, not a default)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -970,6 +986,7 @@ class PrefillPlan:
     out_warps: int = 4
     out_bv: int = 64
     out_prec: str = "bf16x2"
+    prec: str = "tf32x3"
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
@@ -978,6 +995,8 @@ class PrefillPlan:
                 raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
         if self.out_prec not in _OUT_PRECS:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be one of {_OUT_PRECS}, got {self.out_prec!r}")
+        if self.prec not in _PRECS:
+            raise ValueError(f"gdn.PrefillPlan.prec must be one of {_PRECS}, got {self.prec!r}")
 
 
 def plan_from_text(text: str | None) -> PrefillPlan:
@@ -992,7 +1011,7 @@ def plan_from_text(text: str | None) -> PrefillPlan:
         name, sep, value = (p.strip() for p in part.partition("="))
         if not sep or name not in kinds:
             raise ValueError(f"gdn plan: {part!r} is not name=value with a name among {', '.join(kinds)}")
-        if name == "out_prec":
+        if name in ("out_prec", "prec"):
             kw[name] = value
         else:
             try:
@@ -1070,6 +1089,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out_bv = min(plan.out_bv, Dv)
     if Dv % out_bv or out_bv < 16:
         raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
+    prec = _PREC if _PREC != "tf32x3" else plan.prec      # the solve and state kernels' products
     for b0 in range(0, B, rows):
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
@@ -1079,10 +1099,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=_PREC, num_warps=plan.solve_warps)
+            PREC=prec, num_warps=plan.solve_warps)
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
-            HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=_PREC, num_warps=plan.state_warps,
+            HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,
             num_stages=plan.state_stages, **init)
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
