@@ -144,6 +144,14 @@ SWEEP = {
     # whose fidelity gpu_q35_opswap.py measures, never picked by best_plan
     "prec_bf16x2_bv16": dict(prec="bf16x2", block_v=16),
     "prec_bf16x2": dict(prec="bf16x2"),
+    # register caps (Triton's maxnreg) for three programs an SM: the output kernel 228 -> 168 (4
+    # bytes of spills a thread), the state kernel 253 -> 168 (424 bytes; at 16 columns 136), the
+    # solve 237 -> 168 (28 bytes, but its shared memory still allows two); ptxas, sm_90a
+    "out_cap168": dict(out_maxnreg=168),
+    "state_cap168": dict(state_maxnreg=168),
+    "state_cap168_bv16": dict(state_maxnreg=168, block_v=16),
+    "caps168": dict(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168),
+    "prec_bf16x2_caps": dict(prec="bf16x2", block_v=16, solve_maxnreg=168, out_maxnreg=168),
 }
 
 

@@ -978,7 +978,12 @@ class PrefillPlan:
     prec: the solve and state kernels' products with an fp32 operand, which make the state:
     "tf32x3" (about fp32, the default) or "bf16x2" (bf16 pairs, ~16 significant bits, at
     bf16's rate and fewer registers: 139 at 16 value columns against 211, three programs an
-    SM; a candidate to measure, speed beside fidelity, not a default)."""
+    SM; a candidate to measure, speed beside fidelity, not a default).
+    solve_maxnreg / state_maxnreg / out_maxnreg: a register cap for that kernel (Triton's
+    maxnreg; 0: none). Each runs two programs of 4 warps an SM by its registers (237 / 253 /
+    228); at 168 three fit by registers (ptxas, sm_90a: the solve spills 28 bytes a thread but
+    its 80 KiB of shared memory still allows two, the state kernel 424 at 32 columns and 136
+    at 16, the output kernel 4): candidates to measure."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -987,16 +992,28 @@ class PrefillPlan:
     out_bv: int = 64
     out_prec: str = "bf16x2"
     prec: str = "tf32x3"
+    solve_maxnreg: int = 0
+    state_maxnreg: int = 0
+    out_maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
+        for name in ("solve_maxnreg", "state_maxnreg", "out_maxnreg"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value and not 24 <= value <= 255:
+                raise ValueError(f"gdn.PrefillPlan.{name} must be 0 (no cap) or 24-255 registers, got {value!r}")
         if self.out_prec not in _OUT_PRECS:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be one of {_OUT_PRECS}, got {self.out_prec!r}")
         if self.prec not in _PRECS:
             raise ValueError(f"gdn.PrefillPlan.prec must be one of {_PRECS}, got {self.prec!r}")
+
+    def caps(self, kernel: str) -> dict:
+        """The launch's register cap (Triton's maxnreg) for "solve", "state" or "out": {} for none."""
+        value = getattr(self, f"{kernel}_maxnreg")
+        return {"maxnreg": value} if value else {}
 
 
 def plan_from_text(text: str | None) -> PrefillPlan:
@@ -1099,15 +1116,16 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=prec, num_warps=plan.solve_warps)
+            PREC=prec, num_warps=plan.solve_warps, **plan.caps("solve"))
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,
-            num_stages=plan.state_stages, **init)
+            num_stages=plan.state_stages, **init, **plan.caps("state"))
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps)
+            BV=out_bv, PREC=_PREC if _PREC != "tf32x3" else plan.out_prec, num_warps=plan.out_warps,
+            **plan.caps("out"))
         if capture is not None:     # h: each (sequence, head, chunk)'s starting state, [Dk, Dv] each
             capture[1][sl] = h[:bs * Hv * nc * Dk].view(bs, Hv, nc, Dk, Dv)[:, :, capture[0]]
     return out, state

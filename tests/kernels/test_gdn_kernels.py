@@ -360,8 +360,9 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
 
 @pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
                                   gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=64, state_stages=1),
-                                  gdn.PrefillPlan(block_v=16, state_stages=1), gdn.PrefillPlan(out_prec="tf32x3")],
-                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3"])
+                                  gdn.PrefillPlan(block_v=16, state_stages=1), gdn.PrefillPlan(out_prec="tf32x3"),
+                                  gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168)],
+                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3", "caps168"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
