@@ -98,6 +98,24 @@ class PrefillGraph:
         return self.first
 
 
+class ChunkGraph:
+    """One chunk of a prompt prefilled in chunks (fq_slots' staging row), `length` positions from
+    `start`, over a static ids buffer, as one CUDA graph: prefill_logits(ids, row, start), the
+    last position's logits in a static buffer (copy before the next run). Capture only after an
+    eager pass of the same shape; it reads the row's caches and block table where they are."""
+
+    def __init__(self, model, row: int, length: int, start: int, pool=None):
+        self.ids = torch.zeros((1, length), dtype=torch.int64, device=model.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.prefill_logits(self.ids, row=row, start=start)
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
+        self.graph.replay()
+        return self.logits
+
+
 class LogitsStep:
     """One decode step of the first `rows` cache rows that returns logits (fq_slots: the caller
     samples), over static buffers: tokens [rows] int64 and positions [rows] int32 written by

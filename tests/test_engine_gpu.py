@@ -216,3 +216,22 @@ def test_paged_slots_give_the_row_slots_tokens(engine):
     rows = run_schedule(engine, prompts, max_len=192)
     assert run_schedule(engine, prompts, max_len=192, page_size=64, num_pages=5) == rows
     assert engine._slots.free_pages == 5
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_chunked_admission_graphed_gives_the_eager_tokens(engine, page_size):
+    """Prompts prefilled in chunks of 24 between steps: from a chunk shape's second pass on it
+    runs as a CUDA graph (fq_slots.ChunkGraph); every request's tokens are those of the same
+    schedule run eagerly, rows and pages."""
+    from test_slots_cpu import SCHEDULE, run_schedule
+
+    prompts = [_prompts(1, n, seed=400 + r)[0] for r, (n, _, _) in enumerate(SCHEDULE)]
+    kw = dict(max_len=192, page_size=page_size, num_pages=None if page_size is None else 12, chunk=24)
+    graphed = run_schedule(engine, prompts, **kw)
+    assert engine._slots._chunk_graphs, "no chunk ran as a graph"
+    engine.use_graphs = False
+    try:
+        eager = run_schedule(engine, prompts, **kw)
+    finally:
+        engine.use_graphs = True
+    assert graphed == eager
