@@ -331,7 +331,7 @@ def test_chunked_prefill_captures_a_chunks_starting_state(interpreter_fixes, mon
 
 @pytest.mark.parametrize("B,T,Hk,Hv,D,repeat", [(1, 150, 1, 2, 128, False), (2, 130, 2, 4, 64, False),
                                                 (1, 100, 1, 2, 32, True)])
-def test_the_bf16_pair_state_plan_is_within_the_gates(interpreter_fixes, B, T, Hk, Hv, D, repeat):
+def test_the_bf16_pair_prefill_plan_is_within_the_gates(interpreter_fixes, B, T, Hk, Hv, D, repeat):
     """PrefillPlan(prec="bf16x2"), the candidate that makes the state on bf16 pairs (~16 bits)
     in place of three TF32 passes: outputs and final state within the float64 oracle's gates,
     and its state within 2e-5 of the default's (interpreter: 2.6-5.0e-6, against the default's 1e-7 of
