@@ -111,7 +111,8 @@ class Engine:
         if page_size is None:
             self._check_memory(max_slots + 1, max_len)         # and the staging row (fq_slots)
         else:
-            self._check_paged_memory(max_slots, max_len, page_size, num_pages, state_snapshots)
+            self._check_paged_memory(max_slots, max_len, page_size, num_pages,
+                                     state_snapshots if share_prefixes else 0)
         self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
                             page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes,
                             state_snapshots=state_snapshots)
