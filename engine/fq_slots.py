@@ -40,7 +40,9 @@ the pool needs it) and prefills only the rest, its queries seeing the shared pos
 the request). Qwen3's whole state is its K/V. Qwen3.5's GDN layers also need their conv and
 recurrent states at the shared prefix's end: where the page size is a multiple of the
 model's snapshot_granule (the rule's chunk, 64), a prompt's pass keeps a snapshot of them
-where its last whole page before its last token ends (the pass has that state anyway), in a
+(the pass has that state anyway) where it leaves a kept prefix it matches but cannot share
+(no snapshot there yet: a system prompt the next request will share), else where its last
+whole page before its last token ends (a repeat or a continuation of it), in a
 small pool of state_snapshots (each one row's GDN states: ~52 MB on the 4B), the oldest
 dropped first; a later prompt shares only a prefix that ends where a snapshot was taken,
 its row's states put back from it before its rest is prefilled. A prompt prefilled in chunks
@@ -165,12 +167,19 @@ class PagePool:
         return self._snap_of[page]
 
     def snapshot_point(self, prompt: list, shared: int) -> int:
-        """Where a prompt sharing `shared` positions takes a snapshot: the end of its last whole
-        page before its last token (what lookup would find of the same prompt), or 0 for none
-        (sharing off, no snapshots here, or nothing past the shared prefix)."""
+        """Where a prompt sharing `shared` positions takes its snapshot (one a pass), or 0 for none
+        (sharing off, no snapshots here, or nothing past the shared prefix): where it leaves the
+        kept prefix it matches, if that lies past what it shares (a prefix two prompts have in
+        common, e.g. a system prompt, with no snapshot yet: the next prompt with it shares it),
+        else the end of its last whole page before its last token (what lookup would find of the
+        same prompt, or of one that continues it)."""
         if not self.share or not self.snapshots:
             return 0
-        at = (len(prompt) - 1) // self.page_size * self.page_size
+        matched = 0
+        while (matched + self.page_size <= len(prompt) - 1
+               and tuple(prompt[:matched + self.page_size]) in self._page_of):
+            matched += self.page_size
+        at = matched if matched > shared else (len(prompt) - 1) // self.page_size * self.page_size
         return at if at > shared else 0
 
     def new_snapshot(self) -> int:
@@ -181,11 +190,12 @@ class PagePool:
         _, index = self._snap_of.popitem(last=False)
         return index
 
-    def bind_snapshot(self, index: int, prompt: list, pages: list, at: int) -> None:
-        """After keep(): the snapshot a prompt's pass took at `at` becomes its prefix's, if that
-        prefix is kept on the prompt's own page (else another page keeps it: dropped)."""
-        page = pages[at // self.page_size - 1]
-        if self._page_of.get(tuple(prompt[:at])) == page and page not in self._snap_of:
+    def bind_snapshot(self, index: int, prompt: list, at: int) -> None:
+        """After keep(): the snapshot a prompt's pass took at `at` becomes the snapshot of its
+        prefix's kept page (the prompt's own, or the one another prompt keeps it on), unless that
+        page has one already (then it is given back)."""
+        page = self._page_of.get(tuple(prompt[:at]))
+        if page is not None and page not in self._snap_of:
             self._snap_of[page] = index
         else:
             self._snap_free.append(index)
@@ -327,6 +337,10 @@ class Slots:
         # where each prompt's pass keeps a state snapshot (Qwen3.5; 0: none), taken after every
         # shared prefix's snapshot is back in its row (a new one may reuse an old one's room)
         points = [self.pool.snapshot_point(prompt, start) for prompt, (_, start) in zip(prompts, taken)]
+        if len(set(points)) > 1 and not any(t[1] for t in taken):
+            # one pass takes one position's snapshots: where the prompts' (one length) last whole
+            # pages end, for all of them
+            points = [(length - 1) // self.page_size * self.page_size] * len(prompts)
         with torch.inference_mode():
             for j, (p, start) in enumerate(taken):
                 if start and self.pool.snapshots:
@@ -351,7 +365,7 @@ class Slots:
         for prompt, p, at, index in zip(prompts, pages, points, snaps):
             self.pool.keep(prompt, p)
             if at:
-                self.pool.bind_snapshot(index, prompt, p, at)
+                self.pool.bind_snapshot(index, prompt, at)
         self.keys += list(keys)
         self.lengths += [length] * len(keys)
         self.reserved += reserve
@@ -448,7 +462,7 @@ class Slots:
         row = len(self.keys)
         self.pool.keep(prompt, pages)
         if index is not None:
-            self.pool.bind_snapshot(index, prompt, pages, at)
+            self.pool.bind_snapshot(index, prompt, at)
         with torch.inference_mode():
             self.model.copy_row(self.staging, row, len(prompt))
         if self.page_size is not None:

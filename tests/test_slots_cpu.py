@@ -335,3 +335,19 @@ def test_qwen35_snapshots_from_chunked_prompts_and_the_oldest_dropped(qwen35):
     assert _greedy(slots, {"z": first + [8]}, 4) == {"z": alone["z"]} and slots.pool.hit_tokens == 192
     with pytest.raises(ValueError, match="state_snapshots"):
         qwen35.slots(2, 320, page_size=64, num_pages=16, state_snapshots=-1)
+
+
+def test_qwen35_a_common_system_prompt_is_shared_from_the_third_request_on(qwen35):
+    """Three prompts with the same 140-token start (two whole pages of 64) and different rests:
+    a keeps its snapshot at its last whole page (192); b matches a's two pages but finds no
+    snapshot at 128, so it shares nothing and keeps its snapshot there (bound to a's kept page);
+    c shares those 128 positions. Each request's tokens are its tokens alone."""
+    system = _prompt(140, 31, 1024)
+    prompts = {"a": system + _prompt(100, 32, 1024), "b": system + _prompt(90, 33, 1024),
+               "c": system + _prompt(50, 34, 1024)}
+    alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in prompts.items()}
+    slots = qwen35.slots(2, 320, page_size=64, num_pages=16)
+    assert _greedy(slots, {"a": prompts["a"]}, 4) == {"a": alone["a"]} and slots.pool.hit_tokens == 0
+    assert slots.pool.snapshot_point(prompts["b"], 0) == 128
+    assert _greedy(slots, {"b": prompts["b"]}, 4) == {"b": alone["b"]} and slots.pool.hit_tokens == 0
+    assert _greedy(slots, {"c": prompts["c"]}, 4) == {"c": alone["c"]} and slots.pool.hit_tokens == 128
