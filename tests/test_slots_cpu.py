@@ -351,3 +351,38 @@ def test_qwen35_a_common_system_prompt_is_shared_from_the_third_request_on(qwen3
     assert slots.pool.snapshot_point(prompts["b"], 0) == 128
     assert _greedy(slots, {"b": prompts["b"]}, 4) == {"b": alone["b"]} and slots.pool.hit_tokens == 0
     assert _greedy(slots, {"c": prompts["c"]}, 4) == {"c": alone["c"]} and slots.pool.hit_tokens == 128
+
+
+def test_page_pool_keeps_snapshots_with_their_pages():
+    """fq_slots.PagePool's snapshot bookkeeping alone (pages of 4, room for 2 snapshots): a prefix
+    is found only up to a page that has a snapshot; a snapshot binds to whichever page keeps its
+    prefix; the least recently used one is taken back first; a kept page handed out again
+    forgets its prefix and gives its snapshot back."""
+    import sys
+
+    if str(ENGINE_DIR) not in sys.path:
+        sys.path.insert(0, str(ENGINE_DIR))
+    from fq_slots import PagePool
+
+    pool = PagePool(6, 4, True, snapshots=2)
+    a = list(range(10))                                   # two whole pages before its last token
+    pages = pool.take(3)
+    assert pool.snapshot_point(a, 0) == 8
+    first = pool.new_snapshot()
+    pool.keep(a, pages)
+    pool.bind_snapshot(first, a, 8)
+    pool.release(pages)                                   # kept: free again, still findable
+    assert pool.free == 6 and pool.lookup(a + [1]) == pages[:2] and pool.snapshot_of(pages[1]) == first
+    pool.release(pages[:2])
+    b = a[:4] + [50, 51, 52, 53, 54]                      # matches a's first page only: no snapshot there
+    assert pool.lookup(b) == [] and pool.snapshot_point(b, 0) == 4
+    second = pool.new_snapshot()
+    pool.bind_snapshot(second, b, 4)                      # bound to a's first page, which keeps a[:4]
+    assert pool.lookup(b) == pages[:1] and pool.snapshot_of(pages[0]) == second
+    pool.release(pages[:1])
+    third = pool.new_snapshot()                           # none free: a's (least recently used) taken back
+    assert third == first and pool.lookup(a + [1]) == pages[:1]
+    pool.release(pages[:1])
+    pool.drop_snapshot(third)
+    got = pool.take(6)                                    # every page, the kept ones forgotten last
+    assert sorted(got) == list(range(6)) and pool.lookup(b) == [] and pool.new_snapshot() in (first, second)
