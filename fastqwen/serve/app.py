@@ -94,12 +94,14 @@ class Server:
     def __init__(self, model_dir: str, max_batch: int | None = 16, max_model_len: int | None = None,
                  served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0,
                  memory_fraction: float | None = None, block_size: int | None = None,
-                 prefill_chunk: int | None = None, share_prefixes: bool = True):
+                 prefill_chunk: int | None = None, share_prefixes: bool = True,
+                 state_snapshots: int | None = None):
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
         row of max_model_len positions per slot. prefill_chunk: a joining prompt longer than
         that is prefilled in chunks of it between decode steps (scheduler.py); None or 0: whole.
         share_prefixes: with block_size, prompts that start alike share those pages (Qwen3.5: with
-        block_size a multiple of 64, through its GDN state snapshots, fq_slots)."""
+        block_size a multiple of 64, through state_snapshots of its GDN states, None: fq_slots'
+        default)."""
         from fastqwen.serve.metrics import Metrics
         from fastqwen.serve.scheduler import Scheduler
         from fastqwen.serve.text import TextCodec
@@ -129,7 +131,7 @@ class Server:
             if share_prefixes and granule and self.block_size % granule == 0:
                 import fq_slots        # the engine folder's, on the path since the engine's import
 
-                snapshots = fq_slots.DEFAULT_STATE_SNAPSHOTS
+                snapshots = fq_slots.DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
             max_batch, self.num_blocks = size_pages(self.block_size, max_batch, self.max_model_len,
                                                     model.page_bytes(self.block_size),
                                                     getattr(model, "row_bytes", lambda: 0)(), budget, snapshots)
@@ -137,7 +139,8 @@ class Server:
         self.metrics = Metrics(self.name)
         self.scheduler = Scheduler(self.engine, self.codec, max_batch, self.max_model_len, max_waiting, seed,
                                    self.metrics, block_size=self.block_size, num_blocks=self.num_blocks,
-                                   prefill_chunk=prefill_chunk, share_prefixes=share_prefixes)
+                                   prefill_chunk=prefill_chunk, share_prefixes=share_prefixes,
+                                   state_snapshots=state_snapshots)
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -345,7 +348,7 @@ def create_app(server: Server):
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
           max_model_len: int | None = None, gpu_memory_fraction: float | None = None,
           served_model_name: str | None = None, max_waiting: int = 256, block_size: int | None = None,
-          prefill_chunk: int | None = None, share_prefixes: bool = True) -> None:
+          prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None) -> None:
     """Run the server until interrupted (`fastqwen serve`)."""
     import torch
     import uvicorn
@@ -358,7 +361,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
     print(f"fastqwen serve: loading {model_dir}", file=sys.stderr, flush=True)
     server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting,
                     memory_fraction=gpu_memory_fraction, block_size=block_size, prefill_chunk=prefill_chunk,
-                    share_prefixes=share_prefixes)
+                    share_prefixes=share_prefixes, state_snapshots=state_snapshots)
     cache = (f"{server.max_batch} slots of {server.max_model_len} tokens" if server.block_size is None else
              f"{server.max_batch} slots of up to {server.max_model_len} tokens, {server.num_blocks} KV blocks of "
              f"{server.block_size}")

@@ -76,19 +76,20 @@ class Scheduler:
 
     def __init__(self, engine, codec, max_batch: int, max_len: int, max_waiting: int = 256, seed: int = 0,
                  metrics=None, block_size: int | None = None, num_blocks: int | None = None,
-                 prefill_chunk: int | None = None, share_prefixes: bool = True):
+                 prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None):
         """block_size: the paged KV cache (pages of block_size positions, num_blocks of them; a
         request takes those its prompt and max_tokens need); None: a row of max_len positions
         per slot. prefill_chunk: tokens of a joining prompt prefilled between two decode steps
         (module doc); None or 0: whole prompts. share_prefixes: with block_size, requests whose
-        prompts start alike share those pages (fq_slots, where the model allows)."""
+        prompts start alike share those pages (fq_slots, where the model allows; a Qwen3.5 model
+        keeps state_snapshots of its GDN states for it, None: fq_slots' default)."""
         self.prefill_chunk = prefill_chunk or None
         self._staged: Request | None = None          # the request being prefilled in chunks
         self.chunks = 0                              # chunks prefilled so far (a prompt in several counts each)
         self.engine, self.codec, self.metrics = engine, codec, metrics
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
-                                  share_prefixes=share_prefixes)
+                                  share_prefixes=share_prefixes, state_snapshots=state_snapshots)
         self._hit_tokens = 0                         # prefix hits already reported to the metrics
         self.device = engine.device
         self.server_generator = torch.Generator().manual_seed(seed)
