@@ -10,10 +10,13 @@ GEMV/cuBLAS tuning for the batch) and its per-step logits are compared with the 
 Variants: `engine` (as it runs); `engine_out_tf32x3` (the GDN prompt pass's output kernel
 at out_prec "tf32x3" instead of the default "bf16x2"); `engine_state_bf16x2` (its solve and
 state kernels on bf16 pairs, PrefillPlan(prec="bf16x2", block_v=16): a faster candidate's
-fidelity); `engine_prefill_cublas_unpacked`
+fidelity); `engine_no_exact_decode` (the decode products
+tuned without exact decode, as FASTQWEN_EXACT_DECODE=0: does the in-order GEMV at 7-32 rows
+bring the engine nearer the full forward at Qwen3.5's shapes?); `engine_prefill_cublas_unpacked`
 (the prompt pass's products on the reference's separate matrices, cuBLAS, lm_head
-included; decode unchanged); `torch_backend` (Qwen35Model on the torch reference ops). The
-first three need the triton backend (a CUDA device): elsewhere they are skipped with a note.
+included; decode unchanged); `torch_backend` (Qwen35Model on the torch reference ops). All
+but `engine` and `torch_backend` need the triton backend (a CUDA device): elsewhere they are
+skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
 vocabulary; argmax agreement with the full forward (and with native's tokens); how many
@@ -61,8 +64,9 @@ from fastqwen.judge.fidelity import NOISE_SLACK as SLACK  # noqa: E402
 from fastqwen.judge.prompts import PromptSource  # noqa: E402
 from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 
-VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "torch_backend")
-TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked")
+VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
+            "engine_no_exact_decode", "torch_backend")
+TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode")
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
 
@@ -156,6 +160,23 @@ def plan_patch(**fields):
         yield
     finally:
         gdn.chunked_prefill = orig
+
+
+@contextlib.contextmanager
+def no_exact_decode(model, rows: int):
+    """The whole run without exact decode (gemv.EXACT off, as FASTQWEN_EXACT_DECODE=0 would): the
+    decode products tuned again at `rows` on their times alone, split-K configs allowed; gemv.EXACT
+    and the products' choice restored after."""
+    from fqkernels import gemv
+
+    saved, saved_use = gemv.EXACT, dict(model.ops.use_gemv)
+    gemv.EXACT = False
+    try:
+        model.ops.tune(model.w, rows)
+        yield
+    finally:
+        gemv.EXACT = saved
+        model.ops.use_gemv = saved_use
 
 
 @contextlib.contextmanager
@@ -289,8 +310,10 @@ def main(argv=None) -> dict:
             patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
                      "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
+            whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B)}.get(name)
             t1 = time.perf_counter()
-            steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)
+            with (whole or contextlib.nullcontext)():
+                steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)
             _sync(dev)
             entry["results"][name] = {**compare(steps, full, toks), "seconds": round(time.perf_counter() - t1, 2)}
             del steps

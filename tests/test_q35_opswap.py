@@ -141,3 +141,21 @@ def test_unpacked_products_are_the_separate_matrices(tiny, monkeypatch):
     want_mlp = F.silu(F.linear(x, plain[p + "gate_proj.weight"])) * F.linear(x, plain[p + "up_proj.weight"])
     assert torch.equal(got_in, want_in) and torch.equal(got_qkv, want_qkv) and torch.equal(got_mlp, want_mlp)
     assert "linear" not in vars(model.ops) and model.ops.linear.__func__ is fq_qwen35._Products.linear
+
+
+def test_no_exact_decode_tunes_without_it_and_restores_both():
+    """engine_no_exact_decode's patch: the products tuned again with gemv.EXACT off, and after it
+    gemv.EXACT and the products' choice as they were."""
+    from types import SimpleNamespace
+
+    from fqkernels import gemv
+
+    mod = _script()
+    seen = []
+    ops = SimpleNamespace(use_gemv={("x",): True})
+    ops.tune = lambda w, rows: (seen.append((gemv.EXACT, rows)), ops.use_gemv.update({("x",): False}))
+    model = SimpleNamespace(ops=ops, w={})
+    before = gemv.EXACT
+    with mod.no_exact_decode(model, 16):
+        assert gemv.EXACT is False and ops.use_gemv == {("x",): False}
+    assert seen == [(False, 16)] and gemv.EXACT == before and model.ops.use_gemv == {("x",): True}
