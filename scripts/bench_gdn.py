@@ -152,6 +152,15 @@ SWEEP = {
     "state_cap168_bv16": dict(state_maxnreg=168, block_v=16),
     "caps168": dict(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168),
     "prec_bf16x2_caps": dict(prec="bf16x2", block_v=16, solve_maxnreg=168, out_maxnreg=168),
+    # the solve and state kernels' fp32 products as bf16 thirds (six bf16 products: about fp32,
+    # the tensor time of three TF32 passes, the left operand in registers): the solve 180
+    # registers and 64 KiB of shared memory (three programs an SM at a cap of 168, no spills),
+    # the state kernel at 16 or 32 columns and one stage 168 capped (44-72 bytes of spills, 32 KiB)
+    "prec_bf16x3": dict(prec="bf16x3"),
+    "bf16x3_solve_cap": dict(prec="bf16x3", solve_maxnreg=168),
+    "bf16x3_caps_s1": dict(prec="bf16x3", solve_maxnreg=168, state_maxnreg=168, state_stages=1, out_maxnreg=168),
+    "bf16x3_caps_s1_bv16": dict(prec="bf16x3", block_v=16, solve_maxnreg=168, state_maxnreg=168, state_stages=1,
+                                out_maxnreg=168),
 }
 
 

@@ -630,6 +630,9 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
     # the solve and state kernels on bf16 pairs (a candidate plan)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(prec="bf16x2", block_v=16))
+    # the solve and state kernels on bf16 thirds, capped, one stage
+    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
+                        plan=gdn.PrefillPlan(prec="bf16x3", solve_maxnreg=168, state_maxnreg=168, state_stages=1))
     # register caps (maxnreg) on every kernel
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
                         plan=gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168))

@@ -689,10 +689,12 @@ def _tf32_head(x):
 @triton.jit
 def _dot3(a, b, PREC: tl.constexpr):
     """a @ b for fp32 a, b on tensor cores: with PREC "tf32x3", head.head + head.rest + rest.head
-    (the small terms first); "bf16x2": both as bf16 pairs (_dot_bf16_pair, ~16 bits); else one
-    product at that precision."""
+    (the small terms first); "bf16x2": both as bf16 pairs (_dot_bf16_pair, ~16 bits); "bf16x3":
+    both as bf16 thirds (_dot_bf16_thirds, about fp32); else one product at that precision."""
     if PREC == "bf16x2":
         return _dot_bf16_pair(a, b, False)
+    elif PREC == "bf16x3":
+        return _dot_bf16_thirds(a, b)
     elif PREC == "tf32x3":
         a_hi = _tf32_head(a)
         b_hi = _tf32_head(b)
@@ -759,6 +761,33 @@ def _dot_bf16_pair(a, b, A_EXACT: tl.constexpr):
     acc = tl.dot(a_mid, b_hi)
     acc = tl.dot(a_hi, b_mid, acc)
     return tl.dot(a_hi, b_hi, acc)
+
+
+@triton.jit
+def _dot_bf16_exact_left(a, b):
+    """a @ b for bf16 a (exact as loaded) and fp32 b, to about fp32's precision: b's three bf16
+    parts, three products each exact in the fp32 accumulator, the small parts first."""
+    b1, b2, b3 = _bf16_thirds(b)
+    return tl.dot(a, b1, tl.dot(a, b2, tl.dot(a, b3)))
+
+
+@triton.jit
+def _dot_bf16_thirds(a, b):
+    """a @ b for fp32 a and b on bf16 tensor cores to about fp32's precision: each as three bf16
+    parts (_bf16_thirds), the six products whose parts' orders sum to at most 2 (hi.lo, mid.mid,
+    lo.hi, hi.mid, mid.hi, hi.hi: the neglected ones are below 2^-24 of the sum), each exact in
+    the fp32 accumulator, the small terms first. Six bf16 products take the tensor cores' time
+    of three TF32 ones (the TF32 rate is half bf16's); against _dot3's three TF32 passes, the
+    left operand's parts stay in registers (a tf32 product reads both operands from shared
+    memory), so a product holds 24 KiB of shared memory at 64 x 64 instead of 64."""
+    a1, a2, a3 = _bf16_thirds(a)
+    b1, b2, b3 = _bf16_thirds(b)
+    acc = tl.dot(a1, b3)
+    acc = tl.dot(a2, b2, acc)
+    acc = tl.dot(a3, b1, acc)
+    acc = tl.dot(a1, b2, acc)
+    acc = tl.dot(a2, b1, acc)
+    return tl.dot(a1, b1, acc)
 
 
 @triton.jit
@@ -892,6 +921,9 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
         if PREC == "bf16x2":          # the raw keys as loaded, v_new's bf16 pair
             s0 = s0 * carry + _dot_bf16_pair(k0t, vs, True)
             s1 = s1 * carry + _dot_bf16_pair(k1t, vs, True)
+        elif PREC == "bf16x3":        # the raw keys as loaded, v_new's bf16 thirds
+            s0 = s0 * carry + _dot_bf16_exact_left(k0t, vs)
+            s1 = s1 * carry + _dot_bf16_exact_left(k1t, vs)
         else:
             s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
             s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
@@ -957,7 +989,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, 
 
 
 _OUT_PRECS = ("tf32x3", "tf32", "bf16x2")
-_PRECS = ("tf32x3", "bf16x2")
+_PRECS = ("tf32x3", "bf16x3", "bf16x2")
 
 
 @dataclass(frozen=True)
@@ -976,9 +1008,12 @@ class PrefillPlan:
     and session 14's (bf16 pairs halved the output kernel's time; 8 warps or 128 columns were
     slower, and so was a loop over several chunks a program, since removed: PERF_LOG).
     prec: the solve and state kernels' products with an fp32 operand, which make the state:
-    "tf32x3" (about fp32, the default) or "bf16x2" (bf16 pairs, ~16 significant bits, at
-    bf16's rate and fewer registers: 139 at 16 value columns against 211, three programs an
-    SM; a candidate to measure, speed beside fidelity, not a default).
+    "tf32x3" (about fp32, the default), "bf16x3" (each fp32 operand as three bf16 parts, six
+    products, about fp32 too, in the tensor time of three TF32 passes, with the left operand
+    kept in registers: the solve 180 registers and 64 KiB of shared memory against 237 and 80;
+    a candidate) or "bf16x2" (bf16 pairs, ~16 significant bits, at bf16's rate and fewer
+    registers: 139 at 16 value columns against 211, three programs an SM; a candidate to
+    measure, speed beside fidelity, not a default).
     solve_maxnreg / state_maxnreg / out_maxnreg: a register cap for that kernel (Triton's
     maxnreg; 0: none). Each runs two programs of 4 warps an SM by its registers (237 / 253 /
     228); at 168 three fit by registers (ptxas, sm_90a: the solve spills 28 bytes a thread but

@@ -361,13 +361,17 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
 @pytest.mark.parametrize("plan", [gdn.PrefillPlan(out_prec="tf32"), gdn.PrefillPlan(out_bv=128, out_warps=8),
                                   gdn.PrefillPlan(solve_warps=8, state_warps=8, block_v=64, state_stages=1),
                                   gdn.PrefillPlan(block_v=16, state_stages=1), gdn.PrefillPlan(out_prec="tf32x3"),
-                                  gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168)],
-                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3", "caps168"])
+                                  gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168),
+                                  gdn.PrefillPlan(prec="bf16x3"),
+                                  gdn.PrefillPlan(prec="bf16x3", block_v=16, state_stages=1, solve_maxnreg=168,
+                                                  state_maxnreg=168)],
+                         ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3", "caps168", "bf16x3",
+                              "bf16x3-caps"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
     default plan's bit for bit where only the output kernel changes, and within fp32 rounding
-    of it where the state kernel's columns change. The output's products on bf16 pairs (~16
+    of it where the state kernel's columns or the products' form (bf16 thirds) change. The output's products on bf16 pairs (~16
     bits, the default) move an output at most one bf16 step from the three-pass TF32 one."""
     q, k, v, g, beta = _prefill_inputs(1, 150, 1, 2, 128, seed=31)
     args = [t.to(DEV) for t in (q, k, v, g, beta)]
@@ -375,7 +379,7 @@ def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE, (rel(o.cpu(), o64), rel(s.cpu(), s64))
     default_o, default_s = gdn.chunked_prefill(*args)
-    if (plan.solve_warps, plan.state_warps, plan.block_v, plan.state_stages) == (4, 4, 32, 2):
+    if (plan.solve_warps, plan.state_warps, plan.block_v, plan.state_stages, plan.prec) == (4, 4, 32, 2, "tf32x3"):
         assert torch.equal(s, default_s)
     else:
         assert rel(s.cpu(), default_s.cpu()) <= 1e-5
