@@ -778,8 +778,8 @@ def _dot_bf16_thirds(a, b):
     lo.hi, hi.mid, mid.hi, hi.hi: the neglected ones are below 2^-24 of the sum), each exact in
     the fp32 accumulator, the small terms first. Six bf16 products take the tensor cores' time
     of three TF32 ones (the TF32 rate is half bf16's); against _dot3's three TF32 passes, the
-    left operand's parts stay in registers (a tf32 product reads both operands from shared
-    memory), so a product holds 24 KiB of shared memory at 64 x 64 instead of 64."""
+    left operand's parts stay in registers (Triton 3.6 puts both of a tf32 product's operands in
+    shared memory for sm_90a), so a product holds 24 KiB of shared memory at 64 x 64 instead of 64."""
     a1, a2, a3 = _bf16_thirds(a)
     b1, b2, b3 = _bf16_thirds(b)
     acc = tl.dot(a1, b3)
