@@ -303,13 +303,13 @@ def test_qwen35_prompts_share_a_prefix_through_its_state_snapshot(tmp_path):
     base = torch.randint(0, 1000, (150,), generator=gen).tolist()
     prompts = [base + [11, 12, 13], base + [21, 22]]
     for snapshots, want in ((None, 128), (0, 0)):          # --state-snapshots 0: nothing shared
-        _serve_two(Server(str(path), max_batch=2, max_model_len=256, served_model_name="q35", block_size=64,
-                          state_snapshots=snapshots), prompts, want)
+        _serve_in_turn(Server(str(path), max_batch=2, max_model_len=256, served_model_name="q35", block_size=64,
+                              state_snapshots=snapshots), prompts, 5, want)
 
 
-def _serve_two(srv, prompts, want_hits):
-    """Each prompt through srv's completions in turn, greedy: each gets its tokens alone, and
-    /metrics counts want_hits prompt positions found in kept pages."""
+def _serve_in_turn(srv, prompts, max_tokens, want_hits):
+    """Each prompt through srv's completions in turn, greedy, max_tokens each: each gets its tokens
+    alone, and /metrics counts want_hits prompt positions found in kept pages; srv closed after."""
     import asyncio
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -320,13 +320,13 @@ def _serve_two(srv, prompts, want_hits):
         async def calls():
             transport = httpx.ASGITransport(app=create_app(srv))
             async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
-                out = [(await ac.post("/v1/completions", json={"prompt": p, "max_tokens": 5,
+                out = [(await ac.post("/v1/completions", json={"prompt": p, "max_tokens": max_tokens,
                                                                "temperature": 0})).json() for p in prompts]
                 return out, (await ac.get("/metrics")).text
 
         results, metrics = asyncio.run(calls())
         for i, res in enumerate(results):
-            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], 5)), i
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], max_tokens)), i
         hits = sum(x.value for fam in text_string_to_metric_families(metrics) for x in fam.samples
                    if x.name == "fastqwen:prefix_cache_hit_tokens_total")
         assert hits == want_hits, hits
@@ -474,34 +474,14 @@ def test_prompts_that_start_alike_share_their_pages(tiny_model):
     """--block-size 64: a second request whose prompt starts with the first's 200 tokens takes the
     first's 3 full pages of them (192 positions, counted in /metrics) and gets its own greedy
     tokens; the same server with --no-prefix-sharing shares nothing."""
-    import asyncio
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from fastqwen.serve.app import Server, create_app
+    from fastqwen.serve.app import Server
 
     gen = torch.Generator().manual_seed(9)
     base = torch.randint(0, 4000, (200,), generator=gen).tolist()
     prompts = [base + [11, 12, 13], base + [21, 22]]
     for share in (True, False):
-        srv = Server(str(tiny_model), max_batch=2, max_model_len=512, served_model_name="tiny", block_size=64,
-                     share_prefixes=share)
-        try:
-            async def calls():
-                transport = httpx.ASGITransport(app=create_app(srv))
-                async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
-                    out = [(await ac.post("/v1/completions", json={"prompt": p, "max_tokens": 6,
-                                                                   "temperature": 0})).json() for p in prompts]
-                    return out, (await ac.get("/metrics")).text
-
-            results, metrics = asyncio.run(calls())
-            for i, res in enumerate(results):
-                assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], 6)), i
-            hits = sum(x.value for fam in text_string_to_metric_families(metrics) for x in fam.samples
-                       if x.name == "fastqwen:prefix_cache_hit_tokens_total")
-            assert hits == (192 if share else 0), hits
-        finally:
-            srv.close()
+        _serve_in_turn(Server(str(tiny_model), max_batch=2, max_model_len=512, served_model_name="tiny",
+                              block_size=64, share_prefixes=share), prompts, 6, 192 if share else 0)
 
 
 def test_paged_cache_is_sized_by_the_memory_left():
