@@ -111,26 +111,24 @@ class Engine:
         if page_size is None:
             self._check_memory(max_slots + 1, max_len)         # and the staging row (fq_slots)
         else:
-            self._check_paged_memory(max_slots, max_len, page_size, num_pages,
-                                     state_snapshots if share_prefixes else 0)
+            self._check_paged_memory(max_slots, max_len, page_size, num_pages, share_prefixes, state_snapshots)
         self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
                             page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes,
                             state_snapshots=state_snapshots)
         return self._slots
 
     def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None,
-                            state_snapshots: int | None = None) -> None:
+                            share_prefixes: bool = True, state_snapshots: int | None = None) -> None:
         """The paged cache's pools (and Qwen3.5's per-row GDN states) must fit: a clear error first."""
         if self.device.type != "cuda":
             return
         self.model.allocate_cache(1, 2)      # generate()'s cache, if any, goes first
         torch.cuda.empty_cache()
-        from fq_slots import DEFAULT_STATE_SNAPSHOTS, default_pages
+        from fq_slots import default_pages, state_snapshots_for
 
         pages = default_pages(rows, max_len, page_size, num_pages) + 1   # and the spare one
-        states = rows + 1                                                # the rows' GDN states (Qwen3.5)
-        if getattr(self.model, "snapshot_granule", None) and page_size % self.model.snapshot_granule == 0:
-            states += DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
+        # the rows' GDN states (Qwen3.5), the staging row's and the snapshots'
+        states = rows + 1 + (state_snapshots_for(self.model, page_size, share_prefixes, state_snapshots) or 0)
         need = pages * self.model.page_bytes(page_size) + states * getattr(self.model, "row_bytes", lambda: 0)()
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free:

@@ -91,6 +91,21 @@ CHUNK_GRAPH_TOKENS = 2048
 CHUNK_GRAPHS_KEPT = 8
 
 
+def state_snapshots_for(model, page_size: int | None, share_prefixes: bool, state_snapshots: int | None = None):
+    """How many GDN state snapshots paged slots keep for shared prefixes (module doc): None for a
+    model whose prefixes need none (Qwen3: its whole state is its K/V); 0 where none can serve
+    (no pages, pages not a multiple of the model's snapshot_granule, sharing off); else
+    state_snapshots (None: DEFAULT_STATE_SNAPSHOTS). A negative count is an error naming it."""
+    granule = getattr(model, "snapshot_granule", None)
+    if granule is None:
+        return None
+    if state_snapshots is not None and state_snapshots < 0:
+        raise ValueError(f"Slots: state_snapshots must be >= 0, got {state_snapshots}")
+    if not share_prefixes or page_size is None or page_size % granule:
+        return 0
+    return DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
+
+
 class PagePool:
     """The paged cache's pages (module doc): free ones, and with sharing the full prompt pages kept
     under the prompt prefix they end, counted by the requests holding them; those no request
@@ -247,14 +262,7 @@ class Slots:
             # into a page a request holds
             model.allocate_paged_cache(max_slots + 1, self.num_pages + 1, page_size, max_len)
             model.block_table.fill_(self.num_pages)
-        granule = getattr(model, "snapshot_granule", None)       # None: the model's prefixes need no snapshot
-        snapshots = None
-        if granule is not None:
-            snapshots = DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
-            if snapshots < 0:
-                raise ValueError(f"Slots: state_snapshots must be >= 0, got {state_snapshots}")
-            if page_size is None or page_size % granule:
-                snapshots = 0                    # a page's end is not always a snapshot point
+        snapshots = state_snapshots_for(model, page_size, share_prefixes, state_snapshots)
         share = (share_prefixes and page_size is not None and getattr(model, "prefix_sharing", False)
                  and snapshots != 0)
         self.pool = PagePool(self.num_pages, page_size or 1, share, snapshots if share else None)
@@ -335,16 +343,12 @@ class Slots:
         pages = [t[0] for t in taken]
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
         # where each prompt's pass keeps a state snapshot (Qwen3.5; 0: none), taken after every
-        # shared prefix's snapshot is back in its row (a new one may reuse an old one's room)
+        # shared prefix's snapshot is back in its row (_take_pages: a new one may reuse an old one's room)
         points = [self.pool.snapshot_point(prompt, start) for prompt, (_, start) in zip(prompts, taken)]
         if len(set(points)) > 1 and not any(t[1] for t in taken):
             # one pass takes one position's snapshots: where the prompts' (one length) last whole
             # pages end, for all of them
             points = [(length - 1) // self.page_size * self.page_size] * len(prompts)
-        with torch.inference_mode():
-            for j, (p, start) in enumerate(taken):
-                if start and self.pool.snapshots:
-                    self.model.load_snapshot(self.pool.snapshot_of(p[start // self.page_size - 1]), row + j)
         snaps = [self.pool.new_snapshot() if at else None for at in points]
         try:
             with torch.inference_mode():
@@ -402,11 +406,14 @@ class Slots:
 
     def _take_pages(self, row: int, reserve: int, prompt: list) -> tuple:
         """The pages for `reserve` positions, into row's block table (paged form; else none): the
-        kept pages of the prompt's shared prefix first. Returns (pages, prompt positions shared);
-        with snapshots the caller puts the prefix's snapshot into the row."""
+        kept pages of the prompt's shared prefix first, and with snapshots the prefix's GDN states
+        put into the row. Returns (pages, prompt positions shared)."""
         if self.page_size is None:
             return [], 0
         shared = self.pool.lookup(prompt)
+        if shared and self.pool.snapshots:
+            with torch.inference_mode():
+                self.model.load_snapshot(self.pool.snapshot_of(shared[-1]), row)
         pages = shared + self.pool.take(pages_for(reserve, self.page_size) - len(shared))
         self.model.block_table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return pages, len(shared) * self.page_size
@@ -425,9 +432,6 @@ class Slots:
             raise SlotError(f"request {self.staged!r} is being prefilled in chunks: one at a time")
         reserve = self._check_new([key], [prompt], None if reserve is None else [reserve])[0]
         pages, shared = self._take_pages(self.staging, reserve, prompt)
-        if shared and self.pool.snapshots:
-            with torch.inference_mode():
-                self.model.load_snapshot(self.pool.snapshot_of(pages[shared // self.page_size - 1]), self.staging)
         at = self.pool.snapshot_point(prompt, shared)
         # [key, prompt, reserve, pages, positions done, snapshot point, its index (None: none taken)]
         self._staged = [key, list(prompt), reserve, pages, shared, at, self.pool.new_snapshot() if at else None]

@@ -126,12 +126,9 @@ class Server:
             row = model.cache_bytes(1, self.max_model_len)
             max_batch = size_batch(max_batch, row, None if budget is None else budget - row, self.max_model_len)
         else:
-            granule = getattr(model, "snapshot_granule", None)
-            snapshots = 0
-            if share_prefixes and granule and self.block_size % granule == 0:
-                import fq_slots        # the engine folder's, on the path since the engine's import
+            import fq_slots        # the engine folder's, on the path since the engine's import
 
-                snapshots = fq_slots.DEFAULT_STATE_SNAPSHOTS if state_snapshots is None else state_snapshots
+            snapshots = fq_slots.state_snapshots_for(model, self.block_size, share_prefixes, state_snapshots) or 0
             max_batch, self.num_blocks = size_pages(self.block_size, max_batch, self.max_model_len,
                                                     model.page_bytes(self.block_size),
                                                     getattr(model, "row_bytes", lambda: 0)(), budget, snapshots)
