@@ -182,7 +182,7 @@ def sweep_isolated(shapes: str, names: list[str]) -> list[dict]:
                     got = json.load(f)["sweep"]
             if not got:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                got = [{"sweep": name, "plan": SWEEP[name], "error": f"exit {proc.returncode}: {tail[0][:200]}"}]
+                got = [{"sweep": name, "plan": SWEEP.get(name, {}), "error": f"exit {proc.returncode}: {tail[0][:200]}"}]
         for res in got:
             print(json.dumps(res), flush=True)
         rows.extend(got)
@@ -200,8 +200,23 @@ def sweep_rows(shapes: list[str], dev: torch.device, names: list[str] | None = N
         if names is None or "default" in names:
             o0, s0 = gdn.chunked_prefill(q, k, v, g, beta)
         ref = None
-        if B * T <= 16384:
+        if B * T <= 16384 and (names is None or any(n in SWEEP for n in names)):
             ref = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta)
+        if names is not None and "fla" in names:   # flash-linear-attention at the same shape, same inputs
+            res = {"sweep": "fla", "B": B, "T": T}
+            fla = _fla()
+            if fla is None:
+                res["error"] = "flash-linear-attention is not installed (FASTQWEN_FLA_SITE)"
+            else:
+                try:
+                    run = lambda: fla(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,  # noqa: E731
+                                      output_final_state=True)
+                    res["ms"] = _ms(run)
+                    res["kernels"] = {r["name"]: r["us"] for r in kernel_table(run, 1)["kernels"]}
+                except Exception as exc:  # noqa: BLE001
+                    res["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(res)
+            print(json.dumps(res), flush=True)
         for name, knobs in SWEEP.items():
             if names is not None and name not in names:
                 continue
@@ -271,7 +286,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="shapes at which to time every SWEEP launch plan instead "
                     "(e.g. 4x2048,16x8192); the comparison with fla and the decode rows are skipped")
     ap.add_argument("--plans", default="", help="with --sweep: only these SWEEP plans (default: every plan), "
-                    "each in a process of its own")
+                    "each in a process of its own; 'fla' times flash-linear-attention on the same inputs")
     ap.add_argument("--in-process", action="store_true", help="with --sweep: the plans in this process")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     ap.add_argument("--best", default="", help="print the best plan of a --sweep report (FASTQWEN_GDN_PLAN text)")
@@ -283,7 +298,7 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.sweep:
         names = [n for n in args.plans.split(",") if n] or list(SWEEP)
-        unknown = [n for n in names if n not in SWEEP]
+        unknown = [n for n in names if n not in SWEEP and n != "fla"]
         if unknown:
             ap.error(f"--plans: unknown plan(s) {', '.join(unknown)}; known: {', '.join(SWEEP)}")
         rows = (sweep_rows(args.sweep.split(","), dev, names) if args.in_process

@@ -87,7 +87,8 @@
 #   use-best-gdn-plan  FASTQWEN_GDN_PLAN for the later stages: the fastest plan bench-gdn-sweep found (within the
 #                 state and output gates against the reference)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x512, 1x2048, 4x2048, 16x8192
-#                 (SWEEP_PLANS / SWEEP_SHAPES: comma lists, some plans or shapes only)
+#                 (SWEEP_PLANS / SWEEP_SHAPES: comma lists, some plans or shapes only; the plan "fla" times
+#                 flash-linear-attention on the same inputs; SWEEP_TIMEOUT_S, default 300)
 #   kernels-gdn-prefill  test_gdn_kernels.py's prompt-pass and in_proj epilogue tests alone
 #   gemm-probe    can a decode-sized product give the full forward's large-M bits (scripts/gpu_gemm_order_probe.py)
 #   gemm-inorder  o and down without split-K: bits against the large-M product and time per config
@@ -158,7 +159,7 @@ for stage in "$@"; do
   if [ "$stage" = all-checks ]; then stages+=(kernels check judge-public judge-own); else stages+=("$stage"); fi
 done
 for stage in "${stages[@]}"; do
-  echo "== $stage"
+  echo "== $stage $(date -u +%T)"
   case $stage in
     kernels) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 \
                | grep -E "FAILED|passed|failed|Error" | tail -30 | tee "$OUT/pytest_gpu.log"
@@ -192,7 +193,7 @@ for stage in "${stages[@]}"; do
     judge-long) judge long --model /tmp/q4b --workloads results/workloads/long.json ;;
     memory) timeout 300 python3 scripts/gpu_memory.py --model /tmp/q4b --mlp-rows 16384 --out "$OUT/gpu_memory.json" 2>&1 | tail -8 ;;
     judge-public-b1-nopdl) FASTQWEN_NO_PDL=1 judge public_b1_nopdl --model /tmp/q4b --workloads results/workloads/public_b1.json ;;
-    engine-gpu) timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
+    engine-gpu) timeout 240 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/pytest_engine_gpu.log"
                 # a failing engine test turns the prefill graphs off for the stages after it
                 grep -q failed "$OUT/pytest_engine_gpu.log" && export FASTQWEN_NO_PREFILL_GRAPHS=1 && echo "prefill graphs OFF" ;;
     ckpt-hf) [ -f /tmp/q4b_hf/config.json ] || flock /tmp/fastqwen-ckpt.lock python3 -m fastqwen.cli synth \
@@ -289,9 +290,10 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                      | tail -30 | tee "$OUT/pytest_paged.log" ;;
     serve-bench) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 560 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --memory-gib 24 --out "$OUT/serve_bench.json" 2>&1 | grep -v Warn | tail -12 ;;
-    bench-gdn-sweep) timeout 300 python3 scripts/bench_gdn.py --sweep "${SWEEP_SHAPES:-1x512,1x2048,4x2048,16x8192}" \
-                       --plans "${SWEEP_PLANS:-}" --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | cut -c1-300 \
-                       | tail -45 ;;
+    bench-gdn-sweep) timeout "${SWEEP_TIMEOUT_S:-300}" python3 scripts/bench_gdn.py \
+                       --sweep "${SWEEP_SHAPES:-1x512,1x2048,4x2048,16x8192}" --plans "${SWEEP_PLANS:-}" \
+                       --out "$OUT/bench_gdn_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gdn_sweep.jsonl" \
+                       | cut -c1-300 | tail -60 ;;
     kernels-gdn-prefill) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py \
                            -k "prefill or epilogue" 2>&1 | tail -30 | tee "$OUT/pytest_gdn_prefill.log" ;;
     use-best-gdn-plan) # the fastest plan of this call's bench-gdn-sweep within the gates, for every later stage
