@@ -9,7 +9,10 @@ requests the server runs at once under that memory cap. One JSON report.
         [--runs one_stream,sixteen_streams]
 
 --block-size, --prefill-chunk: the server's options of those names; --runs: only these of the runs
-(one_stream, sixteen_streams, rate_1, rate_4, rate_16; the memory cap's run with --memory-gib).
+(one_stream, sixteen_streams, rate_1, rate_4, rate_16, prefix_0, prefix_384; the memory cap's run
+with --memory-gib). prefix_384 sends 16 requests one at a time whose prompts share their first
+384 tokens (then 128 of their own, 32 out), prefix_0 the same without the common prefix: TTFT
+with and without the prefix cache, and the server's prefix_cache_hit_tokens over each run.
 """
 from __future__ import annotations
 
@@ -67,6 +70,17 @@ def start_server(model: str, port: int, extra: list) -> subprocess.Popen:
     raise RuntimeError("server did not come up in 300 s")
 
 
+def prefix_hits(url: str) -> float:
+    """The server's prefix_cache_hit_tokens counter (all its label sets)."""
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("fastqwen:prefix_cache_hit_tokens_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,15 +123,20 @@ def main() -> None:
                 "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16)}
         for rate in (1.0, 4.0, 16.0):
             runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate)
+        runs["prefix_0"] = dict(requests=16, prompt_len=512, output_len=32, concurrency=1, seed=1)
+        runs["prefix_384"] = dict(requests=16, prompt_len=128, prefix_len=384, output_len=32, concurrency=1, seed=2)
         if args.runs:
             runs = {name: kw for name, kw in runs.items() if name in args.runs.split(",")}
         if args.quick:
             runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
         for name, kw in runs.items():
+            hits = prefix_hits(url)
             report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
             r = report[name]
+            r["prefix_cache_hit_tokens"] = prefix_hits(url) - hits
             print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
-                  f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}", flush=True)
+                  f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
+                  f"prefix hits {r['prefix_cache_hit_tokens']:g}", flush=True)
             save()
     finally:
         proc.terminate()

@@ -79,7 +79,9 @@
 #                 (gpu_q35_check.py --gemv): Q35_AB_ARMS (default "table in_proj_n16 session13"; also rows4,
 #                 the 2-4 row candidates), Q35_AB_SHAPES (default 1x512x32)
 #   chunk-probe   a chunked prompt's time in the engine's slots, no server (scripts/gpu_chunk_probe.py)
-#   serve-paged   serve-bench's one stream and 16 streams with the paged KV cache (--block-size 64)
+#   serve-paged   serve-bench's one stream, 16 streams and the shared-prefix pair (prefix_0 / prefix_384) with the
+#                 paged KV cache (--block-size 64)
+#   serve-q35     the same on the synthetic Qwen3.5-4B (prefix sharing through GDN state snapshots)
 #   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
@@ -278,8 +280,12 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
     chunk-probe) timeout 200 python3 scripts/gpu_chunk_probe.py --model /tmp/q4b --out "$OUT/chunk_probe.json" 2>&1 \
                    | grep -v Warn | tail -12 ;;
     serve-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
-                   --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams --out "$OUT/serve_paged.json" 2>&1 \
-                   | grep -v Warn | tail -8 ;;
+                   --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams,prefix_0,prefix_384 \
+                   --out "$OUT/serve_paged.json" 2>&1 | grep -v Warn | tail -8 ;;
+    serve-q35) q35_ckpt
+               PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 400 python3 scripts/gpu_serve_bench.py \
+                 --model /tmp/q35_4b --block-size 64 --runs one_stream,sixteen_streams,prefix_0,prefix_384 \
+                 --out "$OUT/serve_q35.json" 2>&1 | grep -v Warn | tail -8 ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                      --model /tmp/q4b --prefill-chunk 256 --runs one_stream,sixteen_streams,rate_4,rate_16 \
                      --out "$OUT/serve_chunked.json" 2>&1 | grep -v Warn | tail -8 ;;

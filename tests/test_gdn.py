@@ -245,13 +245,15 @@ def test_a_plan_is_read_from_text():
     plan from a sweep report: the fastest within the gates at every shape."""
     assert gdn.plan_from_text("") == gdn.PrefillPlan()
     assert gdn.plan_from_text("prec=bf16x2,block_v=16") == gdn.PrefillPlan(prec="bf16x2", block_v=16)
-    capped = gdn.plan_from_text("state_maxnreg=168")
+    capped = gdn.plan_from_text("state_maxnreg=168,solve_maxnreg=0,solve_prec=tf32x3")
     assert capped.caps("state") == {"maxnreg": 168} and capped.caps("solve") == {}
+    assert capped.solve_prec == "tf32x3" and gdn.PrefillPlan().caps("solve") == {"maxnreg": 168}
     assert gdn.plan_from_text("out_warps=8, block_v=16,state_stages=1,out_prec=tf32") == gdn.PrefillPlan(
         out_warps=8, block_v=16, state_stages=1, out_prec="tf32")
     for bad, match in (("warps=4", "name=value with a name among"), ("block_v=x", "block_v must be an integer"),
                        ("block_v=24", "block_v must be a power of two"), ("out_prec=bf16", "out_prec"),
-                       ("prec=tf32", "prec must be one of"), ("out_maxnreg=300", "out_maxnreg must be 0")):
+                       ("prec=tf32", "prec must be one of"), ("out_maxnreg=300", "out_maxnreg must be 0"),
+                       ("solve_prec=bf16", "solve_prec must be")):
         with pytest.raises(ValueError, match=match):
             gdn.plan_from_text(bad)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

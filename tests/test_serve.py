@@ -172,6 +172,13 @@ def test_bench_serve_measures_every_request(server, tmp_path):
                  "--out", str(out), "--chart", str(chart), "--no-progress"]) == 0
     saved = json_module.loads(out.read_text())
     assert saved["completed"] == 4 and saved["tpot_s"]["mean"] > 0 and chart.stat().st_size > 1000
+    # a prefix common to every prompt (vLLM's --random-prefix-len): counted in the prompt tokens
+    shared = asyncio.run(__import__("fastqwen.serve.bench", fromlist=["run_benchmark"]).run_benchmark(
+        server[1], requests=3, prompt_len=4, output_len=2, concurrency=1, progress=False, prefix_len=6))
+    assert shared["completed"] == 3 and shared["prefix_len"] == 6
+    total = shared["total_token_throughput"] * shared["duration_s"]
+    assert abs(total - (3 * 2 + 3 * (6 + 4))) < 1e-6
+    assert main(["bench-serve", "--url", server[1], "--prefix-len", "-1", "--no-progress"]) == 2
 
 
 def test_lm_eval_runs_a_local_task_against_the_server(server, tmp_path, tiny_model):

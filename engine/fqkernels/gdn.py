@@ -1018,7 +1018,14 @@ class PrefillPlan:
     maxnreg; 0: none). Each runs two programs of 4 warps an SM by its registers (237 / 253 /
     228); at 168 three fit by registers (ptxas, sm_90a: the solve spills 28 bytes a thread but
     its 80 KiB of shared memory still allows two, the state kernel 424 at 32 columns and 136
-    at 16, the output kernel 4): candidates to measure."""
+    at 16, the output kernel 4): candidates to measure.
+    solve_prec: the solve kernel's products alone ("": as prec). The solve writes w and u in
+    fp32 for the state kernel, so its products' form is independent of the state kernel's:
+    session 16 measured the solve on bf16 thirds capped at 168 registers 12% faster than on
+    three TF32 passes (4x8192: 1,090 against 1,238 us), the state kernel on thirds 11% slower.
+    Since session 16 the defaults take both precision-neutral gains of that sweep: the solve on
+    bf16 thirds at 168 registers and the output kernel at 168 (4x8192: 842 -> 685 us); the state
+    kernel stays uncapped on three TF32 passes (capped it spills: 1,282 -> 1,862 us)."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -1027,9 +1034,10 @@ class PrefillPlan:
     out_bv: int = 64
     out_prec: str = "bf16x2"
     prec: str = "tf32x3"
-    solve_maxnreg: int = 0
+    solve_prec: str = "bf16x3"
+    solve_maxnreg: int = 168
     state_maxnreg: int = 0
-    out_maxnreg: int = 0
+    out_maxnreg: int = 168
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
@@ -1044,6 +1052,9 @@ class PrefillPlan:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be one of {_OUT_PRECS}, got {self.out_prec!r}")
         if self.prec not in _PRECS:
             raise ValueError(f"gdn.PrefillPlan.prec must be one of {_PRECS}, got {self.prec!r}")
+        if self.solve_prec and self.solve_prec not in _PRECS:
+            raise ValueError(f"gdn.PrefillPlan.solve_prec must be '' (as prec) or one of {_PRECS}, "
+                             f"got {self.solve_prec!r}")
 
     def caps(self, kernel: str) -> dict:
         """The launch's register cap (Triton's maxnreg) for "solve", "state" or "out": {} for none."""
@@ -1063,7 +1074,7 @@ def plan_from_text(text: str | None) -> PrefillPlan:
         name, sep, value = (p.strip() for p in part.partition("="))
         if not sep or name not in kinds:
             raise ValueError(f"gdn plan: {part!r} is not name=value with a name among {', '.join(kinds)}")
-        if name in ("out_prec", "prec"):
+        if name in ("out_prec", "prec", "solve_prec"):
             kw[name] = value
         else:
             try:
@@ -1151,7 +1162,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=prec, num_warps=plan.solve_warps, **plan.caps("solve"))
+            PREC=prec if _PREC != "tf32x3" or not plan.solve_prec else plan.solve_prec,
+            num_warps=plan.solve_warps, **plan.caps("solve"))
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,

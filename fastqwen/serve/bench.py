@@ -2,7 +2,9 @@
 serving benchmark measures (its names and definitions).
 
 Requests go to /v1/completions with `stream`, random token-id prompts of --prompt-len tokens
-(exact lengths, no tokenizer involved; ids below the vocabulary size /v1/models reports) and --output-len tokens each (`ignore_eos`), sent at
+(exact lengths, no tokenizer involved; ids below the vocabulary size /v1/models reports), after
+a --prefix-len token prefix common to every request (vLLM's --random-prefix-len: what a shared
+system prompt looks like to a prefix cache), and --output-len tokens each (`ignore_eos`), sent at
 --rate requests a second (Poisson arrivals; inf sends them all at once), at most
 --concurrency in flight. Per request: TTFT (send to the first token), TPOT ((last - first
 token) / (tokens - 1)), ITL (the gaps between streamed tokens, a chunk of k tokens counting
@@ -31,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "all at once)")
     parser.add_argument("--requests", type=int, default=100, help="requests to send (default 100)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens a request (default 512)")
+    parser.add_argument("--prefix-len", type=int, default=0, help="tokens of a prefix common to every prompt, "
+                        "before its --prompt-len random ones (default 0)")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens a request (default 128)")
     parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
@@ -85,7 +89,7 @@ def _request_metrics(r: dict) -> dict:
 
 async def run_benchmark(url: str, requests: int, prompt_len: int, output_len: int, rate: float = math.inf,
                         concurrency: int | None = None, model: str | None = None, seed: int = 0,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, prefix_len: int = 0) -> dict:
     import httpx
 
     rng = random.Random(seed)
@@ -93,7 +97,8 @@ async def run_benchmark(url: str, requests: int, prompt_len: int, output_len: in
         models = (await client.get(url + "/v1/models")).json()["data"]
         model = model or models[0]["id"]
         vocab = next((m.get("vocab_size") for m in models if m["id"] == model), None) or 1000
-        prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
+        prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+        prompts = [prefix + [rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
         gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(requests)]
         bar = None
         if progress:
@@ -125,14 +130,15 @@ async def run_benchmark(url: str, requests: int, prompt_len: int, output_len: in
     per = [_request_metrics(r) for r in ok]
     out_tokens = sum(p["tokens"] for p in per)
     return {
-        "url": url, "model": model, "requests": requests, "prompt_len": prompt_len, "output_len": output_len,
+        "url": url, "model": model, "requests": requests, "prompt_len": prompt_len, "prefix_len": prefix_len,
+        "output_len": output_len,
         "rate": None if math.isinf(rate) else rate, "concurrency": concurrency, "seed": seed,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + prompt_len * len(ok)) / duration,
+        "total_token_throughput": (out_tokens + (prefix_len + prompt_len) * len(ok)) / duration,
         "ttft_s": _percentiles([p["ttft"] for p in per]),
         "tpot_s": _percentiles([p["tpot"] for p in per if p["tpot"] is not None]),
         "itl_s": _percentiles([g for p in per for g in p["itl"]]),
@@ -158,7 +164,8 @@ def _chart(report: dict, path: str) -> None:
         ax.set_ylabel("fraction of samples")
         ax.grid(alpha=0.3)
     rate = "inf" if report["rate"] is None else f"{report['rate']:g}"
-    fig.suptitle(f"{report['model']}: {report['completed']} requests of {report['prompt_len']} + "
+    prefix = f"{report['prefix_len']} shared + " if report.get("prefix_len") else ""
+    fig.suptitle(f"{report['model']}: {report['completed']} requests of {prefix}{report['prompt_len']} + "
                  f"{report['output_len']} tokens at rate {rate}/s, {report['output_throughput']:.0f} output tok/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -185,10 +192,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.rate > 0:
         raise UserError(f"--rate must be > 0 (inf: all at once), got {args.rate}")
+    if args.prefix_len < 0:
+        raise UserError(f"--prefix-len must be >= 0, got {args.prefix_len}")
     if args.concurrency is not None and args.concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
     report = asyncio.run(run_benchmark(args.url.rstrip("/"), args.requests, args.prompt_len, args.output_len,
-                                       args.rate, args.concurrency, args.model, args.seed, not args.no_progress))
+                                       args.rate, args.concurrency, args.model, args.seed, not args.no_progress,
+                                       args.prefix_len))
     _print(report)
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"report: {args.out}", file=sys.stderr)
