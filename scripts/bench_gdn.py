@@ -163,8 +163,8 @@ SWEEP = {
                                 out_maxnreg=168),
     # two stages at 16 columns: 76.5 KiB (three programs' 3 x 77.5 KiB with the 1 KiB each reserves
     # fit the SM's 228), capped at 168 with 8 bytes of spills
-    # the defaults before session 16: the solve on three TF32 passes, no register caps
-    "session14": dict(solve_prec="tf32x3", solve_maxnreg=0, out_maxnreg=0),
+    # the plan before session 16 (PrefillPlan(): the solve on three TF32 passes, no register caps)
+    "session14": dict(solve_prec="tf32x3"),
     "bf16x3_caps_bv16": dict(prec="bf16x3", block_v=16, solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168),
 }
 
@@ -224,7 +224,7 @@ def sweep_rows(shapes: list[str], dev: torch.device, names: list[str] | None = N
                 continue
             res = {"sweep": name, "B": B, "T": T, "plan": knobs}
             try:
-                plan = gdn.PrefillPlan(**knobs)
+                plan = gdn.PrefillPlan(**knobs) if knobs else gdn.DEFAULT_PLAN   # "default": the engine's
                 run = lambda: gdn.chunked_prefill(q, k, v, g, beta, plan=plan)  # noqa: E731
                 o, s = run()
                 res["ms"] = _ms(run)

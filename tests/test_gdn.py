@@ -247,7 +247,7 @@ def test_a_plan_is_read_from_text():
     assert gdn.plan_from_text("prec=bf16x2,block_v=16") == gdn.PrefillPlan(prec="bf16x2", block_v=16)
     capped = gdn.plan_from_text("state_maxnreg=168,solve_maxnreg=0,solve_prec=tf32x3")
     assert capped.caps("state") == {"maxnreg": 168} and capped.caps("solve") == {}
-    assert capped.solve_prec == "tf32x3" and gdn.PrefillPlan().caps("solve") == {"maxnreg": 168}
+    assert capped.solve_prec == "tf32x3" and gdn.FAST_PLAN.caps("solve") == {"maxnreg": 168}
     assert gdn.plan_from_text("out_warps=8, block_v=16,state_stages=1,out_prec=tf32") == gdn.PrefillPlan(
         out_warps=8, block_v=16, state_stages=1, out_prec="tf32")
     for bad, match in (("warps=4", "name=value with a name among"), ("block_v=x", "block_v must be an integer"),

@@ -22,7 +22,7 @@ Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H] with H the value 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -1023,9 +1023,11 @@ class PrefillPlan:
     fp32 for the state kernel, so its products' form is independent of the state kernel's:
     session 16 measured the solve on bf16 thirds capped at 168 registers 12% faster than on
     three TF32 passes (4x8192: 1,090 against 1,238 us), the state kernel on thirds 11% slower.
-    Since session 16 the defaults take both precision-neutral gains of that sweep: the solve on
-    bf16 thirds at 168 registers and the output kernel at 168 (4x8192: 842 -> 685 us); the state
-    kernel stays uncapped on three TF32 passes (capped it spills: 1,282 -> 1,862 us)."""
+    FAST_PLAN takes both precision-neutral gains of that sweep: the solve on bf16 thirds at 168
+    registers and the output kernel at 168 (4x8192: 842 -> 685 us); the state kernel stays
+    uncapped on three TF32 passes (capped it spills: 1,282 -> 1,862 us). Products on bf16 parts
+    in the solve or state kernel need Dk >= 64: at Dk 32 the solve on thirds gave outputs of
+    ~1e-37 on an H200 with Triton 3.6 (session 16), so chunked_prefill refuses such a plan there."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -1034,10 +1036,10 @@ class PrefillPlan:
     out_bv: int = 64
     out_prec: str = "bf16x2"
     prec: str = "tf32x3"
-    solve_prec: str = "bf16x3"
-    solve_maxnreg: int = 168
+    solve_prec: str = ""
+    solve_maxnreg: int = 0
     state_maxnreg: int = 0
-    out_maxnreg: int = 168
+    out_maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
@@ -1084,13 +1086,26 @@ def plan_from_text(text: str | None) -> PrefillPlan:
     return PrefillPlan(**kw)
 
 
-# FASTQWEN_GDN_PLAN (read at import) picks another launch plan for the engine's prompt pass,
-# e.g. the fastest one bench_gdn.py --sweep found on this GPU.
-DEFAULT_PLAN = plan_from_text(os.environ.get("FASTQWEN_GDN_PLAN"))
+# The engine's plan where none is named. On Triton 3.6 or newer, FAST_PLAN (measured on an
+# H200: session 16). On older Triton (the platform's 3.1) the plain defaults: its ptxas spills
+# 252 bytes a thread in the capped solve and 64 in the capped output kernel (none uncapped), and
+# no GPU here runs that Triton to measure whether the caps still pay.
+# FASTQWEN_GDN_PLAN (read at import) picks another plan, e.g. the fastest one bench_gdn.py
+# --sweep found on this GPU.
+FAST_PLAN = PrefillPlan(solve_prec="bf16x3", solve_maxnreg=168, out_maxnreg=168)
+_TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
+DEFAULT_PLAN = (plan_from_text(os.environ["FASTQWEN_GDN_PLAN"]) if os.environ.get("FASTQWEN_GDN_PLAN")
+                else FAST_PLAN if _TRITON_36 else PrefillPlan())
+_BF16_MIN_DK = 64       # the smallest Dk whose solve and state products on bf16 parts are right (above)
+
+
+def _uses_bf16_parts(plan: PrefillPlan) -> bool:
+    """Whether the solve or the state kernel takes its fp32 products as bf16 parts."""
+    return plan.prec != "tf32x3" or (plan.solve_prec or plan.prec) != "tf32x3"
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    block_v: int | None = None, plan: PrefillPlan = DEFAULT_PLAN, state_out: torch.Tensor | None = None,
+                    block_v: int | None = None, plan: PrefillPlan | None = None, state_out: torch.Tensor | None = None,
                     initial_state: torch.Tensor | None = None, capture: tuple | None = None):
     """The chunked rule over a prompt, as three kernels (from a zero state; with initial_state,
     a contiguous fp32 [B, Hv, Dk, Dv], from it: the rest of a sequence whose first part a
@@ -1101,7 +1116,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     [B, T, Hk, Dk] bf16 (the conv's output: not normalized, heads not repeated), v [B, T, Hv, Dv]
     bf16, g [B, T, Hv] fp32, beta [B, T, Hv] bf16. block_v: value columns per state program (a
     power of two dividing Dv; None: the plan's); plan: the launches
-    (PrefillPlan). q, k and v are read in place where their last dimension has unit stride
+    (PrefillPlan; None: DEFAULT_PLAN, on three TF32 passes where Dk < 64). q, k and v are read in place where their last dimension has unit stride
     (e.g. head views of the conv's output rows; q and k with the same strides), g and beta
     likewise. state_out: a contiguous fp32 [B, Hv, Dk, Dv] to write the final state into (a
     cache's rows), else a new one. Returns (o [B, T, Hv, Dv] bf16, the final state), what
@@ -1112,6 +1127,13 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             or tuple(beta.shape) != (B, T, Hv) or g.dtype != torch.float32:
         raise ValueError(f"gdn.chunked_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {g.dtype} {tuple(g.shape)}, beta {tuple(beta.shape)} do not fit")
+    if plan is None:
+        plan = DEFAULT_PLAN
+        if Dk < _BF16_MIN_DK and _uses_bf16_parts(plan):
+            plan = replace(plan, prec="tf32x3", solve_prec="tf32x3")
+    elif Dk < _BF16_MIN_DK and _uses_bf16_parts(plan):
+        raise ValueError(f"gdn.chunked_prefill: the plan's solve and state products on bf16 parts (prec "
+                         f"{plan.prec!r}, solve_prec {plan.solve_prec!r}) need Dk >= {_BF16_MIN_DK}, got Dk {Dk}")
     rows = max(1, _TOKENS_PER_SLICE // (triton.cdiv(T, CHUNK) * CHUNK))   # sequences per slice
     block_v = min(plan.block_v if block_v is None else block_v, Dv)
     if Dk & (Dk - 1) or Dk < 32 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
