@@ -197,11 +197,14 @@ class PagePool:
         at = matched if matched > shared else (len(prompt) - 1) // self.page_size * self.page_size
         return at if at > shared else 0
 
-    def new_snapshot(self) -> int:
+    def new_snapshot(self) -> int | None:
         """A snapshot's index for a prompt's pass to fill: a free one, else the least recently used
-        one (its prefix no longer found)."""
+        one (its prefix no longer found); None when every snapshot is being filled by a pass
+        (more prompts at once than snapshots): that prompt takes none."""
         if self._snap_free:
             return self._snap_free.pop()
+        if not self._snap_of:
+            return None
         _, index = self._snap_of.popitem(last=False)
         return index
 
@@ -350,6 +353,15 @@ class Slots:
             # pages end, for all of them
             points = [(length - 1) // self.page_size * self.page_size] * len(prompts)
         snaps = [self.pool.new_snapshot() if at else None for at in points]
+        if any(at and index is None for at, index in zip(points, snaps)):
+            # fewer snapshots to fill than prompts: one pass over all of them takes none, one pass
+            # each takes those it got
+            if not any(t[1] for t in taken):
+                for index in snaps:
+                    if index is not None:
+                        self.pool.drop_snapshot(index)
+                snaps = [None] * len(snaps)
+            points = [at if index is not None else 0 for at, index in zip(points, snaps)]
         try:
             with torch.inference_mode():
                 if not any(t[1] for t in taken):     # nothing shared: one prompt pass (one length: one point)
@@ -435,6 +447,8 @@ class Slots:
         at = self.pool.snapshot_point(prompt, shared)
         # [key, prompt, reserve, pages, positions done, snapshot point, its index (None: none taken)]
         self._staged = [key, list(prompt), reserve, pages, shared, at, self.pool.new_snapshot() if at else None]
+        if self._staged[6] is None:
+            self._staged[5] = 0
 
     def prefill_next(self, tokens: int) -> torch.Tensor | None:
         """Prefill the staged prompt's next `tokens` positions (at most). While positions remain,

@@ -386,3 +386,37 @@ def test_page_pool_keeps_snapshots_with_their_pages():
     pool.drop_snapshot(third)
     got = pool.take(6)                                    # every page, the kept ones forgotten last
     assert sorted(got) == list(range(6)) and pool.lookup(b) == [] and pool.new_snapshot() in (first, second)
+    pool.new_snapshot()
+    assert pool.new_snapshot() is None                    # both being filled, none bound: none to take
+
+
+def _greedy_group(slots, prompts: dict, want: int) -> dict:
+    """_greedy with the prompts admitted together (admit_group: one pass if nothing is shared)."""
+    keys = list(prompts)
+    first = slots.admit_group(keys, [prompts[k] for k in keys], [len(prompts[k]) + want for k in keys])
+    out = {k: [int(first[j].argmax())] for j, k in enumerate(keys)}
+    while any(len(t) < want for t in out.values()):
+        logits = slots.step({k: t[-1] for k, t in out.items()})
+        for k in out:
+            out[k].append(int(logits[k].argmax()))
+    for key in keys:
+        slots.retire(key)
+    return {k: t[:want] for k, t in out.items()}
+
+
+def test_qwen35_more_prompts_at_once_than_snapshots(qwen35):
+    """Room for two snapshots. Four prompts of one length admitted in one pass would need four:
+    the pass takes none (no error, nothing held). Two of them alone then keep theirs; four
+    prompts continuing all four (admitted together: two share, each its own pass) take the
+    snapshots there are. Every request's tokens are its tokens alone, every page comes back."""
+    prompts = {f"p{i}": _prompt(150, 40 + i, 1024) for i in range(4)}
+    again = {f"q{i}": prompts[f"p{i}"][:140] + [3 + i] for i in range(4)}
+    alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in {**prompts, **again}.items()}
+    slots = qwen35.slots(4, 320, page_size=64, num_pages=40, state_snapshots=2)
+    assert _greedy_group(slots, prompts, 4) == {k: alone[k] for k in prompts}
+    assert slots.pool.hit_tokens == 0
+    for key in ("p0", "p1"):                              # each keeps a snapshot at 128
+        assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}
+    assert slots.pool.hit_tokens == 0
+    assert _greedy_group(slots, again, 4) == {k: alone[k] for k in again}
+    assert slots.pool.hit_tokens == 2 * 128 and slots.pool.free == 40            # q0 and q1 shared; all back
