@@ -119,10 +119,12 @@ def main() -> None:
     proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"] + paged)
     url = f"http://127.0.0.1:{port}"
     try:
-        runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1),
-                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16)}
-        for rate in (1.0, 4.0, 16.0):
-            runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate)
+        # each run its own seed: no run's prompts repeat another's, so with a prefix cache only the
+        # prefix runs share anything (session 16: the 16 streams repeated the one stream's prompts)
+        runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1, seed=10),
+                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16, seed=11)}
+        for seed, rate in enumerate((1.0, 4.0, 16.0), start=12):
+            runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate, seed=seed)
         runs["prefix_0"] = dict(requests=16, prompt_len=512, output_len=32, concurrency=1, seed=1)
         runs["prefix_384"] = dict(requests=16, prompt_len=128, prefix_len=384, output_len=32, concurrency=1, seed=2)
         if args.runs:
