@@ -82,7 +82,7 @@
 #   serve-paged   serve-bench's one stream, 16 streams and the shared-prefix pair (prefix_0 / prefix_384) with the
 #                 paged KV cache (--block-size 64)
 #   serve-q35     the same on the synthetic Qwen3.5-4B (prefix sharing through GDN state snapshots)
-#   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk 256
+#   serve-chunked serve-bench's one stream, 16 streams and rates 4 / 16 with --prefill-chunk SERVE_CHUNK (default 256)
 #   serve-bench   fastqwen serve on /tmp/q4b driven by bench-serve (scripts/gpu_serve_bench.py): one stream's
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
 #                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
@@ -287,8 +287,8 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                  --model /tmp/q35_4b --block-size 64 --runs one_stream,sixteen_streams,prefix_0,prefix_384 \
                  --out "$OUT/serve_q35.json" 2>&1 | grep -v Warn | tail -8 ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
-                     --model /tmp/q4b --prefill-chunk 256 --runs one_stream,sixteen_streams,rate_4,rate_16 \
-                     --out "$OUT/serve_chunked.json" 2>&1 | grep -v Warn | tail -8 ;;
+                     --model /tmp/q4b --prefill-chunk "${SERVE_CHUNK:-256}" --runs one_stream,sixteen_streams,rate_4,rate_16 \
+                     --out "$OUT/serve_chunked_${SERVE_CHUNK:-256}.json" 2>&1 | grep -v Warn | tail -8 ;;
     paged-attn-probe) timeout 300 python3 scripts/gpu_paged_attn_probe.py --out "$OUT/paged_attn_probe.json" 2>&1 \
                         | grep -v Warn | tail -30 ;;
     kernels-paged) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_paged_kv_writes.py \

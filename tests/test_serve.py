@@ -477,6 +477,45 @@ def test_long_prompts_join_in_chunks(tiny_model, block_size):
         srv.close()
 
 
+def test_short_prompts_share_the_chunk_budget(tiny_model):
+    """--prefill-chunk 32 with a request running: six 10-token prompts that arrive together go
+    in whole, at most three a pass (30 of the 32 tokens between two steps), not all six in one
+    pass; each gets its greedy tokens. Without the budget (whole prompts) the six go in one pass."""
+    import asyncio
+
+    from fastqwen.serve.app import Server, create_app
+
+    srv = Server(str(tiny_model), max_batch=8, max_model_len=256, served_model_name="tiny", prefill_chunk=32)
+    passes = []
+    admit_group = srv.scheduler.slots.admit_group
+    srv.scheduler.slots.admit_group = lambda keys, *a, **k: passes.append(len(keys)) or admit_group(keys, *a, **k)
+    try:
+        gen = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(0, 4000, (10,), generator=gen).tolist() for _ in range(7)]
+
+        async def calls(first_tokens):
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                body = {"prompt": prompts[0], "max_tokens": first_tokens, "temperature": 0, "ignore_eos": True}
+                first = asyncio.create_task(ac.post("/v1/completions", json=body))
+                if first_tokens > 1:
+                    await asyncio.sleep(0.05)              # running when the others arrive
+                rest = await asyncio.gather(*(ac.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": 6, "temperature": 0}) for p in prompts[1:]))
+                return [r.json() for r in [await first] + list(rest)]
+
+        results = asyncio.run(calls(60))
+        assert passes[0] == 1 and max(passes[1:]) <= 3 and sum(passes) == 7, passes
+        for i, res in enumerate(results[1:], start=1):
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], 6)), i
+        passes.clear()
+        srv.scheduler.prefill_chunk = None                 # whole prompts: the six in one pass
+        asyncio.run(calls(60))
+        assert max(passes) == 6, passes
+    finally:
+        srv.close()
+
+
 def test_prompts_that_start_alike_share_their_pages(tiny_model):
     """--block-size 64: a second request whose prompt starts with the first's 200 tokens takes the
     first's 3 full pages of them (192 positions, counted in /metrics) and gets its own greedy

@@ -97,8 +97,9 @@ class Server:
                  prefill_chunk: int | None = None, share_prefixes: bool = True,
                  state_snapshots: int | None = None):
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
-        row of max_model_len positions per slot. prefill_chunk: a joining prompt longer than
-        that is prefilled in chunks of it between decode steps (scheduler.py); None or 0: whole.
+        row of max_model_len positions per slot. prefill_chunk: the most prompt tokens prefilled
+        between two decode steps while requests run, a longer prompt in chunks of it
+        (scheduler.py); None or 0: whole prompts.
         share_prefixes: with block_size, prompts that start alike share those pages (Qwen3.5: with
         block_size a multiple of 64, through state_snapshots of its GDN states, None: fq_slots'
         default)."""

@@ -27,9 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--max-model-len): each request holds blocks for its prompt and max_tokens only, so more "
                         "short requests fit; 0 (default): one row of --max-model-len positions per slot")
     parser.add_argument("--prefill-chunk", type=int, default=0,
-                        help="a prompt longer than this many tokens that arrives while others run is prefilled "
-                        "in chunks of it, one between two decode steps, so running streams keep their "
-                        "inter-token latency; 0 (default): whole prompts")
+                        help="at most this many prompt tokens prefilled between two decode steps while others "
+                        "run: a longer prompt goes in chunks of it, shorter ones together as many as fit, so "
+                        "running streams keep their inter-token latency; 0 (default): whole prompts")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="with --block-size: do not share the pages of prompts that start alike (shared by "
                         "default where the model allows: Qwen3; Qwen3.5 with a block size that is a multiple of 64)")

@@ -6,10 +6,12 @@ left in its slot. Events go back to each request's asyncio queue on the server's
 
 A request the client abandons (`cancel`) leaves its slot at the next step.
 
-With `prefill_chunk` a prompt longer than that which arrives while others run is prefilled in
-chunks of that many tokens, one chunk between two decode steps (fq_slots.Slots.begin /
-prefill_next), so the running requests' inter-token latency grows by a chunk's time, not by
-the whole prompt pass's; shorter prompts, and any prompt when nothing runs, go in whole.
+With `prefill_chunk` at most that many prompt tokens are prefilled between two decode steps
+while others run: a longer prompt is prefilled in chunks of that many tokens, one chunk between
+two steps (fq_slots.Slots.begin / prefill_next), and shorter prompts of one length go in whole
+together only as many as fit in it, so the running requests' inter-token latency grows by a
+chunk's time, not by the whole prompt pass's (vLLM's token budget per step). Any prompts when
+nothing runs go in whole.
 
 The loop runs one step ahead of the host. Each step's tokens are sampled on the device, kept
 there as the next step's input (`Slots.step_rows`) and copied back to the host without
@@ -79,8 +81,8 @@ class Scheduler:
                  prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None):
         """block_size: the paged KV cache (pages of block_size positions, num_blocks of them; a
         request takes those its prompt and max_tokens need); None: a row of max_len positions
-        per slot. prefill_chunk: tokens of a joining prompt prefilled between two decode steps
-        (module doc); None or 0: whole prompts. share_prefixes: with block_size, requests whose
+        per slot. prefill_chunk: the most prompt tokens prefilled between two decode steps while
+        requests run (module doc); None or 0: whole prompts, any number at once. share_prefixes: with block_size, requests whose
         prompts start alike share those pages (fq_slots, where the model allows; a Qwen3.5 model
         keeps state_snapshots of its GDN states for it, None: fq_slots' default)."""
         self.prefill_chunk = prefill_chunk or None
@@ -181,9 +183,12 @@ class Scheduler:
             self._staged = first
             return self._prefill_staged()
         n = len(self._held[0].prompt)
+        # with a chunk budget and requests running, as many as fit in it (the first always: it is
+        # no longer than the budget, else it went in chunks above)
+        most = self.prefill_chunk // n if self.prefill_chunk and self.running else len(self._held)
         group = []
         for req in (r for r in self._held if len(r.prompt) == n):     # in arrival order, while they fit
-            if not self.slots.fits([self._reserve(r) for r in group + [req]]):
+            if group and len(group) >= most or not self.slots.fits([self._reserve(r) for r in group + [req]]):
                 break
             group.append(req)
         if not group:                  # the first waits for pages (paged cache)
