@@ -235,12 +235,16 @@ def test_prompts_admitted_in_chunks_get_their_own_tokens(qwen3, tmp_path_factory
         slots.prefill_next(24)
 
 
-def _greedy(slots, prompts: dict, want: int) -> dict:
-    """Admit each prompt (in order, one at a time) and step all together until each has `want`
-    tokens; {key: tokens}."""
-    out = {}
-    for key, prompt in prompts.items():
-        out[key] = [int(slots.admit(key, prompt, reserve=len(prompt) + want).argmax())]
+def _greedy(slots, prompts: dict, want: int, together: bool = False) -> dict:
+    """Admit each prompt (in order, one at a time; together: all in one admit_group, one pass if
+    nothing is shared) and step all together until each has `want` tokens; {key: tokens}."""
+    if together:
+        keys = list(prompts)
+        first = slots.admit_group(keys, [prompts[k] for k in keys], [len(prompts[k]) + want for k in keys])
+        out = {k: [int(first[j].argmax())] for j, k in enumerate(keys)}
+    else:
+        out = {key: [int(slots.admit(key, prompt, reserve=len(prompt) + want).argmax())]
+               for key, prompt in prompts.items()}
     while any(len(t) < want for t in out.values()):
         logits = slots.step({k: t[-1] for k, t in out.items()})
         for k in out:
@@ -390,20 +394,6 @@ def test_page_pool_keeps_snapshots_with_their_pages():
     assert pool.new_snapshot() is None                    # both being filled, none bound: none to take
 
 
-def _greedy_group(slots, prompts: dict, want: int) -> dict:
-    """_greedy with the prompts admitted together (admit_group: one pass if nothing is shared)."""
-    keys = list(prompts)
-    first = slots.admit_group(keys, [prompts[k] for k in keys], [len(prompts[k]) + want for k in keys])
-    out = {k: [int(first[j].argmax())] for j, k in enumerate(keys)}
-    while any(len(t) < want for t in out.values()):
-        logits = slots.step({k: t[-1] for k, t in out.items()})
-        for k in out:
-            out[k].append(int(logits[k].argmax()))
-    for key in keys:
-        slots.retire(key)
-    return {k: t[:want] for k, t in out.items()}
-
-
 def test_qwen35_more_prompts_at_once_than_snapshots(qwen35):
     """Room for two snapshots. Four prompts of one length admitted in one pass would need four:
     the pass takes none (no error, nothing held). Two of them alone then keep theirs; four
@@ -413,10 +403,10 @@ def test_qwen35_more_prompts_at_once_than_snapshots(qwen35):
     again = {f"q{i}": prompts[f"p{i}"][:140] + [3 + i] for i in range(4)}
     alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in {**prompts, **again}.items()}
     slots = qwen35.slots(4, 320, page_size=64, num_pages=40, state_snapshots=2)
-    assert _greedy_group(slots, prompts, 4) == {k: alone[k] for k in prompts}
+    assert _greedy(slots, prompts, 4, together=True) == {k: alone[k] for k in prompts}
     assert slots.pool.hit_tokens == 0
     for key in ("p0", "p1"):                              # each keeps a snapshot at 128
         assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}
     assert slots.pool.hit_tokens == 0
-    assert _greedy_group(slots, again, 4) == {k: alone[k] for k in again}
+    assert _greedy(slots, again, 4, together=True) == {k: alone[k] for k in again}
     assert slots.pool.hit_tokens == 2 * 128 and slots.pool.free == 40            # q0 and q1 shared; all back
