@@ -29,8 +29,12 @@ from fqkernels import gdn  # noqa: E402
 HK, HV, D = 16, 32, 128
 
 
-def _ms(fn, reps: int = 5) -> float:
-    fn()
+def _ms(fn, reps: int = 15, warmup: int = 3) -> float:
+    """The median of `reps` timed calls after `warmup` untimed ones (fla tunes its kernels at
+    its first calls; with one warm-up and 5 reps its times moved up to 2x between runs,
+    session 16)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
