@@ -314,6 +314,40 @@ def test_qwen35_prompts_share_a_prefix_through_its_state_snapshot(tmp_path):
                               state_snapshots=snapshots), prompts, 5, want)
 
 
+def test_qwen35_more_requests_at_once_than_state_snapshots(tmp_path):
+    """Qwen3.5, pages of 64, room for 2 state snapshots (what failed on an H200 with 8 and 16
+    streams): two prompts served in turn keep theirs, then eight at once, two of them repeating
+    those prompts (they share) and six new ones of one length (one pass, which would need six
+    snapshots): every request gets its tokens alone, and the server goes on serving."""
+    import asyncio
+
+    from fastqwen import synth35
+    from fastqwen.serve.app import Server, create_app
+
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path / "q35", seed=4, progress=False)
+    srv = Server(str(path), max_batch=8, max_model_len=256, served_model_name="q35", block_size=64,
+                 state_snapshots=2)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 1000, (150,), generator=gen).tolist() for _ in range(8)]
+    try:
+        async def calls():
+            transport = httpx.ASGITransport(app=create_app(srv))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+                def ask(p):
+                    return ac.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "temperature": 0})
+                first = [(await ask(p)).json() for p in prompts[:2]]
+                burst = [r.json() for r in await asyncio.gather(*(ask(p) for p in prompts))]
+                return first + burst + [(await ask(prompts[2])).json()]
+
+        results = asyncio.run(calls())
+        for i, (res, prompt) in enumerate(zip(results, prompts[:2] + prompts + prompts[2:3])):
+            assert "choices" in res, (i, res)
+            assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompt, 4)), i
+        assert srv.scheduler.slots.pool.hit_tokens >= 2 * 128
+    finally:
+        srv.close()
+
+
 def _serve_in_turn(srv, prompts, max_tokens, want_hits):
     """Each prompt through srv's completions in turn, greedy, max_tokens each: each gets its tokens
     alone, and /metrics counts want_hits prompt positions found in kept pages; srv closed after."""
