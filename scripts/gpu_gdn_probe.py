@@ -97,9 +97,10 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
 
 
 def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
-    """Each kernel's launch as chunked_prefill makes it at the default plan, over workspaces a
-    real pass fills (solve, then state, then out, once before any timing)."""
-    dev, plan, C = v.device, gdn.PrefillPlan(), gdn.CHUNK
+    """Each kernel's launch as chunked_prefill makes it at the engine's plan (gdn.DEFAULT_PLAN: its
+    products' forms and register caps), over workspaces a real pass fills (solve, then state,
+    then out, once before any timing)."""
+    dev, plan, C = v.device, gdn.DEFAULT_PLAN, gdn.CHUNK
     nc = triton.cdiv(T, C)
     ws = B * HV * nc * C
     u, w = (torch.empty((ws, D), dtype=torch.float32, device=dev) for _ in range(2))
@@ -107,23 +108,25 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
     h = torch.empty((ws // C * D, D), dtype=torch.float32, device=dev)
     state = torch.empty((B, HV, D, D), dtype=torch.float32, device=dev)
     out = torch.empty((B, T, HV, D), dtype=torch.bfloat16, device=dev)
-    common = dict(HV=HV, RATIO=HV // HK, C=C, DK=D, DV=D, PREC=gdn._PREC)
+    common = dict(HV=HV, RATIO=HV // HK, C=C, DK=D, DV=D)
 
     def solve(kern):
         kern[(B * HV, nc)](k, v, g, beta, u, w, gamma, rk, T, nc, k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-                           num_warps=plan.solve_warps, **common)
+                           num_warps=plan.solve_warps, PREC=plan.solve_prec or plan.prec, **plan.caps("solve"),
+                           **common)
 
     def state_(kern):
         kern[(D // plan.block_v, B * HV)](k, u, w, gamma, rk, h, state, T, nc, k.stride(0), k.stride(1),
                                           k.stride(2), state.stride(0), BV=plan.block_v, num_warps=plan.state_warps,
-                                          num_stages=plan.state_stages, **common)
+                                          num_stages=plan.state_stages, PREC=plan.prec, **plan.caps("state"),
+                                          **common)
 
     def out_(kern):
         kern[(B * HV, nc, D // plan.out_bv)](q, k, u, gamma, rk, h, out, T, nc, D ** -0.5, q.stride(0), q.stride(1),
                                              q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                                             BV=plan.out_bv, num_warps=plan.out_warps,
-                                             **dict(common, PREC=plan.out_prec))
+                                             BV=plan.out_bv, num_warps=plan.out_warps, PREC=plan.out_prec,
+                                             **plan.caps("out"), **common)
 
     return {"solve": solve, "state": state_, "out": out_}
 
