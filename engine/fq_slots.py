@@ -447,8 +447,6 @@ class Slots:
         at = self.pool.snapshot_point(prompt, shared)
         # [key, prompt, reserve, pages, positions done, snapshot point, its index (None: none taken)]
         self._staged = [key, list(prompt), reserve, pages, shared, at, self.pool.new_snapshot() if at else None]
-        if self._staged[6] is None:
-            self._staged[5] = 0
 
     def prefill_next(self, tokens: int) -> torch.Tensor | None:
         """Prefill the staged prompt's next `tokens` positions (at most). While positions remain,

@@ -113,7 +113,7 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
     def solve(kern):
         kern[(B * HV, nc)](k, v, g, beta, u, w, gamma, rk, T, nc, k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-                           num_warps=plan.solve_warps, PREC=plan.solve_prec or plan.prec, **plan.caps("solve"),
+                           num_warps=plan.solve_warps, PREC=plan.solve_form, **plan.caps("solve"),
                            **common)
 
     def state_(kern):

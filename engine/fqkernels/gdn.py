@@ -1058,6 +1058,11 @@ class PrefillPlan:
             raise ValueError(f"gdn.PrefillPlan.solve_prec must be '' (as prec) or one of {_PRECS}, "
                              f"got {self.solve_prec!r}")
 
+    @property
+    def solve_form(self) -> str:
+        """The solve kernel's products: solve_prec, or prec where that is ""."""
+        return self.solve_prec or self.prec
+
     def caps(self, kernel: str) -> dict:
         """The launch's register cap (Triton's maxnreg) for "solve", "state" or "out": {} for none."""
         value = getattr(self, f"{kernel}_maxnreg")
@@ -1101,7 +1106,7 @@ _BF16_MIN_DK = 64       # the smallest Dk whose solve and state products on bf16
 
 def _uses_bf16_parts(plan: PrefillPlan) -> bool:
     """Whether the solve or the state kernel takes its fp32 products as bf16 parts."""
-    return plan.prec != "tf32x3" or (plan.solve_prec or plan.prec) != "tf32x3"
+    return plan.prec != "tf32x3" or plan.solve_form != "tf32x3"
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -1174,7 +1179,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out_bv = min(plan.out_bv, Dv)
     if Dv % out_bv or out_bv < 16:
         raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
-    prec = _PREC if _PREC != "tf32x3" else plan.prec      # the solve and state kernels' products
+    # the solve's and the state kernel's products (_PREC other than "tf32x3": both, bench_gdn's A/B)
+    solve_prec, prec = (_PREC, _PREC) if _PREC != "tf32x3" else (plan.solve_form, plan.prec)
     for b0 in range(0, B, rows):
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
@@ -1184,8 +1190,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=prec if _PREC != "tf32x3" or not plan.solve_prec else plan.solve_prec,
-            num_warps=plan.solve_warps, **plan.caps("solve"))
+            PREC=solve_prec, num_warps=plan.solve_warps, **plan.caps("solve"))
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,

@@ -82,9 +82,10 @@ class Scheduler:
         """block_size: the paged KV cache (pages of block_size positions, num_blocks of them; a
         request takes those its prompt and max_tokens need); None: a row of max_len positions
         per slot. prefill_chunk: the most prompt tokens prefilled between two decode steps while
-        requests run (module doc); None or 0: whole prompts, any number at once. share_prefixes: with block_size, requests whose
-        prompts start alike share those pages (fq_slots, where the model allows; a Qwen3.5 model
-        keeps state_snapshots of its GDN states for it, None: fq_slots' default)."""
+        requests run (module doc); None or 0: whole prompts, any number at once. share_prefixes:
+        with block_size, requests whose prompts start alike share those pages (fq_slots, where
+        the model allows; a Qwen3.5 model keeps state_snapshots of its GDN states for it, None:
+        fq_slots' default)."""
         self.prefill_chunk = prefill_chunk or None
         self._staged: Request | None = None          # the request being prefilled in chunks
         self.chunks = 0                              # chunks prefilled so far (a prompt in several counts each)
@@ -188,7 +189,7 @@ class Scheduler:
         most = self.prefill_chunk // n if self.prefill_chunk and self.running else len(self._held)
         group = []
         for req in (r for r in self._held if len(r.prompt) == n):     # in arrival order, while they fit
-            if group and len(group) >= most or not self.slots.fits([self._reserve(r) for r in group + [req]]):
+            if len(group) >= most or not self.slots.fits([self._reserve(r) for r in group + [req]]):
                 break
             group.append(req)
         if not group:                  # the first waits for pages (paged cache)

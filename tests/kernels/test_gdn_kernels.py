@@ -387,7 +387,7 @@ def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE, (rel(o.cpu(), o64), rel(s.cpu(), s64))
     default_o, default_s = gdn.chunked_prefill(*args)
     def state_form(p):
-        return p.solve_warps, p.state_warps, p.block_v, p.state_stages, p.prec, p.solve_prec or p.prec
+        return p.solve_warps, p.state_warps, p.block_v, p.state_stages, p.prec, p.solve_form
 
     if state_form(plan) == state_form(gdn.DEFAULT_PLAN):
         assert torch.equal(s, default_s)
