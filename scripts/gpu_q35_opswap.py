@@ -8,9 +8,10 @@ decode step per token: the kernels of the engine's graphs, its cache capacity an
 GEMV/cuBLAS tuning for the batch) and its per-step logits are compared with the truth.
 
 Variants: `engine` (as it runs); `engine_out_tf32x3` (the GDN prompt pass's output kernel
-at out_prec "tf32x3" instead of the default "bf16x2"); `engine_state_bf16x2` (its solve and
-state kernels on bf16 pairs, PrefillPlan(prec="bf16x2", block_v=16): a faster candidate's
-fidelity); `engine_no_exact_decode` (the decode products
+at out_prec "tf32x3" instead of the default "bf16x2"); `engine_state_bf16x2` (its state
+kernel on bf16 pairs, the solve on bf16 thirds, PrefillPlan(prec="bf16x2", solve_prec="bf16x3",
+block_v=16): a faster candidate's fidelity; the solve on pairs too lost repeated keys on an
+H200, session 16); `engine_no_exact_decode` (the decode products
 tuned without exact decode, as FASTQWEN_EXACT_DECODE=0: does the in-order GEMV at 7-32 rows
 bring the engine nearer the full forward at Qwen3.5's shapes?); `engine_prefill_cublas_unpacked`
 (the prompt pass's products on the reference's separate matrices, cuBLAS, lm_head
@@ -308,7 +309,7 @@ def main(argv=None) -> dict:
                                                      dev, "torch")
             model = models.get(name, eng.model)
             patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
-                     "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", block_v=16),
+                     "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
             whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B)}.get(name)
             t1 = time.perf_counter()

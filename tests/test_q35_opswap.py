@@ -111,9 +111,10 @@ def test_plan_patch_is_applied_and_undone():
         assert patched is not orig and patched.keywords["plan"].out_prec == "tf32x3"
         assert patched.keywords["plan"].block_v == gdn.DEFAULT_PLAN.block_v   # the rest of the plan kept
     assert gdn.chunked_prefill is orig
-    with mod.plan_patch(prec="bf16x2", block_v=16):
+    with mod.plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16):
         plan = gdn.chunked_prefill.keywords["plan"]
         assert (plan.prec, plan.block_v, plan.out_prec) == ("bf16x2", 16, gdn.DEFAULT_PLAN.out_prec)
+        assert plan.solve_form == "bf16x3"
     assert gdn.chunked_prefill is orig
 
 
