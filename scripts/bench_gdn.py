@@ -132,6 +132,7 @@ def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
     return rows
 
 
+_FAST = dict(solve_prec="bf16x3", solve_maxnreg=168, out_maxnreg=168)     # gdn.FAST_PLAN's knobs
 # Launch plans --sweep times (gdn.PrefillPlan): the default, then one kernel's launch changed
 # at a time (each row's per-kernel table shows what that kernel gained), then combinations.
 SWEEP = {
@@ -176,6 +177,19 @@ SWEEP = {
     "bf16x3_caps_bv16": dict(prec="bf16x3", block_v=16, solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168),
     # the plan before session 16 (PrefillPlan(): the solve on three TF32 passes, no register caps)
     "session14": dict(solve_prec="tf32x3"),
+    # FAST_PLAN with the state kernel forming v_new from the solve's P = M^-1 diag(beta) and the raw
+    # keys and values (form "inverse": the solve writes 256 bytes a token and head in place of u
+    # and w's 1 KiB, the state kernel reads ~25% fewer bytes a chunk at 32 columns), and with the
+    # solve's inverse merged from its 16-blocks pairwise (form "merged": ~13x fewer multiply-adds
+    # than the four [C, C] products); then the state kernel's launch around it
+    "inverse": dict(_FAST, form="inverse"),
+    "merged": dict(_FAST, form="merged"),
+    "merged_bv64": dict(_FAST, form="merged", block_v=64),
+    "merged_bv64_w8": dict(_FAST, form="merged", block_v=64, state_warps=8),
+    "merged_bv16_s1": dict(_FAST, form="merged", block_v=16, state_stages=1),
+    "merged_s1": dict(_FAST, form="merged", state_stages=1),
+    "merged_state_bf16x3": dict(_FAST, form="merged", prec="bf16x3"),
+    "merged_plain": dict(form="merged"),      # the plain plan's launches (Triton < 3.6's default) merged
 }
 
 

@@ -29,17 +29,17 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 from fqkernels import gdn  # noqa: E402
 
 _NO_SUBSTITUTION = ("    for i in range(1, 16):\n", "    for i in range(1, 1):\n")
-_NO_BLOCK_PRODUCTS = ("    nt = _dot3(tl.where(same, 0.0, at), x, PREC)\n"
-                      "    m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))",
-                      "    m_inv = tl.trans(x + tl.where(same, 0.0, at))")
+_NO_BLOCK_PRODUCTS = ("        nt = _dot3(tl.where(same, 0.0, at), x, PREC)\n"
+                      "        m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))",
+                      "        m_inv = tl.trans(x + tl.where(same, 0.0, at))")
 _NO_U_W = [("    u = _dot_f32_bf16(m_inv * beta[None, :], v, PREC)", "    u = tl.sum(m_inv, axis=1)[:, None] * v.to(tl.float32)"),
            ("    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k, PREC)",
             "    w = tl.sum(m_inv, axis=1)[:, None] * k.to(tl.float32)")]
 _NO_WS = [("        ws = _dot3(w0, s0, PREC)", "        ws = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(w0) + tl.sum(s0)"),
           ("        ws += _dot3(w1, s1, PREC)", "        ws += tl.sum(w1)")]
-_NO_UPDATE = [("        s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)",
+_NO_UPDATE = [("        s0 = s0 * carry + _dot_exact_left(k0t, vs, PREC)",
                "        s0 = s0 * carry + tl.sum(vs) + tl.sum(k0t.to(tl.float32))"),
-              ("        s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)",
+              ("        s1 = s1 * carry + _dot_exact_left(k1t, vs, PREC)",
                "        s1 = s1 * carry + tl.sum(vs) + tl.sum(k1t.to(tl.float32))")]
 _NO_H_STORE = [("        tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start\n"
                 "        tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)\n", "")]
@@ -89,7 +89,8 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\nfrom fqkernels.gdn import *\n"
                 "from fqkernels.gdn import _dot3, _dot_f32_bf16, _dot_tf32_exact, _inv_norm, _tf32_head, "
-                "_bf16_thirds, _bf16_pair, _dot_bf16_pair, _initial_halves\n\n@triton.jit\n" + src)
+                "_bf16_thirds, _bf16_pair, _dot_bf16_pair, _initial_halves, "
+                "_dot_exact_left\n\n@triton.jit\n" + src)
     spec = importlib.util.spec_from_file_location(f"{kernel}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -801,7 +801,12 @@ def _inv_norm(x):
 def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+                        DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr,
+                        p_ptr=None, INVERSE: tl.constexpr = False, MERGED: tl.constexpr = False):
+    """INVERSE (PrefillPlan.form "inverse" or "merged"): the chunk's P = M^-1 diag(beta), fp32
+    [C, C], to p_ptr, for the state kernel to form v_new from (v, u_ptr and w_ptr unused); else u
+    and w. MERGED (form "merged", C = 64, with INVERSE): M^-1 from the diagonal blocks' inverses
+    merged pairwise, else from the four [C, C] products of the power form."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = pid // HV
@@ -841,20 +846,60 @@ def _chunk_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gamma_ptr, 
         coef = tl.sum(tl.where(e16[None, None, :] == i, at3, 0.0), axis=2)          # [blocks, 16] over j
         upd = tl.sum(xt3 * coef[:, None, :], axis=2)                                 # [blocks, 16] over columns
         xt3 = tl.where(e16[None, None, :] == i, xt3 - upd[:, :, None], xt3)
-    x = tl.reshape(tl.where(diag4, tl.broadcast_to(xt3[:, :, None, :], [C // 16, 16, C // 16, 16]), 0.0), [C, C])
-    # M^-1 = (I - N)(I + N^2) D^-1 with N = D^-1 L (L: A off the diagonal blocks), transposed:
-    # N^T = L^T x, and (M^-1)^T = x (I + N^T N^T) (I - N^T).
-    nt = _dot3(tl.where(same, 0.0, at), x, PREC)
-    m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))
-    # u = M^-1 diag(beta) v and w = M^-1 diag(beta rk e^gamma) k_raw: the factors on M^-1's
-    # columns, the raw bf16 rows the exact operand
     base = (pid * NC + c).to(tl.int64) * C
-    v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
-                mask=ok[:, None], other=0.0)
-    u = _dot_f32_bf16(m_inv * beta[None, :], v, PREC)
-    tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
-    w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k, PREC)
-    tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
+    if MERGED:
+        # Y = (M^T)^-1, block upper, merged from the diagonal blocks' inverses pairwise, 16 -> 32
+        # -> 64: [[P, Q], [0, R]]^-1 = [[P^-1, -P^-1 Q R^-1], [0, R^-1]], two 16-block products
+        # a pair and two 32-block ones (~13x fewer multiply-adds than the four [C, C] products
+        # below). The blocks are cut and put together through the chunk's own P slot at p_ptr
+        # (each barrier orders one stage's stores before the next stage's loads).
+        pt = p_ptr + base * C
+        e32 = tl.arange(0, 32)
+        tl.store(pt + r[:, None] * C + r[None, :], at)
+        tl.debug_barrier()
+        a01 = tl.load(pt + e16[:, None] * C + (16 + e16)[None, :])
+        a23 = tl.load(pt + (32 + e16)[:, None] * C + (48 + e16)[None, :])
+        a_ab = tl.load(pt + e32[:, None] * C + (32 + e32)[None, :])
+        tl.debug_barrier()
+        y00 = tl.sum(tl.where(blk[:, None, None] == 0, xt3, 0.0), axis=0)
+        y11 = tl.sum(tl.where(blk[:, None, None] == 1, xt3, 0.0), axis=0)
+        y22 = tl.sum(tl.where(blk[:, None, None] == 2, xt3, 0.0), axis=0)
+        y33 = tl.sum(tl.where(blk[:, None, None] == 3, xt3, 0.0), axis=0)
+        zero = tl.zeros([16, 16], dtype=tl.float32)
+        tl.store(pt + e16[:, None] * C + e16[None, :], y00)
+        tl.store(pt + e16[:, None] * C + (16 + e16)[None, :], -_dot3(_dot3(y00, a01, PREC), y11, PREC))
+        tl.store(pt + (16 + e16)[:, None] * C + e16[None, :], zero)
+        tl.store(pt + (16 + e16)[:, None] * C + (16 + e16)[None, :], y11)
+        tl.store(pt + (32 + e16)[:, None] * C + (32 + e16)[None, :], y22)
+        tl.store(pt + (32 + e16)[:, None] * C + (48 + e16)[None, :], -_dot3(_dot3(y22, a23, PREC), y33, PREC))
+        tl.store(pt + (48 + e16)[:, None] * C + (32 + e16)[None, :], zero)
+        tl.store(pt + (48 + e16)[:, None] * C + (48 + e16)[None, :], y33)
+        tl.store(pt + (32 + e32)[:, None] * C + e32[None, :], tl.zeros([32, 32], dtype=tl.float32))
+        tl.debug_barrier()
+        y_aa = tl.load(pt + e32[:, None] * C + e32[None, :])
+        y_bb = tl.load(pt + (32 + e32)[:, None] * C + (32 + e32)[None, :])
+        tl.store(pt + e32[:, None] * C + (32 + e32)[None, :], -_dot3(_dot3(y_aa, a_ab, PREC), y_bb, PREC))
+        tl.debug_barrier()
+        m_inv = tl.load(pt + r[None, :] * C + r[:, None])           # Y^T, read transposed
+        tl.debug_barrier()
+    else:
+        x = tl.reshape(tl.where(diag4, tl.broadcast_to(xt3[:, :, None, :], [C // 16, 16, C // 16, 16]), 0.0),
+                       [C, C])
+        # M^-1 = (I - N)(I + N^2) D^-1 with N = D^-1 L (L: A off the diagonal blocks), transposed:
+        # N^T = L^T x, and (M^-1)^T = x (I + N^T N^T) (I - N^T).
+        nt = _dot3(tl.where(same, 0.0, at), x, PREC)
+        m_inv = tl.trans(_dot3(_dot3(x, eye + _dot3(nt, nt, PREC), PREC), eye - nt, PREC))
+    if INVERSE:
+        tl.store(p_ptr + (base + r)[:, None] * C + r[None, :], m_inv * beta[None, :])
+    else:
+        # u = M^-1 diag(beta) v and w = M^-1 diag(beta rk e^gamma) k_raw: the factors on M^-1's
+        # columns, the raw bf16 rows the exact operand
+        v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
+                    mask=ok[:, None], other=0.0)
+        u = _dot_f32_bf16(m_inv * beta[None, :], v, PREC)
+        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], u)
+        w = _dot_f32_bf16(m_inv * (beta * rk * tl.exp(gamma))[None, :], k, PREC)
+        tl.store(w_ptr + (base + r)[:, None] * DK + dk[None, :], w)
     tl.store(gamma_ptr + base + r, gamma)
     tl.store(rk_ptr + base + r, rk)
 
@@ -871,20 +916,40 @@ def _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK: tl.constexpr, DV
 
 
 @triton.jit
+def _dot_exact_left(a, b, PREC: tl.constexpr):
+    """a @ b for bf16 a (raw keys, exact as loaded) and fp32 b in the state kernel's form: PREC
+    "bf16x2" b's bf16 pair, "bf16x3" b's bf16 thirds, else two TF32 passes (_dot_tf32_exact)."""
+    if PREC == "bf16x2":
+        return _dot_bf16_pair(a, b, True)
+    elif PREC == "bf16x3":
+        return _dot_bf16_exact_left(a, b)
+    else:
+        return _dot_tf32_exact(a.to(tl.float32), b)
+
+
+@triton.jit
 def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr, T, NC,
                         stride_kb, stride_kt, stride_kh, stride_sb,
                         HV: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                        init_ptr=None, stride_ib=None, HAS_INIT: tl.constexpr = False):
+                        init_ptr=None, stride_ib=None, HAS_INIT: tl.constexpr = False,
+                        p_ptr=None, v_ptr=None, stride_vb=None, stride_vt=None, stride_vh=None,
+                        INVERSE: tl.constexpr = False):
     """The state's Dk rows kept as two halves and every product taken over one half of Dk at
     a time: each operand tile is half the size, so fewer registers are live at once (with the
     whole Dk in one tile ptxas for sm_90 spilled ~1.2 KB a thread and the kernel took 2.3x
-    as long at (16, 8192), session 10). Sums over Dk run as two half sums, added. The keys
-    are loaded already transposed ([Dk/2, C] tiles, only ever a product's operand) and their
+    as long at (16, 8192), session 10). Sums over Dk run as two half sums, added. The keys'
     norms come from the solve kernel (rk). The grid is (value blocks, sequence x value head):
-    a head's blocks launch side by side, so the k and w tiles they all read come from L2
+    a head's blocks launch side by side, so the tiles they all read (keys, w or P) come from L2
     after the first. HAS_INIT: the walk starts from the state at init_ptr (a continued
-    sequence), else from zeros."""
+    sequence), else from zeros.
+    Two forms (PrefillPlan.form). "uw": v_new = u - w S from the solve's u and w (fp32, 1 KiB a
+    token and value head at Dk = Dv = 128), the keys loaded transposed ([Dk/2, C] tiles, only
+    ever the update's operand). INVERSE ("inverse"): v_new = P y with P = M^-1 diag(beta) (fp32
+    [C, C], 256 bytes a token) and y = v - diag(rk e^gamma) (k_raw S), the raw bf16 keys and
+    values read here: the same sum (u - w S = M^-1 diag(beta) (v - diag(rk e^gamma) k_raw S)),
+    a quarter fewer bytes a chunk at 32 value columns, one more product (k_raw S, its left
+    operand exact) in the chain."""
     v0 = tl.program_id(0) * BV
     pid = tl.program_id(1)
     b = pid // HV
@@ -897,36 +962,43 @@ def _chunk_state_kernel(k_ptr, u_ptr, w_ptr, gamma_ptr, rk_ptr, h_ptr, state_ptr
     s0, s1 = _initial_halves(init_ptr, stride_ib, b, hv, d0, d1, dv, DK, DV, BV, HAS_INIT)
     for c in range(NC):
         t = c * C + r
-        cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + (hv // RATIO) * stride_kh
-        k0t = tl.load(cols + d0[:, None], mask=(t < T)[None, :], other=0.0)      # raw bf16 keys, [DH, C]
-        k1t = tl.load(cols + d1[:, None], mask=(t < T)[None, :], other=0.0)
         chunk = pid * NC + c
         base = chunk.to(tl.int64) * C
         gamma = tl.load(gamma_ptr + base + r)
         last = tl.sum(tl.where(r == C - 1, gamma, 0.0), axis=0)
-        # l2 norm of the whole row, then the decay to the chunk's end: one factor per row
-        scale = tl.load(rk_ptr + base + r) * tl.exp(last - gamma)
+        rk = tl.load(rk_ptr + base + r)
         hrow = chunk.to(tl.int64) * DK
         tl.store(h_ptr + (hrow + d0)[:, None] * DV + dv[None, :], s0)          # S at the chunk's start
         tl.store(h_ptr + (hrow + d1)[:, None] * DV + dv[None, :], s1)
-        w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
-        ws = _dot3(w0, s0, PREC)
-        w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
-        ws += _dot3(w1, s1, PREC)
-        v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
-        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
-        # S <- e^gamma_last S + k_raw^T diag(scale) v_new: the row factor on v_new, the raw keys exact
-        carry = tl.exp(last)
-        vs = v_new * scale[:, None]
-        if PREC == "bf16x2":          # the raw keys as loaded, v_new's bf16 pair
-            s0 = s0 * carry + _dot_bf16_pair(k0t, vs, True)
-            s1 = s1 * carry + _dot_bf16_pair(k1t, vs, True)
-        elif PREC == "bf16x3":        # the raw keys as loaded, v_new's bf16 thirds
-            s0 = s0 * carry + _dot_bf16_exact_left(k0t, vs)
-            s1 = s1 * carry + _dot_bf16_exact_left(k1t, vs)
+        if INVERSE:
+            rows = k_ptr + b * stride_kb + t[:, None] * stride_kt + (hv // RATIO) * stride_kh
+            k0 = tl.load(rows + d0[None, :], mask=(t < T)[:, None], other=0.0)    # raw bf16 keys, [C, DH]
+            k1 = tl.load(rows + d1[None, :], mask=(t < T)[:, None], other=0.0)
+            v = tl.load(v_ptr + b * stride_vb + t[:, None] * stride_vt + hv * stride_vh + dv[None, :],
+                        mask=(t < T)[:, None], other=0.0)
+            ks = _dot_exact_left(k0, s0, PREC)
+            ks += _dot_exact_left(k1, s1, PREC)
+            y = v.to(tl.float32) - (rk * tl.exp(gamma))[:, None] * ks
+            pm = tl.load(p_ptr + (base + r)[:, None] * C + r[None, :])
+            v_new = _dot3(pm, y, PREC)
+            k0t = tl.trans(k0)
+            k1t = tl.trans(k1)
         else:
-            s0 = s0 * carry + _dot_tf32_exact(k0t.to(tl.float32), vs)
-            s1 = s1 * carry + _dot_tf32_exact(k1t.to(tl.float32), vs)
+            cols = k_ptr + b * stride_kb + t[None, :] * stride_kt + (hv // RATIO) * stride_kh
+            k0t = tl.load(cols + d0[:, None], mask=(t < T)[None, :], other=0.0)      # raw bf16 keys, [DH, C]
+            k1t = tl.load(cols + d1[:, None], mask=(t < T)[None, :], other=0.0)
+            w0 = tl.load(w_ptr + (base + r)[:, None] * DK + d0[None, :])
+            ws = _dot3(w0, s0, PREC)
+            w1 = tl.load(w_ptr + (base + r)[:, None] * DK + d1[None, :])
+            ws += _dot3(w1, s1, PREC)
+            v_new = tl.load(u_ptr + (base + r)[:, None] * DV + dv[None, :]) - ws
+        tl.store(u_ptr + (base + r)[:, None] * DV + dv[None, :], v_new)
+        # S <- e^gamma_last S + k_raw^T diag(scale) v_new, scale the l2 norm of the whole row and
+        # the decay to the chunk's end: the row factor on v_new, the raw keys exact
+        carry = tl.exp(last)
+        vs = v_new * (rk * tl.exp(last - gamma))[:, None]
+        s0 = s0 * carry + _dot_exact_left(k0t, vs, PREC)
+        s1 = s1 * carry + _dot_exact_left(k1t, vs, PREC)
     out = state_ptr + b * stride_sb + hv * DK * DV
     tl.store(out + d0[:, None] * DV + dv[None, :], s0)
     tl.store(out + d1[:, None] * DV + dv[None, :], s1)
@@ -990,6 +1062,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, vn_ptr, gamma_ptr, rk_ptr, h_ptr, o_ptr, T, 
 
 _OUT_PRECS = ("tf32x3", "tf32", "bf16x2")
 _PRECS = ("tf32x3", "bf16x3", "bf16x2")
+_FORMS = ("uw", "inverse", "merged")
 
 
 @dataclass(frozen=True)
@@ -1027,7 +1100,14 @@ class PrefillPlan:
     registers and the output kernel at 168 (4x8192: 842 -> 685 us); the state kernel stays
     uncapped on three TF32 passes (capped it spills: 1,282 -> 1,862 us). Products on bf16 parts
     in the solve or state kernel need Dk >= 64: at Dk 32 the solve on thirds gave outputs of
-    ~1e-37 on an H200 with Triton 3.6 (session 16), so chunked_prefill refuses such a plan there."""
+    ~1e-37 on an H200 with Triton 3.6 (session 16), so chunked_prefill refuses such a plan there.
+    form: what the solve hands the state kernel. "uw": u = M^-1 diag(beta) v and w = M^-1
+    diag(beta rk e^gamma) k_raw (fp32, 1 KiB a token and value head at Dk = Dv = 128), the state
+    kernel's v_new = u - w S. "inverse": P = M^-1 diag(beta) alone (fp32 [C, C], 256 bytes a
+    token and head), the state kernel's v_new = P (v - diag(rk e^gamma) k_raw S) from the raw
+    bf16 keys and values (the same sum; fewer bytes both sides, one more product in the walk).
+    "merged": as "inverse", with the solve's M^-1 merged from its 16-blocks' inverses pairwise
+    (16 -> 32 -> 64) in place of the power form's four [C, C] products."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -1040,6 +1120,7 @@ class PrefillPlan:
     solve_maxnreg: int = 0
     state_maxnreg: int = 0
     out_maxnreg: int = 0
+    form: str = "uw"
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
@@ -1054,6 +1135,8 @@ class PrefillPlan:
             raise ValueError(f"gdn.PrefillPlan.out_prec must be one of {_OUT_PRECS}, got {self.out_prec!r}")
         if self.prec not in _PRECS:
             raise ValueError(f"gdn.PrefillPlan.prec must be one of {_PRECS}, got {self.prec!r}")
+        if self.form not in _FORMS:
+            raise ValueError(f"gdn.PrefillPlan.form must be one of {_FORMS}, got {self.form!r}")
         if self.solve_prec and self.solve_prec not in _PRECS:
             raise ValueError(f"gdn.PrefillPlan.solve_prec must be '' (as prec) or one of {_PRECS}, "
                              f"got {self.solve_prec!r}")
@@ -1081,7 +1164,7 @@ def plan_from_text(text: str | None) -> PrefillPlan:
         name, sep, value = (p.strip() for p in part.partition("="))
         if not sep or name not in kinds:
             raise ValueError(f"gdn plan: {part!r} is not name=value with a name among {', '.join(kinds)}")
-        if name in ("out_prec", "prec", "solve_prec"):
+        if name in ("out_prec", "prec", "solve_prec", "form"):
             kw[name] = value
         else:
             try:
@@ -1170,8 +1253,10 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"gdn.chunked_prefill: initial_state must be contiguous float32 {(B, Hv, Dk, Dv)}, got "
                          f"{initial_state.dtype} {tuple(initial_state.shape)}")
     ws = min(rows, B) * Hv * nc * CHUNK
-    u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u, then v_new in its place
-    w = torch.empty((ws, Dk), dtype=torch.float32, device=dev)
+    inverse = plan.form != "uw"
+    u = torch.empty((ws, Dv), dtype=torch.float32, device=dev)          # u (or nothing), then v_new in its place
+    # w, or with the inverse form each chunk's P = M^-1 diag(beta) ([C, C])
+    w = torch.empty((ws, CHUNK if inverse else Dk), dtype=torch.float32, device=dev)
     gamma = torch.empty((ws,), dtype=torch.float32, device=dev)
     rk = torch.empty((ws,), dtype=torch.float32, device=dev)            # each key's l2 norm factor
     # each chunk's starting state (the output kernel's input)
@@ -1187,14 +1272,17 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         qs, ks, vs, gs, bts, os_ = q[sl], k[sl], v[sl], g[sl], beta[sl], out[sl]
         init = {} if initial_state is None else dict(init_ptr=initial_state[sl], stride_ib=initial_state.stride(0),
                                                      HAS_INIT=True)
+        form = {} if not inverse else dict(p_ptr=w, INVERSE=True, MERGED=plan.form == "merged")
+        state_form = {} if not inverse else dict(p_ptr=w, v_ptr=vs, stride_vb=vs.stride(0), stride_vt=vs.stride(1),
+                                                 stride_vh=vs.stride(2), INVERSE=True)
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=solve_prec, num_warps=plan.solve_warps, **plan.caps("solve"))
+            PREC=solve_prec, num_warps=plan.solve_warps, **form, **plan.caps("solve"))
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,
-            num_stages=plan.state_stages, **init, **plan.caps("state"))
+            num_stages=plan.state_stages, **init, **state_form, **plan.caps("state"))
         _chunk_out_kernel[(bs * Hv, nc, Dv // out_bv)](
             qs, ks, u, gamma, rk, h, os_, T, nc, Dk ** -0.5, qs.stride(0), qs.stride(1), qs.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,

@@ -250,10 +250,14 @@ def _prefill_inputs(B, T, Hk, Hv, D, seed, repeat_keys=False):
                                                 (2, 63, 2, 4, 32, False), (1, 64, 2, 2, 64, False),
                                                 (2, 65, 1, 2, 32, False), (1, 130, 2, 4, 64, False),
                                                 (1, 150, 1, 2, 128, False), (1, 100, 1, 2, 32, True)])
-def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, B, T, Hk, Hv, D, repeat):
-    """The two prefill kernels (gdn.chunked_prefill) against the float64 oracle's gates, outputs
-    and final state, over T below, at and past a chunk (64), batch > 1, query heads shared, and
-    a key repeated through the prompt; and close to the chunked reference."""
+@pytest.mark.parametrize("form", ["uw", "inverse", "merged"])
+def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, monkeypatch, B, T, Hk, Hv, D, repeat, form):
+    """The prefill kernels (gdn.chunked_prefill, the engine's plan in either form: the state
+    kernel from the solve's u and w, or from its inverse and the raw keys and values) against the
+    float64 oracle's gates, outputs and final state, over T below, at and past a chunk (64), batch
+    > 1, query heads shared, and a key repeated through the prompt; and close to the chunked
+    reference."""
+    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn.DEFAULT_PLAN, form=form))
     q, k, v, g, beta = _prefill_inputs(B, T, Hk, Hv, D, seed=T + D, repeat_keys=repeat)
     o, s = gdn.chunked_prefill(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), block_v=min(64, D))
     o, s = o.cpu(), s.cpu()
@@ -287,8 +291,12 @@ def test_causal_conv_prefill_continues_from_a_state(first, rest):
 
 @pytest.mark.parametrize("first,rest,plan", [(64, 70, gdn.PrefillPlan()), (30, 1, gdn.PrefillPlan()),
                                              (100, 40, gdn.PrefillPlan(block_v=64, state_stages=1)),
-                                             (1, 64, gdn.PrefillPlan())],
-                         ids=["chunk-then-more", "then-one", "bv64", "one-then-chunk"])
+                                             (1, 64, gdn.PrefillPlan()),
+                                             (64, 70, gdn.PrefillPlan(form="inverse")),
+                                             (30, 1, gdn.PrefillPlan(form="inverse")),
+                                             (64, 70, gdn.PrefillPlan(form="merged"))],
+                         ids=["chunk-then-more", "then-one", "bv64", "one-then-chunk", "inverse", "inverse-then-one",
+                              "merged"])
 def test_chunked_prefill_continues_from_a_state(interpreter_fixes, first, rest, plan):
     """A sequence's rule in two calls, the second from the first's final state (initial_state,
     here the same tensor as its state_out: the cache rows updated in place): within the float64
@@ -371,9 +379,13 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
                                   gdn.PrefillPlan(prec="bf16x3"),
                                   gdn.PrefillPlan(prec="bf16x3", block_v=16, state_stages=1, solve_maxnreg=168,
                                                   state_maxnreg=168),
-                                  gdn.PrefillPlan(), gdn.FAST_PLAN],
+                                  gdn.PrefillPlan(), gdn.FAST_PLAN, gdn.PrefillPlan(form="inverse"),
+                                  dataclasses.replace(gdn.FAST_PLAN, form="inverse"),
+                                  gdn.PrefillPlan(form="inverse", prec="bf16x3", block_v=64),
+                                  dataclasses.replace(gdn.FAST_PLAN, form="merged"), gdn.PrefillPlan(form="merged")],
                          ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3", "caps168", "bf16x3",
-                              "bf16x3-caps", "plain", "fast"])
+                              "bf16x3-caps", "plain", "fast", "inverse", "fast-inverse", "inverse-bf16x3-bv64",
+                              "fast-merged", "merged"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
@@ -387,7 +399,7 @@ def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE, (rel(o.cpu(), o64), rel(s.cpu(), s64))
     default_o, default_s = gdn.chunked_prefill(*args)
     def state_form(p):
-        return p.solve_warps, p.state_warps, p.block_v, p.state_stages, p.prec, p.solve_form
+        return p.solve_warps, p.state_warps, p.block_v, p.state_stages, p.prec, p.solve_form, p.form
 
     if state_form(plan) == state_form(gdn.DEFAULT_PLAN):
         assert torch.equal(s, default_s)
