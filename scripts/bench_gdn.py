@@ -190,6 +190,13 @@ SWEEP = {
     "merged_s1": dict(_FAST, form="merged", state_stages=1),
     "merged_state_bf16x3": dict(_FAST, form="merged", prec="bf16x3"),
     "merged_plain": dict(form="merged"),      # the plain plan's launches (Triton < 3.6's default) merged
+    # session 17 run 3: the merged form with the state kernel on bf16 thirds (run 2's fastest at
+    # 4 x 8192 and 16 x 8192), its columns per slice (block_v 0: 64 where their programs fill the
+    # SMs), and slices of 32K tokens (at T = 8192 four sequences a slice: 64 columns fill the SMs)
+    "merged_bf16x3_auto": dict(_FAST, form="merged", prec="bf16x3", block_v=0),
+    "merged_bf16x3_bv64": dict(_FAST, form="merged", prec="bf16x3", block_v=64),
+    "merged_bf16x3_auto_32k": dict(_FAST, form="merged", prec="bf16x3", block_v=0, slice_tokens=32768),
+    "merged_bf16x3_bv64_32k": dict(_FAST, form="merged", prec="bf16x3", block_v=64, slice_tokens=32768),
 }
 
 
@@ -268,16 +275,19 @@ def sweep_rows(shapes: list[str], dev: torch.device, names: list[str] | None = N
     return rows
 
 
-def best_plan(rows: list[dict], state_gate: float = 2e-5, out_gate: float = 5e-3) -> str:
+def best_plan(rows: list[dict], state_gate: float = 2e-5, out_gate: float = 5e-3, among: list[str] | None = None) -> str:
     """The SWEEP plan with the least total time over the swept shapes, among those that ran at
     every shape and, where the reference was computed, kept the state within state_gate and the
     outputs within out_gate of it; as FASTQWEN_GDN_PLAN text ("" for the defaults). Plans that
     change the precision (prec, solve_prec, out_prec) are never picked: that is a fidelity decision, made
-    on a fidelity measurement, not a launch choice."""
+    on a fidelity measurement, not a launch choice; unless among names the candidates (the caller
+    has made that decision for them, e.g. forms of the same sums at fp32's accuracy)."""
     shapes = {(r["B"], r["T"]) for r in rows}
     totals = {}
     for name in SWEEP:
-        if {"prec", "out_prec", "solve_prec"} & set(SWEEP[name]):
+        if among is not None and name not in among:
+            continue
+        if among is None and {"prec", "out_prec", "solve_prec"} & set(SWEEP[name]):
             continue
         mine = [r for r in rows if r["sweep"] == name]
         if len(mine) != len(shapes) or any("error" in r for r in mine):
@@ -315,10 +325,11 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true", help="with --sweep: the plans in this process")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gdn.json"))
     ap.add_argument("--best", default="", help="print the best plan of a --sweep report (FASTQWEN_GDN_PLAN text)")
+    ap.add_argument("--among", default="", help="with --best: only these SWEEP plans, precision changes allowed")
     args = ap.parse_args()
     if args.best:
         with open(args.best) as f:
-            print(best_plan(json.load(f)["sweep"]))
+            print(best_plan(json.load(f)["sweep"], among=[n for n in args.among.split(",") if n] or None))
         return
     dev = torch.device("cuda")
     if args.sweep:

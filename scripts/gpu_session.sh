@@ -87,7 +87,7 @@
 #                 TPOT against the engine's batch 1, 16 streams of 512 + 128, rates 1 / 4 / 16, 64 requests of
 #                 1024 + 256 under a 24 GiB memory cap, slots sized by it (carry .whl_serve)
 #   use-best-gdn-plan  FASTQWEN_GDN_PLAN for the later stages: the fastest plan bench-gdn-sweep found (within the
-#                 state and output gates against the reference)
+#                 state and output gates against the reference; BEST_AMONG: among these plans, comma list)
 #   bench-gdn-sweep  every launch plan of the prompt pass's kernels (bench_gdn.py SWEEP) at 1x512, 1x2048, 4x2048, 16x8192
 #                 (SWEEP_PLANS / SWEEP_SHAPES: comma lists, some plans or shapes only; the plan "fla" times
 #                 flash-linear-attention on the same inputs; SWEEP_TIMEOUT_S, default 300)
@@ -303,7 +303,8 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
     kernels-gdn-prefill) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_kernels.py \
                            -k "prefill or epilogue" 2>&1 | tail -30 | tee "$OUT/pytest_gdn_prefill.log" ;;
     use-best-gdn-plan) # the fastest plan of this call's bench-gdn-sweep within the gates, for every later stage
-                 export FASTQWEN_GDN_PLAN=$(python3 scripts/bench_gdn.py --best "$OUT/bench_gdn_sweep.json")
+                 export FASTQWEN_GDN_PLAN=$(python3 scripts/bench_gdn.py --best "$OUT/bench_gdn_sweep.json" \
+                   --among "${BEST_AMONG:-}")
                  echo "FASTQWEN_GDN_PLAN=$FASTQWEN_GDN_PLAN" | tee "$OUT/gdn_plan.txt" ;;
     prefill-pieces) timeout 200 python3 scripts/gpu_prefill_pieces.py --out "$OUT/prefill_pieces.json" 2>&1 \
                       | grep -v Warn | tail -40 ;;

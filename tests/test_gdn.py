@@ -268,3 +268,21 @@ def test_a_plan_is_read_from_text():
     text = bench_gdn.best_plan(rows)
     assert text == "block_v=16,state_stages=1"
     assert gdn.plan_from_text(text) == gdn.PrefillPlan(block_v=16, state_stages=1)
+    # named candidates: a precision change among them may win (the caller decided on precision)
+    assert bench_gdn.best_plan(rows, among=["default", "prec_bf16x2_bv16"]) == "prec=bf16x2,block_v=16"
+    assert bench_gdn.best_plan(rows, among=["default", "out_tf32"]) == ""      # out_tf32 outside the gate
+    merged = gdn.plan_from_text("form=merged,block_v=0,slice_tokens=32768")
+    assert (merged.form, merged.block_v, merged.slice_tokens) == ("merged", 0, 32768)
+    for bad, match in (("form=fused", "form must be one of"), ("slice_tokens=-1", "slice_tokens must be")):
+        with pytest.raises(ValueError, match=match):
+            gdn.plan_from_text(bad)
+
+
+def test_the_state_kernels_columns_follow_the_programs():
+    """block_v 0: 64 value columns where a slice's programs at 64 still fill ~3/4 of two a SM
+    (132 SMs where there is no GPU), else 32."""
+    cpu = torch.device("cpu")
+    assert gdn._state_columns(4 * 32, 128, cpu) == 64          # 4 x 2048 in one slice: 256 programs
+    assert gdn._state_columns(1 * 32, 128, cpu) == 32          # 1 x 8192: 64 programs at 64 columns
+    assert gdn._state_columns(2 * 32, 128, cpu) == 32          # 16 x 8192 in slices of two sequences
+    assert gdn._state_columns(64, 32, cpu) == 32 and gdn._state_columns(4096, 48, cpu) == 32

@@ -1107,7 +1107,11 @@ class PrefillPlan:
     token and head), the state kernel's v_new = P (v - diag(rk e^gamma) k_raw S) from the raw
     bf16 keys and values (the same sum; fewer bytes both sides, one more product in the walk).
     "merged": as "inverse", with the solve's M^-1 merged from its 16-blocks' inverses pairwise
-    (16 -> 32 -> 64) in place of the power form's four [C, C] products."""
+    (16 -> 32 -> 64) in place of the power form's four [C, C] products.
+    block_v 0: the state kernel's columns chosen per slice by how many programs fill the GPU
+    (_state_columns). slice_tokens: tokens a call of the kernels takes at most (whole sequences;
+    0: _TOKENS_PER_SLICE), which bounds the workspaces (~1.8 KiB a token and value head in the
+    merged form, 2 KiB in "uw")."""
     solve_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
@@ -1121,12 +1125,17 @@ class PrefillPlan:
     state_maxnreg: int = 0
     out_maxnreg: int = 0
     form: str = "uw"
+    slice_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("solve_warps", "state_warps", "block_v", "out_warps", "out_bv"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two, got {value!r}")
+            if not isinstance(value, int) or value < (0 if name == "block_v" else 1) or value & (value - 1):
+                raise ValueError(f"gdn.PrefillPlan.{name} must be a power of two{' or 0' * (name == 'block_v')}, "
+                                 f"got {value!r}")
+        if not isinstance(self.slice_tokens, int) or self.slice_tokens < 0:
+            raise ValueError(f"gdn.PrefillPlan.slice_tokens must be 0 (the default) or a count of tokens, "
+                             f"got {self.slice_tokens!r}")
         for name in ("solve_maxnreg", "state_maxnreg", "out_maxnreg"):
             value = getattr(self, name)
             if not isinstance(value, int) or value and not 24 <= value <= 255:
@@ -1187,6 +1196,26 @@ DEFAULT_PLAN = (plan_from_text(os.environ["FASTQWEN_GDN_PLAN"]) if os.environ.ge
 _BF16_MIN_DK = 64       # the smallest Dk whose solve and state products on bf16 parts are right (above)
 
 
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (132 on an H100 or H200; that where there is no GPU, the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _state_columns(heads: int, Dv: int, device: torch.device) -> int:
+    """The state kernel's value columns a program for block_v 0 ("auto"), given a slice's sequence
+    x value heads: its walks are sequential, so a program's time is its chunks times a step's
+    latency, and the kernel's time the programs' waves over the SMs (two programs an SM) times
+    that. 64 columns take ~1.7x a step of 32 (session 17: 11.4 against 6.8 us), so they pay where
+    their programs still fill ~3/4 of the slots (4 x 2048: 256 programs, 0.80 against 1.00 ms;
+    16 x 2048: 1.41 against 1.69), and 32 below (1 x 8192: 64 programs at 64 columns, 1.00 ms
+    against 0.68)."""
+    if Dv % 64 == 0 and heads * (Dv // 64) >= 3 * _sm_count(device) // 2:
+        return 64
+    return min(32, Dv)
+
+
 def _uses_bf16_parts(plan: PrefillPlan) -> bool:
     """Whether the solve or the state kernel takes its fp32 products as bf16 parts."""
     return plan.prec != "tf32x3" or plan.solve_form != "tf32x3"
@@ -1222,8 +1251,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     elif Dk < _BF16_MIN_DK and _uses_bf16_parts(plan):
         raise ValueError(f"gdn.chunked_prefill: the plan's solve and state products on bf16 parts (prec "
                          f"{plan.prec!r}, solve_prec {plan.solve_prec!r}) need Dk >= {_BF16_MIN_DK}, got Dk {Dk}")
-    rows = max(1, _TOKENS_PER_SLICE // (triton.cdiv(T, CHUNK) * CHUNK))   # sequences per slice
-    block_v = min(plan.block_v if block_v is None else block_v, Dv)
+    rows = max(1, (plan.slice_tokens or _TOKENS_PER_SLICE) // (triton.cdiv(T, CHUNK) * CHUNK))  # sequences a slice
+    block_v = min(plan.block_v if block_v is None else block_v, Dv) or _state_columns(min(rows, B) * Hv, Dv, v.device)
     if Dk & (Dk - 1) or Dk < 32 or Dv % block_v or block_v & (block_v - 1) or block_v < 16 or T < 1:
         raise ValueError(f"gdn.chunked_prefill: Dk ({Dk}) must be a power of two >= 32 (the state kernel's halves "
                          f"of 16 or more), block_v ({block_v}) a "
