@@ -132,7 +132,7 @@ def decode_rows(batches: list[int], dev: torch.device) -> list[dict]:
     return rows
 
 
-_FAST = dict(solve_prec="bf16x3", solve_maxnreg=168, out_maxnreg=168)     # gdn.FAST_PLAN's knobs
+_FAST = dict(solve_prec="bf16x3", solve_maxnreg=168, out_maxnreg=168)     # session 16's FAST_PLAN
 # Launch plans --sweep times (gdn.PrefillPlan): the default, then one kernel's launch changed
 # at a time (each row's per-kernel table shows what that kernel gained), then combinations.
 SWEEP = {
@@ -197,6 +197,7 @@ SWEEP = {
     "merged_bf16x3_bv64": dict(_FAST, form="merged", prec="bf16x3", block_v=64),
     "merged_bf16x3_auto_32k": dict(_FAST, form="merged", prec="bf16x3", block_v=0, slice_tokens=32768),
     "merged_bf16x3_bv64_32k": dict(_FAST, form="merged", prec="bf16x3", block_v=64, slice_tokens=32768),
+    "session16": _FAST,                        # session 16's default, for the A/B against today's
 }
 
 

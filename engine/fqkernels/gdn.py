@@ -1184,12 +1184,18 @@ def plan_from_text(text: str | None) -> PrefillPlan:
 
 
 # The engine's plan where none is named. On Triton 3.6 or newer, FAST_PLAN (measured on an
-# H200: session 16). On older Triton (the platform's 3.1) the plain defaults: its ptxas spills
-# 252 bytes a thread in the capped solve and 64 in the capped output kernel (none uncapped), and
-# no GPU here runs that Triton to measure whether the caps still pay.
+# H200, sessions 16-17): the solve on bf16 thirds at 168 registers, its inverse merged from
+# 16-blocks and handed to the state kernel as P ("merged"), the state kernel on bf16 thirds with
+# its columns by its programs, the output kernel at 168 registers, slices of 32K tokens (session
+# 17 run 3, against session 16's plan: 16x8192 12.37 -> 9.84 ms, 4x2048 0.95 -> 0.85; the same
+# sums at fp32's accuracy, the state as close to the chunked reference). On older Triton (the
+# platform's 3.1) the plain defaults: its ptxas spills 252 bytes a thread in the capped solve and
+# 64 in the capped output kernel (none uncapped), and no GPU here runs that Triton to measure
+# whether the caps or the forms pay there.
 # FASTQWEN_GDN_PLAN (read at import) picks another plan, e.g. the fastest one bench_gdn.py
 # --sweep found on this GPU.
-FAST_PLAN = PrefillPlan(solve_prec="bf16x3", solve_maxnreg=168, out_maxnreg=168)
+FAST_PLAN = PrefillPlan(prec="bf16x3", solve_maxnreg=168, out_maxnreg=168, form="merged", block_v=0,
+                        slice_tokens=32768)
 _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 DEFAULT_PLAN = (plan_from_text(os.environ["FASTQWEN_GDN_PLAN"]) if os.environ.get("FASTQWEN_GDN_PLAN")
                 else FAST_PLAN if _TRITON_36 else PrefillPlan())

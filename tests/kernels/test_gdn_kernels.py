@@ -382,13 +382,12 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
                                   gdn.PrefillPlan(), gdn.FAST_PLAN, gdn.PrefillPlan(form="inverse"),
                                   dataclasses.replace(gdn.FAST_PLAN, form="inverse"),
                                   gdn.PrefillPlan(form="inverse", prec="bf16x3", block_v=64),
-                                  dataclasses.replace(gdn.FAST_PLAN, form="merged"), gdn.PrefillPlan(form="merged"),
-                                  dataclasses.replace(gdn.FAST_PLAN, form="merged", prec="bf16x3", block_v=64),
-                                  dataclasses.replace(gdn.FAST_PLAN, form="merged", prec="bf16x3", block_v=0,
-                                                      slice_tokens=128)],
+                                  dataclasses.replace(gdn.FAST_PLAN, form="uw"), gdn.PrefillPlan(form="merged"),
+                                  dataclasses.replace(gdn.FAST_PLAN, block_v=64),
+                                  dataclasses.replace(gdn.FAST_PLAN, slice_tokens=128)],
                          ids=["out-tf32", "out128-w8", "w8-bv64", "bv16", "out-tf32x3", "caps168", "bf16x3",
                               "bf16x3-caps", "plain", "fast", "inverse", "fast-inverse", "inverse-bf16x3-bv64",
-                              "fast-merged", "merged", "merged-bf16x3-bv64", "merged-bf16x3-auto-sliced"])
+                              "fast-uw", "merged", "fast-bv64", "fast-sliced"])
 def test_every_prefill_plan_is_within_the_gates(interpreter_fixes, plan):
     """What bench_gdn.py --sweep times: each launch plan within the oracle's gates (outputs,
     final state), on heads of 128 past two chunks with shared query heads; the state is the
