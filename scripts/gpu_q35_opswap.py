@@ -15,9 +15,13 @@ H200, session 16); `engine_no_exact_decode` (the decode products
 tuned without exact decode, as FASTQWEN_EXACT_DECODE=0: does the in-order GEMV at 7-32 rows
 bring the engine nearer the full forward at Qwen3.5's shapes?); `engine_prefill_cublas_unpacked`
 (the prompt pass's products on the reference's separate matrices, cuBLAS, lm_head
-included; decode unchanged); `torch_backend` (Qwen35Model on the torch reference ops). All
-but `engine` and `torch_backend` need the triton backend (a CUDA device): elsewhere they are
-skipped with a note.
+included; decode unchanged); `engine_cublas_unpacked` (every product so, prompt pass and
+decode); `engine_gdn_step_torch` / `engine_attention_step_torch` (the decode step's GDN layers /
+attention layers on the torch reference ops, products unchanged: gdn_step_torch,
+attention_step_torch); `engine_decode_torch` (the last three together); `torch_backend`
+(Qwen35Model on the torch reference ops). Which of them brings the engine to native's figures
+says where its extra noise is made. All but `engine` and `torch_backend` need the triton
+backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
 vocabulary; argmax agreement with the full forward (and with native's tokens); how many
@@ -66,8 +70,10 @@ from fastqwen.judge.prompts import PromptSource  # noqa: E402
 from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 
 VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
-            "engine_no_exact_decode", "torch_backend")
-TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode")
+            "engine_no_exact_decode", "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch",
+            "engine_decode_torch", "torch_backend")
+TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
+               "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch")
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
 
@@ -213,6 +219,72 @@ def unpacked_products(model):
         del ops.linear, ops.linear_silu_mul
 
 
+def gdn_step_torch(model, i: int, h: torch.Tensor) -> torch.Tensor:
+    """One decode step of GDN layer i on the torch reference ops (what the torch backend's
+    Qwen35Model._gdn runs for a step: conv and gates, the recurrent rule with heads repeated, the
+    gated norm), its products the model's own (model._in_proj, model.ops): h [B, 1, hidden] ->
+    [B, 1, hidden], the layer's conv and recurrent states updated in place."""
+    c, p = model.cfg, f"model.layers.{i}.linear_attn."
+    B, slot = h.shape[0], model.gdn_slot[i]
+    mixed, z, b, a = model._in_proj(p, h[:, 0])
+    mixed, g, beta = gdn.conv_gates_step_reference(mixed, model.conv_state[slot, :B],
+                                                   model.w[p + "conv1d.weight"].squeeze(1), a, b,
+                                                   model.w[p + "A_log"], model.w[p + "dt_bias"])
+    kd = c.linear_k_heads * c.linear_k_dim
+    q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
+    q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
+    o = gdn.decode_step_reference(q, k, v, g, beta, model.state[slot, :B])
+    o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                    model.w[p + "norm.weight"], c.rms_norm_eps)
+    return model.ops.linear(o.reshape(B, 1, -1), model.w[p + "out_proj.weight"])
+
+
+def attention_step_torch(model, i: int, h: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor):
+    """One decode step of attention layer i on the torch reference ops (the torch backend's
+    Qwen35Model._attention_step in the row form: the (1 + w) norms, the partial RoPE, the key and
+    value written at the positions, SDPA over the cached prefix), its products the model's own
+    (model._qkv_proj, model._attention_out): h [B, 1, hidden] -> [B, 1, hidden]."""
+    if model.block_table is not None:
+        raise ValueError("attention_step_torch: the row form only (the probe allocates rows)")
+    c, p = model.cfg, f"model.layers.{i}.self_attn."
+    B, slot = h.shape[0], model.attn_slot[i]
+    cos, sin = (t[positions.long()].unsqueeze(1).unsqueeze(1) for t in (model.cos, model.sin))  # [B, 1, 1, r]
+    qp, k, v = model._qkv_proj(p, h)
+    q, gate = torch.chunk(qp.view(B, 1, -1, 2 * c.head_dim), 2, dim=-1)
+    q = fq_qwen35._norm(q, model.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 2)
+    k = fq_qwen35._norm(k.view(B, 1, -1, c.head_dim), model.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 2)
+    q, k = fq_qwen35._rotate(q, cos, sin), fq_qwen35._rotate(k, cos, sin)
+    v = v.view(B, 1, -1, c.head_dim).transpose(1, 2)
+    kc, vc = model.k_cache[slot, :B], model.v_cache[slot, :B]
+    rows = torch.arange(B, device=h.device)
+    kc[rows, :, positions.long()] = k[:, :, 0]
+    vc[rows, :, positions.long()] = v[:, :, 0]
+    L = int(lengths.max())
+    mask = None
+    if int(lengths.min()) != L:
+        mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
+    attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=model.scale,
+                                          enable_gqa=True)
+    return model._attention_out(i, attn.transpose(1, 2), gate)
+
+
+@contextlib.contextmanager
+def torch_steps(model, gdn_step: bool, attention_step: bool):
+    """The model's decode steps with its GDN layers' step (gdn_step) and / or its attention
+    layers' step (attention_step) on the torch reference ops (gdn_step_torch,
+    attention_step_torch), everything else as it runs; the model's own methods back after."""
+    if gdn_step:
+        model._gdn_step_kernels = functools.partial(gdn_step_torch, model)
+    if attention_step:
+        model._attention_step = lambda i, h, cos, sin, positions, lengths: attention_step_torch(
+            model, i, h, positions, lengths)
+    try:
+        yield
+    finally:
+        for name in ("_gdn_step_kernels", "_attention_step"):
+            model.__dict__.pop(name, None)
+
+
 def compare(steps, full, toks):
     """steps [B, G, V] (any float dtype), full [B, G, V] float32 -> the figures (module doc)."""
     d, slack, agree, agree_tok = [], [], [], []
@@ -228,6 +300,15 @@ def compare(steps, full, toks):
             "max_abs": float(d.max()), "argmax_agree": int(agree.sum()), "argmax_agree_fraction": float(agree.float().mean()),
             f"count_slack_gt_{SLACK}": int((slack > SLACK).sum()), "max_slack": float(slack.max()),
             "native_token_agree": int(agree_tok.sum())}
+
+
+@contextlib.contextmanager
+def _decode_torch(model):
+    """Every product the reference's separate matrices on cuBLAS and both decode steps on the
+    torch reference ops: the engine's decode as near native's cached decode as its kernels of
+    the layers' norms and adds, its prompt pass and its cache allow."""
+    with unpacked_products(model), torch_steps(model, True, True):
+        yield
 
 
 def decode_choice(model, rows: int) -> dict:
@@ -311,7 +392,11 @@ def main(argv=None) -> dict:
             patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
                      "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
-            whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B)}.get(name)
+            whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B),
+                     "engine_cublas_unpacked": lambda: unpacked_products(eng.model),
+                     "engine_gdn_step_torch": lambda: torch_steps(eng.model, True, False),
+                     "engine_attention_step_torch": lambda: torch_steps(eng.model, False, True),
+                     "engine_decode_torch": lambda: _decode_torch(eng.model)}.get(name)
             t1 = time.perf_counter()
             with (whole or contextlib.nullcontext)():
                 steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)

@@ -160,3 +160,53 @@ def test_no_exact_decode_tunes_without_it_and_restores_both():
     with mod.no_exact_decode(model, 16):
         assert gemv.EXACT is False and ops.use_gemv == {("x",): False}
     assert seen == [(False, 16)] and gemv.EXACT == before and model.ops.use_gemv == {("x",): True}
+
+
+def test_the_torch_steps_are_the_torch_backends_own(tiny):
+    """engine_gdn_step_torch / engine_attention_step_torch's steps (gdn_step_torch,
+    attention_step_torch) on a torch-backend model are that model's own decode step, bit for bit
+    (outputs and the caches they update), from the same caches; torch_steps puts them in the
+    model's place and takes them out after, and the model's decode then gives its own logits."""
+    import fq_qwen35
+
+    mod = _script()
+    cfg = fq_qwen35.Qwen35Config.from_dir(str(tiny))
+    cpu = torch.device("cpu")
+    model = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(str(tiny), cfg, cpu), cpu, "torch")
+    B, P = 2, 70
+    prompts = torch.randint(0, cfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        model.ensure_rope(P + 4)
+        model.allocate_cache(B, P + 4)
+        model.prefill_logits(prompts)
+        h = torch.randn(B, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+        pos = torch.full((B,), P, dtype=torch.int32)
+        caches = ("conv_state", "state", "k_cache", "v_cache")
+        saved = {n: getattr(model, n).clone() for n in caches}
+
+        def run(step):
+            for n in caches:
+                getattr(model, n).copy_(saved[n])
+            out = step()
+            return out, {n: getattr(model, n).clone() for n in caches}
+
+        g = next(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")
+        a = next(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+        cos, sin = model.cos[pos.long()].unsqueeze(1), model.sin[pos.long()].unsqueeze(1)
+        for mine, own in ((lambda: mod.gdn_step_torch(model, g, h), lambda: model._gdn(g, h, None)),
+                          (lambda: mod.attention_step_torch(model, a, h, pos, pos + 1),
+                           lambda: model._attention_step(a, h, cos, sin, pos, pos + 1))):
+            (o1, c1), (o2, c2) = run(mine), run(own)
+            assert torch.equal(o1, o2) and all(torch.equal(c1[n], c2[n]) for n in caches)
+            assert not torch.equal(c1["state"], saved["state"]) or not torch.equal(c1["k_cache"], saved["k_cache"])
+        for n in caches:
+            getattr(model, n).copy_(saved[n])
+        tok = prompts[:, -1].contiguous()
+        want = model.decode_logits(tok, pos, pos + 1)
+        for n in caches:
+            getattr(model, n).copy_(saved[n])
+        with mod.torch_steps(model, True, True):
+            assert "_gdn_step_kernels" in vars(model) and "_attention_step" in vars(model)
+            got = model.decode_logits(tok, pos, pos + 1)     # the torch backend never calls the GDN kernels' step
+        assert torch.equal(got, want)
+        assert "_gdn_step_kernels" not in vars(model) and "_attention_step" not in vars(model)
