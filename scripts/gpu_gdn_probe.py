@@ -99,9 +99,11 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
 
 def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
     """Each kernel's launch as chunked_prefill makes it at the engine's plan (gdn.DEFAULT_PLAN: its
-    products' forms and register caps), over workspaces a real pass fills (solve, then state,
-    then out, once before any timing)."""
+    products' forms and register caps) in the "uw" form (the solve's u and w: the variants
+    edit that form's source; FAST_PLAN's "merged" form is timed whole by bench_gdn.py), over
+    workspaces a real pass fills (solve, then state, then out, once before any timing)."""
     dev, plan, C = v.device, gdn.DEFAULT_PLAN, gdn.CHUNK
+    bv = plan.block_v or gdn._state_columns(B * HV, D, dev)
     nc = triton.cdiv(T, C)
     ws = B * HV * nc * C
     u, w = (torch.empty((ws, D), dtype=torch.float32, device=dev) for _ in range(2))
@@ -118,8 +120,8 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
                            **common)
 
     def state_(kern):
-        kern[(D // plan.block_v, B * HV)](k, u, w, gamma, rk, h, state, T, nc, k.stride(0), k.stride(1),
-                                          k.stride(2), state.stride(0), BV=plan.block_v, num_warps=plan.state_warps,
+        kern[(D // bv, B * HV)](k, u, w, gamma, rk, h, state, T, nc, k.stride(0), k.stride(1),
+                                k.stride(2), state.stride(0), BV=bv, num_warps=plan.state_warps,
                                           num_stages=plan.state_stages, PREC=plan.prec, **plan.caps("state"),
                                           **common)
 

@@ -329,7 +329,8 @@ def test_chunked_prefill_captures_a_chunks_starting_state(interpreter_fixes, mon
     got = torch.full_like(alone, float("nan"))
     gdn.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
     assert torch.equal(got, alone)
-    monkeypatch.setattr(gdn, "_TOKENS_PER_SLICE", 192)          # one sequence a slice
+    # one sequence a slice (the engine's plan's slices: FAST_PLAN names its own size)
+    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn.DEFAULT_PLAN, slice_tokens=192))
     got.fill_(float("nan"))
     gdn.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
     assert torch.equal(got, alone)
@@ -359,14 +360,28 @@ def test_the_bf16_pair_prefill_plan_is_within_the_gates(interpreter_fixes, B, T,
         gdn.chunked_prefill(*small, plan=plan)
 
 
+class _Counted:
+    """A kernel whose launches (kernel[grid](...)) are counted in `calls`, then made."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
     """A batch longer than the workspace budget runs in slices of whole sequences (here one
     sequence a slice) and gives what one call gives, within the oracle's gates."""
     q, k, v, g, beta = _prefill_inputs(3, 70, 1, 2, 32, seed=11)
     args = [t.to(DEV) for t in (q, k, v, g, beta)]
     whole_o, whole_s = gdn.chunked_prefill(*args, block_v=32)
-    monkeypatch.setattr(gdn, "_TOKENS_PER_SLICE", 128)
+    calls = []
+    monkeypatch.setattr(gdn, "_chunk_solve_kernel", _Counted(gdn._chunk_solve_kernel, calls))
+    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn.DEFAULT_PLAN, slice_tokens=128))
     o, s = gdn.chunked_prefill(*args, block_v=32)
+    assert len(calls) == 3                      # three slices of one sequence each
     assert torch.equal(o, whole_o) and torch.equal(s, whole_s)
     o64, s64 = oracle_recurrent(gdn.expand_heads(q, 2), gdn.expand_heads(k, 2), v, g, beta)
     assert rel(o.cpu(), o64) <= GATE_OUT and rel(s.cpu(), s64) <= GATE_STATE
