@@ -637,11 +637,14 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
 # of 16: the four diagonal blocks by forward substitution, all four at once (15 steps, not
 # 63), then M^-1 = (I - N + N^2 - N^3) D^-1 with D the block diagonal and N = D^-1 (M - D),
 # strictly block-lower, so N^4 = 0 (three terms, never a long power series, which loses
-# everything when a key repeats). Then u = M^-1 (beta v) and w = M^-1 (beta k e^gamma).
+# everything when a key repeats); or (PrefillPlan.form "merged", the default on Triton 3.6) the
+# diagonal blocks' inverses merged pairwise, 16 -> 32 -> 64. Then u = M^-1 (beta v) and
+# w = M^-1 (beta k e^gamma) ("uw"), or P = M^-1 diag(beta) alone ("inverse", "merged").
 # _chunk_state_kernel, one program per (block of value columns, sequence, value head), the
-# only sequential part: walks the chunks in order carrying S [Dk, BV] (as two Dk halves), with two products a
-# chunk (v_new = u - w S, then S <- e^gamma_last S + k_decayed^T v_new), and keeps each
-# chunk's starting state and v_new (in u's place) and the final state.
+# only sequential part: walks the chunks in order carrying S [Dk, BV] (as two Dk halves), with
+# two products a chunk (v_new = u - w S, then S <- e^gamma_last S + k_decayed^T v_new; from P,
+# v_new = P (v - diag(rk e^gamma) k_raw S), one product more), and keeps each chunk's starting
+# state and v_new (in u's place) and the final state.
 # _chunk_out_kernel, one program per (sequence, value head, chunk, block of value columns):
 # o = (q e^gamma) S_chunk + (q k^T (.) decay, causal) v_new, from what the state kernel kept.
 # (The last two as one kernel, each chunk's outputs formed while the walk holds its starting
