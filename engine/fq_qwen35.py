@@ -585,14 +585,7 @@ class Qwen35Model:
         else:
             kc[rows, :, positions.long()] = k[:, :, 0]
             vc[rows, :, positions.long()] = v[:, :, 0]
-        # One query over the cached prefix, unmasked when every sequence has the same length
-        # (always, in the engine's calls), as 5.17's cached step; a mask otherwise.
-        L = int(lengths.max())
-        mask = None
-        if int(lengths.min()) != L:
-            mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
-        attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=self.scale,
-                                              enable_gqa=True)
+        attn = sdpa_over_prefix(q, kc, vc, lengths, self.scale)
         return self._attention_out(i, attn.transpose(1, 2), gate)
 
     def _attention_out(self, i: int, attn, gate):
@@ -702,6 +695,18 @@ class Qwen35Model:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+
+
+def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor, scale: float):
+    """The torch reference's decode attention: one query a sequence, q [B, H, 1, D], over its
+    cached prefix, kc and vc [B, KVH, >= max(lengths), D] (K/V heads shared by GQA inside SDPA),
+    unmasked when every sequence has the same length (always, in the engine's calls), as 5.17's
+    cached step; a mask otherwise. Returns [B, H, 1, D]."""
+    L = int(lengths.max())
+    mask = None
+    if int(lengths.min()) != L:
+        mask = (torch.arange(L, device=q.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class _TorchProducts:

@@ -259,12 +259,7 @@ def attention_step_torch(model, i: int, h: torch.Tensor, positions: torch.Tensor
     rows = torch.arange(B, device=h.device)
     kc[rows, :, positions.long()] = k[:, :, 0]
     vc[rows, :, positions.long()] = v[:, :, 0]
-    L = int(lengths.max())
-    mask = None
-    if int(lengths.min()) != L:
-        mask = (torch.arange(L, device=h.device)[None, :] < lengths.long()[:, None])[:, None, None, :]
-    attn = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=model.scale,
-                                          enable_gqa=True)
+    attn = fq_qwen35.sdpa_over_prefix(q, kc, vc, lengths, model.scale)
     return model._attention_out(i, attn.transpose(1, 2), gate)
 
 
