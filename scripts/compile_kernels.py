@@ -637,10 +637,13 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
                         plan=gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168))
     # the state kernel from the solve's inverse (form "inverse"), the inverse merged from 16-blocks
-    # ("merged"), and FAST_PLAN (Triton 3.6's default: merged, bf16 thirds, caps, 64 columns here)
+    # ("merged"), and FAST_PLAN (Triton 3.6's default: merged, bf16 thirds, caps) at both column
+    # counts its block_v 0 picks (which asks the device for its SMs: none here)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(form="inverse"))
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(form="merged"))
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.FAST_PLAN)
+    for columns in (32, 64):
+        gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
+                            plan=dataclasses.replace(gdn.FAST_PLAN, block_v=columns))
     # a sequence continued from its state (a prompt in chunks)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
