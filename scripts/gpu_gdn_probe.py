@@ -4,11 +4,15 @@ only the time is read), at the 4B's head shapes, on the workspaces a real pass l
 variant is the kernel's own source with one stage replaced, compiled from a temporary module.
 (Session 11's run 4 timed the solve this way, with the diagonal blocks' substitution on
 [4, 16, 16] tiles as one more variant, before the kernel took it.) The output kernel's
-variants edit its default bf16-pair products.
+variants edit its default bf16-pair products. --form picks the hand-over between the solve and
+the state kernel whose variants are timed (gdn.PrefillPlan.form; default: the engine's plan's):
+"uw" (u and w) or "merged" (the inverse merged from 16-blocks, the state kernel from P). The
+whole batch goes in one launch of each kernel (the engine's calls take up to slice_tokens).
 
-    python scripts/gpu_gdn_probe.py [--shapes 1x8192,4x2048,16x8192] [--kernels solve,state,out] [--out PATH]
+    python scripts/gpu_gdn_probe.py [--shapes 1x8192,4x2048,16x8192] [--kernels solve,state,out]
+        [--form uw|merged] [--out PATH]
 
-Needs a CUDA device. Writes {kernel: {shape: {variant: us}}} to JSON.
+Needs a CUDA device. Writes {"form": form, kernel: {shape: {variant: us}}} to JSON.
 """
 from __future__ import annotations
 
@@ -50,7 +54,34 @@ _NO_QH = [("        qh = _dot_bf16_pair(q0, h0, True)\n        qh += _dot_bf16_p
            "        qh = tl.zeros([C, BV], dtype=tl.float32) + tl.sum(q0f) + tl.sum(h0) + tl.sum(h1)")]
 _NO_ATTN_V = [("        av = _dot_bf16_pair(attn, v_new, False)", "        av = tl.sum(attn) + v_new")]
 
-# kernel -> variant -> (old text, new text) pairs applied to the kernel's source
+# the merged form (PrefillPlan.form "merged"): the solve's merge products, the state kernel's
+# k_raw S and P y
+_NO_MERGE_PRODUCTS = [("-_dot3(_dot3(y00, a01, PREC), y11, PREC)", "-(y00 + a01 + y11)"),
+                      ("-_dot3(_dot3(y22, a23, PREC), y33, PREC)", "-(y22 + a23 + y33)"),
+                      ("-_dot3(_dot3(y_aa, a_ab, PREC), y_bb, PREC)", "-(y_aa + a_ab + y_bb)")]
+_NO_KS = [("            ks = _dot_exact_left(k0, s0, PREC)\n            ks += _dot_exact_left(k1, s1, PREC)",
+           "            ks = (tl.zeros([C, BV], dtype=tl.float32) + tl.sum(k0.to(tl.float32)) + tl.sum(k1.to(tl.float32))\n"
+           "                  + tl.sum(s0) + tl.sum(s1))")]
+_NO_PY = [("            v_new = _dot3(pm, y, PREC)", "            v_new = y + tl.sum(pm)")]
+
+# kernel -> variant -> (old text, new text) pairs applied to the kernel's source, per form
+MERGED_VARIANTS = {
+    "solve": {
+        "whole": [],
+        "no_substitution": [_NO_SUBSTITUTION],
+        "no_merge_products": _NO_MERGE_PRODUCTS,
+        "only_loads_stores": [_NO_SUBSTITUTION] + _NO_MERGE_PRODUCTS,
+    },
+    "state": {
+        "whole": [],
+        "no_k_s": _NO_KS,
+        "no_p_y": _NO_PY,
+        "no_state_update": _NO_UPDATE,
+        "only_loads_stores": _NO_KS + _NO_PY + _NO_UPDATE,
+        "no_h_store": _NO_H_STORE,
+        "no_vnew_store": _NO_VNEW_STORE,
+    },
+}
 VARIANTS = {
     "solve": {
         "whole": [],
@@ -75,6 +106,8 @@ VARIANTS = {
         "only_qk": _NO_QH + _NO_ATTN_V,
     },
 }
+MERGED_VARIANTS["out"] = VARIANTS["out"]
+FORM_VARIANTS = {"uw": VARIANTS, "merged": MERGED_VARIANTS}
 KERNELS = {"solve": "_chunk_solve_kernel", "state": "_chunk_state_kernel", "out": "_chunk_out_kernel"}
 
 
@@ -97,16 +130,19 @@ def variant_kernel(kernel: str, name: str, edits: list, tmp: str):
     return getattr(mod, KERNELS[kernel])
 
 
-def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
+def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int, form: str):
     """Each kernel's launch as chunked_prefill makes it at the engine's plan (gdn.DEFAULT_PLAN: its
-    products' forms and register caps) in the "uw" form (the solve's u and w: the variants
-    edit that form's source; FAST_PLAN's "merged" form is timed whole by bench_gdn.py), over
-    workspaces a real pass fills (solve, then state, then out, once before any timing)."""
+    products' forms, register caps and columns) in `form` ("uw" or "merged"), over workspaces a
+    real pass fills (solve, then state, then out, once before any timing)."""
     dev, plan, C = v.device, gdn.DEFAULT_PLAN, gdn.CHUNK
     bv = plan.block_v or gdn._state_columns(B * HV, D, dev)
     nc = triton.cdiv(T, C)
     ws = B * HV * nc * C
-    u, w = (torch.empty((ws, D), dtype=torch.float32, device=dev) for _ in range(2))
+    u = torch.empty((ws, D), dtype=torch.float32, device=dev)
+    w = torch.empty((ws, C if form == "merged" else D), dtype=torch.float32, device=dev)     # w, or P
+    solve_form = {} if form == "uw" else dict(p_ptr=w, INVERSE=True, MERGED=True)
+    state_form = {} if form == "uw" else dict(p_ptr=w, v_ptr=v, stride_vb=v.stride(0), stride_vt=v.stride(1),
+                                              stride_vh=v.stride(2), INVERSE=True)
     gamma, rk = (torch.empty((ws,), dtype=torch.float32, device=dev) for _ in range(2))
     h = torch.empty((ws // C * D, D), dtype=torch.float32, device=dev)
     state = torch.empty((B, HV, D, D), dtype=torch.float32, device=dev)
@@ -117,13 +153,13 @@ def launches(B: int, T: int, q, k, v, g, beta, HK: int, HV: int, D: int):
         kern[(B * HV, nc)](k, v, g, beta, u, w, gamma, rk, T, nc, k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
                            num_warps=plan.solve_warps, PREC=plan.solve_form, **plan.caps("solve"),
-                           **common)
+                           **solve_form, **common)
 
     def state_(kern):
         kern[(D // bv, B * HV)](k, u, w, gamma, rk, h, state, T, nc, k.stride(0), k.stride(1),
                                 k.stride(2), state.stride(0), BV=bv, num_warps=plan.state_warps,
-                                          num_stages=plan.state_stages, PREC=plan.prec, **plan.caps("state"),
-                                          **common)
+                                num_stages=plan.state_stages, PREC=plan.prec, **plan.caps("state"),
+                                **state_form, **common)
 
     def out_(kern):
         kern[(B * HV, nc, D // plan.out_bv)](q, k, u, gamma, rk, h, out, T, nc, D ** -0.5, q.stride(0), q.stride(1),
@@ -138,23 +174,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8192,4x2048,16x8192")
     ap.add_argument("--kernels", default="solve,state,out")
+    ap.add_argument("--form", choices=tuple(FORM_VARIANTS), default=None,
+                    help="the hand-over whose variants are timed (default: the engine's plan's; 'inverse' as 'merged')")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gdn_probe.json"))
     args = ap.parse_args()
     kernels = args.kernels.split(",")
     unknown = [k for k in kernels if k not in VARIANTS]
     if unknown:
         ap.error(f"--kernels: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    form = args.form or ("uw" if gdn.DEFAULT_PLAN.form == "uw" else "merged")
+    variants = FORM_VARIANTS[form]
     from bench_gdn import HK, HV, D, _inputs
 
     dev = torch.device("cuda")
-    report = {kern: {} for kern in kernels}
+    report = {"form": form, **{kern: {} for kern in kernels}}
     with tempfile.TemporaryDirectory() as tmp:
-        built = {kern: {name: variant_kernel(kern, name, edits, tmp) for name, edits in VARIANTS[kern].items()}
+        built = {kern: {name: variant_kernel(kern, name, edits, tmp) for name, edits in variants[kern].items()}
                  for kern in kernels}
         for shape in args.shapes.split(","):
             B, T = (int(x) for x in shape.split("x"))
             q, k, v, g, beta = _inputs(B, T, dev)
-            run = launches(B, T, q, k, v, g, beta, HK, HV, D)
+            run = launches(B, T, q, k, v, g, beta, HK, HV, D, form)
             for kern in ("solve", "state", "out"):          # the real pass, in order: every workspace filled
                 run[kern](getattr(gdn, KERNELS[kern]))
             torch.cuda.synchronize()

@@ -286,3 +286,19 @@ def test_the_state_kernels_columns_follow_the_programs():
     assert gdn._state_columns(1 * 32, 128, cpu) == 32          # 1 x 8192: 64 programs at 64 columns
     assert gdn._state_columns(2 * 32, 128, cpu) == 32          # 16 x 8192 in slices of two sequences
     assert gdn._state_columns(64, 32, cpu) == 32 and gdn._state_columns(4096, 48, cpu) == 32
+
+
+def test_the_prompt_pass_probes_variants_are_the_kernels_own_source(tmp_path):
+    """scripts/gpu_gdn_probe.py times each kernel with one stage replaced in its source: every
+    variant of both forms finds the text it replaces in today's kernels and builds as a module
+    (the probe would otherwise stop on the GPU, after the call's setup)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gdn_probe
+
+    for form, variants in gpu_gdn_probe.FORM_VARIANTS.items():
+        for kernel, named in variants.items():
+            for name, edits in named.items():
+                built = gpu_gdn_probe.variant_kernel(kernel, f"{form}_{name}", edits, str(tmp_path))
+                assert built.fn.__name__ == gpu_gdn_probe.KERNELS[kernel], (form, kernel, name)
+    with pytest.raises(RuntimeError, match="not in the kernel's source"):
+        gpu_gdn_probe.variant_kernel("state", "stale", [("no such line", "")], str(tmp_path))
