@@ -1304,19 +1304,19 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"gdn.chunked_prefill: the plan's out_bv ({plan.out_bv}) must divide Dv ({Dv}), >= 16")
     # the solve's and the state kernel's products (_PREC other than "tf32x3": both, bench_gdn's A/B)
     solve_prec, prec = (_PREC, _PREC) if _PREC != "tf32x3" else (plan.solve_form, plan.prec)
+    solve_form = {} if not inverse else dict(p_ptr=w, INVERSE=True, MERGED=plan.form == "merged")
     for b0 in range(0, B, rows):
         sl = slice(b0, min(B, b0 + rows))
         bs = sl.stop - sl.start
         qs, ks, vs, gs, bts, os_ = q[sl], k[sl], v[sl], g[sl], beta[sl], out[sl]
         init = {} if initial_state is None else dict(init_ptr=initial_state[sl], stride_ib=initial_state.stride(0),
                                                      HAS_INIT=True)
-        form = {} if not inverse else dict(p_ptr=w, INVERSE=True, MERGED=plan.form == "merged")
         state_form = {} if not inverse else dict(p_ptr=w, v_ptr=vs, stride_vb=vs.stride(0), stride_vt=vs.stride(1),
                                                  stride_vh=vs.stride(2), INVERSE=True)
         _chunk_solve_kernel[(bs * Hv, nc)](
             ks, vs, gs, bts, u, w, gamma, rk, T, nc, ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0),
             vs.stride(1), vs.stride(2), gs.stride(0), gs.stride(1), HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv,
-            PREC=solve_prec, num_warps=plan.solve_warps, **form, **plan.caps("solve"))
+            PREC=solve_prec, num_warps=plan.solve_warps, **solve_form, **plan.caps("solve"))
         _chunk_state_kernel[(Dv // block_v, bs * Hv)](
             ks, u, w, gamma, rk, h, state[sl], T, nc, ks.stride(0), ks.stride(1), ks.stride(2), state.stride(0),
             HV=Hv, RATIO=Hv // Hk, C=CHUNK, DK=Dk, DV=Dv, BV=block_v, PREC=prec, num_warps=plan.state_warps,

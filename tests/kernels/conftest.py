@@ -9,6 +9,21 @@ import torch
 
 
 @pytest.fixture
+def spy_launches(monkeypatch: pytest.MonkeyPatch):
+    """spy_launches(module, name): module.name, a Triton kernel, with each launch's grid
+    (kernel[grid](...)) appended to the list returned, the launch then made as before; undone
+    after the test."""
+    def spy(module, name: str) -> list:
+        real = getattr(module, name)
+        calls: list = []
+        monkeypatch.setattr(module, name, type("Spy", (), {
+            "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+        return calls
+
+    return spy
+
+
+@pytest.fixture
 def interpreter_bf16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton 3.6's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest
     even. Under TRITON_INTERPRET=1 the cast rounds as the GPU does; elsewhere nothing changes."""

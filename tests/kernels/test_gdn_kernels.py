@@ -360,25 +360,13 @@ def test_the_bf16_pair_prefill_plan_is_within_the_gates(interpreter_fixes, B, T,
         gdn.chunked_prefill(*small, plan=plan)
 
 
-class _Counted:
-    """A kernel whose launches (kernel[grid](...)) are counted in `calls`, then made."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
-
-
-def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch):
+def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch, spy_launches):
     """A batch longer than the workspace budget runs in slices of whole sequences (here one
     sequence a slice) and gives what one call gives, within the oracle's gates."""
     q, k, v, g, beta = _prefill_inputs(3, 70, 1, 2, 32, seed=11)
     args = [t.to(DEV) for t in (q, k, v, g, beta)]
     whole_o, whole_s = gdn.chunked_prefill(*args, block_v=32)
-    calls = []
-    monkeypatch.setattr(gdn, "_chunk_solve_kernel", _Counted(gdn._chunk_solve_kernel, calls))
+    calls = spy_launches(gdn, "_chunk_solve_kernel")
     monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn.DEFAULT_PLAN, slice_tokens=128))
     o, s = gdn.chunked_prefill(*args, block_v=32)
     assert len(calls) == 3                      # three slices of one sequence each

@@ -190,7 +190,7 @@ def test_rows_of_heads_are_the_rows(rows):
         assert torch.equal(rmsnorm(x, w, 1e-6, one_plus=True).view(-1, 256), want)
 
 
-def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch):
+def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch, spy_launches):
     """Where torch_order finds no match (a width torch sums some other way), the norms run
     the tl.sum kernel rather than a torch order that is not torch's."""
     import fqkernels.rmsnorm as rn
@@ -201,10 +201,7 @@ def test_width_without_a_torch_order_uses_the_tl_sum_kernel(monkeypatch):
     w = torch.randn(n, device=DEV).bfloat16()
     monkeypatch.setattr(rn, "_no_order_to_measure", lambda device: False)
     monkeypatch.setitem(rn._ORDERS, (n, str(x.device)), (True, True, False))
-    calls = []
-    real = rn._rmsnorm_kernel
-    monkeypatch.setattr(rn, "_rmsnorm_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+    calls = spy_launches(rn, "_rmsnorm_kernel")
     rmsnorm(x, w, 1e-6)
     assert calls, "the tl.sum kernel was not launched for a width without a torch order"
     monkeypatch.setitem(rn._ORDERS, (n, str(x.device)), (True, True, True))
