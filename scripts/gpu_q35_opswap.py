@@ -18,13 +18,15 @@ bring the engine nearer the full forward at Qwen3.5's shapes?); `engine_prefill_
 included; decode unchanged); `engine_cublas_unpacked` (every product so, prompt pass and
 decode); `engine_gdn_step_torch` / `engine_attention_step_torch` (the decode step's GDN layers /
 attention layers on the torch reference ops, products unchanged: gdn_step_torch,
-attention_step_torch); `engine_decode_torch` (the last three together); `torch_backend`
+attention_step_torch); `engine_decode_torch` (the last three together); `engine_prompt_torch`
+(the prompt pass on the torch backend, its caches copied into the engine's, which decodes) and
+`torch_prompt_engine` (the other way round): which half of the run makes the extra noise; `torch_backend`
 (Qwen35Model on the torch reference ops). Which of them brings the engine to native's figures
 says where its extra noise is made. All but `engine` and `torch_backend` need the triton
 backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
-vocabulary; argmax agreement with the full forward (and with native's tokens); how many
+vocabulary, and its mean at the prompt pass's own position (first) and over the decode steps; argmax agreement with the full forward (and with native's tokens); how many
 positions would carry a slack above 0.75 (the full forward's max minus its logit of the
 variant's argmax, the judge's figure); the worst such slack; seconds. Self-check: the
 engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again.
@@ -71,9 +73,11 @@ from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 
 VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
             "engine_no_exact_decode", "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch",
-            "engine_decode_torch", "torch_backend")
+            "engine_decode_torch", "engine_prompt_torch", "torch_prompt_engine", "torch_backend")
 TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
-               "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch")
+               "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch",
+               "engine_prompt_torch", "torch_prompt_engine")
+TORCH_MODEL = ("engine_prompt_torch", "torch_prompt_engine", "torch_backend")     # need the torch backend's model
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
 
@@ -137,18 +141,29 @@ def truth(native, prompts, toks):
     return full
 
 
-def forced_logits(model, prompts, toks, prefill_patch=contextlib.nullcontext):
+def forced_logits(model, prompts, toks, prefill_patch=contextlib.nullcontext, prompt_model=None):
     """The model's logits [B, G, V] (bf16) teacher-forced on toks [B, G]: step 0 the prompt
     pass's (under prefill_patch()), step t the decode step fed toks[:, t - 1] at position
     P + t - 1 (int32 positions, lengths = positions + 1, on the device), with the cache the
     engine allocates for P + G - 1 positions (its rounded capacity: decode attention's split
-    count follows it)."""
+    count follows it). prompt_model (another Qwen35Model): the prompt pass and step 0's
+    logits are its, and its caches (every layer's keys, values, conv and recurrent states)
+    are copied into model's before the decode steps."""
     (B, P), G = prompts.shape, toks.shape[1]
     with torch.inference_mode():
+        cap = fq_engine._rounded_capacity(P + G - 1)
         model.ensure_rope(P + G - 1)
-        model.allocate_cache(B, fq_engine._rounded_capacity(P + G - 1))
+        model.allocate_cache(B, cap)
         with prefill_patch():
-            first = model.prefill_logits(prompts)
+            if prompt_model is None:
+                first = model.prefill_logits(prompts)
+            else:
+                prompt_model.ensure_rope(P + G - 1)
+                prompt_model.allocate_cache(B, cap)
+                first = prompt_model.prefill_logits(prompts)
+                for name in ("k_cache", "v_cache", "conv_state", "state"):
+                    getattr(model, name).copy_(getattr(prompt_model, name))
+                prompt_model.allocate_cache(1, 2)
         out = torch.empty((B, G, first.shape[-1]), dtype=first.dtype, device=first.device)
         out[:, 0] = first
         pos = torch.full((B,), P, dtype=torch.int32, device=prompts.device)
@@ -290,8 +305,10 @@ def compare(steps, full, toks):
         slack.append(f.amax(-1) - f.gather(-1, am[:, None])[:, 0])
         agree.append(am == f.argmax(-1))
         agree_tok.append(am == toks[b])
+    d2 = torch.stack(d).cpu()                                       # [B, G]
     d, slack, agree, agree_tok = (torch.stack(x).flatten().cpu() for x in (d, slack, agree, agree_tok))
-    return {"positions": d.numel(), "mean_max_abs": float(d.mean()), "p99_max_abs": float(torch.quantile(d, 0.99)),
+    return {"positions": d.numel(), "mean_max_abs": float(d.mean()), "first_mean_max_abs": float(d2[:, 0].mean()),
+            "decode_mean_max_abs": float(d2[:, 1:].mean()) if d2.shape[1] > 1 else None, "p99_max_abs": float(torch.quantile(d, 0.99)),
             "max_abs": float(d.max()), "argmax_agree": int(agree.sum()), "argmax_agree_fraction": float(agree.float().mean()),
             f"count_slack_gt_{SLACK}": int((slack > SLACK).sum()), "max_slack": float(slack.max()),
             "native_token_agree": int(agree_tok.sum())}
@@ -380,10 +397,11 @@ def main(argv=None) -> dict:
             if name in TRITON_ONLY and eng.model.backend != "triton":
                 entry["skipped"][name] = f"needs the triton backend (the engine runs {eng.model.backend} here)"
                 continue
-            if name == "torch_backend" and name not in models:
-                models[name] = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(args.model, cfg, dev, pack=False),
-                                                     dev, "torch")
-            model = models.get(name, eng.model)
+            if name in TORCH_MODEL and "torch" not in models:
+                models["torch"] = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(args.model, cfg, dev, pack=False),
+                                                        dev, "torch")
+            model = models["torch"] if name in ("torch_backend", "torch_prompt_engine") else eng.model
+            prompt_model = {"engine_prompt_torch": models.get("torch"), "torch_prompt_engine": eng.model}.get(name)
             patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
                      "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
@@ -394,7 +412,7 @@ def main(argv=None) -> dict:
                      "engine_decode_torch": lambda: _decode_torch(eng.model)}.get(name)
             t1 = time.perf_counter()
             with (whole or contextlib.nullcontext)():
-                steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext)
+                steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext, prompt_model)
             _sync(dev)
             entry["results"][name] = {**compare(steps, full, toks), "seconds": round(time.perf_counter() - t1, 2)}
             del steps
@@ -410,10 +428,10 @@ def main(argv=None) -> dict:
         sc = entry.get("self_check")
         print(f"== {shape} ({entry['seconds']:.0f} s) decode products {entry['choice']}"
               + (f"; self-check {sc['agree']}/{sc['positions']}" if sc else ""), flush=True)
-        print(f"{'variant':32s} {'mean|d|':>8s} {'p99|d|':>7s} {'max|d|':>7s} {'agree':>11s} {'>0.75':>6s} "
+        print(f"{'variant':32s} {'mean|d|':>8s} {'first':>6s} {'p99|d|':>7s} {'max|d|':>7s} {'agree':>11s} {'>0.75':>6s} "
               f"{'maxslk':>7s} {'s':>6s}")
         for name, r in entry["results"].items():
-            print(f"{name:32s} {r['mean_max_abs']:8.4f} {r['p99_max_abs']:7.3f} {r['max_abs']:7.3f} "
+            print(f"{name:32s} {r['mean_max_abs']:8.4f} {r['first_mean_max_abs']:6.3f} {r['p99_max_abs']:7.3f} {r['max_abs']:7.3f} "
                   f"{r['argmax_agree']:5d}/{r['positions']:<5d} {r[f'count_slack_gt_{SLACK}']:6d} "
                   f"{r['max_slack']:7.3f} {r['seconds']:6.1f}", flush=True)
         for name, why in entry["skipped"].items():

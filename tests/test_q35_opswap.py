@@ -99,6 +99,36 @@ def _forced_steps_check(tiny):
     # against the full forward itself (here: the forced steps), every figure is exact
     r = mod.compare(forced, forced.float(), greedy)
     assert r["max_abs"] == 0 and r["argmax_agree"] == 16 and r["max_slack"] == 0 and r["native_token_agree"] == 16
+    assert r["first_mean_max_abs"] == 0 and r["decode_mean_max_abs"] == 0
+    # the prompt pass on another model (here a second torch-backend model on the same weights):
+    # its caches carry over, so the decode steps are the same bit for bit; with those caches
+    # not copied (a model whose prompt pass is left on zeros) they are not
+    import fq_qwen35
+    other_model = fq_qwen35.Qwen35Model(eng.cfg, fq_qwen35.load_weights(str(tiny), eng.cfg, eng.model.device, pack=False),
+                                        eng.model.device, "torch")
+    assert torch.equal(mod.forced_logits(eng.model, prompts, greedy, prompt_model=other_model), forced)
+    assert other_model.state.shape[1] == 1 and other_model.k_cache.shape[3] == 2     # its caches given back
+    skipped = mod.forced_logits(eng.model, prompts, greedy, prompt_model=_ZeroCaches(other_model))
+    assert torch.equal(skipped[:, 0], forced[:, 0]) and not torch.equal(skipped[:, 1:], forced[:, 1:])
+    d = forced.float()
+    d[:, 0] += 1.0
+    r = mod.compare(forced, d, greedy)
+    assert r["first_mean_max_abs"] == 1.0 and r["decode_mean_max_abs"] == 0
+
+
+class _ZeroCaches:
+    """A model whose prompt pass returns the wrapped model's logits but leaves its caches zero."""
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prefill_logits(self, ids):
+        out = self.model.prefill_logits(ids)
+        for name in ("k_cache", "v_cache", "conv_state", "state"):
+            getattr(self.model, name).zero_()
+        return out
 
 
 def test_plan_patch_is_applied_and_undone():
