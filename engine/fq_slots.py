@@ -30,7 +30,8 @@ step until it returns the logits): the chunks go into a staging row past the ste
 no step touches, each chunk's queries seeing the positions before it (the models'
 prefill_logits with start); the last chunk moves the request into the next running row (its
 K/V and states, or its block table). So a long prompt joins without stalling the running
-requests for its whole prompt pass.
+requests for its whole prompt pass. With graphs (a GPU), a prompt admitted alone (admit, a group
+of one) goes the same way in one chunk, so its pass is a graph from its shape's second pass on.
 
 Shared prefixes (paged form, share_prefixes): each full page of an admitted prompt is kept
 under the prompt's tokens up to its end; a later prompt starting with the same tokens takes
@@ -340,6 +341,19 @@ class Slots:
         max_len counts as max_len); room() counts against it, and in the paged form the
         request takes the pages for it now."""
         reserve = self._check_new(keys, prompts, reserve)
+        if self.use_graphs and len(keys) == 1 and self._staged is None:
+            # One prompt with graphs (a GPU): through the staging row as one chunk of all its rest
+            # after its shared prefix (begin, prefill_next), so its pass is that (length, start)'s
+            # ChunkGraph from the shape's second pass on (_chunk_pass), a prefix hit's rest too;
+            # the eager pass below is launch-bound at these sizes (session 17: a 512-token prompt
+            # ~2x the graph's TTFT, a prefix hit's rest slower than a whole prompt).
+            self.begin(keys[0], prompts[0], reserve[0])
+            try:
+                logits = self.prefill_next(len(prompts[0]))
+            except Exception:
+                self.retire(keys[0])                 # nothing held, as the pass below on failure
+                raise
+            return logits[None]
         length = len(prompts[0])
         row = len(self.keys)
         taken = [self._take_pages(row + j, r, p) for j, (r, p) in enumerate(zip(reserve, prompts))]

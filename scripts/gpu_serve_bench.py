@@ -70,15 +70,21 @@ def start_server(model: str, port: int, extra: list) -> subprocess.Popen:
     raise RuntimeError("server did not come up in 300 s")
 
 
-def prefix_hits(url: str) -> float:
-    """The server's prefix_cache_hit_tokens counter (all its label sets)."""
+def prefix_hits(url: str, name: str = "fastqwen:prefix_cache_hit_tokens_total") -> float:
+    """The server's prefix_cache_hit_tokens counter (all its label sets), or another series `name`."""
     import httpx
 
     total = 0.0
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("fastqwen:prefix_cache_hit_tokens_total"):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def server_ttft(url: str) -> tuple:
+    """(sum, count) of the server's own TTFT histogram: from a request's submit to the scheduler
+    (after the HTTP side parsed it) to its first token handed to the HTTP side (scheduler.py)."""
+    return tuple(prefix_hits(url, "fastqwen:time_to_first_token_seconds" + s) for s in ("_sum", "_count"))
 
 
 def free_port() -> int:
@@ -132,13 +138,18 @@ def main() -> None:
         if args.quick:
             runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
         for name, kw in runs.items():
-            hits = prefix_hits(url)
+            hits, ttft = prefix_hits(url), server_ttft(url)
             report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
             r = report[name]
             r["prefix_cache_hit_tokens"] = prefix_hits(url) - hits
+            # the server's mean TTFT over the run (submit -> first token out of the scheduler): the
+            # client's TTFT less this is the HTTP side (parse, SSE out, the hand-off between threads)
+            after = server_ttft(url)
+            r["server_ttft_mean_s"] = (after[0] - ttft[0]) / max(1.0, after[1] - ttft[1])
             print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
                   f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
-                  f"prefix hits {r['prefix_cache_hit_tokens']:g}", flush=True)
+                  f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}",
+                  flush=True)
             save()
     finally:
         proc.terminate()

@@ -293,6 +293,46 @@ def test_pages_kept_for_a_prefix_are_reused_when_the_pool_runs_short(qwen3):
     assert slots.pool.hit_tokens == 0
 
 
+def test_a_prompt_admitted_alone_runs_as_a_chunk_graph(qwen3, monkeypatch):
+    """With graphs (a GPU's slots), a prompt admitted alone goes through the staging row as one
+    chunk: its (length, start) runs eagerly the first time and as a ChunkGraph from the second
+    on, a prefix hit's rest included (session 17: every admission was an eager, launch-bound
+    pass, and a hit's rest slower than a whole prompt). A group of two stays one eager pass; a
+    failed pass holds nothing. Each request's tokens are its tokens alone. On the CPU a stand-in
+    graph (an eager pass) counts the captures."""
+    import fq_slots
+
+    captured = []
+
+    class Graph:
+        fail = False
+
+        def __init__(self, model, row, length, start, pool=None):
+            captured.append((length, start))
+            self.model, self.row, self.start = model, row, start
+
+        def run(self, ids):
+            if Graph.fail:
+                raise RuntimeError("replay failed")
+            return self.model.prefill_logits(ids, row=self.row, start=self.start)
+
+    monkeypatch.setattr(fq_slots, "ChunkGraph", Graph)
+    base = _prompt(64, 51, 4096)                           # four pages of 16
+    prompts = {"w1": _prompt(80, 52, 4096), "w2": _prompt(80, 53, 4096), "h1": base + _prompt(16, 54, 4096),
+               "h2": base + _prompt(16, 55, 4096), "h3": base + _prompt(16, 56, 4096)}
+    alone = {k: [s[0] for s in qwen3.generate([p], 4)] for k, p in prompts.items()}
+    slots = qwen3.slots(2, 160, page_size=16, num_pages=40)
+    slots.use_graphs, slots._chunk_pool = True, "pool"     # as on a GPU (its steps stay eager here)
+    for key in prompts:                  # (80, 0) eager, captured, replayed; then h2's rest eager, h3's captured
+        assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}
+    assert captured == [(80, 0), (16, 64)] and slots.pool.hit_tokens == 2 * 64
+    assert _greedy(slots, {"w1": prompts["w1"], "w2": prompts["w2"]}, 4, together=True) == \
+        {k: alone[k] for k in ("w1", "w2")} and len(captured) == 2
+    Graph.fail = True
+    with pytest.raises(RuntimeError, match="replay failed"):
+        slots.admit("x", prompts["w1"], reserve=90)
+    assert slots.staged is None and slots.free == 2 and slots.free_pages == 40
+
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35p") / "tiny", seed=3, progress=False)
