@@ -20,13 +20,18 @@ decode); `engine_gdn_step_torch` / `engine_attention_step_torch` (the decode ste
 attention layers on the torch reference ops, products unchanged: gdn_step_torch,
 attention_step_torch); `engine_decode_torch` (the last three together); `engine_prompt_torch`
 (the prompt pass on the torch backend, its caches copied into the engine's, which decodes) and
-`torch_prompt_engine` (the other way round): which half of the run makes the extra noise; `torch_backend`
+`torch_prompt_engine` (the other way round): which half of the run makes the extra noise;
+`engine_prompt_gdn_core_torch` (the prompt pass's chunked rule on the torch reference,
+gdn.delta_rule_chunked_reference, everything else the engine's) and `engine_prompt_gdn_torch` (its
+GDN layers' gates, conv, rule and gated norm all on the references): which of the prompt pass's
+pieces; `torch_backend`
 (Qwen35Model on the torch reference ops). Which of them brings the engine to native's figures
 says where its extra noise is made. All but `engine` and `torch_backend` need the triton
 backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
-vocabulary, and its mean at the prompt pass's own position (first) and over the decode steps; argmax agreement with the full forward (and with native's tokens); how many
+vocabulary, and its mean at the prompt pass's own position (first) and over the decode steps;
+the prompt pass's time (eager, warm: once more after the steps); argmax agreement with the full forward (and with native's tokens); how many
 positions would carry a slack above 0.75 (the full forward's max minus its logit of the
 variant's argmax, the judge's figure); the worst such slack; seconds. Self-check: the
 engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again.
@@ -73,10 +78,11 @@ from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 
 VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
             "engine_no_exact_decode", "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch",
-            "engine_decode_torch", "engine_prompt_torch", "torch_prompt_engine", "torch_backend")
+            "engine_decode_torch", "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch",
+            "engine_prompt_gdn_torch", "torch_backend")
 TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
                "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch",
-               "engine_prompt_torch", "torch_prompt_engine")
+               "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch", "engine_prompt_gdn_torch")
 TORCH_MODEL = ("engine_prompt_torch", "torch_prompt_engine", "torch_backend")     # need the torch backend's model
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
@@ -232,6 +238,50 @@ def unpacked_products(model):
         yield
     finally:
         del ops.linear, ops.linear_silu_mul
+
+
+def _chunked_prefill_torch(q, k, v, g, beta, block_v=None, plan=None, state_out=None, initial_state=None,
+                           capture=None):
+    """gdn.chunked_prefill's contract on the torch reference (delta_rule_chunked_reference, the
+    q / k heads repeated as the torch backend repeats them)."""
+    if capture is not None:
+        raise ValueError("_chunked_prefill_torch: no snapshots in the probe")
+    H = v.shape[2]
+    o, state = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, H), gdn.expand_heads(k, H), v, g, beta,
+                                                state=initial_state)
+    if state_out is None:
+        return o, state
+    state_out.copy_(state)
+    return o, state_out
+
+
+def _causal_conv_prefill_torch(u, conv_w, conv_state=None, **_):
+    out, state = gdn.causal_conv_reference(u.transpose(1, 2), conv_w, conv_state)
+    return out.transpose(1, 2), state
+
+
+def _gated_rmsnorm_torch(x, z, w, eps=gdn.EPS, **_):
+    return gdn.gated_rmsnorm_reference(x, z.reshape(-1, x.shape[-1]), w, eps)
+
+
+@contextlib.contextmanager
+def gdn_prompt_torch(core_only: bool):
+    """The prompt pass's GDN pieces on the torch references (module attributes of fqkernels.gdn,
+    as fq_qwen35 calls them): the chunked rule only (core_only), or the gates, the conv, the rule
+    and the gated norm; restored after. forced_logits applies it around the prompt pass only (the
+    decode step also calls gdn.gated_rmsnorm)."""
+    swap = {"chunked_prefill": _chunked_prefill_torch}
+    if not core_only:
+        swap.update(gates=gdn.gates_reference, causal_conv_prefill=_causal_conv_prefill_torch,
+                    gated_rmsnorm=_gated_rmsnorm_torch)
+    saved = {name: getattr(gdn, name) for name in swap}
+    for name, fn in swap.items():
+        setattr(gdn, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(gdn, name, fn)
 
 
 def gdn_step_torch(model, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -404,7 +454,9 @@ def main(argv=None) -> dict:
             prompt_model = {"engine_prompt_torch": models.get("torch"), "torch_prompt_engine": eng.model}.get(name)
             patch = {"engine_out_tf32x3": lambda: plan_patch(out_prec="tf32x3"),
                      "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16),
-                     "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model)}.get(name)
+                     "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model),
+                     "engine_prompt_gdn_core_torch": lambda: gdn_prompt_torch(True),
+                     "engine_prompt_gdn_torch": lambda: gdn_prompt_torch(False)}.get(name)
             whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B),
                      "engine_cublas_unpacked": lambda: unpacked_products(eng.model),
                      "engine_gdn_step_torch": lambda: torch_steps(eng.model, True, False),
@@ -413,8 +465,16 @@ def main(argv=None) -> dict:
             t1 = time.perf_counter()
             with (whole or contextlib.nullcontext)():
                 steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext, prompt_model)
-            _sync(dev)
-            entry["results"][name] = {**compare(steps, full, toks), "seconds": round(time.perf_counter() - t1, 2)}
+                _sync(dev)
+                seconds = time.perf_counter() - t1
+                prompt_ms = None
+                if prompt_model is None:    # the prompt pass once more, eager and warm, timed
+                    with (patch or contextlib.nullcontext)(), torch.inference_mode():
+                        t2 = time.perf_counter()
+                        model.prefill_logits(prompts)
+                        _sync(dev)
+                        prompt_ms = round(1e3 * (time.perf_counter() - t2), 2)
+            entry["results"][name] = {**compare(steps, full, toks), "seconds": round(seconds, 2), "prompt_ms": prompt_ms}
             del steps
             model.allocate_cache(1, 2)      # the variant's caches go back
             _sync(dev)
@@ -429,11 +489,11 @@ def main(argv=None) -> dict:
         print(f"== {shape} ({entry['seconds']:.0f} s) decode products {entry['choice']}"
               + (f"; self-check {sc['agree']}/{sc['positions']}" if sc else ""), flush=True)
         print(f"{'variant':32s} {'mean|d|':>8s} {'first':>6s} {'p99|d|':>7s} {'max|d|':>7s} {'agree':>11s} {'>0.75':>6s} "
-              f"{'maxslk':>7s} {'s':>6s}")
+              f"{'maxslk':>7s} {'s':>6s} {'prompt ms':>9s}")
         for name, r in entry["results"].items():
             print(f"{name:32s} {r['mean_max_abs']:8.4f} {r['first_mean_max_abs']:6.3f} {r['p99_max_abs']:7.3f} {r['max_abs']:7.3f} "
                   f"{r['argmax_agree']:5d}/{r['positions']:<5d} {r[f'count_slack_gt_{SLACK}']:6d} "
-                  f"{r['max_slack']:7.3f} {r['seconds']:6.1f}", flush=True)
+                  f"{r['max_slack']:7.3f} {r['seconds']:6.1f} {r.get('prompt_ms') or float('nan'):9.2f}", flush=True)
         for name, why in entry["skipped"].items():
             print(f"{name:32s} skipped: {why}", flush=True)
         if args.out:
