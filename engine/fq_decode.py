@@ -101,18 +101,39 @@ class PrefillGraph:
 class ChunkGraph:
     """One chunk of a prompt prefilled in chunks (fq_slots' staging row), `length` positions from
     `start`, over a static ids buffer, as one CUDA graph: prefill_logits(ids, row, start), the
-    last position's logits in a static buffer (copy before the next run). Capture only after an
-    eager pass of the same shape; it reads the row's caches and block table where they are."""
+    last position's logits in a static buffer (copy before the next run). cut (Qwen3.5): the
+    pass also keeps its GDN states after start + cut positions as a snapshot, whose index each
+    run names (a static index buffer). Capture only after an eager pass of the same shape; it
+    reads the row's caches and block table where they are. use_graph False: the same buffers,
+    each run an eager pass (the CPU tests of the plumbing)."""
 
-    def __init__(self, model, row: int, length: int, start: int, pool=None):
+    def __init__(self, model, row: int, length: int, start: int, pool=None, cut: int | None = None,
+                 use_graph: bool = True):
+        self.model, self.row, self.start = model, row, start
         self.ids = torch.zeros((1, length), dtype=torch.int64, device=model.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.prefill_logits(self.ids, row=row, start=start)
+        self.index = None if cut is None else torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.snapshot = None if cut is None else (start + cut, self.index)
+        self.graph = None
+        if use_graph:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self._pass()
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
+    def _pass(self) -> None:
+        self.logits = self.model.prefill_logits(self.ids, row=self.row, start=self.start, snapshot=self.snapshot)
+
+    def run(self, ids: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        """The chunk's pass on ids [1, length]; index: the snapshot's (a graph captured with cut)."""
+        if (index is None) != (self.index is None):
+            raise ValueError(f"ChunkGraph.run: a snapshot index {index!r} for a graph "
+                             f"{'with' if self.index is not None else 'without'} a snapshot")
         self.ids.copy_(ids, non_blocking=True)
-        self.graph.replay()
+        if index is not None:
+            self.index.fill_(index)
+        if self.graph is None:
+            self._pass()
+        else:
+            self.graph.replay()
         return self.logits
 
 

@@ -394,8 +394,8 @@ class Qwen35Model:
         (a prompt prefilled in chunks): the GDN layers go on from their conv and recurrent
         states, the attention layers' queries see the cached keys too. snapshot (position,
         indices): each sequence's GDN states after `position` are also kept as snapshot
-        indices[b] (allocate_snapshots), position - start a multiple of snapshot_granule in
-        (0, S): the states the pass has there anyway."""
+        indices[b] (allocate_snapshots; a list, or an int64 tensor on the device), position - start
+        a multiple of snapshot_granule in (0, S): the states the pass has there anyway."""
         B, S = ids.shape
         if snapshot is not None:
             at, indices = snapshot
@@ -404,7 +404,9 @@ class Qwen35Model:
                 raise ValueError(f"prefill_logits: a snapshot at {at} of {len(indices)} sequence(s) needs allocated "
                                  f"snapshots, one index per sequence ({B}) and a position past {start} by a multiple "
                                  f"of {self.snapshot_granule} below {start + S}")
-            self._capture = (cut, torch.tensor(indices, dtype=torch.int64, device=self.device))
+            # indices may be the caller's int64 tensor on the device (a graph's static buffer: fq_decode.ChunkGraph)
+            self._capture = (cut, indices if isinstance(indices, torch.Tensor)
+                             else torch.tensor(indices, dtype=torch.int64, device=self.device))
         rows = slice(row, row + B)
         self.ensure_rope(start + S)
         cos, sin = self.cos[None, start:start + S], self.sin[None, start:start + S]     # [1, S, r]

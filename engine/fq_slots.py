@@ -83,7 +83,7 @@ def pages_for(positions: int, page_size: int) -> int:
 
 # Qwen3.5's GDN state snapshots a paged Slots keeps for shared prefixes, unless told
 DEFAULT_STATE_SNAPSHOTS = 8
-# On a GPU a chunk of a prompt prefilled in chunks runs as a CUDA graph per (length, start) from
+# On a GPU a chunk of a prompt prefilled in chunks runs as a CUDA graph per (length, start, snapshot cut) from
 # that shape's second pass on (the first runs eagerly: Triton compiles, cuBLAS warms up), for
 # chunks of at most CHUNK_GRAPH_TOKENS; at most CHUNK_GRAPHS_KEPT graphs, the oldest dropped, all
 # on one memory pool (never two replays at once). The eager pass at these sizes is launch-bound
@@ -280,7 +280,7 @@ class Slots:
         self._staged = None                       # the request in the staging row: [key, prompt, reserve, pages, done]
         self._steps = {}
         self.use_graphs = use_graphs
-        self._chunk_graphs: OrderedDict = OrderedDict()   # (length, start) -> ChunkGraph
+        self._chunk_graphs: OrderedDict = OrderedDict()   # (length, start, snapshot cut or None) -> ChunkGraph
         self._chunk_seen: set = set()                     # chunk shapes run once eagerly
         self._chunk_pool = None
         # positions go to the device through two pinned buffers used in turn, each behind an
@@ -506,23 +506,25 @@ class Slots:
 
     def _chunk_pass(self, ids: torch.Tensor, start: int, snapshot) -> torch.Tensor:
         """A chunk's pass in the staging row: its shape's graph where there is one (module
-        constants), else eager (a snapshot's pass always: its indices are the call's own)."""
-        shape = (ids.shape[1], start)
-        if not self.use_graphs or snapshot is not None or ids.shape[1] > CHUNK_GRAPH_TOKENS:
+        constants), else eager. A snapshot's pass (Qwen3.5) is a shape of its own, its cut (the
+        snapshot's position past start) part of the graph and its index written before each run."""
+        cut = None if snapshot is None else snapshot[0] - start
+        shape = (ids.shape[1], start, cut)
+        if not self.use_graphs or ids.shape[1] > CHUNK_GRAPH_TOKENS:
             return self.model.prefill_logits(ids, row=self.staging, start=start, snapshot=snapshot)
         graph = self._chunk_graphs.get(shape)
         if graph is None:
             if shape not in self._chunk_seen:
                 self._chunk_seen.add(shape)
-                return self.model.prefill_logits(ids, row=self.staging, start=start)
+                return self.model.prefill_logits(ids, row=self.staging, start=start, snapshot=snapshot)
             if len(self._chunk_graphs) >= CHUNK_GRAPHS_KEPT:
                 self._chunk_graphs.popitem(last=False)
             if self._chunk_pool is None:
                 self._chunk_pool = torch.cuda.graph_pool_handle()
             graph = self._chunk_graphs[shape] = ChunkGraph(self.model, self.staging, ids.shape[1], start,
-                                                           pool=self._chunk_pool)
+                                                           pool=self._chunk_pool, cut=cut)
         self._chunk_graphs.move_to_end(shape)
-        return graph.run(ids).clone()
+        return graph.run(ids, None if snapshot is None else snapshot[1][0]).clone()
 
     def room(self, key) -> int:
         """Tokens the request can still take (step() appends one each time): its reserve (admit)

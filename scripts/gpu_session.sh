@@ -73,6 +73,8 @@
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
+#   slots-gpu     the slots' GPU tests alone (tests/test_engine_gpu.py -k "slots or chunked_admission"): rows, pages,
+#                 chunk graphs, Qwen3.5's graphed admission with its snapshots
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
 #   q35-step      q35-check's timings alone (--timing-only): the decode step's graphed step times
 #   q35-gemv-ab   the decode step's time with the GEMV table and with other configs, one process an arm
@@ -291,6 +293,8 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                      --out "$OUT/serve_chunked_${SERVE_CHUNK:-256}.json" 2>&1 | grep -v Warn | tail -8 ;;
     paged-attn-probe) timeout 300 python3 scripts/gpu_paged_attn_probe.py --out "$OUT/paged_attn_probe.json" 2>&1 \
                         | grep -v Warn | tail -30 ;;
+    slots-gpu) timeout 200 python3 -m pytest -q -rf --tb=short -m gpu tests/test_engine_gpu.py -k "slots or chunked_admission" 2>&1 \
+                 | tail -30 | tee "$OUT/pytest_slots_gpu.log" ;;
     kernels-paged) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_paged_kv_writes.py \
                      tests/kernels/test_decode_attention.py tests/test_engine_gpu.py -k "paged or slots" 2>&1 \
                      | tail -30 | tee "$OUT/pytest_paged.log" ;;

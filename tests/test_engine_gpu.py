@@ -235,3 +235,45 @@ def test_chunked_admission_graphed_gives_the_eager_tokens(engine, page_size):
     finally:
         engine.use_graphs = True
     assert graphed == eager
+
+
+@pytest.fixture(scope="module")
+def qwen35_engine(tmp_path_factory):
+    from fastqwen import synth35
+
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35g") / "tiny", seed=3, progress=False)
+    return load_engine_module(ENGINE_DIR, "fastqwen_engine_q35_gpu_under_test").Engine(str(path))
+
+
+def test_qwen35_slots_graphed_admission_keeps_the_eager_tokens_and_snapshots(qwen35_engine):
+    """Qwen3.5 paged slots on the GPU: a prompt admitted alone runs as its shape's ChunkGraph from
+    the shape's second pass on, one that keeps a GDN state snapshot too (the snapshot's position
+    part of the shape, its index written before each replay); each request's tokens and every
+    kept snapshot are those of the same requests run eagerly, bit for bit."""
+    from test_slots_cpu import _greedy, _prompt
+
+    w1, w2 = _prompt(200, 61, 1024), _prompt(200, 62, 1024)
+    prompts = {"w1": w1, "w2": w2, "h2": w2[:192] + _prompt(20, 63, 1024), "h1": w1[:192] + _prompt(20, 64, 1024),
+               "h2b": w2[:192] + _prompt(20, 65, 1024)}
+
+    def run(graphs: bool):
+        qwen35_engine.use_graphs = graphs
+        slots = qwen35_engine.slots(2, 320, page_size=64, num_pages=24)
+        tokens = {k: _greedy(slots, {k: p}, 6)[k] for k, p in prompts.items()}
+        pool, model = slots.pool, qwen35_engine.model
+        snaps = []
+        for w in (w1, w2):
+            index = pool._snap_of[pool._page_of[tuple(w[:192])]]
+            snaps.append((model.snap_state[index].clone(), model.snap_conv[index].clone()))
+        return tokens, snaps, list(slots._chunk_graphs), slots.pool.hit_tokens
+
+    try:
+        graphed = run(True)
+        eager = run(False)
+    finally:
+        qwen35_engine.use_graphs = True
+    assert graphed[2] == [(200, 0, 192), (20, 192, None)], graphed[2]
+    assert eager[2] == [] and graphed[3] == eager[3] == 3 * 192
+    assert graphed[0] == eager[0]
+    for (gs, gc), (es, ec) in zip(graphed[1], eager[1]):
+        assert torch.equal(gs, es) and torch.equal(gc, ec)

@@ -293,30 +293,39 @@ def test_pages_kept_for_a_prefix_are_reused_when_the_pool_runs_short(qwen3):
     assert slots.pool.hit_tokens == 0
 
 
+def _stand_in_chunk_graphs(monkeypatch):
+    """fq_slots' ChunkGraph as its buffers with each run an eager pass (no CUDA graph on the CPU),
+    every construction (a capture on a GPU) counted as (length, start, snapshot cut); Graph.fail
+    makes runs raise. Returns (the list of captures, the class)."""
+    import fq_decode
+    import fq_slots
+
+    captured = []
+
+    class Graph(fq_decode.ChunkGraph):
+        fail = False
+
+        def __init__(self, model, row, length, start, pool=None, cut=None):
+            captured.append((length, start, cut))
+            super().__init__(model, row, length, start, pool, cut, use_graph=False)
+
+        def run(self, ids, index=None):
+            if Graph.fail:
+                raise RuntimeError("replay failed")
+            return super().run(ids, index)
+
+    monkeypatch.setattr(fq_slots, "ChunkGraph", Graph)
+    return captured, Graph
+
+
 def test_a_prompt_admitted_alone_runs_as_a_chunk_graph(qwen3, monkeypatch):
     """With graphs (a GPU's slots), a prompt admitted alone goes through the staging row as one
     chunk: its (length, start) runs eagerly the first time and as a ChunkGraph from the second
     on, a prefix hit's rest included (session 17: every admission was an eager, launch-bound
     pass, and a hit's rest slower than a whole prompt). A group of two stays one eager pass; a
     failed pass holds nothing. Each request's tokens are its tokens alone. On the CPU a stand-in
-    graph (an eager pass) counts the captures."""
-    import fq_slots
-
-    captured = []
-
-    class Graph:
-        fail = False
-
-        def __init__(self, model, row, length, start, pool=None):
-            captured.append((length, start))
-            self.model, self.row, self.start = model, row, start
-
-        def run(self, ids):
-            if Graph.fail:
-                raise RuntimeError("replay failed")
-            return self.model.prefill_logits(ids, row=self.row, start=self.start)
-
-    monkeypatch.setattr(fq_slots, "ChunkGraph", Graph)
+    graph (ChunkGraph's buffers, each run an eager pass) counts the captures."""
+    captured, Graph = _stand_in_chunk_graphs(monkeypatch)
     base = _prompt(64, 51, 4096)                           # four pages of 16
     prompts = {"w1": _prompt(80, 52, 4096), "w2": _prompt(80, 53, 4096), "h1": base + _prompt(16, 54, 4096),
                "h2": base + _prompt(16, 55, 4096), "h3": base + _prompt(16, 56, 4096)}
@@ -325,7 +334,7 @@ def test_a_prompt_admitted_alone_runs_as_a_chunk_graph(qwen3, monkeypatch):
     slots.use_graphs, slots._chunk_pool = True, "pool"     # as on a GPU (its steps stay eager here)
     for key in prompts:                  # (80, 0) eager, captured, replayed; then h2's rest eager, h3's captured
         assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}
-    assert captured == [(80, 0), (16, 64)] and slots.pool.hit_tokens == 2 * 64
+    assert captured == [(80, 0, None), (16, 64, None)] and slots.pool.hit_tokens == 2 * 64
     assert _greedy(slots, {"w1": prompts["w1"], "w2": prompts["w2"]}, 4, together=True) == \
         {k: alone[k] for k in ("w1", "w2")} and len(captured) == 2
     Graph.fail = True
@@ -450,3 +459,34 @@ def test_qwen35_more_prompts_at_once_than_snapshots(qwen35):
     assert slots.pool.hit_tokens == 0
     assert _greedy(slots, again, 4, together=True) == {k: alone[k] for k in again}
     assert slots.pool.hit_tokens == 2 * 128 and slots.pool.free == 40            # q0 and q1 shared; all back
+
+
+def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwen35, monkeypatch):
+    """Qwen3.5 with graphs: a prompt admitted alone keeps its GDN states at its last whole page as
+    a snapshot, and its pass is still a graph from its shape's second pass on, the snapshot's
+    position part of the shape and its index written into the graph's buffer before each run.
+    w1's pass (eager) and w2's (captured) keep snapshots at 192 under different indices; a prompt
+    sharing w2's first 192 tokens goes on from w2's snapshot and one sharing w1's from w1's (a
+    graph writing its index anywhere else would overwrite one of them), each its tokens alone."""
+    captured, _ = _stand_in_chunk_graphs(monkeypatch)
+    w1, w2 = _prompt(200, 61, 1024), _prompt(200, 62, 1024)
+    prompts = {"w1": w1, "w2": w2, "h2": w2[:192] + _prompt(20, 63, 1024), "h1": w1[:192] + _prompt(20, 64, 1024),
+               "h2b": w2[:192] + _prompt(20, 65, 1024)}
+    alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in prompts.items()}
+    slots = qwen35.slots(2, 320, page_size=64, num_pages=24)
+    slots.use_graphs, slots._chunk_pool = True, "pool"
+    for key in prompts:
+        assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}, key
+    # w1 eager, w2 captured with its snapshot at 192; h2 eager (a new shape), h1 and h2b its graph
+    assert captured == [(200, 0, 192), (20, 192, None)]
+    assert slots.pool.hit_tokens == 3 * 192
+    # the tiny model's tokens barely feel its small states: the kept snapshots themselves are
+    # each prompt's states at 192, as an eager pass takes them (into a snapshot no page holds)
+    model, pool = qwen35.model, slots.pool
+    bound = {w: pool._snap_of[pool._page_of[tuple(w[:192])]] for w in ((*w1,), (*w2,))}
+    spare = next(i for i in range(pool.snapshots) if i not in bound.values())
+    for w, index in bound.items():
+        with torch.inference_mode():
+            model.prefill_logits(torch.tensor([w]), row=0, snapshot=(192, [spare]))
+        assert torch.equal(model.snap_state[spare], model.snap_state[index])
+        assert torch.equal(model.snap_conv[spare], model.snap_conv[index])
