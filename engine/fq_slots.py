@@ -51,6 +51,7 @@ takes its snapshot where a chunk starts there or crosses it by whole rule chunks
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import torch
@@ -90,6 +91,11 @@ DEFAULT_STATE_SNAPSHOTS = 8
 # (session 13: a 256-token chunk of Qwen3-4B ~4.4 ms of GPU work inside ~20 ms of host time).
 CHUNK_GRAPH_TOKENS = 2048
 CHUNK_GRAPHS_KEPT = 8
+# Off by default: a Qwen3.5 pass that keeps a state snapshot (every prompt admitted with prefix
+# sharing on) as a chunk graph. Measured (H200, synthetic Qwen3.5-4B, pages of 64): one stream's
+# TTFT p50 34 -> 12.5 ms and a prefix hit's 48 -> 9.5 ms, but 16 streams of 512 + 128 fell
+# from 3,030 to 1,597 tok/s (TTFT p99 0.22 -> 1.32 s), a stall not yet explained.
+GRAPH_SNAPSHOT_PASSES = False
 
 
 def state_snapshots_for(model, page_size: int | None, share_prefixes: bool, state_snapshots: int | None = None):
@@ -280,6 +286,10 @@ class Slots:
         self._staged = None                       # the request in the staging row: [key, prompt, reserve, pages, done]
         self._steps = {}
         self.use_graphs = use_graphs
+        # a pass that keeps a Qwen3.5 state snapshot as a chunk graph too (module note at
+        # GRAPH_SNAPSHOT_PASSES); the environment's FASTQWEN_GRAPH_SNAPSHOT_PASSES=1|0 overrides
+        flag = os.environ.get("FASTQWEN_GRAPH_SNAPSHOT_PASSES")
+        self.graph_snapshot_passes = GRAPH_SNAPSHOT_PASSES if flag is None else flag == "1"
         self._chunk_graphs: OrderedDict = OrderedDict()   # (length, start, snapshot cut or None) -> ChunkGraph
         self._chunk_seen: set = set()                     # chunk shapes run once eagerly
         self._chunk_pool = None
@@ -506,11 +516,13 @@ class Slots:
 
     def _chunk_pass(self, ids: torch.Tensor, start: int, snapshot) -> torch.Tensor:
         """A chunk's pass in the staging row: its shape's graph where there is one (module
-        constants), else eager. A snapshot's pass (Qwen3.5) is a shape of its own, its cut (the
-        snapshot's position past start) part of the graph and its index written before each run."""
+        constants), else eager. A snapshot's pass (Qwen3.5) eager unless graph_snapshot_passes;
+        then a shape of its own, its cut (the snapshot's position past start) part of the graph
+        and its index written before each run."""
         cut = None if snapshot is None else snapshot[0] - start
         shape = (ids.shape[1], start, cut)
-        if not self.use_graphs or ids.shape[1] > CHUNK_GRAPH_TOKENS:
+        if (not self.use_graphs or ids.shape[1] > CHUNK_GRAPH_TOKENS
+                or (snapshot is not None and not self.graph_snapshot_passes)):
             return self.model.prefill_logits(ids, row=self.staging, start=start, snapshot=snapshot)
         graph = self._chunk_graphs.get(shape)
         if graph is None:

@@ -462,7 +462,7 @@ def test_qwen35_more_prompts_at_once_than_snapshots(qwen35):
 
 
 def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwen35, monkeypatch):
-    """Qwen3.5 with graphs: a prompt admitted alone keeps its GDN states at its last whole page as
+    """Qwen3.5 with graphs and graph_snapshot_passes: a prompt admitted alone keeps its GDN states at its last whole page as
     a snapshot, and its pass is still a graph from its shape's second pass on, the snapshot's
     position part of the shape and its index written into the graph's buffer before each run.
     w1's pass (eager) and w2's (captured) keep snapshots at 192 under different indices; a prompt
@@ -474,7 +474,8 @@ def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwe
                "h2b": w2[:192] + _prompt(20, 65, 1024)}
     alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in prompts.items()}
     slots = qwen35.slots(2, 320, page_size=64, num_pages=24)
-    slots.use_graphs, slots._chunk_pool = True, "pool"
+    assert not slots.graph_snapshot_passes                 # the default (fq_slots.GRAPH_SNAPSHOT_PASSES)
+    slots.use_graphs, slots._chunk_pool, slots.graph_snapshot_passes = True, "pool", True
     for key in prompts:
         assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}, key
     # w1 eager, w2 captured with its snapshot at 192; h2 eager (a new shape), h1 and h2b its graph
@@ -490,3 +491,21 @@ def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwe
             model.prefill_logits(torch.tensor([w]), row=0, snapshot=(192, [spare]))
         assert torch.equal(model.snap_state[spare], model.snap_state[index])
         assert torch.equal(model.snap_conv[spare], model.snap_conv[index])
+
+
+def test_qwen35_snapshot_passes_stay_eager_by_default(qwen35, monkeypatch):
+    """By default (and with FASTQWEN_GRAPH_SNAPSHOT_PASSES=0) a pass that keeps a snapshot runs
+    eagerly even with graphs: only the prefix hits' rests (no snapshot) become graphs;
+    FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 turns it on for new slots."""
+    captured, _ = _stand_in_chunk_graphs(monkeypatch)
+    w1, w2 = _prompt(200, 71, 1024), _prompt(200, 72, 1024)
+    prompts = {"w1": w1, "w2": w2, "h1": w1[:192] + _prompt(20, 73, 1024), "h2": w2[:192] + _prompt(20, 74, 1024)}
+    alone = {k: [s[0] for s in qwen35.generate([p], 3)] for k, p in prompts.items()}
+    monkeypatch.setenv("FASTQWEN_GRAPH_SNAPSHOT_PASSES", "0")
+    slots = qwen35.slots(2, 320, page_size=64, num_pages=24)
+    slots.use_graphs, slots._chunk_pool = True, "pool"
+    for key in prompts:
+        assert _greedy(slots, {key: prompts[key]}, 3) == {key: alone[key]}, key
+    assert captured == [(20, 192, None)] and slots.pool.hit_tokens == 2 * 192
+    monkeypatch.setenv("FASTQWEN_GRAPH_SNAPSHOT_PASSES", "1")
+    assert qwen35.slots(2, 320, page_size=64, num_pages=24).graph_snapshot_passes
