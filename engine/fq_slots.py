@@ -292,6 +292,9 @@ class Slots:
         self.graph_snapshot_passes = GRAPH_SNAPSHOT_PASSES if flag is None else flag == "1"
         self._chunk_graphs: OrderedDict = OrderedDict()   # (length, start, snapshot cut or None) -> ChunkGraph
         self._chunk_seen: set = set()                     # chunk shapes run once eagerly
+        # how the last prompt pass ran: "group" (one eager pass of admit_group's prompts),
+        # "eager", "capture" (its shape's graph captured, then run) or "graph" (a replay)
+        self.last_pass: str | None = None
         self._chunk_pool = None
         # positions go to the device through two pinned buffers used in turn, each behind an
         # event, so a step is queued without waiting on the one before it
@@ -386,6 +389,7 @@ class Slots:
                         self.pool.drop_snapshot(index)
                 snaps = [None] * len(snaps)
             points = [at if index is not None else 0 for at, index in zip(points, snaps)]
+        self.last_pass = "group"
         try:
             with torch.inference_mode():
                 if not any(t[1] for t in taken):     # nothing shared: one prompt pass (one length: one point)
@@ -523,11 +527,14 @@ class Slots:
         shape = (ids.shape[1], start, cut)
         if (not self.use_graphs or ids.shape[1] > CHUNK_GRAPH_TOKENS
                 or (snapshot is not None and not self.graph_snapshot_passes)):
+            self.last_pass = "eager"
             return self.model.prefill_logits(ids, row=self.staging, start=start, snapshot=snapshot)
         graph = self._chunk_graphs.get(shape)
+        self.last_pass = "graph"
         if graph is None:
             if shape not in self._chunk_seen:
                 self._chunk_seen.add(shape)
+                self.last_pass = "eager"
                 return self.model.prefill_logits(ids, row=self.staging, start=start, snapshot=snapshot)
             if len(self._chunk_graphs) >= CHUNK_GRAPHS_KEPT:
                 self._chunk_graphs.popitem(last=False)
@@ -535,6 +542,7 @@ class Slots:
                 self._chunk_pool = torch.cuda.graph_pool_handle()
             graph = self._chunk_graphs[shape] = ChunkGraph(self.model, self.staging, ids.shape[1], start,
                                                            pool=self._chunk_pool, cut=cut)
+            self.last_pass = "capture"
         self._chunk_graphs.move_to_end(shape)
         return graph.run(ids, None if snapshot is None else snapshot[1][0]).clone()
 

@@ -87,6 +87,21 @@ def server_ttft(url: str) -> tuple:
     return tuple(prefix_hits(url, "fastqwen:time_to_first_token_seconds" + s) for s in ("_sum", "_count"))
 
 
+def prompt_passes(url: str) -> dict:
+    """kind -> [count, seconds] of the server's prompt_pass_seconds histogram (scheduler.py: each
+    prompt pass that ended in first tokens, by how it ran: group, eager, capture, graph)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        for suffix, at in (("_count", 0), ("_sum", 1)):
+            name = "fastqwen:prompt_pass_seconds" + suffix + "{"
+            if line.startswith(name) and 'kind="' in line:
+                kind = line.split('kind="', 1)[1].split('"', 1)[0]
+                out.setdefault(kind, [0.0, 0.0])[at] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +153,7 @@ def main() -> None:
         if args.quick:
             runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
         for name, kw in runs.items():
-            hits, ttft = prefix_hits(url), server_ttft(url)
+            hits, ttft, passes = prefix_hits(url), server_ttft(url), prompt_passes(url)
             report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
             r = report[name]
             r["prefix_cache_hit_tokens"] = prefix_hits(url) - hits
@@ -146,9 +161,14 @@ def main() -> None:
             # client's TTFT less this is the HTTP side (parse, SSE out, the hand-off between threads)
             after = server_ttft(url)
             r["server_ttft_mean_s"] = (after[0] - ttft[0]) / max(1.0, after[1] - ttft[1])
+            # the run's prompt passes by how they ran: [count, seconds in all]
+            now = prompt_passes(url)
+            r["prompt_passes"] = {k: [now[k][0] - passes.get(k, [0, 0])[0], round(now[k][1] - passes.get(k, [0, 0])[1], 4)]
+                                  for k in now if now[k][0] > passes.get(k, [0, 0])[0]}
             print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
                   f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
-                  f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}",
+                  f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}, "
+                  f"passes {r['prompt_passes']}",
                   flush=True)
             save()
     finally:

@@ -73,6 +73,8 @@
 #   bench-gdn     the GDN prompt pass: our chunked kernels against the torch reference (and fla if installed)
 #   paged-attn-probe  the paged decode attention against the row one, pipeline depths 2-5, bits checked
 #                 (scripts/gpu_paged_attn_probe.py)
+#   serve-q35-snapgraph  serve-q35 with FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 (each run's prompt passes by kind:
+#                 prompt_passes in the report)
 #   slots-gpu     the slots' GPU tests alone (tests/test_engine_gpu.py -k "slots or chunked_admission"): rows, pages,
 #                 chunk graphs, Qwen3.5's graphed admission with its snapshots
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
@@ -288,6 +290,11 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 400 python3 scripts/gpu_serve_bench.py \
                  --model /tmp/q35_4b --block-size 64 --runs one_stream,sixteen_streams,prefix_0,prefix_384 \
                  --out "$OUT/serve_q35.json" 2>&1 | grep -v Warn | tail -8 ;;
+    serve-q35-snapgraph) q35_ckpt       # serve-q35 with a pass that keeps a state snapshot as a chunk graph too
+               FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 400 python3 \
+                 scripts/gpu_serve_bench.py --model /tmp/q35_4b --block-size 64 \
+                 --runs one_stream,sixteen_streams,prefix_0,prefix_384 --out "$OUT/serve_q35_snapgraph.json" 2>&1 \
+                 | grep -v Warn | tail -8 ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                      --model /tmp/q4b --prefill-chunk "${SERVE_CHUNK:-256}" --runs one_stream,sixteen_streams,rate_4,rate_16 \
                      --out "$OUT/serve_chunked_${SERVE_CHUNK:-256}.json" 2>&1 | grep -v Warn | tail -8 ;;

@@ -154,6 +154,11 @@ def test_metrics_are_prometheus_text(server, client):
         assert name in families, sorted(families)
     done = sum(s.value for s in families["fastqwen:request_success"].samples if s.name.endswith("_total"))
     assert done >= 1
+    # every request's prompt pass is counted by how it ran (on the CPU: eager, one pass a group)
+    passes = {s.labels["kind"]: s.value for s in families["fastqwen:prompt_pass_seconds"].samples
+              if s.name.endswith("_count")}
+    assert set(passes) <= {"group", "eager", "capture", "graph"} and sum(passes.values()) >= 1, passes
+    assert passes.get("capture", 0) == passes.get("graph", 0) == 0
 
 
 def test_bench_serve_measures_every_request(server, tmp_path):

@@ -332,11 +332,14 @@ def test_a_prompt_admitted_alone_runs_as_a_chunk_graph(qwen3, monkeypatch):
     alone = {k: [s[0] for s in qwen3.generate([p], 4)] for k, p in prompts.items()}
     slots = qwen3.slots(2, 160, page_size=16, num_pages=40)
     slots.use_graphs, slots._chunk_pool = True, "pool"     # as on a GPU (its steps stay eager here)
-    for key in prompts:                  # (80, 0) eager, captured, replayed; then h2's rest eager, h3's captured
+    kinds = []
+    for key in prompts:                  # (80, 0) eager, captured, replayed (h1); then h2's rest eager, h3's captured
         assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}
+        kinds.append(slots.last_pass)
+    assert kinds == ["eager", "capture", "graph", "eager", "capture"], kinds
     assert captured == [(80, 0, None), (16, 64, None)] and slots.pool.hit_tokens == 2 * 64
     assert _greedy(slots, {"w1": prompts["w1"], "w2": prompts["w2"]}, 4, together=True) == \
-        {k: alone[k] for k in ("w1", "w2")} and len(captured) == 2
+        {k: alone[k] for k in ("w1", "w2")} and len(captured) == 2 and slots.last_pass == "group"
     Graph.fail = True
     with pytest.raises(RuntimeError, match="replay failed"):
         slots.admit("x", prompts["w1"], reserve=90)

@@ -7,6 +7,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5)
+# A prompt pass, from a few ms (a graph replay) to seconds (kernels compiling, a capture).
+PASS_BUCKETS = (0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+PASS_KINDS = ("group", "eager", "capture", "graph")
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
@@ -38,8 +41,15 @@ class Metrics:
         self.kv_usage = named(Gauge, "kv_cache_usage_perc", "The KV cache in use (1 = full): pages the running "
                               "requests hold over the pool's (paged cache), else their cached positions over all "
                               "slots' positions")
+        self.prompt_pass = named(Histogram, "prompt_pass_seconds", "A prompt pass that ends in first tokens, from "
+                                 "its start to those tokens on the host, by how it ran: group (one eager pass of "
+                                 "several prompts of one length), eager, capture (its shape's CUDA graph captured, "
+                                 "then run), graph (a replay)", buckets=PASS_BUCKETS, extra=["kind"])
         self.prefix_hit_tokens = named(Counter, "prefix_cache_hit_tokens", "Prompt positions taken from the "
                                        "pages of a shared prefix instead of prefilled (paged cache)")
+
+    def pass_done(self, kind: str, seconds: float) -> None:
+        self.prompt_pass.labels(**self.labels, kind=kind).observe(seconds)
 
     def prefix_hits(self, tokens: int) -> None:
         self.prefix_hit_tokens.labels(**self.labels).inc(tokens)

@@ -197,16 +197,24 @@ class Scheduler:
         for req in group:
             self._prepare(req)
         row = len(self.slots.keys)
+        began = time.monotonic()
         logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
                                         [self._reserve(r) for r in group])
         for req in group:
             self._held.remove(req)
         firsts = sample(logits, [r.params for r in group], [r.generator for r in group])
         self._tokens[row:row + len(group)].copy_(firsts)
-        for req, tok in zip(group, firsts.tolist()):
+        tokens = firsts.tolist()
+        self._pass_done(began)
+        for req, tok in zip(group, tokens):
             self.running[req.id] = req
             self._emit(req, tok)
         return True
+
+    def _pass_done(self, began: float) -> None:
+        """A prompt pass that ended in first tokens (on the host now): its time, by how it ran."""
+        if self.metrics is not None and self.slots.last_pass is not None:
+            self.metrics.pass_done(self.slots.last_pass, time.monotonic() - began)
 
     def _prepare(self, req: Request) -> None:
         """What a request needs once it has a slot: its detokenizer and its sampling generator."""
@@ -221,6 +229,7 @@ class Scheduler:
             self.slots.retire(req.id)
             self._finish(req, "abort")
             return True
+        began = time.monotonic()
         logits = self.slots.prefill_next(self.prefill_chunk)
         self.chunks += 1
         if logits is None:
@@ -229,8 +238,10 @@ class Scheduler:
         row = len(self.slots.keys) - 1
         first = sample(logits[None], [req.params], [req.generator])
         self._tokens[row:row + 1].copy_(first)
+        token = int(first[0])
+        self._pass_done(began)
         self.running[req.id] = req
-        self._emit(req, int(first[0]))
+        self._emit(req, token)
         return True
 
     def _step(self) -> bool:
