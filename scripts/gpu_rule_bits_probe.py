@@ -8,10 +8,12 @@ shapes and strides) and against it Triton kernels of known order, and reports pe
 candidate the fraction of elements bit-equal and the largest difference.
 
 Pieces (the 4B's heads: Dk = Dv = 128, chunks of 64; B x T and heads from --shape):
-  sum128     (x * x).sum(-1) over Dk fp32 (l2_normalize)      ascending adds, tl.sum
+  sum128     (x * x).sum(-1) over Dk fp32 (l2_normalize)      ascending adds, tl.sum, torch's reduce
+                                                                order as read from its source (emulated)
   rsqrt      torch.rsqrt                                        tl.rsqrt, libdevice rsqrt
   exp        torch.exp on log decays                            tl.exp, libdevice exp
-  cumsum64   g.cumsum(3) within a chunk                         ascending adds, tl.cumsum
+  cumsum64   g.cumsum(3) within a chunk                         ascending adds, tl.cumsum, torch's
+                                                                Sklansky scan as read (emulated)
   mm_kkt     (k * beta) @ k^T        [64, 128] x [128, 64]      ascending FMA, two halves, tl.dot ieee
   mm_ws      w[:, :, c] @ S          [64, 128] x [128, 128]     the same
   mm_av      attn[:, :, c] @ v_new   [64, 64] x [64, 128]       the same
@@ -22,7 +24,9 @@ Pieces (the 4B's heads: Dk = Dv = 128, chunks of 64; B x T and heads from --shap
     python scripts/gpu_rule_bits_probe.py [--shape 4x2048] [--heads 32] [--seed 0] [--out PATH]
 
 Writes {piece: {candidate: {"equal": fraction, "max_abs": float}}} as JSON (a candidate that
-fails to compile or run: None and its error) and prints a table.
+fails to compile or run: None and its error) and prints a table; on a GPU also each piece's torch
+op timed and the whole reference rule, eager and as one CUDA graph (what a rule built from the
+reference's own ops would cost).
 On the CPU the candidates run under TRITON_INTERPRET=1 (their logic; the bits are the GPU's).
 """
 from __future__ import annotations
@@ -234,16 +238,103 @@ def reference_pieces(q, k, v, g, beta):
     return pieces, (out, S)
 
 
+def _tree(v: torch.Tensor) -> torch.Tensor:
+    """Sums over the last axis (a power of two) as a warp's shuffle-down tree: at offset 1, 2, 4, ...
+    lane t adds lane t + offset's value; lane 0's total."""
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
+
+
+def _sum_strided(x: torch.Tensor) -> torch.Tensor:
+    """torch's CUDA reduce of a contiguous row of 128 (as read from its Reduce.cuh: 32 lanes, lane t
+    holding x[t], x[t + 32], x[t + 64], x[t + 96] in four accumulators combined in order, then the
+    lanes' tree), emulated by elementwise fp32 adds."""
+    v = x.view(*x.shape[:-1], 4, 32)
+    return _tree(((v[..., 0, :] + v[..., 1, :]) + v[..., 2, :]) + v[..., 3, :])
+
+
+def _sum_vec4(x: torch.Tensor) -> torch.Tensor:
+    """The same with vectorized loads (lane t holding x[4t .. 4t + 3])."""
+    v = x.view(*x.shape[:-1], 32, 4)
+    return _tree(((v[..., 0] + v[..., 1]) + v[..., 2]) + v[..., 3])
+
+
+def _cumsum_sklansky(x: torch.Tensor, half: int = 16) -> torch.Tensor:
+    """torch's CUDA scan of a contiguous row (its ScanUtils.cuh, as read: blocks of 2 x 16 values,
+    the running total added into a block's first value, then the Sklansky levels s = 1, 2, ..., 16:
+    value a + t % s takes value a - 1, a = (t // s) * 2s + s), emulated by elementwise fp32 adds."""
+    out = torch.empty_like(x)
+    total = torch.zeros_like(x[..., 0])
+    width = 2 * half
+    for b0 in range(0, x.shape[-1], width):
+        buf = x[..., b0:b0 + width].clone()
+        buf[..., 0] = buf[..., 0] + total
+        s = 1
+        while s <= half:
+            t = torch.arange(half)
+            a = (t // s) * (2 * s) + s
+            ti, si = a + t % s, a - 1
+            buf[..., ti] = buf[..., ti] + buf[..., si]
+            s *= 2
+        out[..., b0:b0 + width] = buf
+        total = buf[..., -1]
+    return out
+
+
 CANDIDATES = {
-    "sum128": {"ascending": lambda x: _rows(0, x, False), "tl.sum": lambda x: _rows(1, x, False)},
+    "sum128": {"ascending": lambda x: _rows(0, x, False), "tl.sum": lambda x: _rows(1, x, False),
+               "torch_strided4_tree32": _sum_strided, "vec4_tree32": _sum_vec4},
     "rsqrt": {"tl.rsqrt": lambda x: _unary(2, x), "libdevice.rsqrt": lambda x: _unary(3, x)},
     "exp": {"tl.exp": lambda x: _unary(0, x), "libdevice.exp": lambda x: _unary(1, x)},
-    "cumsum64": {"ascending": lambda x: _rows(2, x, True), "tl.cumsum": lambda x: _rows(3, x, True)},
+    "cumsum64": {"ascending": lambda x: _rows(2, x, True), "tl.cumsum": lambda x: _rows(3, x, True),
+                 "sklansky_2x16": _cumsum_sklansky},
     "trsm": {"ascending_fma": lambda L, b: _trsm(L, b, True), "ascending_rounded": lambda L, b: _trsm(L, b, False)},
 }
 for _p in ("mm_kkt", "mm_ws", "mm_av", "mm_ktv"):
     CANDIDATES[_p] = {"ascending_fma": lambda a, b: _bmm(a, b, 0), "halves_fma": lambda a, b: _bmm(a, b, 1),
                       "tl.dot_ieee": lambda a, b: _bmm(a, b, 2)}
+
+
+TORCH_OPS = {"sum128": lambda x: x.sum(-1), "rsqrt": torch.rsqrt, "exp": torch.exp, "cumsum64": lambda x: x.cumsum(-1),
+             "trsm": lambda a, b: torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)}
+
+
+def _time_us(fn, reps: int = 20) -> float:
+    """Median microseconds of fn() on the GPU (CUDA events), after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def timings(pieces: dict, q, k, v, g, beta) -> dict:
+    """What a rule built from the reference's own ops would cost (the GPU only): each piece's torch
+    op once (us), and the whole reference rule eager and, if it captures, as one CUDA graph."""
+    out = {name: round(_time_us(lambda: TORCH_OPS.get(name, lambda a, b: a @ b)(*ins)), 1)
+           for name, (ins, _) in pieces.items()}
+    rule = lambda: gdn.delta_rule_chunked_reference(q, k, v, g, beta)  # noqa: E731
+    out["rule_eager"] = round(_time_us(rule, reps=5), 1)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            rule()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rule()
+        out["rule_graph"] = round(_time_us(graph.replay, reps=5), 1)
+    except Exception as exc:  # noqa: BLE001 - the reference may not capture (e.g. a host sync in the solve)
+        out["rule_graph"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out
 
 
 def inputs(B: int, T: int, H: int, dev, seed: int):
@@ -287,15 +378,19 @@ def main(argv=None) -> dict:
                 except Exception as exc:  # noqa: BLE001 - one candidate that does not compile: the rest still run
                     report["pieces"][name][cand] = {"equal": None, "max_abs": None,
                                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        if dev.type == "cuda":
+            report["torch_us"] = timings(pieces, q, k, v, g, beta)
     print(f"{args.shape}, {args.heads} heads on {dev}; the pieces chain to the reference bit for bit: "
           f"{report['chain_is_the_reference']}")
-    print(f"{'piece':10s} {'candidate':20s} {'bit-equal':>10s} {'max |diff|':>11s}")
+    print(f"{'piece':10s} {'candidate':22s} {'bit-equal':>10s} {'max |diff|':>11s}")
     for name, cands in report["pieces"].items():
         for cand, r in cands.items():
             if r["equal"] is None:
-                print(f"{name:10s} {cand:20s} {r['error']}")
+                print(f"{name:10s} {cand:22s} {r['error']}")
             else:
-                print(f"{name:10s} {cand:20s} {r['equal']:10.6f} {r['max_abs']:11.3e}")
+                print(f"{name:10s} {cand:22s} {r['equal']:10.6f} {r['max_abs']:11.3e}")
+    if "torch_us" in report:
+        print("torch's ops, us (one layer):", report["torch_us"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

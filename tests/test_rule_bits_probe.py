@@ -43,11 +43,8 @@ def test_the_pieces_are_the_references_ops():
     assert torch.equal(out, ref_out) and torch.equal(state, ref_state)
     assert set(pieces) == set(p.CANDIDATES)
     # each kept output is its op on its kept inputs (so a candidate is held to the right op)
-    ops = {"sum128": lambda x: x.sum(-1), "rsqrt": torch.rsqrt, "exp": torch.exp,
-           "cumsum64": lambda x: x.cumsum(-1),
-           "trsm": lambda a, b: torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)}
     for name, (ins, want) in pieces.items():
-        got = ops.get(name, lambda a, b: a @ b)(*ins)
+        got = p.TORCH_OPS.get(name, lambda a, b: a @ b)(*ins)
         assert torch.equal(got.reshape(want.shape), want), name
     assert pieces["mm_ws"][0][1].abs().sum() > 0, "the state product must see a state that is not zero"
     assert pieces["mm_kkt"][0][0].shape[-2:] == (64, 128) and pieces["mm_ktv"][0][0].shape[-2:] == (128, 64)
@@ -98,3 +95,23 @@ def test_the_probe_runs_end_to_end(tmp_path):
     assert report["chain_is_the_reference"] and json.loads(out.read_text())["pieces"].keys() == report["pieces"].keys()
     for name, cands in report["pieces"].items():
         assert cands and all(0 <= r["equal"] <= 1 and r["max_abs"] < 1e-3 for r in cands.values()), (name, cands)
+
+
+def test_the_emulated_torch_orders_are_the_orders_they_name():
+    """The torch-order candidates (elementwise emulations, no Triton): sums of exactly
+    representable values are exact in any order, so they equal the plain sums; on general values
+    the strided order is its own arithmetic (checked against a direct loop)."""
+    p = _probe()
+    ints = torch.randint(-1000, 1000, (50, 128)).float()
+    assert torch.equal(p._sum_strided(ints), ints.sum(-1)) and torch.equal(p._sum_vec4(ints), ints.sum(-1))
+    assert torch.equal(p._cumsum_sklansky(ints[:, :64]), ints[:, :64].cumsum(-1))
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(3))
+    lanes = [((x[:, t] + x[:, t + 32]) + x[:, t + 64]) + x[:, t + 96] for t in range(32)]
+    while len(lanes) > 1:
+        lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
+    assert torch.equal(p._sum_strided(x), lanes[0])
+    # the Sklansky scan's first block: element 3 is (x0 + x1) + (x2 + x3), not ((x0 + x1) + x2) + x3
+    y = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    got = p._cumsum_sklansky(y)
+    assert torch.equal(got[:, 3], (y[:, 0] + y[:, 1]) + (y[:, 2] + y[:, 3]))
+    assert torch.equal(got[:, 32], y[:, 32] + got[:, 31])
