@@ -307,6 +307,33 @@ class Slots:
                 tune(rows)
             self._steps[rows] = LogitsStep(model, rows, use_graphs)
 
+    def warm(self, length: int = 128) -> None:
+        """Run what a server's first prompts would compile, before any arrives: a prompt pass of
+        `length` tokens in the staging row (keeping a state snapshot halfway where the model keeps
+        them) and its continuation by as many (a prefix hit's rest, a later chunk), eagerly. Nothing
+        is kept: no pages for sharing, no snapshot, no graph; rows, pages and snapshots as before."""
+        self._check_open()
+        if self._staged is not None or self.keys:
+            raise SlotError("warm(): only before any request is admitted")
+        if 2 * length >= self.max_len:
+            length = max(1, (self.max_len - 1) // 2)
+        pages = [] if self.page_size is None else self.pool.take(pages_for(2 * length, self.page_size))
+        index = self.pool.new_snapshot() if self.pool.snapshots else None
+        granule = getattr(self.model, "snapshot_granule", 0)
+        cut = length // 2 // granule * granule if granule else 0
+        ids = torch.zeros((1, length), dtype=torch.int64, device=self.device)
+        try:
+            if pages:
+                self.model.block_table[self.staging, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            with torch.inference_mode():
+                self.model.prefill_logits(ids, row=self.staging,
+                                          snapshot=(cut, [index]) if index is not None and cut else None)
+                self.model.prefill_logits(ids, row=self.staging, start=length)
+        finally:
+            if index is not None:
+                self.pool.drop_snapshot(index)
+            self._give_back(self.staging, pages)
+
     @property
     def free(self) -> int:
         """Rows free for requests (a request being prefilled in chunks holds the row it will take)."""

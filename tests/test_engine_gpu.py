@@ -249,7 +249,8 @@ def test_qwen35_slots_graphed_admission_keeps_the_eager_tokens_and_snapshots(qwe
     """Qwen3.5 paged slots on the GPU: a prompt admitted alone runs as its shape's ChunkGraph from
     the shape's second pass on, one that keeps a GDN state snapshot too (the snapshot's position
     part of the shape, its index written before each replay); each request's tokens and every
-    kept snapshot are those of the same requests run eagerly, bit for bit."""
+    kept snapshot are those of the same requests run eagerly, bit for bit (each after Slots.warm,
+    as the server runs it)."""
     from test_slots_cpu import _greedy, _prompt
 
     w1, w2 = _prompt(200, 61, 1024), _prompt(200, 62, 1024)
@@ -260,6 +261,7 @@ def test_qwen35_slots_graphed_admission_keeps_the_eager_tokens_and_snapshots(qwe
         qwen35_engine.use_graphs = graphs
         slots = qwen35_engine.slots(2, 320, page_size=64, num_pages=24)
         slots.graph_snapshot_passes = True                  # off by default (fq_slots.GRAPH_SNAPSHOT_PASSES)
+        slots.warm()                                         # as the server starts its slots
         tokens = {k: _greedy(slots, {k: p}, 6)[k] for k, p in prompts.items()}
         pool, model = slots.pool, qwen35_engine.model
         snaps = []

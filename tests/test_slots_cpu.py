@@ -512,3 +512,34 @@ def test_qwen35_snapshot_passes_stay_eager_by_default(qwen35, monkeypatch):
     assert captured == [(20, 192, None)] and slots.pool.hit_tokens == 2 * 192
     monkeypatch.setenv("FASTQWEN_GRAPH_SNAPSHOT_PASSES", "1")
     assert qwen35.slots(2, 320, page_size=64, num_pages=24).graph_snapshot_passes
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen35"])
+def test_warm_runs_a_pass_and_its_continuation_and_keeps_nothing(model, request, monkeypatch):
+    """Slots.warm (the server calls it at startup): a prompt pass and its continuation in the
+    staging row (Qwen3.5: keeping a snapshot halfway), eagerly; afterwards rows, pages, kept
+    prefixes and snapshots are as before, and requests get their tokens alone."""
+    engine = request.getfixturevalue(model)
+    vocab = 4096 if model == "qwen3" else 1024
+    prompts = {"a": _prompt(150, 81, vocab), "b": _prompt(150, 81, vocab)[:140] + _prompt(20, 82, vocab)}
+    alone = {k: [s[0] for s in engine.generate([p], 4)] for k, p in prompts.items()}
+    slots = engine.slots(2, 320, page_size=64, num_pages=12)
+    pool = slots.pool
+    before = (slots.free, slots.free_pages, list(pool._free), list(pool._snap_free), dict(pool._page_of))
+    calls = []
+    real = engine.model.prefill_logits
+    monkeypatch.setattr(engine.model, "prefill_logits", lambda ids, **kw: (calls.append((ids.shape[1], kw)),
+                                                                          real(ids, **kw))[1])
+    slots.warm()
+    monkeypatch.undo()
+    assert [(n, kw.get("start", 0)) for n, kw in calls] == [(128, 0), (128, 128)]
+    assert (calls[0][1].get("snapshot") is not None) == (model == "qwen35")
+    assert (slots.free, slots.free_pages, list(pool._free), list(pool._snap_free), dict(pool._page_of)) == before
+    assert not slots._chunk_graphs and slots.staged is None
+    for key in prompts:
+        assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}, key
+    import fq_slots
+
+    slots.admit("c", prompts["a"], reserve=160)
+    with pytest.raises(fq_slots.SlotError, match="before any request"):
+        slots.warm()

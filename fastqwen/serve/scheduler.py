@@ -93,6 +93,7 @@ class Scheduler:
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
                                   share_prefixes=share_prefixes, state_snapshots=state_snapshots)
+        self.slots.warm()          # the prompt passes' kernels compiled before the first request
         self._hit_tokens = 0                         # prefix hits already reported to the metrics
         self.device = engine.device
         self.server_generator = torch.Generator().manual_seed(seed)
