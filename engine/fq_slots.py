@@ -31,7 +31,9 @@ no step touches, each chunk's queries seeing the positions before it (the models
 prefill_logits with start); the last chunk moves the request into the next running row (its
 K/V and states, or its block table). So a long prompt joins without stalling the running
 requests for its whole prompt pass. With graphs (a GPU), a prompt admitted alone (admit, a group
-of one) goes the same way in one chunk, so its pass is a graph from its shape's second pass on.
+of one) goes the same way in one chunk, so its pass is a graph from its shape's second pass on
+(a Qwen3.5 pass that keeps a state snapshot: only with graph_snapshot_passes, off by default).
+warm() runs a pass and its continuation before the first request, so they compile then.
 
 Shared prefixes (paged form, share_prefixes): each full page of an admitted prompt is kept
 under the prompt's tokens up to its end; a later prompt starting with the same tokens takes

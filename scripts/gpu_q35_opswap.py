@@ -31,8 +31,8 @@ backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
 vocabulary, and its mean at the prompt pass's own position (first) and over the decode steps;
-the prompt pass's time (eager, warm: once more after the steps); argmax agreement with the full forward (and with native's tokens); how many
-positions would carry a slack above 0.75 (the full forward's max minus its logit of the
+the prompt pass's time (eager, warm: once more after the steps); argmax agreement with the
+full forward (and with native's tokens); how many positions would carry a slack above 0.75 (the full forward's max minus its logit of the
 variant's argmax, the judge's figure); the worst such slack; seconds. Self-check: the
 engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again.
 
@@ -358,7 +358,8 @@ def compare(steps, full, toks):
     d2 = torch.stack(d).cpu()                                       # [B, G]
     d, slack, agree, agree_tok = (torch.stack(x).flatten().cpu() for x in (d, slack, agree, agree_tok))
     return {"positions": d.numel(), "mean_max_abs": float(d.mean()), "first_mean_max_abs": float(d2[:, 0].mean()),
-            "decode_mean_max_abs": float(d2[:, 1:].mean()) if d2.shape[1] > 1 else None, "p99_max_abs": float(torch.quantile(d, 0.99)),
+            "decode_mean_max_abs": float(d2[:, 1:].mean()) if d2.shape[1] > 1 else None,
+            "p99_max_abs": float(torch.quantile(d, 0.99)),
             "max_abs": float(d.max()), "argmax_agree": int(agree.sum()), "argmax_agree_fraction": float(agree.float().mean()),
             f"count_slack_gt_{SLACK}": int((slack > SLACK).sum()), "max_slack": float(slack.max()),
             "native_token_agree": int(agree_tok.sum())}
