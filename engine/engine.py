@@ -20,6 +20,8 @@ FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen
 step is the full forward's, bit for bit, its products and attention in that order;
 fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 (serving, Qwen3.5: a prompt pass that
 keeps a state snapshot also runs as a chunk graph; read when slots are made, fq_slots).
+FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule on the reference's ops, its
+bits; slower prompts; fqkernels/gdn.py EXACT_PREFILL).
 """
 import gc
 import json
@@ -148,9 +150,14 @@ class Engine:
         backend = self.model.backend if qwen35 else self.model.ops.name
         from fqkernels import gemv
 
-        return {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
-                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
-                "exact_decode": gemv.EXACT and backend == "triton"}
+        out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
+               "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
+               "exact_decode": gemv.EXACT and backend == "triton"}
+        if qwen35:     # the prompt pass's chunked rule: the triton kernels, or the reference's ops
+            from fqkernels import gdn
+
+            out["gdn_prompt_rule"] = "reference" if backend != "triton" or gdn.EXACT_PREFILL else "kernels"
+        return out
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:

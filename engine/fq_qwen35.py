@@ -637,8 +637,9 @@ class Qwen35Model:
         if kernels:   # q, k, v read in place from the conv's rows, heads shared by index, the state
             # written into its cache rows
             at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
-            o, _ = gdn.chunked_prefill(q, k, v, g, beta, state_out=self.state[slot, rows],
-                                       initial_state=self.state[slot, rows] if carried else None, capture=at)
+            rule = gdn.chunked_prefill_reference if gdn.EXACT_PREFILL else gdn.chunked_prefill
+            o, _ = rule(q, k, v, g, beta, state_out=self.state[slot, rows],
+                        initial_state=self.state[slot, rows] if carried else None, capture=at)
             if capture is not None:
                 self.snap_state[capture[1], slot] = at[1]
         else:

@@ -240,21 +240,6 @@ def unpacked_products(model):
         del ops.linear, ops.linear_silu_mul
 
 
-def _chunked_prefill_torch(q, k, v, g, beta, block_v=None, plan=None, state_out=None, initial_state=None,
-                           capture=None):
-    """gdn.chunked_prefill's contract on the torch reference (delta_rule_chunked_reference, the
-    q / k heads repeated as the torch backend repeats them)."""
-    if capture is not None:
-        raise ValueError("_chunked_prefill_torch: no snapshots in the probe")
-    H = v.shape[2]
-    o, state = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, H), gdn.expand_heads(k, H), v, g, beta,
-                                                state=initial_state)
-    if state_out is None:
-        return o, state
-    state_out.copy_(state)
-    return o, state_out
-
-
 def _causal_conv_prefill_torch(u, conv_w, conv_state=None, **_):
     out, state = gdn.causal_conv_reference(u.transpose(1, 2), conv_w, conv_state)
     return out.transpose(1, 2), state
@@ -270,7 +255,7 @@ def gdn_prompt_torch(core_only: bool):
     as fq_qwen35 calls them): the chunked rule only (core_only), or the gates, the conv, the rule
     and the gated norm; restored after. forced_logits applies it around the prompt pass only (the
     decode step also calls gdn.gated_rmsnorm)."""
-    swap = {"chunked_prefill": _chunked_prefill_torch}
+    swap = {"chunked_prefill": gdn.chunked_prefill_reference}
     if not core_only:
         swap.update(gates=gdn.gates_reference, causal_conv_prefill=_causal_conv_prefill_torch,
                     gated_rmsnorm=_gated_rmsnorm_torch)

@@ -60,6 +60,8 @@
 #   judge-q35-eager  judge-q35 with FASTQWEN_NO_PREFILL_GRAPHS=1 (every prompt pass eager)
 #   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
 #                 results/workloads/q35_own.json (issue 12's own shapes)
+#   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule on the
+#                 reference's ops: its bits, at its cost)
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
 #                 forward of the engine, of variants with one piece swapped, and of native's cached decode
 #                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32; OPSWAP_VARIANTS, default all)
@@ -244,6 +246,12 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
+    judge-q35-exact) # the public set, official, with the prompt pass's chunked rule on the reference's ops
+               q35_site
+               q35_ckpt
+               FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
+                 --out "$OUT/judge_q35_exact.json" --chart "$OUT/judge_q35_exact.png" --model /tmp/q35_4b \
+                 --workloads public 2>&1 | tail -40 ;;
     q35-opswap) # teacher-forced on native's tokens: the engine's logits and its variants' against the full
                 # forward, beside native's cached decode (gpu_q35_opswap.py)
                 q35_site

@@ -230,6 +230,14 @@ def test_backend_is_explicit(tiny, monkeypatch):
     with pytest.raises(ValueError, match="needs a CUDA device"):
         fq_qwen35.resolve_backend(cpu, "triton")
     monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND")
-    info = Engine(str(tiny)).describe()
+    eng = Engine(str(tiny))
+    info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False}
+                    "exact_decode": False, "gdn_prompt_rule": "reference"}
+    # the triton backend names its prompt rule: the kernels, or the reference's ops when asked
+    from fqkernels import gdn
+
+    monkeypatch.setattr(eng.model, "backend", "triton")
+    assert eng.describe()["gdn_prompt_rule"] == "kernels"
+    monkeypatch.setattr(gdn, "EXACT_PREFILL", True)
+    assert eng.describe()["gdn_prompt_rule"] == "reference"

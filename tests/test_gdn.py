@@ -302,3 +302,40 @@ def test_the_prompt_pass_probes_variants_are_the_kernels_own_source(tmp_path):
                 assert built.fn.__name__ == gpu_gdn_probe.KERNELS[kernel], (form, kernel, name)
     with pytest.raises(RuntimeError, match="not in the kernel's source"):
         gpu_gdn_probe.variant_kernel("state", "stale", [("no such line", "")], str(tmp_path))
+
+
+def test_the_reference_prompt_rule_keeps_the_kernels_contract():
+    """gdn.chunked_prefill_reference (FASTQWEN_GDN_EXACT_PREFILL=1): q / k heads shared by index,
+    the state written into state_out, a continuation from initial_state (state_out itself, in
+    place), a capture of the state at a chunk's start; every result the reference rule's on the
+    heads repeated, bit for bit."""
+    g_ = torch.Generator().manual_seed(21)
+    B, T, Hk, Hv, D = 2, 150, 2, 4, 32
+    q, k = (torch.randn(B, T, Hk, D, generator=g_).bfloat16() for _ in range(2))
+    v = torch.randn(B, T, Hv, D, generator=g_).bfloat16()
+    g = -torch.rand(B, T, Hv, generator=g_)
+    beta = torch.rand(B, T, Hv, generator=g_).bfloat16()
+    qe, ke = gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv)
+    o_ref, s_ref, at_ref = gdn.delta_rule_chunked_reference(qe, ke, v, g, beta, capture=1)
+    state = torch.full((B, Hv, D, D), float("nan"))
+    snap = torch.empty_like(state)
+    o, out = gdn.chunked_prefill_reference(q, k, v, g, beta, state_out=state, capture=(1, snap))
+    assert out is state and torch.equal(o, o_ref) and torch.equal(state, s_ref) and torch.equal(snap, at_ref)
+    # the first 100 positions, then the rest from that state in place
+    o1, s1 = gdn.delta_rule_chunked_reference(qe[:, :100], ke[:, :100], v[:, :100], g[:, :100], beta[:, :100])
+    o2, s2 = gdn.delta_rule_chunked_reference(qe[:, 100:], ke[:, 100:], v[:, 100:], g[:, 100:], beta[:, 100:], state=s1)
+    gdn.chunked_prefill_reference(q[:, :100], k[:, :100], v[:, :100], g[:, :100], beta[:, :100], state_out=state)
+    o_b, _ = gdn.chunked_prefill_reference(q[:, 100:], k[:, 100:], v[:, 100:], g[:, 100:], beta[:, 100:],
+                                           state_out=state, initial_state=state)
+    assert torch.equal(o_b, o2) and torch.equal(state, s2)
+    o_plain, s_plain = gdn.chunked_prefill_reference(q, k, v, g, beta)
+    assert torch.equal(o_plain, o_ref) and torch.equal(s_plain, s_ref)
+
+
+def test_the_exact_prefill_switch_is_read_at_import():
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from fqkernels import gdn; print(gdn.EXACT_PREFILL)"
+    for value, want in (("1", "True"), ("0", "False"), ("", "False")):
+        env = {**__import__("os").environ, "FASTQWEN_GDN_EXACT_PREFILL": value}
+        run = subprocess.run([sys.executable, "-c", code, str(ENGINE_DIR)], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.stdout.strip() == want, (value, run.stdout, run.stderr[-500:])

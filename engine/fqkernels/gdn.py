@@ -1203,6 +1203,29 @@ _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 DEFAULT_PLAN = (plan_from_text(os.environ["FASTQWEN_GDN_PLAN"]) if os.environ.get("FASTQWEN_GDN_PLAN")
                 else FAST_PLAN if _TRITON_36 else PrefillPlan())
 _BF16_MIN_DK = 64       # the smallest Dk whose solve and state products on bf16 parts are right (above)
+# FASTQWEN_GDN_EXACT_PREFILL=1 (read at import): a model's prompt pass runs the chunked rule on the
+# reference's ops (chunked_prefill_reference), the bits Transformers' own chunked rule gives; the
+# engine's prompt pass is then its full forward's, bit for bit, and its noise native's (session 18,
+# scripts/gpu_q35_opswap.py), at the reference's cost (an eager prompt pass ~2.3x at 16 x 512).
+EXACT_PREFILL = os.environ.get("FASTQWEN_GDN_EXACT_PREFILL") == "1"
+
+
+def chunked_prefill_reference(q, k, v, g, beta, block_v=None, plan=None, state_out=None, initial_state=None,
+                              capture=None):
+    """chunked_prefill's contract (q, k heads shared by index; state_out, initial_state, capture
+    (c, out)) on the reference's ops: delta_rule_chunked_reference with the q / k heads repeated as
+    the torch backend repeats them, so its bits. block_v and plan are the kernels' and unused."""
+    H = v.shape[2]
+    q, k = expand_heads(q, H), expand_heads(k, H)
+    if capture is not None:
+        o, state, at = delta_rule_chunked_reference(q, k, v, g, beta, state=initial_state, capture=capture[0])
+        capture[1].copy_(at)
+    else:
+        o, state = delta_rule_chunked_reference(q, k, v, g, beta, state=initial_state)
+    if state_out is None:
+        return o, state
+    state_out.copy_(state)
+    return o, state_out
 
 
 def _sm_count(device: torch.device) -> int:
