@@ -634,24 +634,18 @@ class Qwen35Model:
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
         v = v.reshape(B, T, -1, c.linear_v_dim)
-        if kernels:   # q, k, v read in place from the conv's rows, heads shared by index, the state
-            # written into its cache rows
+        if prompt:   # q, k heads shared by index (the kernels read them in place from the conv's rows),
+            # the state written into its cache rows; the reference's ops on the torch backend and with
+            # gdn.EXACT_PREFILL, the kernels otherwise
             at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
-            rule = gdn.chunked_prefill_reference if gdn.EXACT_PREFILL else gdn.chunked_prefill
+            rule = gdn.chunked_prefill if kernels and not gdn.EXACT_PREFILL else gdn.chunked_prefill_reference
             o, _ = rule(q, k, v, g, beta, state_out=self.state[slot, rows],
                         initial_state=self.state[slot, rows] if carried else None, capture=at)
             if capture is not None:
                 self.snap_state[capture[1], slot] = at[1]
-        else:
+        else:        # one decode step on the reference's ops (the triton backend's step: _gdn_step_kernels)
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
-            initial = self.state[slot, rows] if carried else None
-            if prompt and capture is not None:    # the state at the start of the snapshot's chunk as well
-                o, state, at = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=initial,
-                                                                capture=capture[0] // gdn.CHUNK)
-                self.snap_state[capture[1], slot] = at
-            else:
-                rule = gdn.delta_rule_chunked_reference if prompt else gdn.delta_rule_recurrent_reference
-                o, state = rule(q, k, v, g, beta, state=initial)
+            o, state = gdn.delta_rule_recurrent_reference(q, k, v, g, beta, state=self.state[slot, rows])
             self.state[slot, rows].copy_(state)
         if kernels and c.linear_v_dim == 128:    # z's heads read in place from in_proj's rows
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z.reshape(B * T, -1), self.w[p + "norm.weight"], c.rms_norm_eps)
