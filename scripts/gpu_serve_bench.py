@@ -70,36 +70,30 @@ def start_server(model: str, port: int, extra: list) -> subprocess.Popen:
     raise RuntimeError("server did not come up in 300 s")
 
 
-def prefix_hits(url: str, name: str = "fastqwen:prefix_cache_hit_tokens_total") -> float:
-    """The server's prefix_cache_hit_tokens counter (all its label sets), or another series `name`."""
+def _series(text: str, name: str) -> float:
+    """A series' value in Prometheus text, summed over its label sets."""
+    return sum((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " ")), 0.0)
+
+
+def scrape(url: str) -> dict:
+    """One read of the server's /metrics: its prefix_cache_hit_tokens counter ("hits"); its own
+    TTFT histogram's (sum, count) ("ttft": from a request's submit to the scheduler, after the HTTP
+    side parsed it, to its first token handed to the HTTP side); its prompt_pass_seconds as kind ->
+    [count, seconds] ("passes": each prompt pass that ended in first tokens, by how it ran: group,
+    eager, capture, graph; scheduler.py)."""
     import httpx
 
-    total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def server_ttft(url: str) -> tuple:
-    """(sum, count) of the server's own TTFT histogram: from a request's submit to the scheduler
-    (after the HTTP side parsed it) to its first token handed to the HTTP side (scheduler.py)."""
-    return tuple(prefix_hits(url, "fastqwen:time_to_first_token_seconds" + s) for s in ("_sum", "_count"))
-
-
-def prompt_passes(url: str) -> dict:
-    """kind -> [count, seconds] of the server's prompt_pass_seconds histogram (scheduler.py: each
-    prompt pass that ended in first tokens, by how it ran: group, eager, capture, graph)."""
-    import httpx
-
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    text = httpx.get(url + "/metrics").text
+    passes = {}
+    for line in text.splitlines():
         for suffix, at in (("_count", 0), ("_sum", 1)):
-            name = "fastqwen:prompt_pass_seconds" + suffix + "{"
-            if line.startswith(name) and 'kind="' in line:
+            if line.startswith("fastqwen:prompt_pass_seconds" + suffix + "{") and 'kind="' in line:
                 kind = line.split('kind="', 1)[1].split('"', 1)[0]
-                out.setdefault(kind, [0.0, 0.0])[at] += float(line.rsplit(" ", 1)[1])
-    return out
+                passes.setdefault(kind, [0.0, 0.0])[at] += float(line.rsplit(" ", 1)[1])
+    return {"hits": _series(text, "fastqwen:prefix_cache_hit_tokens_total"),
+            "ttft": tuple(_series(text, "fastqwen:time_to_first_token_seconds" + s) for s in ("_sum", "_count")),
+            "passes": passes}
 
 
 def free_port() -> int:
@@ -153,18 +147,18 @@ def main() -> None:
         if args.quick:
             runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
         for name, kw in runs.items():
-            hits, ttft, passes = prefix_hits(url), server_ttft(url), prompt_passes(url)
+            before = scrape(url)
             report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
-            r = report[name]
-            r["prefix_cache_hit_tokens"] = prefix_hits(url) - hits
+            r, after = report[name], scrape(url)
+            r["prefix_cache_hit_tokens"] = after["hits"] - before["hits"]
             # the server's mean TTFT over the run (submit -> first token out of the scheduler): the
             # client's TTFT less this is the HTTP side (parse, SSE out, the hand-off between threads)
-            after = server_ttft(url)
-            r["server_ttft_mean_s"] = (after[0] - ttft[0]) / max(1.0, after[1] - ttft[1])
+            (s1, n1), (s0, n0) = after["ttft"], before["ttft"]
+            r["server_ttft_mean_s"] = (s1 - s0) / max(1.0, n1 - n0)
             # the run's prompt passes by how they ran: [count, seconds in all]
-            now = prompt_passes(url)
-            r["prompt_passes"] = {k: [now[k][0] - passes.get(k, [0, 0])[0], round(now[k][1] - passes.get(k, [0, 0])[1], 4)]
-                                  for k in now if now[k][0] > passes.get(k, [0, 0])[0]}
+            was = before["passes"]
+            r["prompt_passes"] = {k: [n - was.get(k, [0, 0])[0], round(t - was.get(k, [0, 0])[1], 4)]
+                                  for k, (n, t) in after["passes"].items() if n > was.get(k, [0, 0])[0]}
             print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
                   f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
                   f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}, "
