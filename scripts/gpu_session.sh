@@ -69,6 +69,7 @@
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   rule-bits     each piece of the reference chunked rule (torch's ops as it calls them) against Triton
 #                 kernels of known order: the fraction bit-equal (gpu_rule_bits_probe.py; 4x2048, 1x512)
+#   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
 #                 default (scripts/gpu_prefill_pieces.py)
@@ -331,6 +332,8 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                       | grep -v Warn | tail -40 ;;
     rule-bits) for shape in 4x2048 1x512; do timeout 200 python3 scripts/gpu_rule_bits_probe.py --shape $shape \
                  --out "$OUT/rule_bits_$shape.json" 2>&1 | grep -v Warn | tail -30; done ;;
+    trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
+                 --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;
     gdn-probe) timeout 300 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \
                        | grep -v Warn | tail -6 ;;
     gdn-ncu) # Nsight Compute over one prompt pass's three GDN kernels at 4x8192 (a slice of two sequences:
