@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -53,8 +53,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             if _FLASH_GQA:  # it ran before: this is a real error, not a missing feature
                 raise
             _FLASH_GQA = False  # this build's flash has no GQA: expand, as below
-    with sdpa_kernel(_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(qh, _expand_kv(k, group), _expand_kv(v, group),
+    with sdpa_kernel(SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(qh, expand_kv(k, group), expand_kv(v, group),
                                            is_causal=not last_only, scale=scale)
     return o.transpose(1, 2).reshape(-1, H * D)
 
@@ -84,8 +84,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: i
     first = seq_len - 1 if last_only else 0
     qh = qh[:, first:].transpose(1, 2)
     mask = prefix_mask(start + first, start + seq_len, q.device, window)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(qh, _expand_kv(k, group), _expand_kv(v, group), attn_mask=mask,
+    with sdpa_kernel(SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(qh, expand_kv(k, group), expand_kv(v, group), attn_mask=mask,
                                            scale=scale)
     return o.transpose(1, 2).reshape(-1, H * D)
 
@@ -109,8 +109,8 @@ def _windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     H, D = q.shape[1], q.shape[2]
     group = H // k_cache.shape[1]
-    k = _expand_kv(k_cache[:batch, :, :seq_len], group)
-    v = _expand_kv(v_cache[:batch, :, :seq_len], group)
+    k = expand_kv(k_cache[:batch, :, :seq_len], group)
+    v = expand_kv(v_cache[:batch, :, :seq_len], group)
     qh = q.view(batch, seq_len, H, D).transpose(1, 2)
     first = seq_len - 1 if last_only else 0
     rows = max(128, _MASK_ELEMENTS // seq_len // 128 * 128)
@@ -121,7 +121,7 @@ def _windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         key = torch.arange(q1, device=q.device)
         mask = torch.full((q1 - q0, q1), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=q.device)
         mask *= (key > pos) | (key <= pos - window)
-        with sdpa_kernel(_SDPA_BACKENDS):
+        with sdpa_kernel(SDPA_BACKENDS):
             o = F.scaled_dot_product_attention(qh[:, :, q0:q1].contiguous(), k[:, :, :q1], v[:, :, :q1],
                                                attn_mask=mask[None, None], scale=scale)
         outs.append(o)
@@ -134,7 +134,7 @@ def _windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 _FLASH_GQA: bool | None = None
 
 
-def _expand_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
+def expand_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
     """[B, KVH, S, D] -> [B, KVH * group, S, D], each KV head repeated for its query
     heads (the reference's repeat_kv); expand + reshape, which a CUDA graph can capture."""
     b, kvh, s, d = kv.shape

@@ -51,13 +51,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from fqkernels import gdn
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
 from fq_model import cached_kv, write_pages
-from fq_ops import prefix_mask
+from fq_ops import SDPA_BACKENDS, expand_kv, prefix_mask
 from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference
 
 BACKENDS = ("torch", "triton")
@@ -539,12 +540,22 @@ class Qwen35Model:
             self.k_cache[slot, rows, :, start:start + S], self.v_cache[slot, rows, :, start:start + S] = k, v
         if start:   # a continued prompt: the cached keys and these, the causal mask at the bottom right
             kc, vc = cached_kv(self.k_cache[slot], self.v_cache[slot], self.block_table, rows, start + S)
-            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=prefix_mask(start, start + S, h.device),
-                                                  scale=self.scale, enable_gqa=True)
+            mask = prefix_mask(start, start + S, h.device)
+            if h.is_cuda:   # the memory-efficient kernel (flash takes no mask) on K/V repeated per query head
+                group = q.shape[1] // kc.shape[1]
+                with sdpa_kernel(SDPA_BACKENDS):
+                    attn = F.scaled_dot_product_attention(q, expand_kv(kc, group), expand_kv(vc, group),
+                                                          attn_mask=mask, scale=self.scale)
+            else:
+                attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
             return self._attention_out(i, attn.transpose(1, 2), gate)
         # 5.17's sdpa path: no mask on an unpadded causal prompt, K/V heads shared by GQA
-        # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU).
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        # inside SDPA (enable_gqa), not repeated (repeating gives other bits on the CPU). The
+        # backends named as the platform's torch 2.5.1 picks them: flash attention, never cuDNN's
+        # (newer torch picks that first on sm90: other bits, and a plan built per batch shape,
+        # ~0.5 s each time a server's group of prompts has a new size; fastqwen/numerics.py).
+        with sdpa_kernel(SDPA_BACKENDS):
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         return self._attention_out(i, attn.transpose(1, 2), gate)
 
     def _attention_step(self, i: int, h, cos, sin, positions, lengths):

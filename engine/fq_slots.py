@@ -309,11 +309,13 @@ class Slots:
                 tune(rows)
             self._steps[rows] = LogitsStep(model, rows, use_graphs)
 
-    def warm(self, length: int = 128) -> None:
+    def warm(self, length: int = 128, group: int = 4) -> None:
         """Run what a server's first prompts would compile, before any arrives: a prompt pass of
         `length` tokens in the staging row (keeping a state snapshot halfway where the model keeps
-        them) and its continuation by as many (a prefix hit's rest, a later chunk), eagerly. Nothing
-        is kept: no pages for sharing, no snapshot, no graph; rows, pages and snapshots as before."""
+        them), its continuation by as many (a prefix hit's rest, a later chunk), and a pass of
+        `group` such prompts together in the first rows (admit_group's: kernels whose launch
+        configuration follows the batch, e.g. the GDN state kernel's columns), eagerly. Nothing is
+        kept: no pages for sharing, no snapshot, no graph; rows, pages and snapshots as before."""
         self._check_open()
         if self._staged is not None or self.keys:
             raise SlotError("warm(): only before any request is admitted")
@@ -335,6 +337,20 @@ class Slots:
             if index is not None:
                 self.pool.drop_snapshot(index)
             self._give_back(self.staging, pages)
+        group = min(group, self.max_slots)
+        if group < 2:
+            return
+        taken = []
+        try:
+            for row in range(group):
+                taken.append([] if self.page_size is None else self.pool.take(pages_for(length, self.page_size)))
+                if taken[-1]:
+                    self.model.block_table[row, :len(taken[-1])] = torch.tensor(taken[-1], dtype=torch.int32)
+            with torch.inference_mode():
+                self.model.prefill_logits(ids.expand(group, length), row=0)
+        finally:
+            for row in reversed(range(len(taken))):     # the pool's free list as it was
+                self._give_back(row, taken[row])
 
     @property
     def free(self) -> int:

@@ -69,6 +69,7 @@
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   rule-bits     each piece of the reference chunked rule (torch's ops as it calls them) against Triton
 #                 kernels of known order: the fraction bit-equal (gpu_rule_bits_probe.py; 4x2048, 1x512)
+#   serve-rates   serve-bench's runs on /tmp/q4b, pages of 64 (graphed admission), request rates included
 #   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
@@ -306,6 +307,10 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                  scripts/gpu_serve_bench.py --model /tmp/q35_4b --block-size 64 \
                  --runs one_stream,sixteen_streams,prefix_0,prefix_384 --out "$OUT/serve_q35_snapgraph.json" 2>&1 \
                  | grep -v Warn | tail -8 ;;
+    serve-rates) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 400 python3 scripts/gpu_serve_bench.py \
+                   --model /tmp/q4b --block-size 64 \
+                   --runs one_stream,sixteen_streams,rate_1,rate_4,rate_16,prefix_0,prefix_384 \
+                   --out "$OUT/serve_rates.json" 2>&1 | grep -v Warn | tail -10 ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                      --model /tmp/q4b --prefill-chunk "${SERVE_CHUNK:-256}" --runs one_stream,sixteen_streams,rate_4,rate_16 \
                      --out "$OUT/serve_chunked_${SERVE_CHUNK:-256}.json" 2>&1 | grep -v Warn | tail -8 ;;

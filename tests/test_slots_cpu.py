@@ -77,11 +77,11 @@ def qwen3(tiny_model):
     return load_engine_module(ENGINE_DIR, "fastqwen_slots_qwen3").Engine(str(tiny_model))
 
 
-def test_qwen3_requests_get_their_own_tokens_and_pass_the_margin(qwen3, tiny_model):
+def _assert_margin(tiny_model, got: dict) -> None:
+    """Each request's greedy tokens replayed through Transformers' full forward (the Qwen3 tiny
+    model): every emitted token within the 2.0-logit margin of the argmax."""
     from transformers import Qwen3ForCausalLM
 
-    got = _run_schedule(qwen3, 4096)
-    assert got == _alone(qwen3, 4096)
     model = Qwen3ForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     for r, (n, _, _) in enumerate(SCHEDULE):
         seq = torch.tensor([_prompt(n, 100 + r, 4096) + got[r]])
@@ -89,6 +89,12 @@ def test_qwen3_requests_get_their_own_tokens_and_pass_the_margin(qwen3, tiny_mod
             logits = model(input_ids=seq).logits[0, n - 1:-1].float()
         slack = logits.max(-1).values - logits[torch.arange(len(got[r])), torch.tensor(got[r])]
         assert slack.max() <= 2.0, (r, slack.max())
+
+
+def test_qwen3_requests_get_their_own_tokens_and_pass_the_margin(qwen3, tiny_model):
+    got = _run_schedule(qwen3, 4096)
+    assert got == _alone(qwen3, 4096)
+    _assert_margin(tiny_model, got)
 
 
 def test_qwen35_requests_get_their_own_tokens(tmp_path_factory):
@@ -208,15 +214,20 @@ def test_qwen35_prompt_in_chunks_is_the_whole_prompt(tmp_path_factory, page_size
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_prompts_admitted_in_chunks_get_their_own_tokens(qwen3, tmp_path_factory, page_size):
+def test_prompts_admitted_in_chunks_get_their_own_tokens(qwen3, tiny_model, tmp_path_factory, page_size):
     """Prompts longer than 24 tokens that arrive while others run are prefilled 24 tokens at a
-    time, one chunk before each step, in the staging row, then join: every request's tokens are
-    its tokens alone (Qwen3 and Qwen3.5, row and paged caches); a request cancelled while being
-    prefilled gives its row and pages back."""
+    time, one chunk before each step, in the staging row, then join: every request's first token
+    is its token alone and all its tokens pass the margin (Qwen3: a chunk of 24's attention runs
+    SDPA with a mask, the whole prompt's the causal flag, so the CPU's bits may differ by the
+    CPU's kernels; Qwen3.5: its tokens alone), row and paged caches; a request cancelled while
+    being prefilled gives its row and pages back."""
     from fq_slots import SlotError
 
     prompts = [_prompt(n, 100 + r, 4096) for r, (n, _, _) in enumerate(SCHEDULE)]
-    assert run_schedule(qwen3, prompts, page_size=page_size, chunk=24) == _alone(qwen3, 4096)
+    got, alone = run_schedule(qwen3, prompts, page_size=page_size, chunk=24), _alone(qwen3, 4096)
+    assert {r: t[0] for r, t in got.items()} == {r: t[0] for r, t in alone.items()}
+    assert {r: len(t) for r, t in got.items()} == {r: len(t) for r, t in alone.items()}
+    _assert_margin(tiny_model, got)
     path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False)
     q35 = load_engine_module(ENGINE_DIR, "fastqwen_chunked_qwen35").Engine(str(path))
     prompts35 = [_prompt(n, 100 + r, 1024) for r, (n, _, _) in enumerate(SCHEDULE)]
@@ -517,7 +528,8 @@ def test_qwen35_snapshot_passes_stay_eager_by_default(qwen35, monkeypatch):
 @pytest.mark.parametrize("model", ["qwen3", "qwen35"])
 def test_warm_runs_a_pass_and_its_continuation_and_keeps_nothing(model, request, monkeypatch):
     """Slots.warm (the server calls it at startup): a prompt pass and its continuation in the
-    staging row (Qwen3.5: keeping a snapshot halfway), eagerly; afterwards rows, pages, kept
+    staging row (Qwen3.5: keeping a snapshot halfway), and a group pass over the rows (at most
+    4), eagerly; afterwards rows, pages, kept
     prefixes and snapshots are as before, and requests get their tokens alone."""
     engine = request.getfixturevalue(model)
     vocab = 4096 if model == "qwen3" else 1024
@@ -528,11 +540,14 @@ def test_warm_runs_a_pass_and_its_continuation_and_keeps_nothing(model, request,
     before = (slots.free, slots.free_pages, list(pool._free), list(pool._snap_free), dict(pool._page_of))
     calls = []
     real = engine.model.prefill_logits
-    monkeypatch.setattr(engine.model, "prefill_logits", lambda ids, **kw: (calls.append((ids.shape[1], kw)),
+    monkeypatch.setattr(engine.model, "prefill_logits", lambda ids, **kw: (calls.append((tuple(ids.shape), kw)),
                                                                           real(ids, **kw))[1])
     slots.warm()
     monkeypatch.undo()
-    assert [(n, kw.get("start", 0)) for n, kw in calls] == [(128, 0), (128, 128)]
+    # the staging row's pass and continuation, then the two rows' group pass
+    assert [(n, kw.get("start", 0), kw.get("row")) for n, kw in calls] == [((1, 128), 0, slots.staging),
+                                                                         ((1, 128), 128, slots.staging),
+                                                                         ((2, 128), 0, 0)]
     assert (calls[0][1].get("snapshot") is not None) == (model == "qwen35")
     assert (slots.free, slots.free_pages, list(pool._free), list(pool._snap_free), dict(pool._page_of)) == before
     assert not slots._chunk_graphs and slots.staged is None
