@@ -18,8 +18,8 @@ FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backen
 FASTQWEN_GDN_PLAN=name=value,... (the GDN prompt pass's launch plan, fqkernels/gdn.py PrefillPlan),
 FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen3 decode
 step is the full forward's, bit for bit, its products and attention in that order;
-fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 (serving, Qwen3.5: a prompt pass that
-keeps a state snapshot also runs as a chunk graph; read when slots are made, fq_slots).
+fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 (serving, Qwen3.5: a prompt pass that
+keeps a state snapshot runs eagerly, not as a chunk graph; read when slots are made, fq_slots).
 FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule on the reference's ops, its
 bits; slower prompts; fqkernels/gdn.py EXACT_PREFILL).
 """

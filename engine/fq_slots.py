@@ -32,7 +32,7 @@ prefill_logits with start); the last chunk moves the request into the next runni
 K/V and states, or its block table). So a long prompt joins without stalling the running
 requests for its whole prompt pass. With graphs (a GPU), a prompt admitted alone (admit, a group
 of one) goes the same way in one chunk, so its pass is a graph from its shape's second pass on
-(a Qwen3.5 pass that keeps a state snapshot: only with graph_snapshot_passes, off by default).
+(a Qwen3.5 pass that keeps a state snapshot too, unless graph_snapshot_passes is off).
 warm() runs a pass and its continuation before the first request, so they compile then.
 
 Shared prefixes (paged form, share_prefixes): each full page of an admitted prompt is kept
@@ -93,11 +93,13 @@ DEFAULT_STATE_SNAPSHOTS = 8
 # (session 13: a 256-token chunk of Qwen3-4B ~4.4 ms of GPU work inside ~20 ms of host time).
 CHUNK_GRAPH_TOKENS = 2048
 CHUNK_GRAPHS_KEPT = 8
-# Off by default: a Qwen3.5 pass that keeps a state snapshot (every prompt admitted with prefix
-# sharing on) as a chunk graph. Measured (H200, synthetic Qwen3.5-4B, pages of 64): one stream's
-# TTFT p50 34 -> 12.5 ms and a prefix hit's 48 -> 9.5 ms, but 16 streams of 512 + 128 fell
-# from 3,030 to 1,597 tok/s (TTFT p99 0.22 -> 1.32 s), a stall not yet explained.
-GRAPH_SNAPSHOT_PASSES = False
+# A Qwen3.5 pass that keeps a state snapshot (every prompt admitted with prefix sharing on) runs
+# as a chunk graph too. Measured (H200, synthetic Qwen3.5-4B, pages of 64, session 19 run 2):
+# one stream's TTFT p50 54 -> 14.7 ms, a prefix hit's 46 -> 9.9 ms (a whole prompt's 14.1: sharing
+# pays), 16 streams of 512 + 128 2,827 tok/s against 3,056 eager. The 16-stream stall session 18
+# saw (1,597 tok/s) was the group passes' cuDNN attention plans, one per batch shape (gone since
+# the prompt attention names its backends, fq_qwen35), not the graphs.
+GRAPH_SNAPSHOT_PASSES = True
 
 
 def state_snapshots_for(model, page_size: int | None, share_prefixes: bool, state_snapshots: int | None = None):

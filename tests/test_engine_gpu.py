@@ -260,7 +260,7 @@ def test_qwen35_slots_graphed_admission_keeps_the_eager_tokens_and_snapshots(qwe
     def run(graphs: bool):
         qwen35_engine.use_graphs = graphs
         slots = qwen35_engine.slots(2, 320, page_size=64, num_pages=24)
-        slots.graph_snapshot_passes = True                  # off by default (fq_slots.GRAPH_SNAPSHOT_PASSES)
+        slots.graph_snapshot_passes = True                  # the default (fq_slots.GRAPH_SNAPSHOT_PASSES)
         slots.warm()                                         # as the server starts its slots
         tokens = {k: _greedy(slots, {k: p}, 6)[k] for k, p in prompts.items()}
         pool, model = slots.pool, qwen35_engine.model

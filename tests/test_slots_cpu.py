@@ -488,8 +488,8 @@ def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwe
                "h2b": w2[:192] + _prompt(20, 65, 1024)}
     alone = {k: [s[0] for s in qwen35.generate([p], 4)] for k, p in prompts.items()}
     slots = qwen35.slots(2, 320, page_size=64, num_pages=24)
-    assert not slots.graph_snapshot_passes                 # the default (fq_slots.GRAPH_SNAPSHOT_PASSES)
-    slots.use_graphs, slots._chunk_pool, slots.graph_snapshot_passes = True, "pool", True
+    assert slots.graph_snapshot_passes                     # the default (fq_slots.GRAPH_SNAPSHOT_PASSES)
+    slots.use_graphs, slots._chunk_pool = True, "pool"
     for key in prompts:
         assert _greedy(slots, {key: prompts[key]}, 4) == {key: alone[key]}, key
     # w1 eager, w2 captured with its snapshot at 192; h2 eager (a new shape), h1 and h2b its graph
@@ -507,10 +507,10 @@ def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwe
         assert torch.equal(model.snap_conv[spare], model.snap_conv[index])
 
 
-def test_qwen35_snapshot_passes_stay_eager_by_default(qwen35, monkeypatch):
-    """By default (and with FASTQWEN_GRAPH_SNAPSHOT_PASSES=0) a pass that keeps a snapshot runs
-    eagerly even with graphs: only the prefix hits' rests (no snapshot) become graphs;
-    FASTQWEN_GRAPH_SNAPSHOT_PASSES=1 turns it on for new slots."""
+def test_qwen35_snapshot_passes_stay_eager_when_turned_off(qwen35, monkeypatch):
+    """With FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 a pass that keeps a snapshot runs eagerly even with
+    graphs: only the prefix hits' rests (no snapshot) become graphs; =1 turns it back on for new
+    slots."""
     captured, _ = _stand_in_chunk_graphs(monkeypatch)
     w1, w2 = _prompt(200, 71, 1024), _prompt(200, 72, 1024)
     prompts = {"w1": w1, "w2": w2, "h1": w1[:192] + _prompt(20, 73, 1024), "h2": w2[:192] + _prompt(20, 74, 1024)}
