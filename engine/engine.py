@@ -20,8 +20,8 @@ FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen
 step is the full forward's, bit for bit, its products and attention in that order;
 fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 (serving, Qwen3.5: a prompt pass that
 keeps a state snapshot runs eagerly, not as a chunk graph; read when slots are made, fq_slots).
-FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule on the reference's ops, its
-bits; slower prompts; fqkernels/gdn.py EXACT_PREFILL).
+FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule in the reference's order of
+operations, its bits; slower prompts; fqkernels/gdn_exact.py).
 """
 import gc
 import json
@@ -153,10 +153,11 @@ class Engine:
         out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
                "exact_decode": gemv.EXACT and backend == "triton"}
-        if qwen35:     # the prompt pass's chunked rule: the triton kernels, or the reference's ops
-            from fqkernels import gdn
+        if qwen35:     # the prompt pass's chunked rule: the reference's ops, the fast kernels, or the
+            from fqkernels import gdn      # kernels in the reference's order (gdn_exact)
 
-            out["gdn_prompt_rule"] = "reference" if backend != "triton" or gdn.EXACT_PREFILL else "kernels"
+            out["gdn_prompt_rule"] = ("reference" if backend != "triton" else
+                                      "exact kernels" if gdn.EXACT_PREFILL else "kernels")
         return out
 
     # ---- input checks: every problem is reported before any GPU work ---------------

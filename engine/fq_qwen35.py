@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from fqkernels import gdn
+from fqkernels import gdn, gdn_exact
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
@@ -646,10 +646,14 @@ class Qwen35Model:
         q, k = q.reshape(B, T, -1, c.linear_k_dim), k.reshape(B, T, -1, c.linear_k_dim)
         v = v.reshape(B, T, -1, c.linear_v_dim)
         if prompt:   # q, k heads shared by index (the kernels read them in place from the conv's rows),
-            # the state written into its cache rows; the reference's ops on the torch backend and with
-            # gdn.EXACT_PREFILL, the kernels otherwise
+            # the state written into its cache rows; the reference's ops on the torch backend, the fast
+            # kernels on the triton backend, or with gdn.EXACT_PREFILL the kernels in the reference's
+            # order (gdn_exact: its bits)
             at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
-            rule = gdn.chunked_prefill if kernels and not gdn.EXACT_PREFILL else gdn.chunked_prefill_reference
+            if not kernels:
+                rule = gdn.chunked_prefill_reference
+            else:
+                rule = gdn_exact.chunked_prefill_exact if gdn.EXACT_PREFILL else gdn.chunked_prefill
             o, _ = rule(q, k, v, g, beta, state_out=self.state[slot, rows],
                         initial_state=self.state[slot, rows] if carried else None, capture=at)
             if capture is not None:

@@ -60,8 +60,8 @@
 #   judge-q35-eager  judge-q35 with FASTQWEN_NO_PREFILL_GRAPHS=1 (every prompt pass eager)
 #   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
 #                 results/workloads/q35_own.json (issue 12's own shapes)
-#   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule on the
-#                 reference's ops: its bits, at its cost)
+#   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule in the
+#                 reference's order, gdn_exact.py: its bits)
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
 #                 forward of the engine, of variants with one piece swapped, and of native's cached decode
 #                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32; OPSWAP_VARIANTS, default all)
@@ -70,6 +70,8 @@
 #   rule-bits     each piece of the reference chunked rule (torch's ops as it calls them) against Triton
 #                 kernels of known order: the fraction bit-equal (gpu_rule_bits_probe.py; 4x2048, 1x512)
 #   serve-rates   serve-bench's runs on /tmp/q4b, pages of 64 (graphed admission), request rates included
+#   kernels-gdn-exact  the GDN rule in the reference's order (gdn_exact.py) against the reference, bit for bit
+#   exact-rule    that rule's bits and time against the reference's ops and the fast kernels (gpu_exact_rule.py)
 #   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
 #   prefill-pieces  the GDN layers' gated norm and conv at prompt sizes under other launches, bits against the
@@ -248,7 +250,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
-    judge-q35-exact) # the public set, official, with the prompt pass's chunked rule on the reference's ops
+    judge-q35-exact) # the public set, official, the prompt pass's chunked rule in the reference's order (gdn_exact)
                q35_site
                q35_ckpt
                FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
@@ -337,6 +339,9 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                       | grep -v Warn | tail -40 ;;
     rule-bits) for shape in 4x2048 1x512; do timeout 200 python3 scripts/gpu_rule_bits_probe.py --shape $shape \
                  --out "$OUT/rule_bits_$shape.json" 2>&1 | grep -v Warn | tail -30; done ;;
+    kernels-gdn-exact) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact.py 2>&1 \
+                         | tail -20 | tee "$OUT/pytest_gdn_exact.log" ;;
+    exact-rule) timeout 300 python3 scripts/gpu_exact_rule.py --out "$OUT/exact_rule.json" 2>&1 | grep -v Warn | tail -8 ;;
     trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
                  --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;
     gdn-probe) timeout 300 python3 scripts/gpu_gdn_probe.py --out "$OUT/gdn_probe.json" 2>&1 \

@@ -234,10 +234,10 @@ def test_backend_is_explicit(tiny, monkeypatch):
     info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
                     "exact_decode": False, "gdn_prompt_rule": "reference"}
-    # the triton backend names its prompt rule: the kernels, or the reference's ops when asked
+    # the triton backend names its prompt rule: the fast kernels, or those in the reference's order when asked
     from fqkernels import gdn
 
     monkeypatch.setattr(eng.model, "backend", "triton")
     assert eng.describe()["gdn_prompt_rule"] == "kernels"
     monkeypatch.setattr(gdn, "EXACT_PREFILL", True)
-    assert eng.describe()["gdn_prompt_rule"] == "reference"
+    assert eng.describe()["gdn_prompt_rule"] == "exact kernels"

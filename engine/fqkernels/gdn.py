@@ -1203,10 +1203,11 @@ _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 DEFAULT_PLAN = (plan_from_text(os.environ["FASTQWEN_GDN_PLAN"]) if os.environ.get("FASTQWEN_GDN_PLAN")
                 else FAST_PLAN if _TRITON_36 else PrefillPlan())
 _BF16_MIN_DK = 64       # the smallest Dk whose solve and state products on bf16 parts are right (above)
-# FASTQWEN_GDN_EXACT_PREFILL=1 (read at import): a model's prompt pass runs the chunked rule on the
-# reference's ops (chunked_prefill_reference), the bits Transformers' own chunked rule gives; the
-# engine's prompt pass is then its full forward's, bit for bit, and its noise native's (session 18,
-# scripts/gpu_q35_opswap.py), at the reference's cost (an eager prompt pass ~2.3x at 16 x 512).
+# FASTQWEN_GDN_EXACT_PREFILL=1 (read at import): the triton backend's prompt pass runs the chunked
+# rule in the reference's order of operations (gdn_exact.chunked_prefill_exact), the bits
+# Transformers' own chunked rule gives (chunked_prefill_reference's); the engine's prompt pass is
+# then its full forward's, bit for bit, and its noise native's (session 18, scripts/gpu_q35_opswap.py
+# with the reference's ops), slower than the fast kernels.
 EXACT_PREFILL = os.environ.get("FASTQWEN_GDN_EXACT_PREFILL") == "1"
 
 

@@ -1,0 +1,206 @@
+"""The GDN chunked rule in the reference's order of operations (issue 12's noise: the engine's
+extra logit distance to the full forward is all made by its prompt pass's chunked rule, whose
+bits are not the reference's; session 18).
+
+What each piece of the reference rule (gdn.delta_rule_chunked_reference, Transformers 5.17's
+torch ops) computes, element by element, was measured on an H200 against kernels of known order
+(scripts/gpu_rule_bits_probe.py, scripts/gpu_trsm_probe.py, session 19): the batched fp32
+products are ascending FMA chains from zero (tl.dot with input_precision "ieee" gives them), and
+cuBLAS's batched unit-lower triangular solve of a [64, 64] system is blocked by 8 rows,
+right-looking: a block's rows by forward substitution (row i takes fma(-l_ij, x_j, x_i) for its
+block's earlier rows j, ascending), then every later row subtracts that block's terms summed by
+ascending FMA from zero (a GEMM, then x_i - acc). The reductions, exp and rsqrt have Triton
+equivalents too; this first form keeps them on torch's ops and puts the two heavy pieces in
+Triton:
+
+  solve_unit_lower(L, B)   the solve, blocked by 8 as cuBLAS (bits on the GPU: tests/kernels)
+  recurrence(...)          the chunk loop: v_new = u - w S; out = q_d S + A v_new;
+                           S = S * carry + k_d^T v_new, each product an ascending chain from
+                           zero, the multiply and add of the state update rounded apart
+  delta_rule_chunked_exact the whole rule: torch's ops for the element-wise parts, reductions and
+                           the two [64, 64] products, then the two kernels
+
+On the CPU (the interpreter) the kernels run their logic; their bits are the GPU's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fqkernels import gdn
+
+SOLVE_BLOCK = 8     # cuBLAS's row block in the batched solve of a 64 x 64 system (session 19)
+
+
+@triton.jit
+def _mul_rn(a, b, INTERPRETED: tl.constexpr):
+    """a * b rounded on its own: never contracted with a following add into an FMA (PTX mul.rn)."""
+    if INTERPRETED:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _row(x, rows, j):
+    """Row j of the register tile x [M, N] as [N] (a sum of one value and zeros: exact)."""
+    return tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
+
+
+@triton.jit
+def _solve_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl.constexpr, BN: tl.constexpr,
+                  NB: tl.constexpr):
+    """X = L^-1 B for one system p (L unit lower [M, M], rows of stride M; B, X [M, N] rows of
+    stride N) and BN of its columns, blocked by NB rows, right-looking, as cuBLAS orders it."""
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, M)
+    cmask = cols < N
+    x = tl.load(b_ptr + p * stride_bp + rows[:, None] * N + cols[None, :], mask=cmask[None, :], other=0.0)
+    l_base = l_ptr + p * stride_lp
+    for s in tl.static_range(0, M, NB):
+        # the block's own rows: forward substitution, each earlier row's term by one FMA
+        for j in tl.static_range(s, s + NB - 1):
+            xj = _row(x, rows, j)
+            below = (rows > j) & (rows < s + NB)
+            lj = tl.load(l_base + rows * M + j, mask=below, other=0.0)
+            x = tl.where(below[:, None], tl.fma(-lj[:, None], xj[None, :], x), x)
+        # the later rows: the block's terms summed from zero by ascending FMA, then subtracted
+        if s + NB < M:
+            later = rows >= s + NB
+            acc = tl.zeros([M, BN], dtype=tl.float32)
+            for j in tl.static_range(s, s + NB):
+                lj = tl.load(l_base + rows * M + j, mask=later, other=0.0)
+                acc = tl.fma(lj[:, None], _row(x, rows, j)[None, :], acc)
+            x = tl.where(later[:, None], x - acc, x)
+    tl.store(x_ptr + p * stride_xp + rows[:, None] * N + cols[None, :], x, mask=cmask[None, :])
+
+
+def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True) for fp32 L [..., M, M]
+    (M a multiple of 8; what lies on and above the diagonal is not read) and B [..., M, N], in
+    cuBLAS's order (its bits on the GPU)."""
+    M, N = B.shape[-2], B.shape[-1]
+    if L.shape[-1] != M or L.shape[-2] != M or M % SOLVE_BLOCK:
+        raise ValueError(f"solve_unit_lower: L {tuple(L.shape)} against B {tuple(B.shape)} (M a multiple of 8)")
+    l3 = L.reshape(-1, M, M).contiguous()
+    b3 = B.reshape(-1, M, N).contiguous()
+    out = torch.empty_like(b3)
+    bn = min(block_n, triton.next_power_of_2(N))
+    _solve_kernel[(l3.shape[0], triton.cdiv(N, bn))](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0),
+                                                     M=M, BN=bn, NB=SOLVE_BLOCK, num_warps=4)
+    return out.view(B.shape)
+
+
+@triton.jit
+def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_ptr, cap_ptr, NC, capture,
+                       C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       HAS_CAPTURE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One sequence-head (program 0) and BV value columns (program 1), over its NC chunks in
+    order, the state S [DK, BV] in registers (in: s_ptr's initial state; out: the final one).
+    Per chunk c (u, w, q_d, k_d [NC, C, D] and A [NC, C, C] of this sequence-head, carry [NC]):
+    v_new = u - w S; out = q_d S + A v_new; S = S * carry + k_d^T v_new."""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    S = tl.load(s_ptrs)
+    for c in range(NC):
+        if HAS_CAPTURE:
+            if c == capture:
+                tl.store(cap_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :], S)
+        base = (bh * NC + c) * C
+        w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
+        u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
+        v_new = u - tl.dot(w, S, input_precision="ieee")
+        qd = tl.load(qd_ptr + (base + r[:, None]) * DK + dk[None, :])
+        a = tl.load(a_ptr + (base + r[:, None]) * C + r[None, :])
+        out = tl.dot(qd, S, input_precision="ieee") + tl.dot(a, v_new, input_precision="ieee")
+        tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], out)
+        kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
+        carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
+        S = _mul_rn(S, carry, INTERPRETED) + tl.dot(kd_t, v_new, input_precision="ieee")
+    tl.store(s_ptrs, S)
+
+
+def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, captured=None, block_v: int = 32):
+    """The reference rule's chunk loop (delta_rule_chunked_reference's) over fp32 u [BH, NC, C, Dv],
+    w, qd, kd [BH, NC, C, Dk], attn [BH, NC, C, C], carry [BH, NC], from state [BH, Dk, Dv]
+    (contiguous fp32, updated in place to the final state). Returns out [BH, NC, C, Dv]; with
+    capture=c the state at chunk c's start is written into captured [BH, Dk, Dv]."""
+    BH, NC, C, Dv = u.shape
+    Dk = w.shape[-1]
+    out = torch.empty_like(u)
+    bv = min(block_v, Dv)
+    if Dv % bv:
+        raise ValueError(f"recurrence: Dv {Dv} is not a multiple of {bv}")
+    cap = captured if captured is not None else state
+    interpreted = not u.is_cuda
+    _recurrence_kernel[(BH, Dv // bv)](u.contiguous(), w.contiguous(), qd.contiguous(), kd.contiguous(),
+                                       attn.contiguous(), carry.contiguous(), state, out, cap, NC,
+                                       -1 if capture is None else capture, C=C, DK=Dk, DV=Dv, BV=bv,
+                                       HAS_CAPTURE=capture is not None, INTERPRETED=interpreted, num_warps=4)
+    return out
+
+
+def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, capture: int | None = None):
+    """delta_rule_chunked_reference's function and arguments (q, k, v [B, T, H, D] with H heads
+    each, g, beta [B, T, H], state [B, H, Dk, Dv] fp32 or None), its bits on the GPU: the same torch
+    ops up to the solve, then solve_unit_lower and recurrence."""
+    C = gdn.CHUNK
+    dtype = q.dtype
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta = gdn._prepare(q, k, v, g, beta, l2norm)
+    q = q * Dk ** -0.5
+    pad = (C - T % C) % C
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
+    n = (T + pad) // C
+    vb, kb = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, kb, vb = (t.reshape(B, H, n, C, t.shape[-1]) for t in (q, k, kb, vb))
+    gamma = g.reshape(B, H, n, C).cumsum(dim=3)
+    above = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gamma.unsqueeze(4) - gamma.unsqueeze(3)).masked_fill(above, float("-inf")).exp()
+    system = (kb @ k.transpose(-1, -2)) * decay
+    attn = (q @ k.transpose(-1, -2)) * decay
+    kb_decayed = kb * gamma.exp().unsqueeze(-1)
+    uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1))
+    u, w = uw[..., :Dv], uw[..., Dv:]
+    S = gdn._initial(state, (B, H, Dk, Dv), u).contiguous().clone()
+    qd = q * gamma.exp().unsqueeze(-1)
+    kd = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    carry = gamma[..., -1].exp()
+    captured = None
+    if capture is not None:
+        if not 0 <= capture < n:
+            raise ValueError(f"delta_rule_chunked_exact: capture {capture} is not a chunk of the {n} here")
+        captured = torch.empty_like(S)
+    flat = lambda t: t.reshape(B * H, n, *t.shape[3:])  # noqa: E731
+    out = recurrence(flat(u), flat(w), flat(qd), flat(kd), flat(attn), carry.reshape(B * H, n),
+                     S.view(B * H, Dk, Dv), capture, None if captured is None else captured.view(B * H, Dk, Dv))
+    out = out.reshape(B, H, n * C, Dv)[:, :, :T]
+    out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return (out, S) if capture is None else (out, S, captured)
+
+
+def chunked_prefill_exact(q, k, v, g, beta, block_v=None, plan=None, state_out=None, initial_state=None,
+                          capture=None):
+    """gdn.chunked_prefill's contract (q, k heads shared by index; state_out, initial_state, capture
+    (c, out)) on delta_rule_chunked_exact: the reference's bits (gdn.chunked_prefill_reference's)
+    from these kernels. block_v and plan are the fast kernels' and unused."""
+    H = v.shape[2]
+    q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
+    if capture is not None:
+        o, state, at = delta_rule_chunked_exact(q, k, v, g, beta, state=initial_state, capture=capture[0])
+        capture[1].copy_(at)
+    else:
+        o, state = delta_rule_chunked_exact(q, k, v, g, beta, state=initial_state)
+    if state_out is None:
+        return o, state
+    state_out.copy_(state)
+    return o, state_out

@@ -1,0 +1,105 @@
+"""The GDN chunked rule in the reference's order (fqkernels/gdn_exact.py) against the reference's
+ops: on a GPU bit for bit (the triangular solve against torch.linalg.solve_triangular, the whole
+rule against gdn.delta_rule_chunked_reference, with its final state and a captured one); under
+Triton's CPU interpreter (>= 3.4) the logic, within fp32 rounding (the interpreter's FMA rounds
+the product first, so its bits are not the GPU's)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import gdn, gdn_exact  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> None:
+    """Bit for bit on the GPU; under the interpreter within rel of the larger magnitude (bf16: an
+    output's last bit may flip)."""
+    if DEV == "cuda":
+        assert torch.equal(a, b), f"{(a.float() != b.float()).float().mean().item():.4%} of elements differ"
+    else:
+        if a.dtype == torch.bfloat16:
+            rel = max(rel, 2.0 ** -7)
+        scale = max(a.float().abs().max().item(), b.float().abs().max().item(), 1e-30)
+        assert (a.float() - b.float()).abs().max().item() <= rel * scale
+
+
+def _rule_inputs(B, T, H, D, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, generator=g_).bfloat16() for _ in range(3))
+    g = -F.softplus(torch.randn(B, T, H, generator=g_)) * 0.3
+    beta = torch.rand(B, T, H, generator=g_).bfloat16()
+    return [t.to(DEV) for t in (q, k, v, g, beta)]
+
+
+def test_solve_is_the_reference_solve():
+    """The reference rule's own systems (its decayed k_beta k^T, unit lower) and two right-hand
+    sides side by side, and random systems with the upper triangle filled (not read)."""
+    q, k, v, g, beta = _rule_inputs(2, 128, 4, 128, seed=1)
+    qf, kf, vf, gf, bf = gdn._prepare(q, k, v, g, beta, True)
+    C = gdn.CHUNK
+    kf, vf = kf.reshape(2, 4, 2, C, 128), vf.reshape(2, 4, 2, C, 128)
+    kb, vb = kf * bf.reshape(2, 4, 2, C, 1), vf * bf.reshape(2, 4, 2, C, 1)
+    gamma = gf.reshape(2, 4, 2, C).cumsum(-1)
+    above = torch.ones(C, C, dtype=torch.bool, device=DEV).triu(1)
+    system = (kb @ kf.transpose(-1, -2)) * (gamma[..., :, None] - gamma[..., None, :]).masked_fill(above, -torch.inf).exp()
+    rhs = torch.cat([vb, kb * gamma.exp()[..., None]], dim=-1)
+    want = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    _same(gdn_exact.solve_unit_lower(system, rhs), want)
+    g_ = torch.Generator().manual_seed(2)
+    L = (torch.randn(40, 64, 64, generator=g_) * 0.2).to(DEV)
+    B = torch.randn(40, 64, 96, generator=g_).to(DEV)
+    _same(gdn_exact.solve_unit_lower(L, B, block_n=32),
+          torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True), rel=1e-5)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gdn_exact.solve_unit_lower(L[:, :60, :60], B[:, :60])
+
+
+@pytest.mark.parametrize("B,T,H,D,state,capture", [(1, 64, 2, 128, False, None), (2, 150, 3, 128, True, 1),
+                                                    (3, 5, 2, 64, True, None), (1, 256, 2, 128, False, 3)])
+def test_rule_is_the_reference_rule(B, T, H, D, state, capture):
+    """Outputs, the final state and a captured one (the state at a chunk's start) as the reference
+    gives them: T a multiple of 64 and not, from zero and from a state, batch > 1."""
+    q, k, v, g, beta = _rule_inputs(B, T, H, D, seed=T + D)
+    s0 = (torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1).to(DEV) if state else None
+    kw = {} if capture is None else {"capture": capture}
+    got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, **kw)
+    want = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=s0, **kw)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same(a, b, rel=1e-5)
+
+
+def test_prefill_contract_writes_state_and_snapshot():
+    """chunked_prefill_exact: q, k heads shared by index (2 q/k heads for 4 value heads), the final
+    state into state_out, from initial_state, the snapshot into capture's tensor; the same as
+    chunked_prefill_reference."""
+    B, T, Hk, Hv, D = 2, 130, 2, 4, 64
+    g_ = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(B, T, Hk, D, generator=g_).bfloat16().to(DEV) for _ in range(2))
+    _, _, v, g, beta = _rule_inputs(B, T, Hv, D, seed=6)
+    s0 = (torch.randn(B, Hv, D, D, generator=g_) * 0.1).to(DEV)
+    outs = []
+    for rule in (gdn_exact.chunked_prefill_exact, gdn.chunked_prefill_reference):
+        state_out, cap = torch.empty_like(s0), torch.empty_like(s0)
+        o, s = rule(q, k, v, g, beta, state_out=state_out, initial_state=s0.clone(), capture=(1, cap))
+        assert s is state_out
+        outs.append((o, state_out, cap))
+    for a, b in zip(*outs):
+        _same(a, b, rel=1e-5)
