@@ -340,7 +340,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
     rule-bits) for shape in 4x2048 1x512; do timeout 200 python3 scripts/gpu_rule_bits_probe.py --shape $shape \
                  --out "$OUT/rule_bits_$shape.json" 2>&1 | grep -v Warn | tail -30; done ;;
     kernels-gdn-exact) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact.py 2>&1 \
-                         | tail -20 | tee "$OUT/pytest_gdn_exact.log" ;;
+                         | grep -v "^    \|^  File\|^E    +" | tail -40 | tee "$OUT/pytest_gdn_exact.log" ;;
     exact-rule) timeout 300 python3 scripts/gpu_exact_rule.py --out "$OUT/exact_rule.json" 2>&1 | grep -v Warn | tail -8 ;;
     trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
                  --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;

@@ -16,7 +16,8 @@ Triton:
   solve_unit_lower(L, B)   the solve, blocked by 8 as cuBLAS (bits on the GPU: tests/kernels)
   recurrence(...)          the chunk loop: v_new = u - w S; out = q_d S + A v_new;
                            S = S * carry + k_d^T v_new, each product an ascending chain from
-                           zero, the multiply and add of the state update rounded apart
+                           zero, each multiply, add and subtract rounded on its own (written in
+                           PTX: Triton would fuse them into FMAs or into the products' chains)
   delta_rule_chunked_exact the whole rule: torch's ops for the element-wise parts, reductions and
                            the two [64, 64] products, then the two kernels
 
@@ -41,6 +42,27 @@ def _mul_rn(a, b, INTERPRETED: tl.constexpr):
         return a * b
     else:
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rn(a, b, INTERPRETED: tl.constexpr):
+    """a + b as its own rounding: Triton folds dot(x, y) + c into dot(x, y, c), a chain that
+    starts from c instead of zero (other bits); an add written in PTX is not folded."""
+    if INTERPRETED:
+        return a + b
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _sub_rn(a, b, INTERPRETED: tl.constexpr):
+    """a - b as its own rounding (_add_rn's reason)."""
+    if INTERPRETED:
+        return a - b
+    else:
+        return tl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)
 
 
@@ -116,14 +138,14 @@ def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_
         base = (bh * NC + c) * C
         w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
         u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
-        v_new = u - tl.dot(w, S, input_precision="ieee")
+        v_new = _sub_rn(u, tl.dot(w, S, input_precision="ieee"), INTERPRETED)
         qd = tl.load(qd_ptr + (base + r[:, None]) * DK + dk[None, :])
         a = tl.load(a_ptr + (base + r[:, None]) * C + r[None, :])
-        out = tl.dot(qd, S, input_precision="ieee") + tl.dot(a, v_new, input_precision="ieee")
+        out = _add_rn(tl.dot(qd, S, input_precision="ieee"), tl.dot(a, v_new, input_precision="ieee"), INTERPRETED)
         tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], out)
         kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
         carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
-        S = _mul_rn(S, carry, INTERPRETED) + tl.dot(kd_t, v_new, input_precision="ieee")
+        S = _add_rn(_mul_rn(S, carry, INTERPRETED), tl.dot(kd_t, v_new, input_precision="ieee"), INTERPRETED)
     tl.store(s_ptrs, S)
 
 
@@ -143,7 +165,8 @@ def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, cap
     _recurrence_kernel[(BH, Dv // bv)](u.contiguous(), w.contiguous(), qd.contiguous(), kd.contiguous(),
                                        attn.contiguous(), carry.contiguous(), state, out, cap, NC,
                                        -1 if capture is None else capture, C=C, DK=Dk, DV=Dv, BV=bv,
-                                       HAS_CAPTURE=capture is not None, INTERPRETED=interpreted, num_warps=4)
+                                       HAS_CAPTURE=capture is not None, INTERPRETED=interpreted, num_warps=4,
+                                       num_stages=1)   # no loads kept in flight: its operands fill shared memory
     return out
 
 
