@@ -13,7 +13,9 @@ ascending FMA from zero (a GEMM, then x_i - acc). The reductions, exp and rsqrt 
 equivalents too; this first form keeps them on torch's ops and puts the two heavy pieces in
 Triton:
 
-  solve_unit_lower(L, B)   the solve, blocked by 8 as cuBLAS (bits on the GPU: tests/kernels)
+  solve_unit_lower(L, B)   the solve, blocked by 8 as cuBLAS's batched solve (bits on the GPU:
+                           tests/kernels; with 8 systems or fewer torch calls cuBLAS's
+                           non-batched solve, other bits: the exact rule calls it there too)
   recurrence(...)          the chunk loop: v_new = u - w S; out = q_d S + A v_new;
                            S = S * carry + k_d^T v_new, each product an ascending chain from
                            zero, each multiply, add and subtract rounded on its own (written in
@@ -33,6 +35,9 @@ import triton.language as tl
 from fqkernels import gdn
 
 SOLVE_BLOCK = 8     # cuBLAS's row block in the batched solve of a 64 x 64 system (session 19)
+# torch solves at most this many systems of 64 or more rows one cuBLAS call each (non-batched,
+# other bits: session 19's trsm-bits); the exact rule then makes that same call
+LOOPED_SOLVES = 8
 
 
 @triton.jit
@@ -156,7 +161,7 @@ def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, cap
     capture=c the state at chunk c's start is written into captured [BH, Dk, Dv]."""
     BH, NC, C, Dv = u.shape
     Dk = w.shape[-1]
-    out = torch.empty_like(u)
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)      # contiguous, whatever u's strides
     bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"recurrence: Dv {Dv} is not a multiple of {bv}")
@@ -192,8 +197,12 @@ def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, 
     system = (kb @ k.transpose(-1, -2)) * decay
     attn = (q @ k.transpose(-1, -2)) * decay
     kb_decayed = kb * gamma.exp().unsqueeze(-1)
-    uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1))
-    u, w = uw[..., :Dv], uw[..., Dv:]
+    if B * H * n > LOOPED_SOLVES:
+        uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1))
+        u, w = uw[..., :Dv], uw[..., Dv:]
+    else:       # so few systems that torch solves them one by one: its own calls
+        u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kb_decayed, upper=False, unitriangular=True)
     S = gdn._initial(state, (B, H, Dk, Dv), u).contiguous().clone()
     qd = q * gamma.exp().unsqueeze(-1)
     kd = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)

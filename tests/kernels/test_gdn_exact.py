@@ -71,11 +71,13 @@ def test_solve_is_the_reference_solve():
         gdn_exact.solve_unit_lower(L[:, :60, :60], B[:, :60])
 
 
-@pytest.mark.parametrize("B,T,H,D,state,capture", [(1, 64, 2, 128, False, None), (2, 150, 3, 128, True, 1),
-                                                    (3, 5, 2, 64, True, None), (1, 256, 2, 128, False, 3)])
+@pytest.mark.parametrize("B,T,H,D,state,capture", [(1, 64, 12, 128, False, None), (2, 150, 3, 128, True, 1),
+                                                    (3, 5, 4, 64, True, None), (1, 256, 3, 128, False, 3),
+                                                    (1, 64, 2, 128, False, None), (3, 5, 2, 64, True, None)])
 def test_rule_is_the_reference_rule(B, T, H, D, state, capture):
     """Outputs, the final state and a captured one (the state at a chunk's start) as the reference
-    gives them: T a multiple of 64 and not, from zero and from a state, batch > 1."""
+    gives them: T a multiple of 64 and not, from zero and from a state, batch > 1; more than 8
+    systems of 64 (the batched solve: this solve kernel) and 8 or fewer (torch's own calls)."""
     q, k, v, g, beta = _rule_inputs(B, T, H, D, seed=T + D)
     s0 = (torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(3)) * 0.1).to(DEV) if state else None
     kw = {} if capture is None else {"capture": capture}
