@@ -660,6 +660,7 @@ def _gdn_decode_step(batch: int) -> None:
     rows = torch.empty((batch * 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, capture=2, captured=rows)
+    gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form="split")
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))

@@ -2,7 +2,7 @@
 reference's (gdn.delta_rule_chunked_reference) bit for bit, and what does it cost against the
 reference's ops and the fast kernels (gdn.chunked_prefill), each as one CUDA graph, per layer,
 at the public shapes' prompts (32 value heads of 128, as the 4B's GDN layers)? Also the exact
-rule's two kernels alone.
+rule's two kernels alone at several launch shapes and forms, each against torch's ops bit for bit.
 
     python scripts/gpu_exact_rule.py [--shapes 1x512,4x2048,16x512] [--out PATH]
 """
@@ -44,6 +44,14 @@ def graphed_us(fn, reps: int = 20) -> float:
     return round(times[len(times) // 2], 1)
 
 
+# launch shapes tried for the two kernels (each checked bit for bit against torch's ops, then timed):
+# the solve's (right-hand-side columns a program, warps) and the chunk loop's (form, value columns a
+# program, warps); the exact rule itself runs its defaults (64, 4) and ("fused", 32, 4)
+SOLVE_VARIANTS = [(64, 4), (32, 4), (32, 2), (64, 8), (128, 8)]
+LOOP_VARIANTS = [("fused", 32, 4), ("fused", 16, 2), ("fused", 16, 4), ("split", 32, 4), ("split", 16, 2),
+                 ("split", 16, 4), ("split", 32, 8), ("split", 64, 8)]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1x512,4x2048,16x512")
@@ -74,17 +82,32 @@ def main(argv=None) -> dict:
                 C, n = gdn.CHUNK, T // gdn.CHUNK
                 L = torch.randn(B * H * n, C, C, device=dev) * 0.05
                 rhs = torch.randn(B * H * n, C, 256, device=dev)
-                r["us_solve"] = graphed_us(lambda: gdn_exact.solve_unit_lower(L, rhs))
-                u = torch.randn(B * H, n, C, 128, device=dev)
+                want = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+                for bn, warps in SOLVE_VARIANTS:
+                    name = f"solve_bn{bn}_w{warps}"
+                    try:
+                        r[name] = {"bit_equal": bool(torch.equal(gdn_exact.solve_unit_lower(L, rhs, bn, warps), want)),
+                                   "us": graphed_us(lambda bn=bn, warps=warps: gdn_exact.solve_unit_lower(L, rhs, bn, warps))}
+                    except Exception as exc:  # noqa: BLE001 - e.g. past shared memory
+                        r[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                u, w, qd, kd = (torch.randn(B * H, n, C, 128, device=dev) * 0.1 for _ in range(4))
                 attn = torch.randn(B * H, n, C, C, device=dev) * 0.05
                 carry = torch.rand(B * H, n, device=dev)
-                st = torch.zeros(B * H, 128, 128, device=dev)
-                for bv in (32, 64):
+                st = torch.randn(B * H, 128, 128, device=dev) * 0.05
+                want_out, want_state = gdn_exact.recurrence_reference(u, w, qd, kd, attn, carry, st)
+                for form, bv, warps in LOOP_VARIANTS:
+                    name = f"loop_{form}_bv{bv}_w{warps}"
                     try:
-                        r[f"us_recurrence_bv{bv}"] = graphed_us(
-                            lambda bv=bv: gdn_exact.recurrence(u, u, u, u, attn, carry, st, block_v=bv))
-                    except Exception as exc:  # noqa: BLE001 - e.g. 64 columns past shared memory
-                        r[f"us_recurrence_bv{bv}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        state = st.clone()
+                        out = gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, block_v=bv, form=form,
+                                                   num_warps=warps)
+                        same = bool(torch.equal(out, want_out) and torch.equal(state, want_state))
+                        state = st.clone()
+                        r[name] = {"bit_equal": same, "us": graphed_us(
+                            lambda form=form, bv=bv, warps=warps: gdn_exact.recurrence(
+                                u, w, qd, kd, attn, carry, state, block_v=bv, form=form, num_warps=warps))}
+                    except Exception as exc:  # noqa: BLE001 - e.g. past shared memory
+                        r[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         except Exception as exc:  # noqa: BLE001 - one shape failing: the rest still run
             r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         report["shapes"][shape] = r

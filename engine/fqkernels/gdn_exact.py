@@ -106,7 +106,7 @@ def _solve_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl
     tl.store(x_ptr + p * stride_xp + rows[:, None] * N + cols[None, :], x, mask=cmask[None, :])
 
 
-def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True) for fp32 L [..., M, M]
     (M a multiple of 8; what lies on and above the diagonal is not read) and B [..., M, N], in
     cuBLAS's order (its bits on the GPU)."""
@@ -118,7 +118,7 @@ def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64) -> tor
     out = torch.empty_like(b3)
     bn = min(block_n, triton.next_power_of_2(N))
     _solve_kernel[(l3.shape[0], triton.cdiv(N, bn))](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0),
-                                                     M=M, BN=bn, NB=SOLVE_BLOCK, num_warps=4)
+                                                     M=M, BN=bn, NB=SOLVE_BLOCK, num_warps=num_warps)
     return out.view(B.shape)
 
 
@@ -154,25 +154,96 @@ def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_
     tl.store(s_ptrs, S)
 
 
-def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, captured=None, block_v: int = 32):
+@triton.jit
+def _states_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr, NC, C: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BV: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The split form's sequential half: _recurrence_kernel's walk without the outputs, keeping
+    each chunk's starting state h [BH, NC, DK, DV] and its new values v_new [BH, NC, C, DV]."""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    S = tl.load(s_ptrs)
+    for c in range(NC):
+        tl.store(h_ptr + (bh * NC + c) * DK * DV + dk[:, None] * DV + cols[None, :], S)
+        base = (bh * NC + c) * C
+        w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
+        u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
+        v_new = _sub_rn(u, tl.dot(w, S, input_precision="ieee"), INTERPRETED)
+        tl.store(vn_ptr + (base + r[:, None]) * DV + cols[None, :], v_new)
+        kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
+        carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
+        S = _add_rn(_mul_rn(S, carry, INTERPRETED), tl.dot(kd_t, v_new, input_precision="ieee"), INTERPRETED)
+    tl.store(s_ptrs, S)
+
+
+@triton.jit
+def _outputs_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BV: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The split form's parallel half: one chunk (program 0 over BH x NC) and BV value columns,
+    out = q_d h + A v_new from the chunk's starting state and new values."""
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    base = chunk * C
+    h = tl.load(h_ptr + chunk * DK * DV + dk[:, None] * DV + cols[None, :])
+    qd = tl.load(qd_ptr + (base + r[:, None]) * DK + dk[None, :])
+    a = tl.load(a_ptr + (base + r[:, None]) * C + r[None, :])
+    vn = tl.load(vn_ptr + (base + r[:, None]) * DV + cols[None, :])
+    out = _add_rn(tl.dot(qd, h, input_precision="ieee"), tl.dot(a, vn, input_precision="ieee"), INTERPRETED)
+    tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], out)
+
+
+def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, captured=None, block_v: int = 32,
+               form: str = "fused", num_warps: int = 4):
     """The reference rule's chunk loop (delta_rule_chunked_reference's) over fp32 u [BH, NC, C, Dv],
     w, qd, kd [BH, NC, C, Dk], attn [BH, NC, C, C], carry [BH, NC], from state [BH, Dk, Dv]
     (contiguous fp32, updated in place to the final state). Returns out [BH, NC, C, Dv]; with
-    capture=c the state at chunk c's start is written into captured [BH, Dk, Dv]."""
+    capture=c the state at chunk c's start is written into captured [BH, Dk, Dv]. form "fused":
+    one kernel walks the chunks and writes the outputs as it goes; "split": the walk keeps each
+    chunk's starting state and new values, a second kernel forms the outputs in parallel over the
+    chunks (the same products, the same bits; more memory: NC states per sequence-head)."""
     BH, NC, C, Dv = u.shape
     Dk = w.shape[-1]
     out = torch.empty(u.shape, dtype=u.dtype, device=u.device)      # contiguous, whatever u's strides
     bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"recurrence: Dv {Dv} is not a multiple of {bv}")
-    cap = captured if captured is not None else state
+    if form not in ("fused", "split"):
+        raise ValueError(f"recurrence: form {form!r} is not 'fused' or 'split'")
     interpreted = not u.is_cuda
-    _recurrence_kernel[(BH, Dv // bv)](u.contiguous(), w.contiguous(), qd.contiguous(), kd.contiguous(),
-                                       attn.contiguous(), carry.contiguous(), state, out, cap, NC,
+    u, w, qd, kd, attn, carry = (t.contiguous() for t in (u, w, qd, kd, attn, carry))
+    if form == "split":
+        h = torch.empty((BH, NC, Dk, Dv), dtype=torch.float32, device=u.device)
+        v_new = torch.empty_like(out)
+        _states_kernel[(BH, Dv // bv)](u, w, kd, carry, state, h, v_new, NC, C=C, DK=Dk, DV=Dv, BV=bv,
+                                       INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
+        _outputs_kernel[(BH * NC, Dv // bv)](qd, attn, h, v_new, out, C=C, DK=Dk, DV=Dv, BV=bv,
+                                             INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
+        if capture is not None:
+            captured.copy_(h[:, capture])
+        return out
+    cap = captured if captured is not None else state
+    _recurrence_kernel[(BH, Dv // bv)](u, w, qd, kd, attn, carry, state, out, cap, NC,
                                        -1 if capture is None else capture, C=C, DK=Dk, DV=Dv, BV=bv,
-                                       HAS_CAPTURE=capture is not None, INTERPRETED=interpreted, num_warps=4,
+                                       HAS_CAPTURE=capture is not None, INTERPRETED=interpreted,
+                                       num_warps=num_warps,
                                        num_stages=1)   # no loads kept in flight: its operands fill shared memory
     return out
+
+
+def recurrence_reference(u, w, qd, kd, attn, carry, state):
+    """recurrence's function on torch's ops, as delta_rule_chunked_reference's loop runs them
+    (batched over BH): (out, final state); state is not changed."""
+    S = state.clone()
+    out = torch.empty_like(u)
+    for c in range(u.shape[1]):
+        v_new = u[:, c] - w[:, c] @ S
+        out[:, c] = qd[:, c] @ S + attn[:, c] @ v_new
+        S = S * carry[:, c, None, None] + kd[:, c].transpose(-1, -2) @ v_new
+    return out, S
 
 
 def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, capture: int | None = None):

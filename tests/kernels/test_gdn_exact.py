@@ -105,3 +105,27 @@ def test_prefill_contract_writes_state_and_snapshot():
         outs.append((o, state_out, cap))
     for a, b in zip(*outs):
         _same(a, b, rel=1e-5)
+
+
+@pytest.mark.parametrize("form,block_v,warps", [("fused", 32, 4), ("split", 32, 4), ("split", 16, 2),
+                                                ("fused", 64, 8)])
+def test_chunk_loop_forms_are_the_reference_loop(form, block_v, warps):
+    """recurrence's forms and launch shapes against the reference's loop on torch's ops
+    (recurrence_reference): outputs, the final state and a captured one."""
+    BH, NC, C, D = 3, 4, 64, 64
+    g_ = torch.Generator().manual_seed(7)
+    u, w, qd, kd = ((torch.randn(BH, NC, C, D, generator=g_) * 0.2).to(DEV) for _ in range(4))
+    attn = (torch.randn(BH, NC, C, C, generator=g_) * 0.1).to(DEV)
+    carry = torch.rand(BH, NC, generator=g_).to(DEV)
+    s0 = (torch.randn(BH, D, D, generator=g_) * 0.1).to(DEV)
+    want_out, want_state = gdn_exact.recurrence_reference(u, w, qd, kd, attn, carry, s0)
+    _, cap_state = gdn_exact.recurrence_reference(u[:, :2], w[:, :2], qd[:, :2], kd[:, :2], attn[:, :2],
+                                                  carry[:, :2], s0)
+    state, captured = s0.clone(), torch.empty_like(s0)
+    out = gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, capture=2, captured=captured, block_v=block_v,
+                               form=form, num_warps=warps)
+    _same(out, want_out, rel=1e-5)
+    _same(state, want_state, rel=1e-5)
+    _same(captured, cap_state, rel=1e-5)
+    with pytest.raises(ValueError, match="'fused' or 'split'"):
+        gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, form="other")
