@@ -19,29 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "engine"))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from fqkernels import gdn, gdn_exact  # noqa: E402
-from gpu_rule_bits_probe import inputs  # noqa: E402
-
-
-def graphed_us(fn, reps: int = 20) -> float:
-    """Median microseconds of one replay of fn captured as a CUDA graph (after a warm-up run)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times = sorted(times[2:])
-    return round(times[len(times) // 2], 1)
+from gpu_rule_bits_probe import graphed_us, inputs  # noqa: E402
 
 
 # launch shapes tried for the two kernels (each checked bit for bit against torch's ops, then timed):

@@ -315,6 +315,20 @@ def _time_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of fn captured as one CUDA graph (after a run on a side
+    stream: kernels compiled, allocations made)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return round(_time_us(graph.replay, reps=reps), 1)
+
+
 def timings(pieces: dict, q, k, v, g, beta) -> dict:
     """What a rule built from the reference's own ops would cost (the GPU only): each piece's torch
     op once (us), and the whole reference rule eager and, if it captures, as one CUDA graph."""
@@ -323,15 +337,7 @@ def timings(pieces: dict, q, k, v, g, beta) -> dict:
     rule = lambda: gdn.delta_rule_chunked_reference(q, k, v, g, beta)  # noqa: E731
     out["rule_eager"] = round(_time_us(rule, reps=5), 1)
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            rule()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            rule()
-        out["rule_graph"] = round(_time_us(graph.replay, reps=5), 1)
+        out["rule_graph"] = graphed_us(rule, reps=5)
     except Exception as exc:  # noqa: BLE001 - the reference may not capture (e.g. a host sync in the solve)
         out["rule_graph"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return out

@@ -1216,13 +1216,20 @@ def chunked_prefill_reference(q, k, v, g, beta, block_v=None, plan=None, state_o
     """chunked_prefill's contract (q, k heads shared by index; state_out, initial_state, capture
     (c, out)) on the reference's ops: delta_rule_chunked_reference with the q / k heads repeated as
     the torch backend repeats them, so its bits. block_v and plan are the kernels' and unused."""
+    return with_prefill_contract(delta_rule_chunked_reference, q, k, v, g, beta, state_out, initial_state, capture)
+
+
+def with_prefill_contract(rule, q, k, v, g, beta, state_out=None, initial_state=None, capture=None):
+    """A rule of delta_rule_chunked_reference's arguments (heads repeated, state, capture=c) run
+    under chunked_prefill's contract: q, k heads shared by index, the final state into state_out,
+    from initial_state, the state at chunk c's start into capture's (c, out)."""
     H = v.shape[2]
     q, k = expand_heads(q, H), expand_heads(k, H)
     if capture is not None:
-        o, state, at = delta_rule_chunked_reference(q, k, v, g, beta, state=initial_state, capture=capture[0])
+        o, state, at = rule(q, k, v, g, beta, state=initial_state, capture=capture[0])
         capture[1].copy_(at)
     else:
-        o, state = delta_rule_chunked_reference(q, k, v, g, beta, state=initial_state)
+        o, state = rule(q, k, v, g, beta, state=initial_state)
     if state_out is None:
         return o, state
     state_out.copy_(state)

@@ -296,14 +296,4 @@ def chunked_prefill_exact(q, k, v, g, beta, block_v=None, plan=None, state_out=N
     """gdn.chunked_prefill's contract (q, k heads shared by index; state_out, initial_state, capture
     (c, out)) on delta_rule_chunked_exact: the reference's bits (gdn.chunked_prefill_reference's)
     from these kernels. block_v and plan are the fast kernels' and unused."""
-    H = v.shape[2]
-    q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
-    if capture is not None:
-        o, state, at = delta_rule_chunked_exact(q, k, v, g, beta, state=initial_state, capture=capture[0])
-        capture[1].copy_(at)
-    else:
-        o, state = delta_rule_chunked_exact(q, k, v, g, beta, state=initial_state)
-    if state_out is None:
-        return o, state
-    state_out.copy_(state)
-    return o, state_out
+    return gdn.with_prefill_contract(delta_rule_chunked_exact, q, k, v, g, beta, state_out, initial_state, capture)
