@@ -95,15 +95,12 @@ def delta_rule_recurrent_reference(q, k, v, g, beta, state=None, l2norm: bool = 
     return out.transpose(1, 2).contiguous().to(dtype), S
 
 
-def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = True, chunk: int = CHUNK,
-                                 capture: int | None = None):
-    """The chunked form (every multi-token forward of the reference). T is padded with zeros
-    to a multiple of `chunk` (padded steps have k = beta = g = 0: S passes through them).
-    Returns (o [B, T, H, Dv] in q's dtype, final state fp32), and with capture=c the state at
-    chunk c's start as a third (the state after c * chunk steps: a snapshot, fq_qwen35)."""
-    dtype = q.dtype
+def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
+    """The chunked rule's pieces before its solves, on the reference's ops (T padded with zeros to
+    a multiple of `chunk`, n chunks): (q scaled, k, v * beta [B, H, n, chunk, D], gamma (the log
+    decay from each chunk's start) [B, H, n, chunk], the unit-lower system (k beta) k^T * decay and
+    attn = q k^T * decay [B, H, n, chunk, chunk], (k beta) * exp(gamma))."""
     B, T, H, Dk = k.shape
-    Dv = v.shape[-1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
     q = q * Dk ** -0.5
     pad = (chunk - T % chunk) % chunk
@@ -117,7 +114,20 @@ def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = Tr
     decay = (gamma.unsqueeze(4) - gamma.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # [.., i, j]
     system = (kb @ k.transpose(-1, -2)) * decay                         # unit-lower: only j < i is used
     attn = (q @ k.transpose(-1, -2)) * decay
-    kb_decayed = kb * gamma.exp().unsqueeze(-1)
+    return q, k, vb, gamma, system, attn, kb * gamma.exp().unsqueeze(-1)
+
+
+def delta_rule_chunked_reference(q, k, v, g, beta, state=None, l2norm: bool = True, chunk: int = CHUNK,
+                                 capture: int | None = None):
+    """The chunked form (every multi-token forward of the reference). T is padded with zeros
+    to a multiple of `chunk` (padded steps have k = beta = g = 0: S passes through them).
+    Returns (o [B, T, H, Dv] in q's dtype, final state fp32), and with capture=c the state at
+    chunk c's start as a third (the state after c * chunk steps: a snapshot, fq_qwen35)."""
+    dtype = q.dtype
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, vb, gamma, system, attn, kb_decayed = chunked_pieces(q, k, v, g, beta, l2norm, chunk)
+    n = gamma.shape[2]
     u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, kb_decayed, upper=False, unitriangular=True)
     S = _initial(state, (B, H, Dk, Dv), u)

@@ -28,7 +28,6 @@ On the CPU (the interpreter) the kernels run their logic; their bits are the GPU
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -254,20 +253,8 @@ def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, 
     dtype = q.dtype
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    q, k, v, g, beta = gdn._prepare(q, k, v, g, beta, l2norm)
-    q = q * Dk ** -0.5
-    pad = (C - T % C) % C
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
-    n = (T + pad) // C
-    vb, kb = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    q, k, kb, vb = (t.reshape(B, H, n, C, t.shape[-1]) for t in (q, k, kb, vb))
-    gamma = g.reshape(B, H, n, C).cumsum(dim=3)
-    above = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gamma.unsqueeze(4) - gamma.unsqueeze(3)).masked_fill(above, float("-inf")).exp()
-    system = (kb @ k.transpose(-1, -2)) * decay
-    attn = (q @ k.transpose(-1, -2)) * decay
-    kb_decayed = kb * gamma.exp().unsqueeze(-1)
+    q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(q, k, v, g, beta, l2norm, C)
+    n = gamma.shape[2]
     if B * H * n > LOOPED_SOLVES:
         uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1))
         u, w = uw[..., :Dv], uw[..., Dv:]
