@@ -33,7 +33,8 @@ K/V and states, or its block table). So a long prompt joins without stalling the
 requests for its whole prompt pass. With graphs (a GPU), a prompt admitted alone (admit, a group
 of one) goes the same way in one chunk, so its pass is a graph from its shape's second pass on
 (a Qwen3.5 pass that keeps a state snapshot too, unless graph_snapshot_passes is off).
-warm() runs a pass and its continuation before the first request, so they compile then.
+warm() runs a pass, its continuation and a pass of a few prompts together before the first
+request, so their kernels compile then.
 
 Shared prefixes (paged form, share_prefixes): each full page of an admitted prompt is kept
 under the prompt's tokens up to its end; a later prompt starting with the same tokens takes
