@@ -9,7 +9,7 @@ requests the server runs at once under that memory cap. One JSON report.
         [--runs one_stream,sixteen_streams]
 
 --block-size, --prefill-chunk: the server's options of those names; --runs: only these of the runs
-(one_stream, sixteen_streams, rate_1, rate_4, rate_16, prefix_0, prefix_384; the memory cap's run
+(one_stream, sixteen_streams, sixteen_streams_long, rate_1, rate_4, rate_16, prefix_0, prefix_384; the memory cap's run
 with --memory-gib). prefix_384 sends 16 requests one at a time whose prompts share their first
 384 tokens (then 128 of their own, 32 out), prefix_0 the same without the common prefix: TTFT
 with and without the prefix cache, and the server's prefix_cache_hit_tokens over each run.
@@ -137,7 +137,10 @@ def main() -> None:
         # each run its own seed: no run's prompts repeat another's, so with a prefix cache only the
         # prefix runs share anything (session 16: the 16 streams repeated the one stream's prompts)
         runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1, seed=10),
-                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16, seed=11)}
+                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16, seed=11),
+                # the same for 6 waves: a steadier figure (32 requests last ~1.3 s, so how the first
+                # wave's arrivals group into prompt passes moves it by several percent)
+                "sixteen_streams_long": dict(requests=96, prompt_len=512, output_len=128, concurrency=16, seed=21)}
         for seed, rate in enumerate((1.0, 4.0, 16.0), start=12):
             runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate, seed=seed)
         runs["prefix_0"] = dict(requests=16, prompt_len=512, output_len=32, concurrency=1, seed=1)

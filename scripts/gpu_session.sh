@@ -311,7 +311,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                  | grep -v Warn | tail -8 ;;
     serve-rates) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 400 python3 scripts/gpu_serve_bench.py \
                    --model /tmp/q4b --block-size 64 \
-                   --runs one_stream,sixteen_streams,rate_1,rate_4,rate_16,prefix_0,prefix_384 \
+                   --runs one_stream,sixteen_streams,sixteen_streams_long,rate_1,rate_4,rate_16,prefix_0,prefix_384 \
                    --out "$OUT/serve_rates.json" 2>&1 | grep -v Warn | tail -10 ;;
     serve-chunked) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                      --model /tmp/q4b --prefill-chunk "${SERVE_CHUNK:-256}" --runs one_stream,sixteen_streams,rate_4,rate_16 \
