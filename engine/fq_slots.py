@@ -324,14 +324,12 @@ class Slots:
             raise SlotError("warm(): only before any request is admitted")
         if 2 * length >= self.max_len:
             length = max(1, (self.max_len - 1) // 2)
-        pages = [] if self.page_size is None else self.pool.take(pages_for(2 * length, self.page_size))
+        pages = self._take_pages(self.staging, 2 * length, [])[0]
         index = self.pool.new_snapshot() if self.pool.snapshots else None
         granule = getattr(self.model, "snapshot_granule", 0)
         cut = length // 2 // granule * granule if granule else 0
         ids = torch.zeros((1, length), dtype=torch.int64, device=self.device)
         try:
-            if pages:
-                self.model.block_table[self.staging, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
             with torch.inference_mode():
                 self.model.prefill_logits(ids, row=self.staging,
                                           snapshot=(cut, [index]) if index is not None and cut else None)
@@ -346,9 +344,7 @@ class Slots:
         taken = []
         try:
             for row in range(group):
-                taken.append([] if self.page_size is None else self.pool.take(pages_for(length, self.page_size)))
-                if taken[-1]:
-                    self.model.block_table[row, :len(taken[-1])] = torch.tensor(taken[-1], dtype=torch.int32)
+                taken.append(self._take_pages(row, length, [])[0])
             with torch.inference_mode():
                 self.model.prefill_logits(ids.expand(group, length), row=0)
         finally:

@@ -122,6 +122,20 @@ def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64, num_wa
 
 
 @triton.jit
+def _walk_chunk(u_ptr, w_ptr, kd_ptr, carry_ptr, S, bh, c, NC, cols, r, dk, C: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, BV: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Chunk c of sequence-head bh's walk from its starting state S [DK, BV]: (v_new = u - w S,
+    the state after it, S * carry + k_d^T v_new)."""
+    base = (bh * NC + c) * C
+    w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
+    u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
+    v_new = _sub_rn(u, tl.dot(w, S, input_precision="ieee"), INTERPRETED)
+    kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
+    carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
+    return v_new, _add_rn(_mul_rn(S, carry, INTERPRETED), tl.dot(kd_t, v_new, input_precision="ieee"), INTERPRETED)
+
+
+@triton.jit
 def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_ptr, cap_ptr, NC, capture,
                        C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        HAS_CAPTURE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -139,17 +153,14 @@ def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_
         if HAS_CAPTURE:
             if c == capture:
                 tl.store(cap_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :], S)
+        v_new, S_next = _walk_chunk(u_ptr, w_ptr, kd_ptr, carry_ptr, S, bh, c, NC, cols, r, dk, C, DK, DV, BV,
+                                    INTERPRETED)
         base = (bh * NC + c) * C
-        w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
-        u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
-        v_new = _sub_rn(u, tl.dot(w, S, input_precision="ieee"), INTERPRETED)
         qd = tl.load(qd_ptr + (base + r[:, None]) * DK + dk[None, :])
         a = tl.load(a_ptr + (base + r[:, None]) * C + r[None, :])
         out = _add_rn(tl.dot(qd, S, input_precision="ieee"), tl.dot(a, v_new, input_precision="ieee"), INTERPRETED)
         tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], out)
-        kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
-        carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
-        S = _add_rn(_mul_rn(S, carry, INTERPRETED), tl.dot(kd_t, v_new, input_precision="ieee"), INTERPRETED)
+        S = S_next
     tl.store(s_ptrs, S)
 
 
@@ -166,14 +177,8 @@ def _states_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr, NC, C:
     S = tl.load(s_ptrs)
     for c in range(NC):
         tl.store(h_ptr + (bh * NC + c) * DK * DV + dk[:, None] * DV + cols[None, :], S)
-        base = (bh * NC + c) * C
-        w = tl.load(w_ptr + (base + r[:, None]) * DK + dk[None, :])
-        u = tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :])
-        v_new = _sub_rn(u, tl.dot(w, S, input_precision="ieee"), INTERPRETED)
-        tl.store(vn_ptr + (base + r[:, None]) * DV + cols[None, :], v_new)
-        kd_t = tl.load(kd_ptr + (base + r[None, :]) * DK + dk[:, None])            # [DK, C]
-        carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
-        S = _add_rn(_mul_rn(S, carry, INTERPRETED), tl.dot(kd_t, v_new, input_precision="ieee"), INTERPRETED)
+        v_new, S = _walk_chunk(u_ptr, w_ptr, kd_ptr, carry_ptr, S, bh, c, NC, cols, r, dk, C, DK, DV, BV, INTERPRETED)
+        tl.store(vn_ptr + ((bh * NC + c) * C + r[:, None]) * DV + cols[None, :], v_new)
     tl.store(s_ptrs, S)
 
 
