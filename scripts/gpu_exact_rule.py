@@ -23,11 +23,17 @@ from gpu_rule_bits_probe import graphed_us, inputs  # noqa: E402
 
 
 # launch shapes tried for the two kernels (each checked bit for bit against torch's ops, then timed):
-# the solve's (right-hand-side columns a program, warps) and the chunk loop's (form, value columns a
-# program, warps); the exact rule itself runs its defaults (64, 4) and ("fused", 32, 4)
-SOLVE_VARIANTS = [(64, 4), (32, 4), (32, 2), (64, 8), (128, 8)]
-LOOP_VARIANTS = [("fused", 32, 4), ("fused", 16, 2), ("fused", 16, 4), ("split", 32, 4), ("split", 16, 2),
-                 ("split", 16, 4), ("split", 32, 8), ("split", 64, 8)]
+# the solve's (form, right-hand-side columns a program, warps) and the chunk loop's (form, value columns a
+# program, warps, k_slice: the sliced form's slice of each product's inner dimension); the exact rule
+# itself runs its defaults. Session 20's first sweep (the fused and split forms) is in
+# results/h200-2026-12-02/session20/run1; the split form's best (32, 8) stays as the reference here.
+SOLVE_VARIANTS = [("masked", 32, 2), ("scratch", 32, 2), ("scratch", 32, 4), ("scratch", 64, 4), ("scratch", 16, 1),
+                  ("scratch", 64, 8)]
+LOOP_VARIANTS = [("split", 32, 8, 16), ("sliced", 32, 8, 16), ("sliced", 32, 4, 16), ("sliced", 32, 8, 32),
+                 ("sliced", 16, 4, 16), ("sliced", 16, 2, 16), ("sliced", 64, 8, 16), ("sliced", 64, 4, 32)]
+
+NEW_SOLVE = {"form": "scratch", "block_n": 32, "num_warps": 2}
+NEW_LOOP = {"form": "sliced", "block_v": 32, "num_warps": 8, "k_slice": 16}
 
 
 def main(argv=None) -> dict:
@@ -55,17 +61,25 @@ def main(argv=None) -> dict:
                 state = torch.empty_like(s0)
                 r["us_reference"] = graphed_us(lambda: gdn.delta_rule_chunked_reference(q, k, v, g, beta))
                 r["us_exact"] = graphed_us(lambda: gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta))
+                # the whole rule on session 20's new kernel forms (solve "scratch", loop "sliced")
+                got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=T // 128, solve=NEW_SOLVE,
+                                                         loop=NEW_LOOP)
+                r["bit_equal_new_forms"] = {name: bool(torch.equal(a, b))
+                                            for name, a, b in zip(("out", "state", "captured"), got, ref)}
+                r["us_exact_new_forms"] = graphed_us(lambda: gdn_exact.delta_rule_chunked_exact(
+                    q, k, v, g, beta, solve=NEW_SOLVE, loop=NEW_LOOP))
                 r["us_fast"] = graphed_us(lambda: gdn.chunked_prefill(q, k, v, g, beta, state_out=state))
                 # the exact rule's two kernels alone, on its own intermediate shapes
                 C, n = gdn.CHUNK, T // gdn.CHUNK
                 L = torch.randn(B * H * n, C, C, device=dev) * 0.05
                 rhs = torch.randn(B * H * n, C, 256, device=dev)
                 want = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-                for bn, warps in SOLVE_VARIANTS:
-                    name = f"solve_bn{bn}_w{warps}"
+                for form, bn, warps in SOLVE_VARIANTS:
+                    name = f"solve_{form}_bn{bn}_w{warps}"
                     try:
-                        r[name] = {"bit_equal": bool(torch.equal(gdn_exact.solve_unit_lower(L, rhs, bn, warps), want)),
-                                   "us": graphed_us(lambda bn=bn, warps=warps: gdn_exact.solve_unit_lower(L, rhs, bn, warps))}
+                        got = gdn_exact.solve_unit_lower(L, rhs, bn, warps, form=form)
+                        r[name] = {"bit_equal": bool(torch.equal(got, want)), "us": graphed_us(
+                            lambda form=form, bn=bn, warps=warps: gdn_exact.solve_unit_lower(L, rhs, bn, warps, form=form))}
                     except Exception as exc:  # noqa: BLE001 - e.g. past shared memory
                         r[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 u, w, qd, kd = (torch.randn(B * H, n, C, 128, device=dev) * 0.1 for _ in range(4))
@@ -73,17 +87,18 @@ def main(argv=None) -> dict:
                 carry = torch.rand(B * H, n, device=dev)
                 st = torch.randn(B * H, 128, 128, device=dev) * 0.05
                 want_out, want_state = gdn_exact.recurrence_reference(u, w, qd, kd, attn, carry, st)
-                for form, bv, warps in LOOP_VARIANTS:
-                    name = f"loop_{form}_bv{bv}_w{warps}"
+                for form, bv, warps, ks in LOOP_VARIANTS:
+                    name = f"loop_{form}_bv{bv}_w{warps}" + (f"_ks{ks}" if form == "sliced" else "")
                     try:
                         state = st.clone()
                         out = gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, block_v=bv, form=form,
-                                                   num_warps=warps)
+                                                   num_warps=warps, k_slice=ks)
                         same = bool(torch.equal(out, want_out) and torch.equal(state, want_state))
                         state = st.clone()
                         r[name] = {"bit_equal": same, "us": graphed_us(
-                            lambda form=form, bv=bv, warps=warps: gdn_exact.recurrence(
-                                u, w, qd, kd, attn, carry, state, block_v=bv, form=form, num_warps=warps))}
+                            lambda form=form, bv=bv, warps=warps, ks=ks: gdn_exact.recurrence(
+                                u, w, qd, kd, attn, carry, state, block_v=bv, form=form, num_warps=warps,
+                                k_slice=ks))}
                     except Exception as exc:  # noqa: BLE001 - e.g. past shared memory
                         r[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         except Exception as exc:  # noqa: BLE001 - one shape failing: the rest still run

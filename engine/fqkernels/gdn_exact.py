@@ -105,10 +105,52 @@ def _solve_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl
     tl.store(x_ptr + p * stride_xp + rows[:, None] * N + cols[None, :], x, mask=cmask[None, :])
 
 
-def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
+@triton.jit
+def _solve_scratch_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl.constexpr,
+                          BN: tl.constexpr, NB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_solve_kernel's order with the rows it needs read back from the output (written by this
+    program, a barrier between) instead of picked out of registers by masked sums, and each block's
+    terms on the later rows as one tl.dot over 16 columns: 8 zeros first (a chain from zero through
+    zeros is still zero), then the block's 8, so the chain is the block's 8 terms from zero."""
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, M)
+    cmask = cols < N
+    x = tl.load(b_ptr + p * stride_bp + rows[:, None] * N + cols[None, :], mask=cmask[None, :], other=0.0)
+    l_base = l_ptr + p * stride_lp
+    x_ptrs = x_ptr + p * stride_xp + rows[:, None] * N + cols[None, :]
+    k16 = tl.arange(0, 2 * NB)
+    for s in tl.static_range(0, M, NB):
+        block = (rows >= s) & (rows < s + NB)
+        tl.store(x_ptrs, x, mask=block[:, None] & cmask[None, :])
+        for j in tl.static_range(s, s + NB - 1):
+            tl.debug_barrier()                   # row j, written by some threads, read by all
+            xj = tl.load(x_ptr + p * stride_xp + j * N + cols, mask=cmask, other=0.0)
+            below = (rows > j) & (rows < s + NB)
+            lj = tl.load(l_base + rows * M + j, mask=below, other=0.0)
+            x = tl.where(below[:, None], tl.fma(-lj[:, None], xj[None, :], x), x)
+            tl.store(x_ptrs, x, mask=(rows == j + 1)[:, None] & cmask[None, :])
+        if s + NB < M:
+            tl.debug_barrier()
+            ks = s - NB + k16                    # columns s-8 .. s+7: the first 8 read as zeros
+            real = ks >= s
+            l_blk = tl.load(l_base + rows[:, None] * M + ks[None, :], mask=real[None, :] & (rows >= s + NB)[:, None],
+                            other=0.0)
+            x_blk = tl.load(x_ptr + p * stride_xp + ks[:, None] * N + cols[None, :],
+                            mask=real[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(l_blk, x_blk, tl.zeros([M, BN], dtype=tl.float32), input_precision="ieee")
+            x = tl.where((rows >= s + NB)[:, None], _sub_rn(x, acc, INTERPRETED), x)
+    tl.store(x_ptrs, x, mask=cmask[None, :])
+
+
+def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_warps: int = 2,
+                     form: str = "masked") -> torch.Tensor:
     """torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True) for fp32 L [..., M, M]
     (M a multiple of 8; what lies on and above the diagonal is not read) and B [..., M, N], in
-    cuBLAS's order (its bits on the GPU). The default launch shape (32 columns, 2 warps a program) was
+    cuBLAS's order (its bits on the GPU). form "masked" picks each solved row out of registers by a
+    masked sum (the GPU-checked kernel); "scratch" reads it back from the output and forms each
+    block's terms on the later rows with tl.dot (the same order; session 20, not yet on a GPU).
+    The default launch shape (32 columns, 2 warps a program) was
     the fastest of five at 1x512, 4x2048 and 16x512 on an H200 (session 20, all bit-equal)."""
     M, N = B.shape[-2], B.shape[-1]
     if L.shape[-1] != M or L.shape[-2] != M or M % SOLVE_BLOCK:
@@ -117,8 +159,15 @@ def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_wa
     b3 = B.reshape(-1, M, N).contiguous()
     out = torch.empty_like(b3)
     bn = min(block_n, triton.next_power_of_2(N))
-    _solve_kernel[(l3.shape[0], triton.cdiv(N, bn))](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0),
-                                                     M=M, BN=bn, NB=SOLVE_BLOCK, num_warps=num_warps)
+    if form not in ("masked", "scratch"):
+        raise ValueError(f"solve_unit_lower: form {form!r} is not 'masked' or 'scratch'")
+    grid = (l3.shape[0], triton.cdiv(N, max(bn, 16) if form == "scratch" else bn))
+    if form == "masked":
+        _solve_kernel[grid](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0), M=M, BN=bn, NB=SOLVE_BLOCK,
+                            num_warps=num_warps)
+    else:                                        # tl.dot's least width is 16
+        _solve_scratch_kernel[grid](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0), M=M, BN=max(bn, 16),
+                                    NB=SOLVE_BLOCK, INTERPRETED=not L.is_cuda, num_warps=num_warps)
     return out.view(B.shape)
 
 
@@ -201,15 +250,75 @@ def _outputs_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr, DK: tl
     tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], out)
 
 
+@triton.jit
+def _chain(acc, a_ptr, a_row, a_col, b_ptr, b_row, rows, cols, K: tl.constexpr, KS: tl.constexpr):
+    """acc + a @ b for a [rows, K] (element (i, k) at a_ptr + i * a_row + k * a_col) and b [K, cols]
+    (b_ptr + k * b_row + col) as one ascending FMA chain an output, from acc: K in slices of KS,
+    each slice's product continuing the chain where the last one left it (tl.dot with an
+    accumulator), so only a slice's operands are held at once."""
+    ks = tl.arange(0, KS)
+    for k0 in tl.static_range(0, K, KS):
+        a = tl.load(a_ptr + rows[:, None] * a_row + (k0 + ks)[None, :] * a_col)
+        b = tl.load(b_ptr + (k0 + ks)[:, None] * b_row + cols[None, :])
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _states_sliced_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr, NC, C: tl.constexpr,
+                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+    """_states_kernel with its two products' operands read back from memory a slice of KS at a time
+    (the state from h, the new values from vn, both just written by this program) instead of held
+    whole in registers: the same chains, the same bits."""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    S = tl.load(s_ptrs)
+    for c in range(NC):
+        base = (bh * NC + c) * C
+        h_c = h_ptr + (bh * NC + c) * DK * DV
+        vn_c = vn_ptr + base * DV
+        tl.store(h_c + dk[:, None] * DV + cols[None, :], S)
+        tl.debug_barrier()                       # the state's rows, written by all threads, read by each
+        w_s = _chain(tl.zeros([C, BV], dtype=tl.float32), w_ptr + base * DK, DK, 1, h_c, DV, r, cols, DK, KS)
+        v_new = _sub_rn(tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :]), w_s, INTERPRETED)
+        tl.store(vn_c + r[:, None] * DV + cols[None, :], v_new)
+        tl.debug_barrier()
+        # k_d^T v_new: k_d^T's element (i, k) is k_d's (k, i)
+        kv = _chain(tl.zeros([DK, BV], dtype=tl.float32), kd_ptr + base * DK, 1, DK, vn_c, DV, dk, cols, C, KS)
+        carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
+        S = _add_rn(_mul_rn(S, carry, INTERPRETED), kv, INTERPRETED)
+    tl.store(s_ptrs, S)
+
+
+@triton.jit
+def _outputs_sliced_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_outputs_kernel with both products' operands read a slice of KS at a time."""
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    base = chunk * C
+    qh = _chain(tl.zeros([C, BV], dtype=tl.float32), qd_ptr + base * DK, DK, 1, h_ptr + chunk * DK * DV, DV, r,
+                cols, DK, KS)
+    av = _chain(tl.zeros([C, BV], dtype=tl.float32), a_ptr + base * C, C, 1, vn_ptr + base * DV, DV, r, cols, C, KS)
+    tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], _add_rn(qh, av, INTERPRETED))
+
+
 def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, captured=None, block_v: int = 32,
-               form: str = "split", num_warps: int = 8):
+               form: str = "split", num_warps: int = 8, k_slice: int = 16):
     """The reference rule's chunk loop (delta_rule_chunked_reference's) over fp32 u [BH, NC, C, Dv],
     w, qd, kd [BH, NC, C, Dk], attn [BH, NC, C, C], carry [BH, NC], from state [BH, Dk, Dv]
     (contiguous fp32, updated in place to the final state). Returns out [BH, NC, C, Dv]; with
     capture=c the state at chunk c's start is written into captured [BH, Dk, Dv]. form "fused":
     one kernel walks the chunks and writes the outputs as it goes; "split": the walk keeps each
     chunk's starting state and new values, a second kernel forms the outputs in parallel over the
-    chunks (the same products, the same bits; more memory: NC states per sequence-head). The
+    chunks (the same products, the same bits; more memory: NC states per sequence-head); "sliced":
+    split, each product's operands read back from memory k_slice of its inner dimension at a time
+    (a multiple of 16 dividing 64 and Dk) instead of held whole in registers (the same bits). The
     default, split with 32 columns and 8 warps a program, was the fastest of eight launch shapes at
     1x512, 4x2048 and 16x512 on an H200 (session 20: 0.93 / 13.7 / 13.8 ms against fused 32/4's
     2.6 / 20.5 / 20.6; all bit-equal)."""
@@ -219,17 +328,27 @@ def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, cap
     bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"recurrence: Dv {Dv} is not a multiple of {bv}")
-    if form not in ("fused", "split"):
-        raise ValueError(f"recurrence: form {form!r} is not 'fused' or 'split'")
+    if form not in ("fused", "split", "sliced"):
+        raise ValueError(f"recurrence: form {form!r} is not 'fused', 'split' or 'sliced'")
+    if form == "sliced" and (k_slice % 16 or C % k_slice or Dk % k_slice):
+        raise ValueError(f"recurrence: k_slice {k_slice} is not a multiple of 16 dividing {C} and Dk {Dk}")
     interpreted = not u.is_cuda
     u, w, qd, kd, attn, carry = (t.contiguous() for t in (u, w, qd, kd, attn, carry))
-    if form == "split":
+    if form in ("split", "sliced"):
         h = torch.empty((BH, NC, Dk, Dv), dtype=torch.float32, device=u.device)
         v_new = torch.empty_like(out)
-        _states_kernel[(BH, Dv // bv)](u, w, kd, carry, state, h, v_new, NC, C=C, DK=Dk, DV=Dv, BV=bv,
-                                       INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
-        _outputs_kernel[(BH * NC, Dv // bv)](qd, attn, h, v_new, out, C=C, DK=Dk, DV=Dv, BV=bv,
-                                             INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
+        if form == "split":
+            _states_kernel[(BH, Dv // bv)](u, w, kd, carry, state, h, v_new, NC, C=C, DK=Dk, DV=Dv, BV=bv,
+                                           INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
+            _outputs_kernel[(BH * NC, Dv // bv)](qd, attn, h, v_new, out, C=C, DK=Dk, DV=Dv, BV=bv,
+                                                 INTERPRETED=interpreted, num_warps=num_warps, num_stages=1)
+        else:
+            _states_sliced_kernel[(BH, Dv // bv)](u, w, kd, carry, state, h, v_new, NC, C=C, DK=Dk, DV=Dv, BV=bv,
+                                                  KS=k_slice, INTERPRETED=interpreted, num_warps=num_warps,
+                                                  num_stages=1)
+            _outputs_sliced_kernel[(BH * NC, Dv // bv)](qd, attn, h, v_new, out, C=C, DK=Dk, DV=Dv, BV=bv,
+                                                        KS=k_slice, INTERPRETED=interpreted, num_warps=num_warps,
+                                                        num_stages=1)
         if capture is not None:
             captured.copy_(h[:, capture])
         return out
@@ -254,10 +373,12 @@ def recurrence_reference(u, w, qd, kd, attn, carry, state):
     return out, S
 
 
-def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, capture: int | None = None):
+def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, capture: int | None = None,
+                             solve: dict | None = None, loop: dict | None = None):
     """delta_rule_chunked_reference's function and arguments (q, k, v [B, T, H, D] with H heads
     each, g, beta [B, T, H], state [B, H, Dk, Dv] fp32 or None), its bits on the GPU: the same torch
-    ops up to the solve, then solve_unit_lower and recurrence."""
+    ops up to the solve, then solve_unit_lower and recurrence (solve, loop: their keyword arguments,
+    form and launch shape; None: their defaults)."""
     C = gdn.CHUNK
     dtype = q.dtype
     B, T, H, Dk = k.shape
@@ -265,7 +386,7 @@ def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, 
     q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(q, k, v, g, beta, l2norm, C)
     n = gamma.shape[2]
     if B * H * n > LOOPED_SOLVES:
-        uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1))
+        uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1), **(solve or {}))
         u, w = uw[..., :Dv], uw[..., Dv:]
     else:       # so few systems that torch solves them one by one: its own calls
         u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
@@ -281,7 +402,8 @@ def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, 
         captured = torch.empty_like(S)
     flat = lambda t: t.reshape(B * H, n, *t.shape[3:])  # noqa: E731
     out = recurrence(flat(u), flat(w), flat(qd), flat(kd), flat(attn), carry.reshape(B * H, n),
-                     S.view(B * H, Dk, Dv), capture, None if captured is None else captured.view(B * H, Dk, Dv))
+                     S.view(B * H, Dk, Dv), capture, None if captured is None else captured.view(B * H, Dk, Dv),
+                     **(loop or {}))
     out = out.reshape(B, H, n * C, Dv)[:, :, :T]
     out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
     return (out, S) if capture is None else (out, S, captured)

@@ -48,7 +48,8 @@ def _rule_inputs(B, T, H, D, seed):
     return [t.to(DEV) for t in (q, k, v, g, beta)]
 
 
-def test_solve_is_the_reference_solve():
+@pytest.mark.parametrize("form", ["masked", "scratch"])
+def test_solve_is_the_reference_solve(form):
     """The reference rule's own systems (its decayed k_beta k^T, unit lower) and two right-hand
     sides side by side, and random systems with the upper triangle filled (not read)."""
     q, k, v, g, beta = _rule_inputs(2, 128, 4, 128, seed=1)
@@ -61,14 +62,17 @@ def test_solve_is_the_reference_solve():
     system = (kb @ kf.transpose(-1, -2)) * (gamma[..., :, None] - gamma[..., None, :]).masked_fill(above, -torch.inf).exp()
     rhs = torch.cat([vb, kb * gamma.exp()[..., None]], dim=-1)
     want = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    _same(gdn_exact.solve_unit_lower(system, rhs), want)
+    _same(gdn_exact.solve_unit_lower(system, rhs, form=form), want)
     g_ = torch.Generator().manual_seed(2)
     L = (torch.randn(40, 64, 64, generator=g_) * 0.2).to(DEV)
     B = torch.randn(40, 64, 96, generator=g_).to(DEV)
-    _same(gdn_exact.solve_unit_lower(L, B, block_n=32),
-          torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True), rel=1e-5)
+    for block_n in (32, 64):                     # 96 columns: three whole programs, or one and a half
+        _same(gdn_exact.solve_unit_lower(L, B, block_n=block_n, form=form),
+              torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True), rel=1e-5)
     with pytest.raises(ValueError, match="multiple of 8"):
-        gdn_exact.solve_unit_lower(L[:, :60, :60], B[:, :60])
+        gdn_exact.solve_unit_lower(L[:, :60, :60], B[:, :60], form=form)
+    with pytest.raises(ValueError, match="'masked' or 'scratch'"):
+        gdn_exact.solve_unit_lower(L, B, form="other")
 
 
 @pytest.mark.parametrize("B,T,H,D,state,capture", [(1, 64, 12, 128, False, None), (2, 150, 3, 128, True, 1),
@@ -84,6 +88,18 @@ def test_rule_is_the_reference_rule(B, T, H, D, state, capture):
     got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, **kw)
     want = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=s0, **kw)
     assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same(a, b, rel=1e-5)
+
+
+def test_rule_on_the_scratch_solve_and_sliced_loop():
+    """The whole rule with the solve's "scratch" form and the chunk loop's "sliced" one: the
+    reference's outputs, final and captured state (T not a multiple of 64, from a state)."""
+    q, k, v, g, beta = _rule_inputs(2, 150, 5, 128, seed=11)
+    s0 = (torch.randn(2, 5, 128, 128, generator=torch.Generator().manual_seed(4)) * 0.1).to(DEV)
+    got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=1,
+                                             solve={"form": "scratch"}, loop={"form": "sliced", "k_slice": 32})
+    want = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=s0, capture=1)
     for a, b in zip(got, want):
         _same(a, b, rel=1e-5)
 
@@ -107,9 +123,10 @@ def test_prefill_contract_writes_state_and_snapshot():
         _same(a, b, rel=1e-5)
 
 
-@pytest.mark.parametrize("form,block_v,warps", [("fused", 32, 4), ("split", 32, 4), ("split", 16, 2),
-                                                ("fused", 64, 8)])
-def test_chunk_loop_forms_are_the_reference_loop(form, block_v, warps):
+@pytest.mark.parametrize("form,block_v,warps,k_slice", [("fused", 32, 4, 16), ("split", 32, 4, 16),
+                                                        ("split", 16, 2, 16), ("fused", 64, 8, 16),
+                                                        ("sliced", 32, 8, 16), ("sliced", 16, 4, 32)])
+def test_chunk_loop_forms_are_the_reference_loop(form, block_v, warps, k_slice):
     """recurrence's forms and launch shapes against the reference's loop on torch's ops
     (recurrence_reference): outputs, the final state and a captured one."""
     BH, NC, C, D = 3, 4, 64, 64
@@ -123,9 +140,11 @@ def test_chunk_loop_forms_are_the_reference_loop(form, block_v, warps):
                                                   carry[:, :2], s0)
     state, captured = s0.clone(), torch.empty_like(s0)
     out = gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, capture=2, captured=captured, block_v=block_v,
-                               form=form, num_warps=warps)
+                               form=form, num_warps=warps, k_slice=k_slice)
     _same(out, want_out, rel=1e-5)
     _same(state, want_state, rel=1e-5)
     _same(captured, cap_state, rel=1e-5)
-    with pytest.raises(ValueError, match="'fused' or 'split'"):
+    with pytest.raises(ValueError, match="'fused', 'split' or 'sliced'"):
         gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, form="other")
+    with pytest.raises(ValueError, match="k_slice 24"):
+        gdn_exact.recurrence(u, w, qd, kd, attn, carry, state, form="sliced", k_slice=24)
