@@ -32,6 +32,12 @@ SOLVE_VARIANTS = [("masked", 32, 2), ("scratch", 32, 2), ("scratch", 32, 4), ("s
 LOOP_VARIANTS = [("split", 32, 8, 16), ("sliced", 32, 8, 16), ("sliced", 32, 4, 16), ("sliced", 32, 8, 32),
                  ("sliced", 16, 4, 16), ("sliced", 16, 2, 16), ("sliced", 64, 8, 16), ("sliced", 64, 4, 32)]
 
+def _pieces_triton(q, k, v, g, beta):
+    """gdn.chunked_pieces' work with its two [64, 64] products and decays by chunk_systems."""
+    qs, ks, kb, vb, gamma = gdn.chunked_inputs(q, k, v, g, beta)
+    return gdn_exact.chunk_systems(qs, ks, kb, gamma), kb * gamma.exp().unsqueeze(-1)
+
+
 NEW_SOLVE = {"form": "scratch", "block_n": 32, "num_warps": 2}
 NEW_LOOP = {"form": "sliced", "block_v": 32, "num_warps": 8, "k_slice": 16}
 
@@ -61,13 +67,16 @@ def main(argv=None) -> dict:
                 state = torch.empty_like(s0)
                 r["us_reference"] = graphed_us(lambda: gdn.delta_rule_chunked_reference(q, k, v, g, beta))
                 r["us_exact"] = graphed_us(lambda: gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta))
-                # the whole rule on session 20's new kernel forms (solve "scratch", loop "sliced")
+                # the whole rule on session 20's new kernel forms (solve "scratch", loop "sliced", systems "triton")
                 got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=T // 128, solve=NEW_SOLVE,
-                                                         loop=NEW_LOOP)
+                                                         loop=NEW_LOOP, systems="triton")
                 r["bit_equal_new_forms"] = {name: bool(torch.equal(a, b))
                                             for name, a, b in zip(("out", "state", "captured"), got, ref)}
                 r["us_exact_new_forms"] = graphed_us(lambda: gdn_exact.delta_rule_chunked_exact(
-                    q, k, v, g, beta, solve=NEW_SOLVE, loop=NEW_LOOP))
+                    q, k, v, g, beta, solve=NEW_SOLVE, loop=NEW_LOOP, systems="triton"))
+                # the pieces before the solve: torch's ops, and with the systems by chunk_systems
+                r["us_pieces_torch"] = graphed_us(lambda: gdn.chunked_pieces(q, k, v, g, beta))
+                r["us_pieces_triton"] = graphed_us(lambda: _pieces_triton(q, k, v, g, beta))
                 r["us_fast"] = graphed_us(lambda: gdn.chunked_prefill(q, k, v, g, beta, state_out=state))
                 # the exact rule's two kernels alone, on its own intermediate shapes
                 C, n = gdn.CHUNK, T // gdn.CHUNK
@@ -79,7 +88,8 @@ def main(argv=None) -> dict:
                     try:
                         got = gdn_exact.solve_unit_lower(L, rhs, bn, warps, form=form)
                         r[name] = {"bit_equal": bool(torch.equal(got, want)), "us": graphed_us(
-                            lambda form=form, bn=bn, warps=warps: gdn_exact.solve_unit_lower(L, rhs, bn, warps, form=form))}
+                            lambda form=form, bn=bn, warps=warps: gdn_exact.solve_unit_lower(L, rhs, bn, warps,
+                                                                                             form=form))}
                     except Exception as exc:  # noqa: BLE001 - e.g. past shared memory
                         r[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 u, w, qd, kd = (torch.randn(B * H, n, C, 128, device=dev) * 0.1 for _ in range(4))

@@ -95,11 +95,10 @@ def delta_rule_recurrent_reference(q, k, v, g, beta, state=None, l2norm: bool = 
     return out.transpose(1, 2).contiguous().to(dtype), S
 
 
-def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
-    """The chunked rule's pieces before its solves, on the reference's ops (T padded with zeros to
-    a multiple of `chunk`, n chunks): (q scaled, k, v * beta [B, H, n, chunk, D], gamma (the log
-    decay from each chunk's start) [B, H, n, chunk], the unit-lower system (k beta) k^T * decay and
-    attn = q k^T * decay [B, H, n, chunk, chunk], (k beta) * exp(gamma))."""
+def chunked_inputs(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
+    """The chunked rule's per-position pieces on the reference's ops (T padded with zeros to a
+    multiple of `chunk`, n chunks): (q scaled, k, k * beta, v * beta [B, H, n, chunk, D], gamma
+    (the log decay from each chunk's start) [B, H, n, chunk])."""
     B, T, H, Dk = k.shape
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
     q = q * Dk ** -0.5
@@ -110,6 +109,14 @@ def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
     vb, kb = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
     q, k, kb, vb = (t.reshape(B, H, n, chunk, t.shape[-1]) for t in (q, k, kb, vb))
     gamma = g.reshape(B, H, n, chunk).cumsum(dim=3)                     # log decay from the chunk's start
+    return q, k, kb, vb, gamma
+
+
+def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
+    """The chunked rule's pieces before its solves, on the reference's ops (chunked_inputs', then):
+    (q scaled, k, v * beta [B, H, n, chunk, D], gamma [B, H, n, chunk], the unit-lower system
+    (k beta) k^T * decay and attn = q k^T * decay [B, H, n, chunk, chunk], (k beta) * exp(gamma))."""
+    q, k, kb, vb, gamma = chunked_inputs(q, k, v, g, beta, l2norm, chunk)
     above = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (gamma.unsqueeze(4) - gamma.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # [.., i, j]
     system = (kb @ k.transpose(-1, -2)) * decay                         # unit-lower: only j < i is used

@@ -20,8 +20,16 @@ Triton:
                            S = S * carry + k_d^T v_new, each product an ascending chain from
                            zero, each multiply, add and subtract rounded on its own (written in
                            PTX: Triton would fuse them into FMAs or into the products' chains)
+  chunk_systems(...)       the two [64, 64] products and their decays (system, attn), each
+                           product an ascending chain, expf as torch's (optional: systems="triton")
   delta_rule_chunked_exact the whole rule: torch's ops for the element-wise parts, reductions and
-                           the two [64, 64] products, then the two kernels
+                           (by default) the two [64, 64] products, then the kernels
+
+Forms added in session 20 and not yet run on a GPU (the rule's defaults stay the GPU-checked
+ones): recurrence's "sliced" form and solve_unit_lower's "scratch" form read the operands they
+need back from memory a slice at a time (chained tl.dot: the same chains) instead of holding or
+picking them out of registers, where the first forms spend most of their time (the FMA units
+at a few percent of their peak, session 20 run 1); chunk_systems on the same chained products.
 
 On the CPU (the interpreter) the kernels run their logic; their bits are the GPU's.
 """
@@ -32,6 +40,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import gdn
+from fqkernels.swiglu import exp_f32
 
 SOLVE_BLOCK = 8     # cuBLAS's row block in the batched solve of a 64 x 64 system (session 19)
 # torch solves at most this many systems of 64 or more rows one cuBLAS call each (non-batched,
@@ -74,6 +83,53 @@ def _sub_rn(a, b, INTERPRETED: tl.constexpr):
 def _row(x, rows, j):
     """Row j of the register tile x [M, N] as [N] (a sum of one value and zeros: exact)."""
     return tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
+
+
+@triton.jit
+def _chain(acc, a_ptr, a_row, a_col, b_ptr, b_row, b_col, rows, cols, K: tl.constexpr, KS: tl.constexpr):
+    """acc + a @ b for a [rows, K] (element (i, k) at a_ptr + i * a_row + k * a_col) and b [K, cols]
+    (b_ptr + k * b_row + col * b_col) as one ascending FMA chain an output, from acc: K in slices of KS,
+    each slice's product continuing the chain where the last one left it (tl.dot with an
+    accumulator), so only a slice's operands are held at once."""
+    ks = tl.arange(0, KS)
+    for k0 in tl.static_range(0, K, KS):
+        a = tl.load(a_ptr + rows[:, None] * a_row + (k0 + ks)[None, :] * a_col)
+        b = tl.load(b_ptr + (k0 + ks)[:, None] * b_row + cols[None, :] * b_col)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _systems_kernel(q_ptr, k_ptr, kb_ptr, gamma_ptr, sys_ptr, attn_ptr, C: tl.constexpr, DK: tl.constexpr,
+                    KS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One chunk (program 0 over the sequence-heads' chunks): the unit-lower system
+    (k beta) k^T * decay and attn = q k^T * decay [C, C], decay[i, j] = exp(gamma_i - gamma_j) on
+    and below the diagonal and exp(-inf) = 0 above it, as gdn.chunked_pieces forms them: each
+    product an ascending FMA chain from zero (k^T read in place), each multiply rounded on its
+    own, expf as torch's (libdevice's)."""
+    ch = tl.program_id(0)
+    r = tl.arange(0, C)
+    base = ch * C
+    gamma = tl.load(gamma_ptr + base + r)
+    decay = exp_f32(tl.where(r[None, :] > r[:, None], float("-inf"), gamma[:, None] - gamma[None, :]), INTERPRETED)
+    kkt = _chain(tl.zeros([C, C], dtype=tl.float32), kb_ptr + base * DK, DK, 1, k_ptr + base * DK, 1, DK, r, r, DK, KS)
+    tl.store(sys_ptr + (base + r[:, None]) * C + r[None, :], _mul_rn(kkt, decay, INTERPRETED))
+    qkt = _chain(tl.zeros([C, C], dtype=tl.float32), q_ptr + base * DK, DK, 1, k_ptr + base * DK, 1, DK, r, r, DK, KS)
+    tl.store(attn_ptr + (base + r[:, None]) * C + r[None, :], _mul_rn(qkt, decay, INTERPRETED))
+
+
+def chunk_systems(q, k, kb, gamma, k_slice: int = 16, num_warps: int = 4):
+    """gdn.chunked_pieces' system and attn [..., C, C] from gdn.chunked_inputs' q (scaled), k,
+    k * beta [..., C, Dk] and gamma [..., C] (fp32), in its order (its bits on the GPU)."""
+    *lead, C, Dk = k.shape
+    if Dk % k_slice or k_slice % 16:
+        raise ValueError(f"chunk_systems: k_slice {k_slice} is not a multiple of 16 dividing Dk {Dk}")
+    q3, k3, kb3 = (t.reshape(-1, C, Dk).contiguous() for t in (q, k, kb))
+    system = torch.empty((*lead, C, C), dtype=torch.float32, device=k.device)
+    attn = torch.empty_like(system)
+    _systems_kernel[(q3.shape[0],)](q3, k3, kb3, gamma.reshape(-1, C).contiguous(), system, attn, C=C, DK=Dk,
+                                    KS=k_slice, INTERPRETED=not k.is_cuda, num_warps=num_warps, num_stages=1)
+    return system, attn
 
 
 @triton.jit
@@ -251,20 +307,6 @@ def _outputs_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr, DK: tl
 
 
 @triton.jit
-def _chain(acc, a_ptr, a_row, a_col, b_ptr, b_row, rows, cols, K: tl.constexpr, KS: tl.constexpr):
-    """acc + a @ b for a [rows, K] (element (i, k) at a_ptr + i * a_row + k * a_col) and b [K, cols]
-    (b_ptr + k * b_row + col) as one ascending FMA chain an output, from acc: K in slices of KS,
-    each slice's product continuing the chain where the last one left it (tl.dot with an
-    accumulator), so only a slice's operands are held at once."""
-    ks = tl.arange(0, KS)
-    for k0 in tl.static_range(0, K, KS):
-        a = tl.load(a_ptr + rows[:, None] * a_row + (k0 + ks)[None, :] * a_col)
-        b = tl.load(b_ptr + (k0 + ks)[:, None] * b_row + cols[None, :])
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _states_sliced_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr, NC, C: tl.constexpr,
                           DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr,
                           INTERPRETED: tl.constexpr):
@@ -283,12 +325,12 @@ def _states_sliced_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr,
         vn_c = vn_ptr + base * DV
         tl.store(h_c + dk[:, None] * DV + cols[None, :], S)
         tl.debug_barrier()                       # the state's rows, written by all threads, read by each
-        w_s = _chain(tl.zeros([C, BV], dtype=tl.float32), w_ptr + base * DK, DK, 1, h_c, DV, r, cols, DK, KS)
+        w_s = _chain(tl.zeros([C, BV], dtype=tl.float32), w_ptr + base * DK, DK, 1, h_c, DV, 1, r, cols, DK, KS)
         v_new = _sub_rn(tl.load(u_ptr + (base + r[:, None]) * DV + cols[None, :]), w_s, INTERPRETED)
         tl.store(vn_c + r[:, None] * DV + cols[None, :], v_new)
         tl.debug_barrier()
         # k_d^T v_new: k_d^T's element (i, k) is k_d's (k, i)
-        kv = _chain(tl.zeros([DK, BV], dtype=tl.float32), kd_ptr + base * DK, 1, DK, vn_c, DV, dk, cols, C, KS)
+        kv = _chain(tl.zeros([DK, BV], dtype=tl.float32), kd_ptr + base * DK, 1, DK, vn_c, DV, 1, dk, cols, C, KS)
         carry = tl.zeros([DK, BV], dtype=tl.float32) + tl.load(carry_ptr + bh * NC + c)   # + 0: exact
         S = _add_rn(_mul_rn(S, carry, INTERPRETED), kv, INTERPRETED)
     tl.store(s_ptrs, S)
@@ -302,9 +344,10 @@ def _outputs_sliced_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr,
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     r = tl.arange(0, C)
     base = chunk * C
-    qh = _chain(tl.zeros([C, BV], dtype=tl.float32), qd_ptr + base * DK, DK, 1, h_ptr + chunk * DK * DV, DV, r,
+    qh = _chain(tl.zeros([C, BV], dtype=tl.float32), qd_ptr + base * DK, DK, 1, h_ptr + chunk * DK * DV, DV, 1, r,
                 cols, DK, KS)
-    av = _chain(tl.zeros([C, BV], dtype=tl.float32), a_ptr + base * C, C, 1, vn_ptr + base * DV, DV, r, cols, C, KS)
+    av = _chain(tl.zeros([C, BV], dtype=tl.float32), a_ptr + base * C, C, 1, vn_ptr + base * DV, DV, 1, r, cols, C,
+                KS)
     tl.store(o_ptr + (base + r[:, None]) * DV + cols[None, :], _add_rn(qh, av, INTERPRETED))
 
 
@@ -374,16 +417,24 @@ def recurrence_reference(u, w, qd, kd, attn, carry, state):
 
 
 def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, capture: int | None = None,
-                             solve: dict | None = None, loop: dict | None = None):
+                             solve: dict | None = None, loop: dict | None = None, systems: str = "torch"):
     """delta_rule_chunked_reference's function and arguments (q, k, v [B, T, H, D] with H heads
     each, g, beta [B, T, H], state [B, H, Dk, Dv] fp32 or None), its bits on the GPU: the same torch
     ops up to the solve, then solve_unit_lower and recurrence (solve, loop: their keyword arguments,
-    form and launch shape; None: their defaults)."""
+    form and launch shape; None: their defaults). systems "triton": the two [C, C] products and
+    their decays by chunk_systems instead of torch's ops (the same bits)."""
     C = gdn.CHUNK
     dtype = q.dtype
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(q, k, v, g, beta, l2norm, C)
+    if systems == "triton":
+        q, k, kb, vb, gamma = gdn.chunked_inputs(q, k, v, g, beta, l2norm, C)
+        system, attn = chunk_systems(q, k, kb, gamma)
+        kb_decayed = kb * gamma.exp().unsqueeze(-1)
+    elif systems == "torch":
+        q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(q, k, v, g, beta, l2norm, C)
+    else:
+        raise ValueError(f"delta_rule_chunked_exact: systems {systems!r} is not 'torch' or 'triton'")
     n = gamma.shape[2]
     if B * H * n > LOOPED_SOLVES:
         uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1), **(solve or {}))

@@ -92,12 +92,26 @@ def test_rule_is_the_reference_rule(B, T, H, D, state, capture):
         _same(a, b, rel=1e-5)
 
 
-def test_rule_on_the_scratch_solve_and_sliced_loop():
-    """The whole rule with the solve's "scratch" form and the chunk loop's "sliced" one: the
-    reference's outputs, final and captured state (T not a multiple of 64, from a state)."""
+def test_systems_are_the_reference_systems():
+    """chunk_systems against chunked_pieces' system and attn (T not a multiple of 64: the padded
+    chunk's zeros too), and its k_slice check."""
+    q, k, v, g, beta = _rule_inputs(2, 100, 3, 128, seed=9)
+    qs, ks, kb, vb, gamma = gdn.chunked_inputs(q, k, v, g, beta)
+    _, _, _, _, want_system, want_attn, _ = gdn.chunked_pieces(q, k, v, g, beta)
+    system, attn = gdn_exact.chunk_systems(qs, ks, kb, gamma, k_slice=32)
+    _same(system, want_system, rel=1e-5)
+    _same(attn, want_attn, rel=1e-5)
+    with pytest.raises(ValueError, match="k_slice 24"):
+        gdn_exact.chunk_systems(qs, ks, kb, gamma, k_slice=24)
+
+
+def test_rule_on_the_new_forms():
+    """The whole rule with the solve's "scratch" form, the chunk loop's "sliced" one and the
+    systems by chunk_systems: the reference's outputs, final and captured state (T not a multiple
+    of 64, from a state)."""
     q, k, v, g, beta = _rule_inputs(2, 150, 5, 128, seed=11)
     s0 = (torch.randn(2, 5, 128, 128, generator=torch.Generator().manual_seed(4)) * 0.1).to(DEV)
-    got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=1,
+    got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=1, systems="triton",
                                              solve={"form": "scratch"}, loop={"form": "sliced", "k_slice": 32})
     want = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=s0, capture=1)
     for a, b in zip(got, want):
