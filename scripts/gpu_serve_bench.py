@@ -112,7 +112,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few small requests (a CPU smoke run)")
     ap.add_argument("--block-size", type=int, default=0, help="the server's paged KV cache (0: rows)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="the server's chunked prefill (0: whole prompts)")
-    ap.add_argument("--runs", default="", help="comma-separated subset of the runs (default: all)")
+    ap.add_argument("--runs", default="", help="comma-separated subset of the runs (default: all; none: only "
+                    "the --memory-gib run)")
     args = ap.parse_args()
     report = {"model": args.model, "block_size": args.block_size, "prefill_chunk": args.prefill_chunk}
     paged = ["--block-size", str(args.block_size)] if args.block_size else []
@@ -127,50 +128,51 @@ def main() -> None:
         r.pop("samples", None)
         return r
 
-    report["engine_batch1"] = engine_tpot(args.model)
-    print("engine batch 1", report["engine_batch1"], flush=True)
-    save()
-    port = free_port()
-    proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"] + paged)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        # each run its own seed: no run's prompts repeat another's, so with a prefix cache only the
-        # prefix runs share anything (session 16: the 16 streams repeated the one stream's prompts)
-        runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1, seed=10),
-                "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16, seed=11),
-                # the same for 6 waves: a steadier figure (32 requests last ~1.3 s, so how the first
-                # wave's arrivals group into prompt passes moves it by several percent)
-                "sixteen_streams_long": dict(requests=96, prompt_len=512, output_len=128, concurrency=16, seed=21)}
-        for seed, rate in enumerate((1.0, 4.0, 16.0), start=12):
-            runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate, seed=seed)
-        runs["prefix_0"] = dict(requests=16, prompt_len=512, output_len=32, concurrency=1, seed=1)
-        runs["prefix_384"] = dict(requests=16, prompt_len=128, prefix_len=384, output_len=32, concurrency=1, seed=2)
-        if args.runs:
-            runs = {name: kw for name, kw in runs.items() if name in args.runs.split(",")}
-        if args.quick:
-            runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
-        for name, kw in runs.items():
-            before = scrape(url)
-            report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
-            r, after = report[name], scrape(url)
-            r["prefix_cache_hit_tokens"] = after["hits"] - before["hits"]
-            # the server's mean TTFT over the run (submit -> first token out of the scheduler): the
-            # client's TTFT less this is the HTTP side (parse, SSE out, the hand-off between threads)
-            (s1, n1), (s0, n0) = after["ttft"], before["ttft"]
-            r["server_ttft_mean_s"] = (s1 - s0) / max(1.0, n1 - n0)
-            # the run's prompt passes by how they ran: [count, seconds in all]
-            was = before["passes"]
-            r["prompt_passes"] = {k: [n - was.get(k, [0, 0])[0], round(t - was.get(k, [0, 0])[1], 4)]
-                                  for k, (n, t) in after["passes"].items() if n > was.get(k, [0, 0])[0]}
-            print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
-                  f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
-                  f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}, "
-                  f"passes {r['prompt_passes']}",
-                  flush=True)
-            save()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    # each run its own seed: no run's prompts repeat another's, so with a prefix cache only the
+    # prefix runs share anything (session 16: the 16 streams repeated the one stream's prompts)
+    runs = {"one_stream": dict(requests=8, prompt_len=512, output_len=128, concurrency=1, seed=10),
+            "sixteen_streams": dict(requests=32, prompt_len=512, output_len=128, concurrency=16, seed=11),
+            # the same for 6 waves: a steadier figure (32 requests last ~1.3 s, so how the first
+            # wave's arrivals group into prompt passes moves it by several percent)
+            "sixteen_streams_long": dict(requests=96, prompt_len=512, output_len=128, concurrency=16, seed=21)}
+    for seed, rate in enumerate((1.0, 4.0, 16.0), start=12):
+        runs[f"rate_{rate:g}"] = dict(requests=48, prompt_len=512, output_len=128, rate=rate, seed=seed)
+    runs["prefix_0"] = dict(requests=16, prompt_len=512, output_len=32, concurrency=1, seed=1)
+    runs["prefix_384"] = dict(requests=16, prompt_len=128, prefix_len=384, output_len=32, concurrency=1, seed=2)
+    if args.runs:
+        runs = {name: kw for name, kw in runs.items() if name in args.runs.split(",")}
+    if args.quick:
+        runs = {name: dict(kw, requests=3, output_len=8) for name, kw in list(runs.items())[:3]}
+    if runs:           # "--runs none": only the memory cap's run below
+        report["engine_batch1"] = engine_tpot(args.model)
+        print("engine batch 1", report["engine_batch1"], flush=True)
+        save()
+        port = free_port()
+        proc = start_server(args.model, port, ["--max-batch", "16", "--max-model-len", "2048"] + paged)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for name, kw in runs.items():
+                before = scrape(url)
+                report[name] = slim(asyncio.run(run_benchmark(url, progress=False, **kw)))
+                r, after = report[name], scrape(url)
+                r["prefix_cache_hit_tokens"] = after["hits"] - before["hits"]
+                # the server's mean TTFT over the run (submit -> first token out of the scheduler): the
+                # client's TTFT less this is the HTTP side (parse, SSE out, the hand-off between threads)
+                (s1, n1), (s0, n0) = after["ttft"], before["ttft"]
+                r["server_ttft_mean_s"] = (s1 - s0) / max(1.0, n1 - n0)
+                # the run's prompt passes by how they ran: [count, seconds in all]
+                was = before["passes"]
+                r["prompt_passes"] = {k: [n - was.get(k, [0, 0])[0], round(t - was.get(k, [0, 0])[1], 4)]
+                                      for k, (n, t) in after["passes"].items() if n > was.get(k, [0, 0])[0]}
+                print(name, f"{r['output_throughput']:.1f} tok/s, TPOT median {r['tpot_s']['median']}, "
+                      f"TTFT p50/p99 {r['ttft_s']['median']}/{r['ttft_s']['p99']}, failed {r['failed']}, "
+                      f"prefix hits {r['prefix_cache_hit_tokens']:g}, server TTFT mean {r['server_ttft_mean_s']:.4f}, "
+                      f"passes {r['prompt_passes']}",
+                      flush=True)
+                save()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     if args.memory_gib:
         import torch
 
