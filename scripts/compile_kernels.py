@@ -647,20 +647,25 @@ def _gdn_decode_step(batch: int) -> None:
     # a sequence continued from its state (a prompt in chunks)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
-    # the rule in the reference's order (FASTQWEN_GDN_EXACT_PREFILL=1, gdn_exact): its solve over both
-    # right-hand sides at once, and its chunk loop from a state, with and without a snapshot
+    # the rule in the reference's order (FASTQWEN_GDN_EXACT_PREFILL=1, gdn_exact): its systems, its
+    # solve over both right-hand sides at once (both forms), and its chunk loop from a state, with and
+    # without a snapshot, in each form (split the default; fused; sliced)
     from fqkernels import gdn_exact
 
     n = batch * 32 * 8
-    gdn_exact.solve_unit_lower(torch.empty((n, 64, 64), dtype=torch.float32, device=CUDA),
-                               torch.empty((n, 64, 256), dtype=torch.float32, device=CUDA))
+    per_chunk = torch.empty((n, 64, 128), dtype=torch.float32, device=CUDA)
+    gdn_exact.chunk_systems(per_chunk, per_chunk, per_chunk, torch.empty((n, 64), dtype=torch.float32, device=CUDA))
+    for form in ("masked", "scratch"):
+        gdn_exact.solve_unit_lower(torch.empty((n, 64, 64), dtype=torch.float32, device=CUDA),
+                                   torch.empty((n, 64, 256), dtype=torch.float32, device=CUDA), form=form)
     chunks = torch.empty((batch * 32, 8, 64, 128), dtype=torch.float32, device=CUDA)
     attn = torch.empty((batch * 32, 8, 64, 64), dtype=torch.float32, device=CUDA)
     carry = torch.empty((batch * 32, 8), dtype=torch.float32, device=CUDA)
     rows = torch.empty((batch * 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, capture=2, captured=rows)
-    gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form="split")
+    for form in ("fused", "sliced"):
+        gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form=form)
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
