@@ -228,6 +228,17 @@ def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_wa
 
 
 @triton.jit
+def _head_tile(s_ptr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """A chunk-loop program's indices: its sequence-head bh (program 0), its BV value columns
+    (program 1), a chunk's rows, the key dimension, and its state tile's pointers in s_ptr."""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    return bh, cols, r, dk, s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+
+
+@triton.jit
 def _walk_chunk(u_ptr, w_ptr, kd_ptr, carry_ptr, S, bh, c, NC, cols, r, dk, C: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, BV: tl.constexpr, INTERPRETED: tl.constexpr):
     """Chunk c of sequence-head bh's walk from its starting state S [DK, BV]: (v_new = u - w S,
@@ -249,11 +260,7 @@ def _recurrence_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, carry_ptr, s_ptr, o_
     order, the state S [DK, BV] in registers (in: s_ptr's initial state; out: the final one).
     Per chunk c (u, w, q_d, k_d [NC, C, D] and A [NC, C, C] of this sequence-head, carry [NC]):
     v_new = u - w S; out = q_d S + A v_new; S = S * carry + k_d^T v_new."""
-    bh = tl.program_id(0)
-    cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, DK)
-    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    bh, cols, r, dk, s_ptrs = _head_tile(s_ptr, C, DK, DV, BV)
     S = tl.load(s_ptrs)
     for c in range(NC):
         if HAS_CAPTURE:
@@ -275,11 +282,7 @@ def _states_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr, NC, C:
                    DV: tl.constexpr, BV: tl.constexpr, INTERPRETED: tl.constexpr):
     """The split form's sequential half: _recurrence_kernel's walk without the outputs, keeping
     each chunk's starting state h [BH, NC, DK, DV] and its new values v_new [BH, NC, C, DV]."""
-    bh = tl.program_id(0)
-    cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, DK)
-    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    bh, cols, r, dk, s_ptrs = _head_tile(s_ptr, C, DK, DV, BV)
     S = tl.load(s_ptrs)
     for c in range(NC):
         tl.store(h_ptr + (bh * NC + c) * DK * DV + dk[:, None] * DV + cols[None, :], S)
@@ -313,11 +316,7 @@ def _states_sliced_kernel(u_ptr, w_ptr, kd_ptr, carry_ptr, s_ptr, h_ptr, vn_ptr,
     """_states_kernel with its two products' operands read back from memory a slice of KS at a time
     (the state from h, the new values from vn, both just written by this program) instead of held
     whole in registers: the same chains, the same bits."""
-    bh = tl.program_id(0)
-    cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    r = tl.arange(0, C)
-    dk = tl.arange(0, DK)
-    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + cols[None, :]
+    bh, cols, r, dk, s_ptrs = _head_tile(s_ptr, C, DK, DV, BV)
     S = tl.load(s_ptrs)
     for c in range(NC):
         base = (bh * NC + c) * C
