@@ -32,11 +32,6 @@ SOLVE_VARIANTS = [("masked", 32, 2), ("scratch", 32, 2), ("scratch", 32, 4), ("s
 LOOP_VARIANTS = [("split", 32, 8, 16), ("sliced", 32, 8, 16), ("sliced", 32, 4, 16), ("sliced", 32, 8, 32),
                  ("sliced", 16, 4, 16), ("sliced", 16, 2, 16), ("sliced", 64, 8, 16), ("sliced", 64, 4, 32)]
 
-def _pieces_triton(q, k, v, g, beta):
-    """gdn.chunked_pieces' work with its two [64, 64] products and decays by chunk_systems."""
-    qs, ks, kb, vb, gamma = gdn.chunked_inputs(q, k, v, g, beta)
-    return gdn_exact.chunk_systems(qs, ks, kb, gamma), kb * gamma.exp().unsqueeze(-1)
-
 
 NEW_SOLVE = {"form": "scratch", "block_n": 32, "num_warps": 2}
 NEW_LOOP = {"form": "sliced", "block_v": 32, "num_warps": 8, "k_slice": 16}
@@ -76,7 +71,8 @@ def main(argv=None) -> dict:
                     q, k, v, g, beta, solve=NEW_SOLVE, loop=NEW_LOOP, systems="triton"))
                 # the pieces before the solve: torch's ops, and with the systems by chunk_systems
                 r["us_pieces_torch"] = graphed_us(lambda: gdn.chunked_pieces(q, k, v, g, beta))
-                r["us_pieces_triton"] = graphed_us(lambda: _pieces_triton(q, k, v, g, beta))
+                r["us_pieces_triton"] = graphed_us(lambda: gdn.chunked_pieces(q, k, v, g, beta,
+                                                                             systems=gdn_exact.chunk_systems))
                 r["us_fast"] = graphed_us(lambda: gdn.chunked_prefill(q, k, v, g, beta, state_out=state))
                 # the exact rule's two kernels alone, on its own intermediate shapes
                 C, n = gdn.CHUNK, T // gdn.CHUNK

@@ -112,15 +112,24 @@ def chunked_inputs(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
     return q, k, kb, vb, gamma
 
 
-def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK):
-    """The chunked rule's pieces before its solves, on the reference's ops (chunked_inputs', then):
-    (q scaled, k, v * beta [B, H, n, chunk, D], gamma [B, H, n, chunk], the unit-lower system
-    (k beta) k^T * decay and attn = q k^T * decay [B, H, n, chunk, chunk], (k beta) * exp(gamma))."""
-    q, k, kb, vb, gamma = chunked_inputs(q, k, v, g, beta, l2norm, chunk)
+def chunk_systems_reference(q, k, kb, gamma):
+    """The unit-lower system (k beta) k^T * decay and attn = q k^T * decay [..., chunk, chunk]
+    from chunked_inputs' q, k, k * beta and gamma, on the reference's ops."""
+    chunk = gamma.shape[-1]
     above = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gamma.unsqueeze(4) - gamma.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # [.., i, j]
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(above, float("-inf")).exp()  # [.., i, j]
     system = (kb @ k.transpose(-1, -2)) * decay                         # unit-lower: only j < i is used
     attn = (q @ k.transpose(-1, -2)) * decay
+    return system, attn
+
+
+def chunked_pieces(q, k, v, g, beta, l2norm: bool = True, chunk: int = CHUNK, systems=chunk_systems_reference):
+    """The chunked rule's pieces before its solves, on the reference's ops (chunked_inputs', then
+    `systems`'s): (q scaled, k, v * beta [B, H, n, chunk, D], gamma [B, H, n, chunk], the
+    unit-lower system (k beta) k^T * decay and attn = q k^T * decay [B, H, n, chunk, chunk],
+    (k beta) * exp(gamma))."""
+    q, k, kb, vb, gamma = chunked_inputs(q, k, v, g, beta, l2norm, chunk)
+    system, attn = systems(q, k, kb, gamma)
     return q, k, vb, gamma, system, attn, kb * gamma.exp().unsqueeze(-1)
 
 

@@ -133,16 +133,23 @@ def chunk_systems(q, k, kb, gamma, k_slice: int = 16, num_warps: int = 4):
 
 
 @triton.jit
-def _solve_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl.constexpr, BN: tl.constexpr,
-                  NB: tl.constexpr):
-    """X = L^-1 B for one system p (L unit lower [M, M], rows of stride M; B, X [M, N] rows of
-    stride N) and BN of its columns, blocked by NB rows, right-looking, as cuBLAS orders it."""
+def _system_tile(l_ptr, b_ptr, N, stride_lp, stride_bp, M: tl.constexpr, BN: tl.constexpr):
+    """A solve program's system p (program 0), its BN columns (program 1) and their mask, the rows,
+    its right-hand side's tile [M, BN] (zeros past N) and its L's base."""
     p = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rows = tl.arange(0, M)
     cmask = cols < N
     x = tl.load(b_ptr + p * stride_bp + rows[:, None] * N + cols[None, :], mask=cmask[None, :], other=0.0)
-    l_base = l_ptr + p * stride_lp
+    return p, cols, rows, cmask, x, l_ptr + p * stride_lp
+
+
+@triton.jit
+def _solve_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_xp, M: tl.constexpr, BN: tl.constexpr,
+                  NB: tl.constexpr):
+    """X = L^-1 B for one system p (L unit lower [M, M], rows of stride M; B, X [M, N] rows of
+    stride N) and BN of its columns, blocked by NB rows, right-looking, as cuBLAS orders it."""
+    p, cols, rows, cmask, x, l_base = _system_tile(l_ptr, b_ptr, N, stride_lp, stride_bp, M, BN)
     for s in tl.static_range(0, M, NB):
         # the block's own rows: forward substitution, each earlier row's term by one FMA
         for j in tl.static_range(s, s + NB - 1):
@@ -168,12 +175,7 @@ def _solve_scratch_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_x
     program, a barrier between) instead of picked out of registers by masked sums, and each block's
     terms on the later rows as one tl.dot over 16 columns: 8 zeros first (a chain from zero through
     zeros is still zero), then the block's 8, so the chain is the block's 8 terms from zero."""
-    p = tl.program_id(0)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    rows = tl.arange(0, M)
-    cmask = cols < N
-    x = tl.load(b_ptr + p * stride_bp + rows[:, None] * N + cols[None, :], mask=cmask[None, :], other=0.0)
-    l_base = l_ptr + p * stride_lp
+    p, cols, rows, cmask, x, l_base = _system_tile(l_ptr, b_ptr, N, stride_lp, stride_bp, M, BN)
     x_ptrs = x_ptr + p * stride_xp + rows[:, None] * N + cols[None, :]
     k16 = tl.arange(0, 2 * NB)
     for s in tl.static_range(0, M, NB):
@@ -217,12 +219,14 @@ def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_wa
     bn = min(block_n, triton.next_power_of_2(N))
     if form not in ("masked", "scratch"):
         raise ValueError(f"solve_unit_lower: form {form!r} is not 'masked' or 'scratch'")
-    grid = (l3.shape[0], triton.cdiv(N, max(bn, 16) if form == "scratch" else bn))
+    if form == "scratch":
+        bn = max(bn, 16)                         # tl.dot's least width
+    grid = (l3.shape[0], triton.cdiv(N, bn))
     if form == "masked":
         _solve_kernel[grid](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0), M=M, BN=bn, NB=SOLVE_BLOCK,
                             num_warps=num_warps)
-    else:                                        # tl.dot's least width is 16
-        _solve_scratch_kernel[grid](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0), M=M, BN=max(bn, 16),
+    else:
+        _solve_scratch_kernel[grid](l3, b3, out, N, l3.stride(0), b3.stride(0), out.stride(0), M=M, BN=bn,
                                     NB=SOLVE_BLOCK, INTERPRETED=not L.is_cuda, num_warps=num_warps)
     return out.view(B.shape)
 
@@ -426,14 +430,10 @@ def delta_rule_chunked_exact(q, k, v, g, beta, state=None, l2norm: bool = True, 
     dtype = q.dtype
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    if systems == "triton":
-        q, k, kb, vb, gamma = gdn.chunked_inputs(q, k, v, g, beta, l2norm, C)
-        system, attn = chunk_systems(q, k, kb, gamma)
-        kb_decayed = kb * gamma.exp().unsqueeze(-1)
-    elif systems == "torch":
-        q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(q, k, v, g, beta, l2norm, C)
-    else:
+    if systems not in ("torch", "triton"):
         raise ValueError(f"delta_rule_chunked_exact: systems {systems!r} is not 'torch' or 'triton'")
+    q, k, vb, gamma, system, attn, kb_decayed = gdn.chunked_pieces(
+        q, k, v, g, beta, l2norm, C, chunk_systems if systems == "triton" else gdn.chunk_systems_reference)
     n = gamma.shape[2]
     if B * H * n > LOOPED_SOLVES:
         uw = solve_unit_lower(system, torch.cat([vb, kb_decayed], dim=-1), **(solve or {}))
