@@ -71,7 +71,8 @@
 #                 kernels of known order: the fraction bit-equal (gpu_rule_bits_probe.py; 4x2048, 1x512)
 #   serve-rates   serve-bench's runs on /tmp/q4b, pages of 64 (graphed admission), request rates included
 #   serve-16      serve-rates' one-stream and 16-stream runs alone (short and long)
-#   serve-cap     serve-bench's 24 GiB cap run alone: 64 requests of 1,024 + 256 at once, the peak running
+#   serve-cap     serve-bench's 24 GiB cap run alone: 64 requests of 1,024 + 256 at once, the peak running (rows)
+#   serve-cap-paged  the same on the paged KV cache (pages of 64 positions)
 #   kernels-gdn-exact  the GDN rule in the reference's order (gdn_exact.py) against the reference, bit for bit
 #   exact-rule    that rule's bits and time against the reference's ops and the fast kernels (gpu_exact_rule.py)
 #   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
@@ -317,6 +318,9 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                    --out "$OUT/serve_rates.json" 2>&1 | grep -v Warn | tail -10 ;;
     serve-cap) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                  --model /tmp/q4b --memory-gib 24 --runs none --out "$OUT/serve_cap.json" 2>&1 | grep -v Warn | tail -4 ;;
+    serve-cap-paged) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
+                 --model /tmp/q4b --memory-gib 24 --block-size 64 --runs none --out "$OUT/serve_cap_paged.json" 2>&1 \
+                 | grep -v Warn | tail -4 ;;
     serve-16) PYTHONPATH=/tmp/serve_site:$PYTHONPATH timeout 300 python3 scripts/gpu_serve_bench.py \
                 --model /tmp/q4b --block-size 64 --runs one_stream,sixteen_streams,sixteen_streams_long \
                 --out "$OUT/serve_16.json" 2>&1 | grep -v Warn | tail -6 ;;   # serve-rates' stream runs alone
