@@ -26,7 +26,13 @@ gdn.delta_rule_chunked_reference, everything else the engine's) and `engine_prom
 GDN layers' gates, conv, rule and gated norm all on the references): which of the prompt pass's
 pieces; `torch_backend`
 (Qwen35Model on the torch reference ops). Which of them brings the engine to native's figures
-says where its extra noise is made. All but `engine` and `torch_backend` need the triton
+says where its extra noise is made. Two more run native's own full forward with its chunked
+rule's first P positions (the prompt; P a multiple of 64) taken from another rule and the rest
+from the reference's function from that rule's state (prompt_rule_in_full_forward):
+`fullfwd_prompt_fast` (the engine's fast kernels, gdn.chunked_prefill, for the prompt): what an
+engine with the fast prompt rule and a decode that gave the full forward's bits would show, the
+fast rule's noise alone; `fullfwd_prompt_reference` (gdn.chunked_prefill_reference: the control,
+which must give the full forward's logits exactly). All but `engine` and `torch_backend` need the triton
 backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
@@ -34,12 +40,14 @@ vocabulary, and its mean at the prompt pass's own position (first) and over the 
 the prompt pass's time (eager, warm: once more after the steps); argmax agreement with the
 full forward (and with native's tokens); how many positions would carry a slack above 0.75 (the full forward's max minus its logit of the
 variant's argmax, the judge's figure); the worst such slack; seconds. Self-check: the
-engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again.
+engine teacher-forced on its own greedy tokens (Engine.generate) must pick them again. With
+several --seeds each shape runs once a seed (each its own prompts) and "totals" sums the counts
+over them all.
 
 Native runs with the process's default cuBLAS bf16 reduction flag (the judge's native and
 replay processes never set it); the engine's variants with it off, as Engine sets it.
 
-    python scripts/gpu_q35_opswap.py --model DIR --shapes 16x512x128,4x2048x32 [--variants a,b] [--seed N]
+    python scripts/gpu_q35_opswap.py --model DIR --shapes 16x512x128,4x2048x32 [--variants a,b] [--seeds N,M]
         [--out FILE] [--no-self-check]
 Needs Transformers 5.17.0: run as a script, it puts the reference's site (fastqwen/refenv.py:
 .venv-qwen35, or FASTQWEN_QWEN35_SITE) first on sys.path where that holds Transformers; else
@@ -79,10 +87,12 @@ from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
             "engine_no_exact_decode", "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch",
             "engine_decode_torch", "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch",
-            "engine_prompt_gdn_torch", "torch_backend")
-TRITON_ONLY = ("engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
+            "engine_prompt_gdn_torch", "torch_backend", "fullfwd_prompt_fast", "fullfwd_prompt_reference")
+TRITON_ONLY = ("fullfwd_prompt_fast", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
                "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch",
                "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch", "engine_prompt_gdn_torch")
+FULLFWD = {"fullfwd_prompt_fast": "chunked_prefill", "fullfwd_prompt_reference": "chunked_prefill_reference"}
+SLACKS = (0.25, 0.5)      # beside SLACK: finer counts, for runs with few positions over 0.75
 TORCH_MODEL = ("engine_prompt_torch", "torch_prompt_engine", "torch_backend")     # need the torch backend's model
 # what the judge's processes run with (read before Engine() turns it off for the engine)
 _BF16_REDUCTION = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
@@ -145,6 +155,37 @@ def truth(native, prompts, toks):
             sl = slice(r0, min(B, r0 + rows))
             full[sl] = native(input_ids=ids[sl], use_cache=False, logits_to_keep=G + 1).logits[:, :G].float()
     return full
+
+
+@contextlib.contextmanager
+def prompt_rule_in_full_forward(rule, P: int):
+    """Transformers' chunked rule (modeling_qwen3_5.torch_chunk_gated_delta_rule, what its full
+    forward calls) with the first P positions' outputs and the state after them from rule
+    (gdn.chunked_prefill's contract: q, k, v, g, beta -> (out, final state)) and the rest from the
+    reference's own function from that state; P a multiple of the chunk, so the rest's chunks are
+    the full forward's own. Yields a list that counts the calls rule took. Restored after."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    orig = m.torch_chunk_gated_delta_rule
+    calls = []
+
+    def split(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+        if initial_state is not None or query.shape[1] <= P or P % chunk_size or not use_qk_l2norm_in_kernel:
+            raise RuntimeError(f"prompt_rule_in_full_forward: a full forward over more than the prompt ({P}, a "
+                               f"multiple of {chunk_size}) with l2-normed q, k and no state, got T {query.shape[1]}")
+        out, state = rule(query[:, :P], key[:, :P], value[:, :P], g[:, :P], beta[:, :P])
+        calls.append(query.shape[0])
+        rest, final = orig(query[:, P:], key[:, P:], value[:, P:], g=g[:, P:], beta=beta[:, P:],
+                           chunk_size=chunk_size, initial_state=state, output_final_state=output_final_state,
+                           use_qk_l2norm_in_kernel=True, **kwargs)
+        return torch.cat([out.to(rest.dtype), rest], 1), final
+
+    m.torch_chunk_gated_delta_rule = split
+    try:
+        yield calls
+    finally:
+        m.torch_chunk_gated_delta_rule = orig
 
 
 def forced_logits(model, prompts, toks, prefill_patch=contextlib.nullcontext, prompt_model=None):
@@ -347,6 +388,7 @@ def compare(steps, full, toks):
             "p99_max_abs": float(torch.quantile(d, 0.99)),
             "max_abs": float(d.max()), "argmax_agree": int(agree.sum()), "argmax_agree_fraction": float(agree.float().mean()),
             f"count_slack_gt_{SLACK}": int((slack > SLACK).sum()), "max_slack": float(slack.max()),
+            **{f"count_slack_gt_{t}": int((slack > t).sum()) for t in SLACKS}, "mean_slack": float(slack.mean()),
             "native_token_agree": int(agree_tok.sum())}
 
 
@@ -395,6 +437,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default="16x512x128", help="comma-separated BxPxG")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=5, help="the prompt source's seed (fastqwen/judge/prompts.py)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds: each shape once a seed (over --seed)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-self-check", action="store_true")
     args = ap.parse_args(argv)
@@ -408,13 +451,16 @@ def main(argv=None) -> dict:
     native = load_native(args.model, dev)
     eng = fq_engine.Engine(args.model)      # TF32 off, bf16 reduction off, its backend, packed weights
     cfg = eng.cfg
-    source = PromptSource.for_model(args.model, cfg.vocab_size, args.seed)
+    seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
     models = {}                             # the torch backend's model, loaded once when asked for
-    report = {"model": args.model, "seed": args.seed, "device": str(dev), "engine": eng.describe(),
-              "prompts": source.kind, "shapes": {}}
-    for shape in args.shapes.split(","):
+    report = {"model": args.model, "seeds": seeds, "device": str(dev), "engine": eng.describe(),
+              "prompts": PromptSource.for_model(args.model, cfg.vocab_size, seeds[0]).kind, "shapes": {},
+              "totals": {}}
+    runs = [(shape, seed) for shape in args.shapes.split(",") for seed in seeds]
+    for shape, seed in runs:
         B, P, G = (int(v) for v in shape.split("x"))
         t0 = time.perf_counter()
+        source = PromptSource.for_model(args.model, cfg.vocab_size, seed)
         prompts = torch.tensor(source.draw(B, P), dtype=torch.int64, device=dev)
         toks, cached = native_run(native, prompts, G)
         _sync(dev)
@@ -432,6 +478,19 @@ def main(argv=None) -> dict:
         for name in names:
             if name in TRITON_ONLY and eng.model.backend != "triton":
                 entry["skipped"][name] = f"needs the triton backend (the engine runs {eng.model.backend} here)"
+                continue
+            if name in FULLFWD:
+                if P % gdn.CHUNK:
+                    entry["skipped"][name] = f"needs a prompt of a multiple of {gdn.CHUNK} positions, got {P}"
+                    continue
+                t1 = time.perf_counter()
+                with prompt_rule_in_full_forward(getattr(gdn, FULLFWD[name]), P) as calls:
+                    steps = truth(native, prompts, toks)
+                _sync(dev)
+                entry["results"][name] = {**compare(steps, full, toks), "seconds": round(time.perf_counter() - t1, 2),
+                                          "prompt_ms": None, "rule_rows": sum(calls)}   # rows x GDN layers
+                del steps
+                _sync(dev)
                 continue
             if name in TORCH_MODEL and "torch" not in models:
                 models["torch"] = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(args.model, cfg, dev, pack=False),
@@ -470,9 +529,18 @@ def main(argv=None) -> dict:
             eng.model.allocate_cache(1, 2)
             _sync(dev)
         entry["seconds"] = round(time.perf_counter() - t0, 2)
-        report["shapes"][shape] = entry
+        key = shape if len(seeds) == 1 else f"{shape}@{seed}"
+        report["shapes"][key] = entry
+        for name, r in entry["results"].items():
+            t = report["totals"].setdefault(name, {"positions": 0, "sum_max_abs": 0.0, "sum_slack": 0.0, "max_slack": 0.0})
+            t["positions"] += r["positions"]
+            t["sum_max_abs"] += r["mean_max_abs"] * r["positions"]
+            t["sum_slack"] += r["mean_slack"] * r["positions"]
+            t["max_slack"] = max(t["max_slack"], r["max_slack"])
+            for k in [f"count_slack_gt_{v}" for v in (*SLACKS, SLACK)]:
+                t[k] = t.get(k, 0) + r[k]
         sc = entry.get("self_check")
-        print(f"== {shape} ({entry['seconds']:.0f} s) decode products {entry['choice']}"
+        print(f"== {key} ({entry['seconds']:.0f} s) decode products {entry['choice']}"
               + (f"; self-check {sc['agree']}/{sc['positions']}" if sc else ""), flush=True)
         print(f"{'variant':32s} {'mean|d|':>8s} {'first':>6s} {'p99|d|':>7s} {'max|d|':>7s} {'agree':>11s} {'>0.75':>6s} "
               f"{'maxslk':>7s} {'s':>6s} {'prompt ms':>9s}")
@@ -485,6 +553,16 @@ def main(argv=None) -> dict:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
+    print(f"== totals over {len(runs)} run(s)\n{'variant':32s} {'positions':>9s} {'mean|d|':>8s} {'mean slk':>8s} "
+          f"{'>0.25':>6s} {'>0.5':>6s} {'>0.75':>6s} {'maxslk':>7s}")
+    for name, t in report["totals"].items():
+        t["mean_max_abs"], t["mean_slack"] = t["sum_max_abs"] / t["positions"], t["sum_slack"] / t["positions"]
+        print(f"{name:32s} {t['positions']:9d} {t['mean_max_abs']:8.4f} {t['mean_slack']:8.4f} "
+              f"{t['count_slack_gt_0.25']:6d} {t['count_slack_gt_0.5']:6d} {t[f'count_slack_gt_{SLACK}']:6d} "
+              f"{t['max_slack']:7.3f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     return report
 
 

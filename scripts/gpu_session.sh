@@ -64,7 +64,7 @@
 #                 reference's order, gdn_exact.py: its bits)
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
 #                 forward of the engine, of variants with one piece swapped, and of native's cached decode
-#                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32; OPSWAP_VARIANTS, default all)
+#                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32; OPSWAP_VARIANTS, default all; OPSWAP_SEEDS, the prompts' seeds, default 5)
 #   q35-check     Qwen3.5's triton backend piece by piece (gpu_q35_check.py): teacher-forced against the
 #                 torch backend, the graph against eager, step and prompt-pass times, kernel profiles
 #   rule-bits     each piece of the reference chunked rule (torch's ops as it calls them) against Triton
@@ -263,8 +263,8 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                 # forward, beside native's cached decode (gpu_q35_opswap.py)
                 q35_site
                 q35_ckpt
-                timeout 400 python3 scripts/gpu_q35_opswap.py --model /tmp/q35_4b --shapes "${OPSWAP_SHAPES:-16x512x128,4x2048x32}" \
-                  ${OPSWAP_VARIANTS:+--variants "$OPSWAP_VARIANTS"} --out "$OUT/q35_opswap.json" 2>&1 | grep -v Warn | tail -20 ;;
+                timeout "${OPSWAP_TIMEOUT_S:-400}" python3 scripts/gpu_q35_opswap.py --model /tmp/q35_4b --shapes "${OPSWAP_SHAPES:-16x512x128,4x2048x32}" \
+                  ${OPSWAP_VARIANTS:+--variants "$OPSWAP_VARIANTS"} ${OPSWAP_SEEDS:+--seeds "$OPSWAP_SEEDS"} --out "$OUT/q35_opswap.json" 2>&1 | grep -v Warn | tail -70 ;;
     q35-check) q35_ckpt
                timeout 400 python3 scripts/gpu_q35_check.py --model /tmp/q35_4b \
                  --profile 1x512,16x512 --out "$OUT/q35_check.json" 2>&1 | grep -v Warn | cut -c1-400 | tail -14 ;;

@@ -72,6 +72,38 @@ def test_the_probe_runs_on_the_cpu(tiny, tmp_path):
         assert f"== {shape}" in run.stdout
 
 
+@needs_517
+def test_the_full_forward_with_the_prompts_rule_swapped(tiny, tmp_path):
+    """fullfwd_prompt_reference (the full forward with its first 64 positions' chunked rule from
+    gdn.chunked_prefill_reference and the rest from Transformers' own function from its state)
+    must be the full forward itself, logits and all, over two seeds; the fast rule's twin needs the
+    triton backend; a prompt that is not a multiple of the chunk is skipped by name."""
+    out = tmp_path / "report.json"
+    env = dict(refenv.reference_env("qwen3_5_text"), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny), "--shapes", "2x64x6,1x40x4",
+                          "--variants", "fullfwd_prompt_reference,fullfwd_prompt_fast", "--seeds", "5,6",
+                          "--no-self-check", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["seeds"] == [5, 6] and list(report["shapes"]) == ["2x64x6@5", "2x64x6@6", "1x40x4@5", "1x40x4@6"]
+    for key, entry in report["shapes"].items():
+        assert "triton" in entry["skipped"]["fullfwd_prompt_fast"]
+        if key.startswith("1x40x4"):
+            assert "multiple of 64" in entry["skipped"]["fullfwd_prompt_reference"]
+            continue
+        r = entry["results"]["fullfwd_prompt_reference"]
+        gdn_layers = sum(kind == "linear_attention" for kind in json.loads((tiny / "config.json").read_text())
+                         .get("layer_types", []))
+        assert gdn_layers and r["rule_rows"] == 2 * gdn_layers, (r["rule_rows"], gdn_layers)   # the swap ran
+        assert r["positions"] == 12 and r["max_abs"] == 0.0 and r["max_slack"] == 0.0, r
+        assert r["argmax_agree"] == 12 and r["count_slack_gt_0.25"] == 0
+    total = report["totals"]["fullfwd_prompt_reference"]
+    assert total["positions"] == 24 and total["mean_max_abs"] == 0.0
+    assert report["totals"]["native_cached"]["positions"] == 2 * 12 + 2 * 4
+    assert "== totals over 4 run(s)" in run.stdout
+
+
 def test_forced_steps_reproduce_the_engines_greedy_tokens(tiny):
     """The probe's positions / lengths / cache conventions: teacher-forced on Engine.generate's own
     tokens, the steps' argmax is those tokens; forced on other tokens it is not (the check can fail)."""

@@ -201,15 +201,16 @@ def _solve_scratch_kernel(l_ptr, b_ptr, x_ptr, N, stride_lp, stride_bp, stride_x
     tl.store(x_ptrs, x, mask=cmask[None, :])
 
 
-def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 32, num_warps: int = 2,
-                     form: str = "masked") -> torch.Tensor:
+def solve_unit_lower(L: torch.Tensor, B: torch.Tensor, block_n: int = 64, num_warps: int = 4,
+                     form: str = "scratch") -> torch.Tensor:
     """torch.linalg.solve_triangular(L, B, upper=False, unitriangular=True) for fp32 L [..., M, M]
     (M a multiple of 8; what lies on and above the diagonal is not read) and B [..., M, N], in
     cuBLAS's order (its bits on the GPU). form "masked" picks each solved row out of registers by a
-    masked sum (the GPU-checked kernel); "scratch" reads it back from the output and forms each
-    block's terms on the later rows with tl.dot (the same order; session 20, not yet on a GPU).
-    The default launch shape (32 columns, 2 warps a program) was
-    the fastest of five at 1x512, 4x2048 and 16x512 on an H200 (session 20, all bit-equal)."""
+    masked sum; "scratch" reads it back from the output and forms each block's terms on the later
+    rows with tl.dot (the same order). The default, scratch with 64 columns and 4 warps a program,
+    was the fastest of six launch shapes at 1x512, 4x2048 and 16x512 on an H200 (session 21: 58 /
+    843 / 846 us for the rule's 256 right-hand sides, against masked 32/2's 113 / 1,553 / 1,561;
+    all bit-equal)."""
     M, N = B.shape[-2], B.shape[-1]
     if L.shape[-1] != M or L.shape[-2] != M or M % SOLVE_BLOCK:
         raise ValueError(f"solve_unit_lower: L {tuple(L.shape)} against B {tuple(B.shape)} (M a multiple of 8)")
@@ -355,7 +356,7 @@ def _outputs_sliced_kernel(qd_ptr, a_ptr, h_ptr, vn_ptr, o_ptr, C: tl.constexpr,
 
 
 def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, captured=None, block_v: int = 32,
-               form: str = "split", num_warps: int = 8, k_slice: int = 16):
+               form: str = "sliced", num_warps: int = 8, k_slice: int = 32):
     """The reference rule's chunk loop (delta_rule_chunked_reference's) over fp32 u [BH, NC, C, Dv],
     w, qd, kd [BH, NC, C, Dk], attn [BH, NC, C, C], carry [BH, NC], from state [BH, Dk, Dv]
     (contiguous fp32, updated in place to the final state). Returns out [BH, NC, C, Dv]; with
@@ -365,9 +366,10 @@ def recurrence(u, w, qd, kd, attn, carry, state, capture: int | None = None, cap
     chunks (the same products, the same bits; more memory: NC states per sequence-head); "sliced":
     split, each product's operands read back from memory k_slice of its inner dimension at a time
     (a multiple of 16 dividing 64 and Dk) instead of held whole in registers (the same bits). The
-    default, split with 32 columns and 8 warps a program, was the fastest of eight launch shapes at
-    1x512, 4x2048 and 16x512 on an H200 (session 20: 0.93 / 13.7 / 13.8 ms against fused 32/4's
-    2.6 / 20.5 / 20.6; all bit-equal)."""
+    default, sliced with 32 columns, 8 warps and slices of 32, was the fastest of eight sliced
+    launch shapes over 1x512, 4x2048 and 16x512 together on an H200 (session 21: 0.12 / 1.56 / 1.30
+    ms, against split 32/8's 0.92 / 13.6 / 13.7 and fused 32/4's 2.6 / 20.5 / 20.6 in session 20;
+    all bit-equal)."""
     BH, NC, C, Dv = u.shape
     Dk = w.shape[-1]
     out = torch.empty(u.shape, dtype=u.dtype, device=u.device)      # contiguous, whatever u's strides
