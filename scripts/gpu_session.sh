@@ -60,6 +60,7 @@
 #   judge-q35-eager  judge-q35 with FASTQWEN_NO_PREFILL_GRAPHS=1 (every prompt pass eager)
 #   judge-q35-official, judge-q35-own  the judge, official (5 samples), on /tmp/q35_4b: the public set, and
 #                 results/workloads/q35_own.json (issue 12's own shapes)
+#   judge-q35-own-exact  results/workloads/q35_own_b2_b16.json (two own shapes), official, FASTQWEN_GDN_EXACT_PREFILL=1
 #   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule in the
 #                 reference's order, gdn_exact.py: its bits)
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
@@ -253,6 +254,12 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
+    judge-q35-own-exact) # two of the own shapes, official, the prompt pass's rule in the reference's order
+               q35_site
+               q35_ckpt
+               FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
+                 --out "$OUT/judge_q35_own_exact.json" --chart "$OUT/judge_q35_own_exact.png" --model /tmp/q35_4b \
+                 --workloads results/workloads/q35_own_b2_b16.json 2>&1 | tail -30 ;;
     judge-q35-exact) # the public set, official, the prompt pass's chunked rule in the reference's order (gdn_exact)
                q35_site
                q35_ckpt
