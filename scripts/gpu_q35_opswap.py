@@ -32,7 +32,14 @@ from the reference's function from that rule's state (prompt_rule_in_full_forwar
 `fullfwd_prompt_fast` (the engine's fast kernels, gdn.chunked_prefill, for the prompt): what an
 engine with the fast prompt rule and a decode that gave the full forward's bits would show, the
 fast rule's noise alone; `fullfwd_prompt_reference` (gdn.chunked_prefill_reference: the control,
-which must give the full forward's logits exactly). All but `engine` and `torch_backend` need the triton
+which must give the full forward's logits exactly). `engine_gdn_decode_chunked`: the engine
+with each GDN decode step in the full forward's arithmetic instead of the recurrent step's: the
+step's in_proj and out_proj products the engine's, then the layer's conv, gates and chunked
+rule over the current chunk's rows so far (from the conv and recurrent states at the chunk's
+start, carried from chunk to chunk as the full forward carries them) on the prompt pass's
+kernels and the reference's rule, its last row taken (chunked_gdn_decode; prompts a multiple
+of 64): what an exact GDN decode would give with today's prompt pass and products;
+`engine_exact_prompt_gdn_decode_chunked`: that with the prompt's rule on the reference too. All but `engine` and `torch_backend` need the triton
 backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
@@ -87,8 +94,10 @@ from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402
 VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked",
             "engine_no_exact_decode", "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch",
             "engine_decode_torch", "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch",
-            "engine_prompt_gdn_torch", "torch_backend", "fullfwd_prompt_fast", "fullfwd_prompt_reference")
-TRITON_ONLY = ("fullfwd_prompt_fast", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
+            "engine_prompt_gdn_torch", "torch_backend", "fullfwd_prompt_fast", "fullfwd_prompt_reference",
+            "engine_gdn_decode_chunked", "engine_exact_prompt_gdn_decode_chunked")
+CHUNKED_DECODE = ("engine_gdn_decode_chunked", "engine_exact_prompt_gdn_decode_chunked")   # prompts of whole chunks
+TRITON_ONLY = ("fullfwd_prompt_fast", "engine_exact_prompt_gdn_decode_chunked", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
                "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch",
                "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch", "engine_prompt_gdn_torch")
 FULLFWD = {"fullfwd_prompt_fast": "chunked_prefill", "fullfwd_prompt_reference": "chunked_prefill_reference"}
@@ -354,6 +363,72 @@ def attention_step_torch(model, i: int, h: torch.Tensor, positions: torch.Tensor
     return model._attention_out(i, attn.transpose(1, 2), gate)
 
 
+def gdn_step_chunked(model, i: int, h: torch.Tensor, chunk: dict) -> torch.Tensor:
+    """One decode step of GDN layer i in the full forward's arithmetic: in_proj on the token (the
+    model's decode product), its rows appended to the current chunk's (chunk: this layer's rows
+    and the conv and recurrent states at the chunk's start), then the conv, the gates and the
+    chunked rule (delta_rule_chunked_reference: the chunk padded to 64 as the full forward pads
+    its last) over the chunk's rows so far from those states, on the prompt pass's kernels
+    (the torch references on the torch backend), its last row through the gated norm and the
+    model's out_proj product: h [B, 1, hidden] -> [B, 1, hidden]. After the chunk's 64th row
+    its end states start the next chunk. The model's own caches are not written."""
+    c, p = model.cfg, f"model.layers.{i}.linear_attn."
+    B = h.shape[0]
+    if chunk.get("n") == gdn.CHUNK:
+        chunk.update(n=0, conv0=chunk["conv_end"], state0=chunk["state_end"], rows=[])
+    mixed, z, b, a = model._in_proj(p, h[:, 0])
+    chunk["rows"].append(torch.cat([mixed, b, a], -1))
+    chunk["n"] += 1
+    rows = torch.stack(chunk["rows"], 1)                                            # [B, n, conv_dim + 2 Hv]
+    mixed, b, a = torch.split(rows, [c.conv_dim, c.linear_v_heads, c.linear_v_heads], dim=-1)
+    conv_w = model.w[p + "conv1d.weight"].squeeze(1)
+    if model.backend == "triton":
+        g, beta = gdn.gates(a, b, model.w[p + "A_log"], model.w[p + "dt_bias"])
+        x, conv_end = gdn.causal_conv_prefill(mixed, conv_w, conv_state=chunk["conv0"].clone())
+    else:
+        g, beta = gdn.gates_reference(a, b, model.w[p + "A_log"], model.w[p + "dt_bias"])
+        x, conv_end = gdn.causal_conv_reference(mixed.transpose(1, 2), conv_w, chunk["conv0"].clone())
+        x = x.transpose(1, 2)
+    kd, n = c.linear_k_heads * c.linear_k_dim, chunk["n"]
+    q, k, v = torch.split(x, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
+    q, k = q.reshape(B, n, -1, c.linear_k_dim), k.reshape(B, n, -1, c.linear_k_dim)
+    v = v.reshape(B, n, -1, c.linear_v_dim)
+    state_end = torch.empty_like(chunk["state0"])
+    o, _ = gdn.chunked_prefill_reference(q, k, v, g, beta, state_out=state_end, initial_state=chunk["state0"])
+    if n == gdn.CHUNK:
+        chunk["conv_end"], chunk["state_end"] = conv_end, state_end
+    o = o[:, -1].contiguous()                                                       # [B, Hv, Dv]
+    if model.backend == "triton" and c.linear_v_dim == 128:
+        o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, model.w[p + "norm.weight"], c.rms_norm_eps)
+    else:
+        o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                        model.w[p + "norm.weight"], c.rms_norm_eps)
+    return model.ops.linear(o.reshape(B, 1, -1), model.w[p + "out_proj.weight"])
+
+
+@contextlib.contextmanager
+def chunked_gdn_decode(model):
+    """The model's GDN decode steps as gdn_step_chunked (its prompt passes unchanged): each layer's
+    first step takes the conv and recurrent states the prompt pass left as its chunk's start (the
+    prompt a multiple of 64 positions: the first generated position starts a chunk)."""
+    orig, chunks = model._gdn, {}
+
+    def layer(i, h, prompt_rows, start=0):
+        if prompt_rows is not None:
+            return orig(i, h, prompt_rows, start)
+        if i not in chunks:
+            slot, B = model.gdn_slot[i], h.shape[0]
+            chunks[i] = {"n": 0, "rows": [], "conv0": model.conv_state[slot, :B].clone(),
+                         "state0": model.state[slot, :B].clone()}
+        return gdn_step_chunked(model, i, h, chunks[i])
+
+    model._gdn = layer
+    try:
+        yield chunks
+    finally:
+        model.__dict__.pop("_gdn", None)
+
+
 @contextlib.contextmanager
 def torch_steps(model, gdn_step: bool, attention_step: bool):
     """The model's decode steps with its GDN layers' step (gdn_step) and / or its attention
@@ -479,6 +554,9 @@ def main(argv=None) -> dict:
             if name in TRITON_ONLY and eng.model.backend != "triton":
                 entry["skipped"][name] = f"needs the triton backend (the engine runs {eng.model.backend} here)"
                 continue
+            if name in CHUNKED_DECODE and P % gdn.CHUNK:
+                entry["skipped"][name] = f"needs a prompt of a multiple of {gdn.CHUNK} positions, got {P}"
+                continue
             if name in FULLFWD:
                 if P % gdn.CHUNK:
                     entry["skipped"][name] = f"needs a prompt of a multiple of {gdn.CHUNK} positions, got {P}"
@@ -501,12 +579,15 @@ def main(argv=None) -> dict:
                      "engine_state_bf16x2": lambda: plan_patch(prec="bf16x2", solve_prec="bf16x3", block_v=16),
                      "engine_prefill_cublas_unpacked": lambda: unpacked_products(eng.model),
                      "engine_prompt_gdn_core_torch": lambda: gdn_prompt_torch(True),
+                     "engine_exact_prompt_gdn_decode_chunked": lambda: gdn_prompt_torch(True),
                      "engine_prompt_gdn_torch": lambda: gdn_prompt_torch(False)}.get(name)
             whole = {"engine_no_exact_decode": lambda: no_exact_decode(eng.model, B),
                      "engine_cublas_unpacked": lambda: unpacked_products(eng.model),
                      "engine_gdn_step_torch": lambda: torch_steps(eng.model, True, False),
                      "engine_attention_step_torch": lambda: torch_steps(eng.model, False, True),
-                     "engine_decode_torch": lambda: _decode_torch(eng.model)}.get(name)
+                     "engine_decode_torch": lambda: _decode_torch(eng.model),
+                     "engine_gdn_decode_chunked": lambda: chunked_gdn_decode(eng.model),
+                     "engine_exact_prompt_gdn_decode_chunked": lambda: chunked_gdn_decode(eng.model)}.get(name)
             t1 = time.perf_counter()
             with (whole or contextlib.nullcontext)():
                 steps = forced_logits(model, prompts, toks, patch or contextlib.nullcontext, prompt_model)
