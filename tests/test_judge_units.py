@@ -258,6 +258,26 @@ def test_fidelity_sums_and_the_noise_comparison_at_its_boundaries():
     base = noise["by_side"]["baseline"]
     assert not base["count_within_native"] and base["worst_slack_within_native_allowance"] == {"a": False, "b": True}
     assert not base["holds"]
+    # the sign test: 3 of 5 events on the baseline's side, P(>= 3 of 5) = 16/32
+    assert base["count_excess_p"] == pytest.approx(0.5) and noise["by_side"]["engine"]["count_excess_p"] == 11 / 16
+
+
+def test_the_sign_test_of_a_count_over_natives():
+    from fastqwen.judge.fidelity import excess_p
+    from fastqwen.judge.report import noise_lines
+
+    assert excess_p(0, 0) == 1.0 and excess_p(0, 7) == 1.0
+    assert excess_p(3, 0) == pytest.approx(1 / 8)
+    assert excess_p(19, 9) == pytest.approx(0.0436, abs=1e-4)     # session 21's own shapes
+    assert excess_p(32, 14) == pytest.approx(0.0057, abs=1e-4)
+    assert excess_p(17, 27) > 0.9
+    over = {"count_gt_0_75": 19, "native_count_gt_0_75": 9, "count_within_native": False, "count_excess_p": 0.0436,
+            "worst_slack_within_native_allowance": {"a": True}, "holds": False}
+    line = noise_lines({"fidelity": {"noise_vs_native": {"by_side": {"engine": over}}}})[0]
+    assert "MORE THAN native, sign test p = 0.044)" in line
+    under = dict(over, count_gt_0_75=5, count_within_native=True, count_excess_p=0.9, holds=True)
+    line = noise_lines({"fidelity": {"noise_vs_native": {"by_side": {"engine": under}}}})[0]
+    assert "(<= native)" in line and "sign test" not in line
 
 
 def test_fidelity_without_native_or_with_a_missing_replay():

@@ -13,10 +13,24 @@ machines and seeds, so failing this comparison must not fail a run.
 """
 from __future__ import annotations
 
+import math
+
 NOISE_SLACK = 0.75  # native's cached decode already differs from a full forward by up to ~0.75 logits
 WORST_SLACK_ALLOWANCE = 0.25  # per workload: engine worst slack <= native worst slack + this
 FIGURES = ("positions", "count_gt_0_75", "max_slack", "argmax_agree", "argmax_agree_fraction")
 COMPARED_SIDES = ("engine", "baseline")  # each is compared against native when both were replayed
+
+
+def excess_p(mine: int, native: int) -> float:
+    """A sign test of a side's count of slack > NOISE_SLACK against native's, over the same
+    prompts and positions: the chance of `mine` or more of the mine + native events falling on
+    this side if each were equally likely to fall on either (binomial, p = 1/2). Small: this
+    side's excess is more than one run's prompts make by chance (native's own count moves ~2x
+    between prompt seeds); 1.0 when neither side has any."""
+    n = mine + native
+    if n == 0:
+        return 1.0
+    return min(1.0, sum(math.comb(n, k) for k in range(mine, n + 1)) / 2 ** n)
 
 
 def side_figures(replayed: dict | None) -> dict | None:
@@ -78,6 +92,7 @@ def run_fidelity(results: list[dict], labels: list[str]) -> dict:
             "count_gt_0_75": mine["count_gt_0_75"],
             "native_count_gt_0_75": native["count_gt_0_75"],
             "count_within_native": count_ok,
+            "count_excess_p": excess_p(mine["count_gt_0_75"], native["count_gt_0_75"]),
             "worst_slack_within_native_allowance": per_workload,
             "holds": complete and count_ok and all(v is True for v in per_workload.values()),
         }

@@ -104,6 +104,12 @@ def fidelity_table(report: dict) -> list[str]:
     return _table(FIDELITY_HEADER, rows)
 
 
+def _excess(c: dict) -> str:
+    """A count over native's, with the sign test's chance of an excess that large at equal rates."""
+    p = c.get("count_excess_p")
+    return "" if c["count_within_native"] or p is None else f", sign test p = {p:.2g}"
+
+
 def noise_lines(report: dict) -> list[str]:
     """The engine-vs-native noise comparison in words (and the baseline's, when there is one)."""
     noise = (report.get("fidelity") or {}).get("noise_vs_native") or {}
@@ -113,7 +119,7 @@ def noise_lines(report: dict) -> list[str]:
         lines.append(
             f"noise vs native, {label} (diagnostic, not a gate): slack > {NOISE_SLACK} at {c['count_gt_0_75']} "
             f"position(s), native {c['native_count_gt_0_75']} ({'<=' if c['count_within_native'] else 'MORE THAN'} "
-            f"native); worst slack <= native's + {WORST_SLACK_ALLOWANCE} in {sum(f is True for f in flags)}/"
+            f"native{_excess(c)}); worst slack <= native's + {WORST_SLACK_ALLOWANCE} in {sum(f is True for f in flags)}/"
             f"{len(flags)} workload(s): {'holds' if c['holds'] else 'DOES NOT HOLD'}")
     return lines
 
