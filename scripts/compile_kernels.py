@@ -649,7 +649,7 @@ def _gdn_decode_step(batch: int) -> None:
     gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
     # the rule in the reference's order (FASTQWEN_GDN_EXACT_PREFILL=1, gdn_exact): its systems, its
     # solve over both right-hand sides at once (both forms), and its chunk loop from a state, with and
-    # without a snapshot, in each form (split the default; fused; sliced)
+    # without a snapshot, in each form (sliced the default; fused; split)
     from fqkernels import gdn_exact
 
     n = batch * 32 * 8
@@ -664,8 +664,18 @@ def _gdn_decode_step(batch: int) -> None:
     rows = torch.empty((batch * 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows)
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, capture=2, captured=rows)
-    for form in ("fused", "sliced"):
+    for form in ("fused", "split"):
         gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form=form)
+    # the decode step in the full forward's arithmetic (gdn_exact_step): a row of the chunk, the close
+    from fqkernels import gdn_exact_step
+
+    chunk_rows = gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA)
+    heads = torch.empty((batch, 32, 128), dtype=torch.float32, device=CUDA)
+    gamma = torch.empty((batch, 32, 64), dtype=torch.float32, device=CUDA)
+    at = torch.empty((batch,), dtype=torch.int64, device=CUDA)
+    state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
+    gdn_exact_step.chunk_step(heads, heads, heads, heads, gamma, at, state, chunk_rows)
+    gdn_exact_step.chunk_close(gamma, at, state, chunk_rows)
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))

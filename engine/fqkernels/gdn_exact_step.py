@@ -1,0 +1,235 @@
+"""A GDN decode step in the full forward's arithmetic (issue 12's noise, the decode half).
+
+Native's prompt pass is its full forward's, and its decode is not (a recurrent step where the
+full forward runs the chunked rule), so its noise is its decode's. The engine's prompt pass
+cannot have the full forward's bits at the speed bars (the reference order's ~41 GFLOP of FMA
+chains a layer at 4x2048: PERF_LOG, session 21), which puts its noise at about twice native's;
+with a decode that gave the full forward's bits its noise would be the prompt's share alone,
+which session 21 run 2 measured at native's level (`fullfwd_prompt_fast`).
+
+The chunked rule's output at position t of a chunk depends only on the chunk's rows 0..t and
+the state at the chunk's start, S_c; so a decode step can compute the full forward's row t from
+rows kept as the chunk fills:
+
+  K[j]   the normalized key (fp32 [Dk]),   X[j] = [u_j | w_j] (the solve's row, fp32 [Dv + Dk]),
+  VN[j]  v_new_j = u_j - w_j S_c (fp32 [Dv]),  G[j] the raw log decay (the chunk's gamma is its
+         cumulative sum, recomputed each step on torch's ops over the whole 64 as the full forward
+         sums it),
+
+and, once the chunk's 64th row is in, S_c <- S_c * exp(gamma_63) + K_d^T VN. Per step that reads
+S_c and the rows so far (~2 KB a row and head) and writes one row, where the recurrent step reads
+and writes the whole state (64 KB a head at Dk = Dv = 128): the same traffic on average.
+
+Order of each piece, as gdn_exact's (measured on an H200, sessions 19-21): products are ascending
+FMA chains from zero (tl.dot "ieee" over a tile whose first row is the vector: a row of a
+product is its own chain), multiplies, adds and subtracts rounded on their own (PTX), expf as
+torch's, the solve's row in cuBLAS's blocked order (earlier 8-row blocks' terms each summed from
+zero and subtracted, then the own block's rows by one FMA each). The element-wise pieces and the
+reductions (the l2 norms, beta, the cumulative sum) stay on torch's ops (chunk_step_inputs).
+
+  chunk_step_inputs(...)   torch's ops: the step's normalized q (scaled) and k, k beta, v beta,
+                           and the chunk's gamma with this step's g in its row
+  chunk_step(...)          the kernel: row t's output, its rows into the chunk's buffers
+  chunk_close(...)         the kernel: S_c <- the next chunk's start where a sequence's row 63 is in
+  chunk_step_reference     the reference's chunked rule over the chunk's rows 0..t from S_c: row t
+
+Built in session 21 without device time: under the interpreter the kernels compute the
+reference's function (tests/kernels/test_gdn_exact_step.py); their bits and time are the next
+GPU call's to measure, and nothing in the engine calls them yet.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fqkernels import gdn
+from fqkernels.gdn_exact import _add_rn, _mul_rn, _sub_rn
+from fqkernels.swiglu import exp_f32
+
+C = gdn.CHUNK
+R = tl.constexpr(16)  # the rows of a tile whose first row carries a vector into tl.dot (its least size)
+
+
+class ChunkRows:
+    """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk], X [B, Hv, C, Dv + Dk],
+    VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and a scratch for the kernel's system and attention
+    rows [B, Hv, NB, 2, C] (NB: the step kernel's value-column blocks)."""
+
+    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.K = torch.zeros((B, Hv, C, Dk), **f32)
+        self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
+        self.VN = torch.zeros((B, Hv, C, Dv), **f32)
+        self.G = torch.zeros((B, Hv, C), **f32)
+        self.block_v = min(block_v, Dv)
+        self.scratch = torch.zeros((B, Hv, Dv // self.block_v, 2, C), **f32)
+
+
+def chunk_step_inputs(q, k, v, g, beta, rows: ChunkRows, t: torch.Tensor):
+    """The step's per-position pieces on torch's ops, as gdn.chunked_inputs forms them: q, k [B, Hk,
+    Dk] and v [B, Hv, Dv] bf16 (the conv's output), g [B, Hv] fp32, beta [B, Hv] bf16, t [B] int64
+    (each sequence's row in its chunk). Writes g into rows.G at t and returns (q normalized and
+    scaled, k normalized, k beta [B, Hv, Dk], v beta [B, Hv, Dv], the chunk's gamma [B, Hv, C])."""
+    B, Hv = v.shape[:2]
+    Dk = k.shape[-1]
+    q, k = (gdn.expand_heads(x.unsqueeze(1), Hv)[:, 0] for x in (q, k))
+    q, k, v, beta = (x.to(torch.float32) for x in (q, k, v, beta))
+    q, k = gdn.l2_normalize(q), gdn.l2_normalize(k)
+    q = q * Dk ** -0.5
+    vb, kb = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    rows.G[torch.arange(B, device=g.device), :, t] = g
+    gamma = rows.G.cumsum(dim=-1)
+    return q, k, kb, vb, gamma
+
+
+@triton.jit
+def _first_row(v, r16):
+    """A [R, N] tile whose row 0 is the vector v [N] and the rest zeros (a product's row 0 is
+    then v's product: each output one chain from zero)."""
+    return tl.where(r16[:, None] == 0, v[None, :], 0.0)
+
+
+@triton.jit
+def _row0(tile, r16):
+    """Row 0 of a [R, N] tile as [N] (a sum of one value and zeros: exact)."""
+    return tl.sum(tl.where(r16[:, None] == 0, tile, 0.0), axis=0)
+
+
+@triton.jit
+def _solve_part(x, t, sys_ptr, buf_ptr, stride_row, col0, cols, r16, W: tl.constexpr, NB: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """Row t of the unit-lower solve for the columns col0 + cols of the chunk's X rows (buf_ptr: the
+    sequence-head's X [C, stride_row]), right-hand side x, the system's row t at sys_ptr [C]:
+    every earlier block of NB rows' terms summed from zero by ascending FMA (one tl.dot: NB zeros,
+    then the block's NB) and subtracted, then the own block's rows by one FMA each, ascending.
+    W: the columns' count."""
+    k16 = tl.arange(0, 2 * NB)
+    for s in range(0, (t // NB) * NB, NB):
+        ks = s - NB + k16                                   # the first NB read as zeros
+        real = ks >= s
+        l_blk = tl.load(sys_ptr + tl.where(real, ks, 0)[None, :] + r16[:, None] * 0,
+                        mask=real[None, :] & (r16 == 0)[:, None], other=0.0)
+        x_blk = tl.load(buf_ptr + tl.where(real, ks, 0)[:, None] * stride_row + col0 + cols[None, :],
+                        mask=real[:, None], other=0.0)
+        acc = tl.dot(l_blk, x_blk, tl.zeros([R, W], dtype=tl.float32), input_precision="ieee")
+        x = _sub_rn(x, _row0(acc, r16), INTERPRETED)
+    for j in range((t // NB) * NB, t):
+        lj = tl.load(sys_ptr + j)
+        x = tl.fma(-lj, tl.load(buf_ptr + j * stride_row + col0 + cols), x)
+    return x
+
+
+@triton.jit
+def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf, x_buf, vn_buf, scr_ptr, o_ptr,
+                 HV, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
+                 NB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Row t of the chunked rule for one sequence-head (program 0) and BV value columns
+    (program 1): see the module doc. Inputs [B * HV, .] contiguous fp32; s_ptr the state at the
+    chunk's start [B * HV, DK, DV]; the buffers ChunkRows'; o_ptr bf16 [B * HV, DV]."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    t = tl.load(t_ptr + bh // HV).to(tl.int32)
+    r16 = tl.arange(0, R)
+    jj = tl.arange(0, CH)
+    dk = tl.arange(0, DK)
+    dv = cb * BV + tl.arange(0, BV)
+    kn = tl.load(kn_ptr + bh * DK + dk)
+    kb = tl.load(kb_ptr + bh * DK + dk)
+    qs = tl.load(qs_ptr + bh * DK + dk)
+    gamma = tl.load(gamma_ptr + bh * CH + jj)
+    g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
+    # the chunk's keys, row t this step's: the system's and attention's rows as products' row 0/1
+    K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :], mask=(jj < t)[:, None], other=0.0)
+    K = tl.where((jj == t)[:, None], kn[None, :], K)
+    lhs = tl.where(r16[:, None] == 0, kb[None, :], tl.where(r16[:, None] == 1, qs[None, :], 0.0))
+    prods = tl.dot(lhs, tl.trans(K), input_precision="ieee")                      # [R, CH]
+    decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
+    sys_row = tl.where(jj < t, _mul_rn(_row0(prods, r16), decay, INTERPRETED), 0.0)
+    attn_row = _mul_rn(tl.sum(tl.where(r16[:, None] == 1, prods, 0.0), axis=0), decay, INTERPRETED)
+    scr = scr_ptr + (bh * tl.num_programs(1) + cb) * 2 * CH
+    tl.store(scr + jj, sys_row)
+    tl.debug_barrier()
+    # the solve's row t: u's columns of this program, all of w's
+    e_t = exp_f32(g_t, INTERPRETED)
+    xu = _solve_part(tl.load(vb_ptr + bh * DV + dv), t, scr, x_buf + bh * CH * (DV + DK), DV + DK, cb * BV,
+                     tl.arange(0, BV), r16, BV, NB, INTERPRETED)
+    xw = _solve_part(_mul_rn(kb, e_t, INTERPRETED), t, scr, x_buf + bh * CH * (DV + DK), DV + DK, DV, dk, r16, DK, NB,
+                     INTERPRETED)
+    # v_new = u - w S_c; out = (q e^gamma) S_c + attn v_new over the chunk's rows
+    S = tl.load(s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :])
+    ws = _row0(tl.dot(_first_row(xw, r16), S, input_precision="ieee"), r16)
+    v_new = _sub_rn(xu, ws, INTERPRETED)
+    tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
+    tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
+    if cb == 0:
+        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
+        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
+    tl.debug_barrier()
+    VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :], mask=(jj <= t)[:, None], other=0.0)
+    inter = _row0(tl.dot(_first_row(_mul_rn(qs, e_t, INTERPRETED), r16), S, input_precision="ieee"), r16)
+    intra = _row0(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16)
+    tl.store(o_ptr + bh * DV + dv, _add_rn(inter, intra, INTERPRETED).to(tl.bfloat16))
+
+
+def chunk_step(qs, kn, kb, vb, gamma, t, state, rows: ChunkRows, num_warps: int = 4):
+    """Row t of the full forward's chunked rule for every sequence-head: qs, kn, kb [B, Hv, Dk],
+    vb [B, Hv, Dv], gamma [B, Hv, C] (chunk_step_inputs'), t [B] (each sequence's row in its
+    chunk), state [B, Hv, Dk, Dv] fp32 (the state at each chunk's start, contiguous). Writes the
+    step's rows into `rows`; returns the output [B, Hv, Dv] bf16 (the reference's cast)."""
+    B, Hv, Dk = kn.shape
+    Dv = vb.shape[-1]
+    bv = rows.block_v
+    if state.shape != (B, Hv, Dk, Dv) or not state.is_contiguous() or Dv % bv or Dk % 16 or bv % 16:
+        raise ValueError(f"gdn_exact_step.chunk_step: state {tuple(state.shape)} against q/k {tuple(kn.shape)} "
+                         f"and v {tuple(vb.shape)} (contiguous; Dk and the column block {bv} multiples of 16)")
+    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=kn.device)
+    _step_kernel[(B * Hv, Dv // bv)](qs.contiguous(), kn.contiguous(), kb.contiguous(), vb.contiguous(),
+                                     gamma.contiguous(), t, state, rows.K, rows.X, rows.VN, rows.scratch, out, Hv,
+                                     DK=Dk, DV=Dv, BV=bv, CH=C, NB=8, INTERPRETED=not kn.is_cuda,
+                                     num_warps=num_warps, num_stages=1)
+    return out
+
+
+@triton.jit
+def _close_kernel(t_ptr, gamma_ptr, s_ptr, k_buf, vn_buf, HV, DK: tl.constexpr, DV: tl.constexpr,
+                  BV: tl.constexpr, CH: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Where the sequence's step wrote its chunk's last row: S_c <- S_c * exp(gamma_last) +
+    K_d^T VN, K_d[j] = K[j] * exp(gamma_last - gamma_j), the product an ascending chain from zero
+    over the chunk's rows, the multiply and the add rounded on their own (the reference loop's)."""
+    bh = tl.program_id(0)
+    t = tl.load(t_ptr + bh // HV)
+    if t == CH - 1:
+        jj = tl.arange(0, CH)
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(1) * BV + tl.arange(0, BV)
+        gamma = tl.load(gamma_ptr + bh * CH + jj)
+        last = tl.sum(tl.where(jj == CH - 1, gamma, 0.0), axis=0)
+        K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :])
+        kd = _mul_rn(K, exp_f32(last - gamma, INTERPRETED)[:, None], INTERPRETED)
+        VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :])
+        upd = tl.dot(tl.trans(kd), VN, input_precision="ieee")
+        s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :]
+        S = tl.load(s_ptrs)
+        tl.store(s_ptrs, _add_rn(_mul_rn(S, exp_f32(last, INTERPRETED), INTERPRETED), upd, INTERPRETED))
+
+
+def chunk_close(gamma, t, state, rows: ChunkRows, num_warps: int = 4):
+    """After chunk_step: each sequence whose step was its chunk's row 63 has its state advanced
+    to the next chunk's start, in place (the others are left alone; a graph can launch it every
+    step)."""
+    B, Hv, Dk, Dv = state.shape
+    bv = rows.block_v
+    _close_kernel[(B * Hv, Dv // bv)](t, gamma.contiguous(), state, rows.K, rows.VN, Hv, DK=Dk, DV=Dv, BV=bv,
+                                      CH=C, INTERPRETED=not state.is_cuda, num_warps=num_warps, num_stages=1)
+
+
+def chunk_step_reference(q, k, v, g, beta, state):
+    """The reference's chunked rule over one chunk's rows 0..t (q, k [B, t + 1, Hk, Dk], v [B, t + 1,
+    Hv, Dv] bf16, g fp32, beta bf16 [B, t + 1, Hv]) from state (the chunk's start, fp32 [B, Hv, Dk,
+    Dv]): (row t's output [B, Hv, Dv] bf16, the state after the rows: the next chunk's start when
+    t = 63), what the full forward gives there."""
+    H = v.shape[2]
+    q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
+    o, s = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=state)
+    return o[:, -1], s

@@ -1,0 +1,116 @@
+"""The GDN decode step in the full forward's arithmetic (fqkernels/gdn_exact_step.py): each step's
+output against the reference's chunked rule over the whole generated sequence from the same
+starting state (the full forward's rows), across a chunk boundary, with the state the chunk's
+close leaves against the reference's state after 64 rows; sequences at different rows of their
+chunks in one call. On a GPU bit for bit; under Triton's CPU interpreter (>= 3.4) the logic,
+within rounding (the interpreter's products are not the GPU's chains)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if DEV == "cuda":
+        assert torch.equal(a, b), f"{what}: {(a.float() != b.float()).float().mean().item():.4%} of elements differ"
+    else:
+        rel = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-4
+        scale = max(a.float().abs().max().item(), b.float().abs().max().item(), 1e-30)
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= rel * scale, f"{what}: {err:.3g} against {scale:.3g}"
+
+
+def _sequence(B, T, Hk, Hv, D, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, Hk, D, generator=g_).bfloat16() for _ in range(2))
+    v = torch.randn(B, T, Hv, D, generator=g_).bfloat16()
+    g = -F.softplus(torch.randn(B, T, Hv, generator=g_)) * 0.1
+    beta = torch.rand(B, T, Hv, generator=g_).bfloat16()
+    state = torch.randn(B, Hv, D, D, generator=g_) * 0.1
+    return [t.to(DEV) for t in (q, k, v, g, beta, state)]
+
+
+def _steps(q, k, v, g, beta, state, rows, t0, n):
+    """n decode steps from row t0 of each sequence's chunk (t0 [B]): the outputs [B, n, Hv, Dv]."""
+    B = q.shape[0]
+    outs = []
+    for i in range(n):
+        t = (t0 + i) % gdn.CHUNK
+        qs, kn, kb, vb, gamma = step.chunk_step_inputs(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], rows, t)
+        outs.append(step.chunk_step(qs, kn, kb, vb, gamma, t, state, rows))
+        step.chunk_close(gamma, t, state, rows)
+        assert outs[-1].shape == (B, v.shape[2], v.shape[3])
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("D,block_v", [(32, 16), (64, 32)])
+def test_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v):
+    B, T, Hk, Hv = 2, 70, 2, 4
+    q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D)
+    want, want_state, at_64 = gdn.delta_rule_chunked_reference(
+        gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta, state=state, capture=1)
+    rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=block_v)
+    S = state.clone()
+    got = _steps(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], S, rows,
+                 torch.zeros(B, dtype=torch.int64, device=DEV), 64)
+    _same(got, want[:, :64], "rows 0-63")
+    _same(S, at_64, "the state the close leaves after row 63")
+    closed = S.clone()
+    got = _steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows,
+                 torch.zeros(B, dtype=torch.int64, device=DEV), T - 64)
+    _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
+    # the close leaves a state alone until its sequence's row 63
+    assert torch.equal(S, closed)
+
+
+def test_sequences_at_different_rows_of_their_chunks():
+    """One call over two sequences at rows 10 + i and i of their chunks (the first prefilled by
+    ten steps of its own), each against its own reference; the first crosses its chunk's end."""
+    D, Hk, Hv = 32, 1, 2
+    q, k, v, g, beta, state = _sequence(2, 70, Hk, Hv, D, seed=3)
+    alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=16)
+    S0 = state[:1].clone()
+    _steps(q[:1, :10], k[:1, :10], v[:1, :10], g[:1, :10], beta[:1, :10], S0, alone,
+           torch.zeros(1, dtype=torch.int64, device=DEV), 10)
+    rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
+    for name in ("K", "X", "VN", "G"):
+        getattr(rows, name)[:1] = getattr(alone, name)
+    S = state.clone()
+    S[:1] = S0
+    n = 60
+    idx = torch.stack([torch.arange(10, 10 + n), torch.arange(0, n)]).to(DEV)      # each sequence's positions
+    pick = lambda x: torch.stack([x[b, idx[b]] for b in range(2)])                 # noqa: E731
+    got = _steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
+                 torch.tensor([10, 0], dtype=torch.int64, device=DEV), n)
+    for b, T in ((0, 10 + n), (1, n)):
+        want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
+            k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
+        _same(got[b], want[0, T - n:], f"sequence {b}")
+
+
+def test_the_reference_step_is_the_rules_last_row():
+    D, Hk, Hv = 32, 2, 4
+    q, k, v, g, beta, state = _sequence(1, 9, Hk, Hv, D, seed=5)
+    o, s = step.chunk_step_reference(q, k, v, g, beta, state)
+    want, want_s = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta,
+                                                    state=state)
+    assert torch.equal(o, want[:, -1]) and torch.equal(s, want_s)
