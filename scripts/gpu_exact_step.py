@@ -3,7 +3,8 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128): per batch, its
 steps (a chunk and 8 rows of the next) against the reference's chunked rule over the whole
 sequence from the same state (bit for bit: the fraction of elements that differ, the state after
 the chunk's close), and one step's time as a CUDA graph (torch's per-step pieces, the row kernel,
-the close) beside the recurrent kernel's (gdn.decode_step), averaged over a chunk's 64 rows.
+the close) beside the recurrent kernel's (gdn.decode_step): the median over 64 replays, each the
+next row of the chunk (all 64 rows once).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine"))
 
 from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
+from gpu_rule_bits_probe import graphed_us  # noqa: E402
 
 HK, HV, D, STEPS = 16, 32, 128, 72
 
@@ -53,29 +55,6 @@ def bits(B: int) -> dict:
             "state_bit_equal": bool(torch.equal(closed, at_64))}
 
 
-def graphed_us(fn, reps: int = 64) -> float:
-    """One call of fn captured as a CUDA graph, replayed reps times: microseconds a replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(8):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
-
-
 def timing(B: int) -> dict:
     q, k, v, g, beta, state = inputs(B, seed=100 + B)
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
@@ -89,8 +68,8 @@ def timing(B: int) -> dict:
         t.add_(1).remainder_(gdn.CHUNK)                 # the next row (a decode step's position)
 
     R = state.clone()
-    return {"us_exact_step": round(graphed_us(exact), 1),
-            "us_recurrent_step": round(graphed_us(lambda: gdn.decode_step(q, k, v, g, beta, R)), 1)}
+    return {"us_exact_step": graphed_us(exact, reps=64),
+            "us_recurrent_step": graphed_us(lambda: gdn.decode_step(q, k, v, g, beta, R), reps=64)}
 
 
 def main(argv=None) -> dict:

@@ -6,27 +6,12 @@ chunks in one call. On a GPU bit for bit; under Triton's CPU interpreter (>= 3.4
 within rounding (the interpreter's products are not the GPU's chains)."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
-from engine_modules import ENGINE_DIR
-
-if str(ENGINE_DIR) not in sys.path:
-    sys.path.insert(0, str(ENGINE_DIR))
-
-from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+from .test_gdn_exact import DEV, pytestmark  # noqa: F401 - the same runs: a GPU, or the interpreter (>= 3.4)
+from fqkernels import gdn, gdn_exact_step as step  # noqa: E402 - on the path test_gdn_exact puts it
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
