@@ -39,8 +39,9 @@ rule over the current chunk's rows so far (from the conv and recurrent states at
 start, carried from chunk to chunk as the full forward carries them) on the prompt pass's
 kernels and the reference's rule, its last row taken (chunked_gdn_decode; prompts a multiple
 of 64): what an exact GDN decode would give with today's prompt pass and products;
-`engine_exact_prompt_gdn_decode_chunked`: that with the prompt's rule on the reference too. All but `engine` and `torch_backend` need the triton
-backend (a CUDA device): elsewhere they are skipped with a note.
+`engine_exact_prompt_gdn_decode_chunked`: that with the prompt's rule on the reference too.
+All but `engine`, `torch_backend`, `fullfwd_prompt_reference` and `engine_gdn_decode_chunked`
+need the triton backend (a CUDA device): elsewhere they are skipped with a note.
 
 Per variant and shape: mean / p99 / max over positions of the max |logit diff| over the
 vocabulary, and its mean at the prompt pass's own position (first) and over the decode steps;
@@ -97,7 +98,8 @@ VARIANTS = ("engine", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefil
             "engine_prompt_gdn_torch", "torch_backend", "fullfwd_prompt_fast", "fullfwd_prompt_reference",
             "engine_gdn_decode_chunked", "engine_exact_prompt_gdn_decode_chunked")
 CHUNKED_DECODE = ("engine_gdn_decode_chunked", "engine_exact_prompt_gdn_decode_chunked")   # prompts of whole chunks
-TRITON_ONLY = ("fullfwd_prompt_fast", "engine_exact_prompt_gdn_decode_chunked", "engine_out_tf32x3", "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
+TRITON_ONLY = ("fullfwd_prompt_fast", "engine_exact_prompt_gdn_decode_chunked", "engine_out_tf32x3",
+               "engine_state_bf16x2", "engine_prefill_cublas_unpacked", "engine_no_exact_decode",
                "engine_cublas_unpacked", "engine_gdn_step_torch", "engine_attention_step_torch", "engine_decode_torch",
                "engine_prompt_torch", "torch_prompt_engine", "engine_prompt_gdn_core_torch", "engine_prompt_gdn_torch")
 FULLFWD = {"fullfwd_prompt_fast": "chunked_prefill", "fullfwd_prompt_reference": "chunked_prefill_reference"}
@@ -613,7 +615,8 @@ def main(argv=None) -> dict:
         key = shape if len(seeds) == 1 else f"{shape}@{seed}"
         report["shapes"][key] = entry
         for name, r in entry["results"].items():
-            t = report["totals"].setdefault(name, {"positions": 0, "sum_max_abs": 0.0, "sum_slack": 0.0, "max_slack": 0.0})
+            t = report["totals"].setdefault(name, {"positions": 0, "sum_max_abs": 0.0, "sum_slack": 0.0,
+                                                   "max_slack": 0.0})
             t["positions"] += r["positions"]
             t["sum_max_abs"] += r["mean_max_abs"] * r["positions"]
             t["sum_slack"] += r["mean_slack"] * r["positions"]

@@ -53,8 +53,8 @@ R = tl.constexpr(16)  # the rows of a tile whose first row carries a vector into
 
 class ChunkRows:
     """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk], X [B, Hv, C, Dv + Dk],
-    VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and a scratch for the kernel's system and attention
-    rows [B, Hv, NB, 2, C] (NB: the step kernel's value-column blocks)."""
+    VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and a scratch for the step kernel's system row
+    [B, Hv, NB, C] (NB: its value-column blocks, a program each)."""
 
     def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32):
         f32 = dict(dtype=torch.float32, device=device)
@@ -63,7 +63,7 @@ class ChunkRows:
         self.VN = torch.zeros((B, Hv, C, Dv), **f32)
         self.G = torch.zeros((B, Hv, C), **f32)
         self.block_v = min(block_v, Dv)
-        self.scratch = torch.zeros((B, Hv, Dv // self.block_v, 2, C), **f32)
+        self.scratch = torch.zeros((B, Hv, Dv // self.block_v, C), **f32)
 
 
 def chunk_step_inputs(q, k, v, g, beta, rows: ChunkRows, t: torch.Tensor):
@@ -147,7 +147,7 @@ def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf,
     decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
     sys_row = tl.where(jj < t, _mul_rn(_row0(prods, r16), decay, INTERPRETED), 0.0)
     attn_row = _mul_rn(tl.sum(tl.where(r16[:, None] == 1, prods, 0.0), axis=0), decay, INTERPRETED)
-    scr = scr_ptr + (bh * tl.num_programs(1) + cb) * 2 * CH
+    scr = scr_ptr + (bh * tl.num_programs(1) + cb) * CH
     tl.store(scr + jj, sys_row)
     tl.debug_barrier()
     # the solve's row t: u's columns of this program, all of w's
