@@ -33,6 +33,8 @@ LOOP_VARIANTS = [("split", 32, 8, 16), ("sliced", 32, 8, 16), ("sliced", 32, 4, 
                  ("sliced", 16, 4, 16), ("sliced", 16, 2, 16), ("sliced", 64, 8, 16), ("sliced", 64, 4, 32)]
 
 
+# the whole rule on the forms session 20 built, at the launch shapes it first tried (the defaults since
+# session 21 are these forms at other shapes: us_exact), with the systems on Triton too (chunk_systems)
 NEW_SOLVE = {"form": "scratch", "block_n": 32, "num_warps": 2}
 NEW_LOOP = {"form": "sliced", "block_v": 32, "num_warps": 8, "k_slice": 16}
 
@@ -62,7 +64,7 @@ def main(argv=None) -> dict:
                 state = torch.empty_like(s0)
                 r["us_reference"] = graphed_us(lambda: gdn.delta_rule_chunked_reference(q, k, v, g, beta))
                 r["us_exact"] = graphed_us(lambda: gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta))
-                # the whole rule on session 20's new kernel forms (solve "scratch", loop "sliced", systems "triton")
+                # the whole rule on NEW_SOLVE, NEW_LOOP and the systems on Triton
                 got = gdn_exact.delta_rule_chunked_exact(q, k, v, g, beta, state=s0, capture=T // 128, solve=NEW_SOLVE,
                                                          loop=NEW_LOOP, systems="triton")
                 r["bit_equal_new_forms"] = {name: bool(torch.equal(a, b))

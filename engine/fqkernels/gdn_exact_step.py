@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from fqkernels import gdn
-from fqkernels.gdn_exact import _add_rn, _mul_rn, _sub_rn
+from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
 from fqkernels.swiglu import exp_f32
 
 C = gdn.CHUNK
@@ -91,12 +91,6 @@ def _first_row(v, r16):
 
 
 @triton.jit
-def _row0(tile, r16):
-    """Row 0 of a [R, N] tile as [N] (a sum of one value and zeros: exact)."""
-    return tl.sum(tl.where(r16[:, None] == 0, tile, 0.0), axis=0)
-
-
-@triton.jit
 def _solve_part(x, t, sys_ptr, buf_ptr, stride_row, col0, cols, r16, W: tl.constexpr, NB: tl.constexpr,
                 INTERPRETED: tl.constexpr):
     """Row t of the unit-lower solve for the columns col0 + cols of the chunk's X rows (buf_ptr: the
@@ -113,7 +107,7 @@ def _solve_part(x, t, sys_ptr, buf_ptr, stride_row, col0, cols, r16, W: tl.const
         x_blk = tl.load(buf_ptr + tl.where(real, ks, 0)[:, None] * stride_row + col0 + cols[None, :],
                         mask=real[:, None], other=0.0)
         acc = tl.dot(l_blk, x_blk, tl.zeros([R, W], dtype=tl.float32), input_precision="ieee")
-        x = _sub_rn(x, _row0(acc, r16), INTERPRETED)
+        x = _sub_rn(x, _row(acc, r16, 0), INTERPRETED)
     for j in range((t // NB) * NB, t):
         lj = tl.load(sys_ptr + j)
         x = tl.fma(-lj, tl.load(buf_ptr + j * stride_row + col0 + cols), x)
@@ -138,15 +132,15 @@ def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf,
     kb = tl.load(kb_ptr + bh * DK + dk)
     qs = tl.load(qs_ptr + bh * DK + dk)
     gamma = tl.load(gamma_ptr + bh * CH + jj)
-    g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
+    g_t = tl.load(gamma_ptr + bh * CH + t)
     # the chunk's keys, row t this step's: the system's and attention's rows as products' row 0/1
     K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :], mask=(jj < t)[:, None], other=0.0)
     K = tl.where((jj == t)[:, None], kn[None, :], K)
     lhs = tl.where(r16[:, None] == 0, kb[None, :], tl.where(r16[:, None] == 1, qs[None, :], 0.0))
     prods = tl.dot(lhs, tl.trans(K), input_precision="ieee")                      # [R, CH]
     decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
-    sys_row = tl.where(jj < t, _mul_rn(_row0(prods, r16), decay, INTERPRETED), 0.0)
-    attn_row = _mul_rn(tl.sum(tl.where(r16[:, None] == 1, prods, 0.0), axis=0), decay, INTERPRETED)
+    sys_row = tl.where(jj < t, _mul_rn(_row(prods, r16, 0), decay, INTERPRETED), 0.0)
+    attn_row = _mul_rn(_row(prods, r16, 1), decay, INTERPRETED)
     scr = scr_ptr + (bh * tl.num_programs(1) + cb) * CH
     tl.store(scr + jj, sys_row)
     tl.debug_barrier()
@@ -158,7 +152,7 @@ def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf,
                      INTERPRETED)
     # v_new = u - w S_c; out = (q e^gamma) S_c + attn v_new over the chunk's rows
     S = tl.load(s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :])
-    ws = _row0(tl.dot(_first_row(xw, r16), S, input_precision="ieee"), r16)
+    ws = _row(tl.dot(_first_row(xw, r16), S, input_precision="ieee"), r16, 0)
     v_new = _sub_rn(xu, ws, INTERPRETED)
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
@@ -167,8 +161,8 @@ def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf,
         tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
     tl.debug_barrier()
     VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :], mask=(jj <= t)[:, None], other=0.0)
-    inter = _row0(tl.dot(_first_row(_mul_rn(qs, e_t, INTERPRETED), r16), S, input_precision="ieee"), r16)
-    intra = _row0(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16)
+    inter = _row(tl.dot(_first_row(_mul_rn(qs, e_t, INTERPRETED), r16), S, input_precision="ieee"), r16, 0)
+    intra = _row(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16, 0)
     tl.store(o_ptr + bh * DV + dv, _add_rn(inter, intra, INTERPRETED).to(tl.bfloat16))
 
 
@@ -204,7 +198,7 @@ def _close_kernel(t_ptr, gamma_ptr, s_ptr, k_buf, vn_buf, HV, DK: tl.constexpr, 
         dk = tl.arange(0, DK)
         dv = tl.program_id(1) * BV + tl.arange(0, BV)
         gamma = tl.load(gamma_ptr + bh * CH + jj)
-        last = tl.sum(tl.where(jj == CH - 1, gamma, 0.0), axis=0)
+        last = tl.load(gamma_ptr + bh * CH + CH - 1)
         K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :])
         kd = _mul_rn(K, exp_f32(last - gamma, INTERPRETED)[:, None], INTERPRETED)
         VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :])
