@@ -257,18 +257,14 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
-    judge-q35-own-exact) # two of the own shapes, official, the prompt pass's rule in the reference's order
+    judge-q35-exact|judge-q35-own-exact) # the public set (or two own shapes), official, the prompt pass's
+               # chunked rule in the reference's order (gdn_exact)
                q35_site
                q35_ckpt
+               set="public"; [ "$stage" = judge-q35-own-exact ] && set=results/workloads/q35_own_b2_b16.json
                FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
-                 --out "$OUT/judge_q35_own_exact.json" --chart "$OUT/judge_q35_own_exact.png" --model /tmp/q35_4b \
-                 --workloads results/workloads/q35_own_b2_b16.json 2>&1 | tail -30 ;;
-    judge-q35-exact) # the public set, official, the prompt pass's chunked rule in the reference's order (gdn_exact)
-               q35_site
-               q35_ckpt
-               FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
-                 --out "$OUT/judge_q35_exact.json" --chart "$OUT/judge_q35_exact.png" --model /tmp/q35_4b \
-                 --workloads public 2>&1 | tail -40 ;;
+                 --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
+                 --workloads "$set" 2>&1 | tail -40 ;;
     q35-opswap) # teacher-forced on native's tokens: the engine's logits and its variants' against the full
                 # forward, beside native's cached decode (gpu_q35_opswap.py)
                 q35_site
