@@ -676,6 +676,13 @@ def _gdn_decode_step(batch: int) -> None:
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
     gdn_exact_step.chunk_step(heads, heads, heads, heads, gamma, at, state, chunk_rows)
     gdn_exact_step.chunk_close(gamma, at, state, chunk_rows)
+    # the step as one kernel, and its replicas of torch's l2 norm and cumulative sum
+    qk = torch.empty((batch, 16, 128), dtype=torch.bfloat16, device=CUDA)
+    gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
+                              torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
+                              torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows)
+    gdn_exact_step.torch_rows(torch.empty((4, 128), dtype=torch.float32, device=CUDA), "l2norm")
+    gdn_exact_step.torch_rows(torch.empty((4, 64), dtype=torch.float32, device=CUDA), "cumsum")
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))

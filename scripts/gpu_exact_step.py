@@ -1,10 +1,16 @@
 """The GDN decode step in the full forward's arithmetic (fqkernels/gdn_exact_step.py) on the GPU,
-at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128): per batch, its outputs over 72
-steps (a chunk and 8 rows of the next) against the reference's chunked rule over the whole
-sequence from the same state (bit for bit: the fraction of elements that differ, the state after
-the chunk's close), and one step's time as a CUDA graph (torch's per-step pieces, the row kernel,
-the close) beside the recurrent kernel's (gdn.decode_step): the median over 64 replays, each the
-next row of the chunk (all 64 rows once).
+at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
+
+- replicas: the one-kernel step's copies of torch's l2 norm (each candidate sum order) and
+  cumulative sum, bit for bit against torch's own ops at the full forward's shapes (the l2 norm
+  over [B, 32, T, 128], the cumulative sum over [B, 32, chunks, 64]);
+- bits: per batch, fused_step's outputs over 72 steps (a chunk and 8 rows of the next) against
+  the reference's chunked rule over 512 + 72 positions (the full forward of a 512-token prompt
+  and its decode: the steps start from the state it leaves at position 512), and the state the
+  chunk's close leaves against the reference's at position 576; also the first form (the torch
+  pieces, chunk_step and chunk_close);
+- time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
+  at each column block and warp count and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
 """
@@ -19,57 +25,113 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine"))
 
 from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
-from gpu_rule_bits_probe import graphed_us  # noqa: E402
+from gpu_rule_bits_probe import _time_us  # noqa: E402
 
-HK, HV, D, STEPS = 16, 32, 128, 72
+HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 
 
-def inputs(B: int, seed: int):
+def _differ(a, b) -> float:
+    return float((a != b).float().mean())
+
+
+def replicas() -> dict:
+    """Each sum order's l2 norm and the cumulative sum against torch's, fraction of elements differing."""
+    out = {}
+    for B, T in ((1, 544), (4, 2080), (16, 576)):
+        g_ = torch.Generator(device="cuda").manual_seed(B)
+        x = torch.randn(B, HV, T, D, device="cuda", generator=g_) * 3
+        want = gdn.l2_normalize(x).reshape(-1, D)
+        rows = x.reshape(-1, D)
+        out[f"l2norm_{B}x{T}"] = {str(o): _differ(step.torch_rows(rows, "l2norm", sum_order=o), want)
+                                  for o in step.SUM_ORDERS}
+        g = -F.softplus(torch.randn(B, HV, T // 64 + 1, 64, device="cuda", generator=g_)) * 0.3
+        grows = g.reshape(-1, 64)
+        out[f"cumsum_{B}x{T}"] = {"tile": step.scan_tile(grows.shape[0]),
+                                  "differing": _differ(step.torch_rows(grows, "cumsum"), g.cumsum(-1))}
+    few = -F.softplus(torch.randn(16, 64, device="cuda")) * 0.3             # 16 rows: torch's tile is 64
+    out["cumsum_16_rows"] = {"tile": step.scan_tile(16), "differing": _differ(step.torch_rows(few, "cumsum"),
+                                                                             few.cumsum(-1))}
+    return out
+
+
+def inputs(B: int, T: int, seed: int):
     g_ = torch.Generator(device="cuda").manual_seed(seed)
-    q, k = (torch.randn(B, STEPS, HK, D, device="cuda", generator=g_).bfloat16() for _ in range(2))
-    v = torch.randn(B, STEPS, HV, D, device="cuda", generator=g_).bfloat16()
-    g = -F.softplus(torch.randn(B, STEPS, HV, device="cuda", generator=g_)) * 0.1
-    beta = torch.rand(B, STEPS, HV, device="cuda", generator=g_).bfloat16()
+    q, k = (torch.randn(B, T, HK, D, device="cuda", generator=g_).bfloat16() for _ in range(2))
+    v = torch.randn(B, T, HV, D, device="cuda", generator=g_).bfloat16()
+    g = -F.softplus(torch.randn(B, T, HV, device="cuda", generator=g_)) * 0.1
+    beta = torch.rand(B, T, HV, device="cuda", generator=g_).bfloat16()
     state = torch.randn(B, HV, D, D, device="cuda", generator=g_) * 0.1
     return q, k, v, g, beta, state
 
 
-def bits(B: int) -> dict:
-    q, k, v, g, beta, state = inputs(B, seed=B)
-    want, _, at_64 = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta,
-                                                      state=state, capture=1)
-    rows, S, outs = step.ChunkRows(B, HV, D, D, "cuda"), state.clone(), []
-    closed = None
-    for i in range(STEPS):
+def bits(B: int, sum_order: int) -> dict:
+    T = PROMPT + STEPS
+    q, k, v, g, beta, state = inputs(B, T, seed=B)
+    c0 = PROMPT // gdn.CHUNK
+    want, _, start = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta,
+                                                      state=state, capture=c0)
+    _, _, at_next = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta,
+                                                     state=state, capture=c0 + 1)
+    tile = step.scan_tile(B * HV * (T + gdn.CHUNK - 1) // gdn.CHUNK)
+    report = {"tile": tile}
+    # the one-kernel step
+    rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
+    for i in range(PROMPT, T):
+        pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
+        outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
+                                    sum_order=sum_order, tile=tile))
+        if i == PROMPT + gdn.CHUNK - 1:
+            closed = S.clone()
+    got = torch.stack(outs, 1)
+    report["fused"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
+                       "state_differing": _differ(closed, at_next)}
+    # the first form: torch's pieces, the row kernel, the close
+    rows, S, outs = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), []
+    for i in range(PROMPT, T):
         t = torch.full((B,), i % gdn.CHUNK, dtype=torch.int64, device="cuda")
         qs, kn, kb, vb, gamma = step.chunk_step_inputs(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], rows, t)
         outs.append(step.chunk_step(qs, kn, kb, vb, gamma, t, S, rows))
         step.chunk_close(gamma, t, S, rows)
-        if i == gdn.CHUNK - 1:
+        if i == PROMPT + gdn.CHUNK - 1:
             closed = S.clone()
     got = torch.stack(outs, 1)
-    return {"out_fraction_differing": float((got != want).float().mean()),
-            "out_bit_equal": bool(torch.equal(got, want)),
-            "out_max_abs": float((got.float() - want.float()).abs().max()),
-            "state_fraction_differing": float((closed != at_64).float().mean()),
-            "state_bit_equal": bool(torch.equal(closed, at_64))}
+    report["pieces"] = {"out_differing": _differ(got, want[:, PROMPT:]), "state_differing": _differ(closed, at_next)}
+    return report
 
 
-def timing(B: int) -> dict:
-    q, k, v, g, beta, state = inputs(B, seed=100 + B)
+def _graph_us(fn, n: int) -> float:
+    """Microseconds a call of fn(i) for i in range(n), all n captured in one CUDA graph, per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            fn(i)
+    return round(_time_us(graph.replay, reps=10) / n, 2)
+
+
+def timing(B: int, sum_order: int) -> dict:
+    q, k, v, g, beta, state = inputs(B, 1, seed=100 + B)
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
-    rows, S = step.ChunkRows(B, HV, D, D, "cuda"), state.clone()
-    t = torch.zeros(B, dtype=torch.int64, device="cuda")
-
-    def exact():
-        qs, kn, kb, vb, gamma = step.chunk_step_inputs(q, k, v, g, beta, rows, t)
-        step.chunk_step(qs, kn, kb, vb, gamma, t, S, rows)
-        step.chunk_close(gamma, t, S, rows)
-        t.add_(1).remainder_(gdn.CHUNK)                 # the next row (a decode step's position)
-
+    positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
+    out = {}
+    for bv in (32, 64, 128):
+        for warps in (4, 8):
+            rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
+            try:
+                out[f"fused_bv{bv}_w{warps}"] = _graph_us(
+                    lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, sum_order=sum_order,
+                                              num_warps=warps), gdn.CHUNK)
+            except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
+                out[f"fused_bv{bv}_w{warps}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()
-    return {"us_exact_step": graphed_us(exact, reps=64),
-            "us_recurrent_step": graphed_us(lambda: gdn.decode_step(q, k, v, g, beta, R), reps=64)}
+    out["recurrent"] = _graph_us(lambda i: gdn.decode_step(q, k, v, g, beta, R), gdn.CHUNK)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -78,9 +140,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    report = {}
+    report = {"replicas": replicas()}
+    l2 = [v for key, v in report["replicas"].items() if key.startswith("l2norm")]
+    exact = [o for o in step.SUM_ORDERS if all(v[str(o)] == 0 for v in l2)]
+    report["sum_order"] = exact[0] if exact else 0
+    report["sum_order_matches"] = bool(exact)
+    print(json.dumps(report, indent=None), flush=True)
     for B in (int(b) for b in args.batches.split(",")):
-        report[str(B)] = {**bits(B), **timing(B)}
+        report[str(B)] = {**bits(B, report["sum_order"]), "us_per_step": timing(B, report["sum_order"])}
         print(B, report[str(B)], flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fqkernels import gdn
 from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
@@ -227,3 +228,267 @@ def chunk_step_reference(q, k, v, g, beta, state):
     q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
     o, s = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=state)
     return o[:, -1], s
+
+
+# ------------------------------------------------------------------ the step as one kernel
+# chunk_step_inputs' torch ops (the l2 norms' reductions, the chunk's cumulative sum) written
+# in the order of torch's CUDA kernels, so the whole step is one launch: torch's reduce of a
+# contiguous row of D values runs 32 lanes of D / 32 values each, a lane's values summed in
+# turn, then the lanes combined by shuffles (sum_order picks which values a lane holds and which
+# lanes the shuffles pair); its inner scan (a cumulative sum along the last dimension) runs
+# Sklansky's levels over tiles of `scan_tile` values, a tile's first input carrying the total of
+# the tiles before it (ATen ScanUtils.cuh: the tile is 32 for 33 to 32768 rows of 64, else 64).
+
+SUM_ORDERS = {0: "strided lanes, adjacent pairs first", 1: "contiguous lanes, adjacent pairs first",
+              2: "strided lanes, halves first", 3: "contiguous lanes, halves first"}
+
+
+def scan_tile(rows: int, row_size: int = C) -> int:
+    """The values one tile of torch's inner scan covers for `rows` rows of `row_size` (ATen's
+    get_log_num_threads_x_inner_scan, its unsigned wrap-around included), at most row_size."""
+    lx = max(row_size - 1, 0).bit_length()
+    ly = max(rows - 1, 0).bit_length()
+    d = (9 + lx - ly) % 2 ** 32
+    log_x = min(max(4, d // 2), 9)
+    return min(2 << log_x, row_size)
+
+
+@triton.jit
+def _pairs_adjacent(x, N: tl.constexpr):
+    """[N] -> [N / 2]: x[2i] + x[2i + 1] (a sum of two: one rounding, either order)."""
+    return tl.sum(tl.reshape(x, [N // 2, 2]), axis=1)
+
+
+@triton.jit
+def _pairs_halves(x, N: tl.constexpr):
+    """[N] -> [N / 2]: x[i] + x[i + N / 2]."""
+    return tl.sum(tl.reshape(x, [2, N // 2]), axis=0)
+
+
+@triton.jit
+def _lanes_adjacent(x):
+    """The 32 lanes' values combined by shuffles at offsets 1, 2, 4, 8, 16: a balanced tree over
+    adjacent pairs first. Returns a scalar."""
+    x = _pairs_adjacent(_pairs_adjacent(_pairs_adjacent(_pairs_adjacent(_pairs_adjacent(x, 32), 16), 8), 4), 2)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _lanes_halves(x):
+    """The 32 lanes combined at offsets 16, 8, 4, 2, 1: lane i with lane i + 16 first."""
+    x = _pairs_halves(_pairs_halves(_pairs_halves(_pairs_halves(_pairs_halves(x, 32), 16), 8), 4), 2)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _torch_sumsq(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(x * x).sum() over x [D] fp32 in the order of torch's CUDA reduce (SUM_ORDERS[ORDER]):
+    each product rounded, lane l's D / 32 values summed in turn, then the 32 lanes."""
+    E: tl.constexpr = D // 32
+    sq = _mul_rn(x, x, INTERPRETED)
+    if ORDER % 2 == 1:
+        m = tl.trans(tl.reshape(sq, [32, E]))          # m[a, l] = sq[E l + a]: a lane's values side by side
+    else:
+        m = tl.reshape(sq, [E, 32])                    # m[a, l] = sq[32 a + l]: strided by the lanes
+    ee = tl.arange(0, E)
+    acc = _row(m, ee, 0)
+    for a in tl.static_range(1, E):
+        acc = _add_rn(acc, _row(m, ee, a), INTERPRETED)
+    if ORDER // 2 == 1:
+        return _lanes_halves(acc)
+    else:
+        return _lanes_adjacent(acc)
+
+
+@triton.jit
+def _torch_l2norm(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.constexpr):
+    """gdn.l2_normalize on one row: x * rsqrt(sum(x * x) + 1e-6), each step rounded."""
+    ss = _add_rn(_torch_sumsq(x, D, ORDER, INTERPRETED), 1e-6, INTERPRETED)
+    if INTERPRETED:
+        inv = 1.0 / tl.sqrt(ss)
+    else:
+        inv = libdevice.rsqrt(ss)
+    return _mul_rn(x, inv, INTERPRETED)
+
+
+@triton.jit
+def _sklansky_level(v, N: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One level of torch's inner scan over v [N]: each value in the upper half of its group of
+    2S adds the lower half's last value."""
+    v3 = tl.reshape(v, [N // (2 * S), 2, S])
+    h = tl.arange(0, 2)[None, :, None]
+    s = tl.arange(0, S)[None, None, :]
+    low_last = tl.sum(tl.sum(tl.where((h == 0) & (s == S - 1), v3, 0.0), axis=2), axis=1)
+    return tl.reshape(tl.where(h == 1, _add_rn(v3, low_last[:, None, None], INTERPRETED), v3), [N])
+
+
+@triton.jit
+def _sklansky(v, N: tl.constexpr, LEVELS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Levels 0..LEVELS-1 (at most 6) of torch's inner scan over v [N]."""
+    v = _sklansky_level(v, N, 1, INTERPRETED)
+    if LEVELS > 1:
+        v = _sklansky_level(v, N, 2, INTERPRETED)
+    if LEVELS > 2:
+        v = _sklansky_level(v, N, 4, INTERPRETED)
+    if LEVELS > 3:
+        v = _sklansky_level(v, N, 8, INTERPRETED)
+    if LEVELS > 4:
+        v = _sklansky_level(v, N, 16, INTERPRETED)
+    if LEVELS > 5:
+        v = _sklansky_level(v, N, 32, INTERPRETED)
+    return v
+
+
+@triton.jit
+def _torch_cumsum(x, jj, CH: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.cumsum(-1) over x [CH] in torch's inner scan's order, tiles of TILE (CH or CH / 2)."""
+    v = _sklansky(x, CH, LOG_TILE, INTERPRETED)
+    if TILE < CH:
+        total = tl.sum(tl.where(jj == TILE - 1, v, 0.0), axis=0)
+        v2 = _sklansky(tl.where(jj == TILE, _add_rn(x, total, INTERPRETED), x), CH, LOG_TILE, INTERPRETED)
+        v = tl.where(jj < TILE, v, v2)
+    return v
+
+
+@triton.jit
+def _torch_rows_kernel(x_ptr, o_ptr, N: tl.constexpr, WHAT: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr,
+                       LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One row a program: WHAT 0 the l2 norm's replica, 1 the cumulative sum's (torch_rows)."""
+    r = tl.program_id(0)
+    n = tl.arange(0, N)
+    x = tl.load(x_ptr + r * N + n)
+    if WHAT == 0:
+        y = _torch_l2norm(x, N, ORDER, INTERPRETED)
+    else:
+        y = _torch_cumsum(x, n, N, TILE, LOG_TILE, INTERPRETED)
+    tl.store(o_ptr + r * N + n, y)
+
+
+def torch_rows(x: torch.Tensor, what: str, sum_order: int = 0, tile: int | None = None) -> torch.Tensor:
+    """The replicas on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn.l2_normalize in
+    SUM_ORDERS[sum_order]) or "cumsum" (x.cumsum(-1) with torch's tile, scan_tile(R, N) unless
+    given). For the tests and the GPU probe that checks them bit for bit against torch."""
+    R, N = x.shape
+    tile = tile or scan_tile(R, N)
+    if what not in ("l2norm", "cumsum") or N & (N - 1) or N < 32 or tile not in (N, N // 2):
+        raise ValueError(f"gdn_exact_step.torch_rows: {what!r} over rows of {N} (a power of two >= 32), tile {tile}")
+    out = torch.empty_like(x)
+    _torch_rows_kernel[(R,)](x.contiguous(), out, N=N, WHAT=0 if what == "l2norm" else 1, ORDER=sum_order,
+                             TILE=tile, LOG_TILE=tile.bit_length() - 1, INTERPRETED=not x.is_cuda)
+    return out
+
+
+@triton.jit
+def _fused_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_buf, x_buf, vn_buf, g_buf, o_ptr,
+                       stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
+                       HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fused_step's program (sequence-head, BV value columns): chunk_step_inputs, chunk_step and
+    chunk_close in one pass; the row t = position mod CH."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // HV
+    hk = (bh % HV) // RATIO
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    r16 = tl.arange(0, R)
+    jj = tl.arange(0, CH)
+    dk = tl.arange(0, DK)
+    cols = tl.arange(0, BV)
+    dv = cb * BV + cols
+    # chunk_step_inputs: torch's ops in their order
+    qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
+    kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
+    qs = _mul_rn(qn, scale, INTERPRETED)
+    beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + bh % HV)
+    kb = _mul_rn(kn, beta, INTERPRETED)
+    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
+    G = tl.where(jj == t, g, tl.load(g_buf + bh * CH + jj))
+    gamma = _torch_cumsum(G, jj, CH, TILE, LOG_TILE, INTERPRETED)
+    g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
+    e_t = exp_f32(g_t, INTERPRETED)
+    # the system's and attention's row t: products' rows 0 and 1 over the chunk's keys
+    K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :], mask=(jj < t)[:, None], other=0.0)
+    K = tl.where((jj == t)[:, None], kn[None, :], K)
+    lhs = tl.where(r16[:, None] == 0, kb[None, :], tl.where(r16[:, None] == 1, qs[None, :], 0.0))
+    prods = tl.dot(lhs, tl.trans(K), input_precision="ieee")                      # [R, CH]
+    decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
+    sys_row = tl.where(jj < t, _mul_rn(_row(prods, r16, 0), decay, INTERPRETED), 0.0)
+    attn_row = _mul_rn(_row(prods, r16, 1), decay, INTERPRETED)
+    # the solve's row t in cuBLAS's blocked order: each earlier block's terms (row b of one
+    # product: the system's row t kept to block b) subtracted in turn, then the own block's rows
+    nblk = t // NB
+    lb = tl.where((jj[None, :] // NB == r16[:, None]) & (r16[:, None] < nblk), sys_row[None, :], 0.0)
+    full = (jj < nblk * NB)[:, None]
+    x_rows = x_buf + (bh * CH + jj[:, None]) * (DV + DK)
+    terms_u = tl.dot(lb, tl.load(x_rows + dv[None, :], mask=full, other=0.0), input_precision="ieee")
+    terms_w = tl.dot(lb, tl.load(x_rows + DV + dk[None, :], mask=full, other=0.0), input_precision="ieee")
+    xu = vb
+    xw = _mul_rn(kb, e_t, INTERPRETED)
+    for blk in tl.static_range(CH // NB):
+        xu = tl.where(blk < nblk, _sub_rn(xu, _row(terms_u, r16, blk), INTERPRETED), xu)
+        xw = tl.where(blk < nblk, _sub_rn(xw, _row(terms_w, r16, blk), INTERPRETED), xw)
+    for i in tl.static_range(NB):
+        j = nblk * NB + i
+        lj = tl.sum(tl.where(jj == j, sys_row, 0.0), axis=0)
+        x_j = x_buf + (bh * CH + j) * (DV + DK)
+        xu = tl.where(j < t, tl.fma(-lj, tl.load(x_j + dv, mask=j < t, other=0.0), xu), xu)
+        xw = tl.where(j < t, tl.fma(-lj, tl.load(x_j + DV + dk, mask=j < t, other=0.0), xw), xw)
+    # v_new = u - w S_c and (q e^gamma) S_c: rows 0 and 1 of one product
+    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :]
+    S = tl.load(s_ptrs)
+    lhs2 = tl.where(r16[:, None] == 0, xw[None, :],
+                    tl.where(r16[:, None] == 1, _mul_rn(qs, e_t, INTERPRETED)[None, :], 0.0))
+    ps = tl.dot(lhs2, S, input_precision="ieee")
+    v_new = _sub_rn(xu, _row(ps, r16, 0), INTERPRETED)
+    VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :], mask=(jj < t)[:, None], other=0.0)
+    VN = tl.where((jj == t)[:, None], v_new[None, :], VN)
+    intra = _row(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16, 0)
+    tl.store(o_ptr + bh * DV + dv, _add_rn(_row(ps, r16, 1), intra, INTERPRETED).to(tl.bfloat16))
+    # the step's rows into the chunk's buffers (w's, the key's and g's once a sequence-head)
+    tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
+    tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
+    if cb == 0:
+        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
+        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
+        tl.store(g_buf + bh * CH + t, g)
+    # the chunk's close at its last row: S_c <- S_c e^gamma_last + (K e^(gamma_last - gamma))^T VN
+    if t == CH - 1:
+        kd = _mul_rn(K, exp_f32(g_t - gamma, INTERPRETED)[:, None], INTERPRETED)
+        upd = tl.dot(tl.trans(kd), VN, input_precision="ieee")
+        tl.store(s_ptrs, _add_rn(_mul_rn(S, e_t, INTERPRETED), upd, INTERPRETED))
+
+
+def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int = 0, tile: int = 32,
+               block_v: int | None = None, num_warps: int = 4):
+    """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
+    Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
+    v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
+    position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
+    each chunk's start; advanced in place at a chunk's last row), rows (the chunk's rows so far;
+    this step's written). sum_order: the l2 norms' order (SUM_ORDERS); tile: the cumulative sum's
+    (scan_tile of the full forward's rows). Returns o [B, Hv, Dv] bf16."""
+    B, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    bv = block_v or rows.block_v
+    if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
+            or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
+            or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.K.shape[:2] != (B, Hv)):
+        raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
+                         f"{tuple(state.shape)}, rows for {tuple(rows.K.shape[:2])}, block {bv}, tile {tile}, "
+                         f"sum order {sum_order} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv)")
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    g = g.contiguous()
+    if beta.stride(-1) != 1:
+        beta = beta.contiguous()
+    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    _fused_step_kernel[(B * Hv, Dv // bv)](
+        q, k, v, g, beta, positions, state, rows.K, rows.X, rows.VN, rows.G, out,
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
+        HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8, ORDER=sum_order, TILE=tile,
+        LOG_TILE=tile.bit_length() - 1, INTERPRETED=not v.is_cuda, num_warps=num_warps, num_stages=1)
+    return out

@@ -99,3 +99,80 @@ def test_the_reference_step_is_the_rules_last_row():
     want, want_s = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta,
                                                     state=state)
     assert torch.equal(o, want[:, -1]) and torch.equal(s, want_s)
+
+
+# ------------------------------------------------------------------ the step as one kernel
+
+def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
+    """n steps of fused_step from positions pos0 [B]: the outputs [B, n, Hv, Dv]."""
+    return torch.stack([step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos0 + i, state, rows, **kw)
+                        for i in range(n)], 1)
+
+
+@pytest.mark.parametrize("D,block_v,tile", [(32, 16, 32), (64, 32, 64)])
+def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile):
+    B, T, Hk, Hv = 2, 70, 2, 4
+    q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
+    want, _, at_64 = gdn.delta_rule_chunked_reference(
+        gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta, state=state, capture=1)
+    rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=block_v)
+    S = state.clone()
+    pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
+    if DEV == "cuda":
+        tile = step.scan_tile(B * Hv * 2)        # the bits of the reference's cumulative sum over two chunks
+    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile)
+    _same(got, want[:, :64], "rows 0-63")
+    _same(S, at_64, "the state the close leaves after row 63")
+    closed = S.clone()
+    got = _fused_steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows, pos0 + 64, T - 64,
+                       tile=tile)
+    _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
+    assert torch.equal(S, closed)
+
+
+def test_fused_step_at_different_rows_and_wrong_shapes():
+    """Two sequences at positions 10 + i and i (the first prefilled by ten steps of its own), each
+    against its own reference; a state of the wrong shape is refused by name."""
+    D, Hk, Hv = 32, 1, 2
+    q, k, v, g, beta, state = _sequence(2, 70, Hk, Hv, D, seed=4)
+    alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=16)
+    S0 = state[:1].clone()
+    _fused_steps(q[:1], k[:1], v[:1], g[:1], beta[:1], S0, alone, torch.zeros(1, dtype=torch.int64, device=DEV), 10)
+    rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
+    for name in ("K", "X", "VN", "G"):
+        getattr(rows, name)[:1] = getattr(alone, name)
+    S = state.clone()
+    S[:1] = S0
+    n = 60
+    idx = torch.stack([torch.arange(10, 10 + n), torch.arange(0, n)]).to(DEV)
+    pick = lambda x: torch.stack([x[b, idx[b]] for b in range(2)])                 # noqa: E731
+    got = _fused_steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
+                       torch.tensor([10, 0], dtype=torch.int64, device=DEV), n)
+    for b, T in ((0, 10 + n), (1, n)):
+        want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
+            k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
+        _same(got[b], want[0, T - n:], f"sequence {b}")
+    with pytest.raises(ValueError, match="state"):
+        step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], idx[:, 0], S[:, :1].contiguous(), rows)
+
+
+@pytest.mark.parametrize("order", sorted(step.SUM_ORDERS))
+def test_the_replicas_compute_torchs_functions(order):
+    """The l2 norm's and the cumulative sum's replicas: torch's function (each sum order is a
+    candidate for torch's bits, within rounding here: gpu_exact_step.py says which one matches)."""
+    g_ = torch.Generator().manual_seed(order)
+    x = torch.randn(6, 128, generator=g_).to(DEV)
+    got, want = step.torch_rows(x, "l2norm", sum_order=order), gdn.l2_normalize(x)
+    assert (got - want).abs().max().item() <= 1e-6, f"l2 norm, sum order {order}"
+    g = (-F.softplus(torch.randn(6, 64, generator=g_)) * 0.1).to(DEV)
+    for tile in (32, 64):
+        got = step.torch_rows(g, "cumsum", tile=tile)
+        if DEV == "cuda" and tile != step.scan_tile(6):
+            continue                                   # bits: torch's own tile only
+        _same(got, g.cumsum(-1), f"cumsum, tile {tile}")
+
+
+def test_scan_tile_follows_atens_rule():
+    assert step.scan_tile(16) == 64 and step.scan_tile(32) == 64         # few rows: one tile of the row
+    assert step.scan_tile(33) == 32 and step.scan_tile(4096) == 32 and step.scan_tile(32768) == 32
+    assert step.scan_tile(32769) == 64                                    # the unsigned wrap-around: 512 threads
