@@ -47,7 +47,7 @@ def replicas() -> dict:
         g = -F.softplus(torch.randn(B, HV, T // 64 + 1, 64, device="cuda", generator=g_)) * 0.3
         grows = g.reshape(-1, 64)
         out[f"cumsum_{B}x{T}"] = {"tile": step.scan_tile(grows.shape[0]),
-                                  "differing": _differ(step.torch_rows(grows, "cumsum"), g.cumsum(-1))}
+                                  "differing": _differ(step.torch_rows(grows, "cumsum"), g.cumsum(-1).reshape(-1, 64))}
     few = -F.softplus(torch.randn(16, 64, device="cuda")) * 0.3             # 16 rows: torch's tile is 64
     out["cumsum_16_rows"] = {"tile": step.scan_tile(16), "differing": _differ(step.torch_rows(few, "cumsum"),
                                                                              few.cumsum(-1))}
