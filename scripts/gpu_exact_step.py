@@ -10,7 +10,7 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
   chunk's close leaves against the reference's at position 576; also the first form (the torch
   pieces, chunk_step and chunk_close);
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  at each column block and warp count and for the recurrent kernel (gdn.decode_step).
+  in each form at column blocks and warp counts and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
 """
@@ -74,18 +74,19 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * (T + gdn.CHUNK - 1) // gdn.CHUNK)
     report = {"tile": tile}
-    # the one-kernel step
-    rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
-    for i in range(PROMPT, T):
-        pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
-        outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
-                                    sum_order=sum_order, tile=tile))
-        if i == PROMPT + gdn.CHUNK - 1:
-            closed = S.clone()
-    got = torch.stack(outs, 1)
-    report["fused"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
-                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
-                       "state_differing": _differ(closed, at_next)}
+    # the one-kernel step, each form
+    for form in ("chains", "dots"):
+        rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
+        for i in range(PROMPT, T):
+            pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
+            outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
+                                        sum_order=sum_order, tile=tile, form=form))
+            if i == PROMPT + gdn.CHUNK - 1:
+                closed = S.clone()
+        got = torch.stack(outs, 1)
+        report[f"fused_{form}"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+                                   float((got.float() - want[:, PROMPT:].float()).abs().max()),
+                                   "state_differing": _differ(closed, at_next)}
     # the first form: torch's pieces, the row kernel, the close
     rows, S, outs = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), []
     for i in range(PROMPT, T):
@@ -120,15 +121,15 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for bv in (32, 64, 128):
-        for warps in (4, 8):
-            rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-            try:
-                out[f"fused_bv{bv}_w{warps}"] = _graph_us(
-                    lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, sum_order=sum_order,
-                                              num_warps=warps), gdn.CHUNK)
-            except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
-                out[f"fused_bv{bv}_w{warps}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    forms = [("chains", bv, w) for bv in (16, 32, 64) for w in (1, 2, 4)] + [("dots", 32, 4)]
+    for form, bv, warps in forms:
+        rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
+        key = f"{form}_bv{bv}_w{warps}"
+        try:
+            out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows,
+                                                           sum_order=sum_order, num_warps=warps, form=form), gdn.CHUNK)
+        except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
+            out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()
     out["recurrent"] = _graph_us(lambda i: gdn.decode_step(q, k, v, g, beta, R), gdn.CHUNK)
     return out

@@ -53,9 +53,8 @@ R = tl.constexpr(16)  # the rows of a tile whose first row carries a vector into
 
 
 class ChunkRows:
-    """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk], X [B, Hv, C, Dv + Dk],
-    VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and a scratch for the step kernel's system row
-    [B, Hv, NB, C] (NB: its value-column blocks, a program each)."""
+    """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk] (and transposed, KT),
+    X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the kernels' scratches."""
 
     def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32):
         f32 = dict(dtype=torch.float32, device=device)
@@ -63,8 +62,12 @@ class ChunkRows:
         self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
         self.VN = torch.zeros((B, Hv, C, Dv), **f32)
         self.G = torch.zeros((B, Hv, C), **f32)
+        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the chains' form reads its rows)
         self.block_v = min(block_v, Dv)
         self.scratch = torch.zeros((B, Hv, Dv // self.block_v, C), **f32)
+        # the chains' form: a program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each;
+        # the system's and attention's rows and the decays [C] each), for blocks down to 16 columns
+        self.chain_scratch = torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), **f32)
 
 
 def chunk_step_inputs(q, k, v, g, beta, rows: ChunkRows, t: torch.Tensor):
@@ -460,15 +463,17 @@ def _fused_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
         tl.store(s_ptrs, _add_rn(_mul_rn(S, e_t, INTERPRETED), upd, INTERPRETED))
 
 
-def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int = 0, tile: int = 32,
-               block_v: int | None = None, num_warps: int = 4):
+def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int = 3, tile: int = 32,
+               block_v: int | None = None, num_warps: int = 4, form: str = "chains"):
     """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
     position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
     each chunk's start; advanced in place at a chunk's last row), rows (the chunk's rows so far;
-    this step's written). sum_order: the l2 norms' order (SUM_ORDERS); tile: the cumulative sum's
-    (scan_tile of the full forward's rows). Returns o [B, Hv, Dv] bf16."""
+    this step's written). sum_order: the l2 norms' order (SUM_ORDERS; 3 gives torch's bits on an
+    H200, session 22); tile: the cumulative sum's (scan_tile of the full forward's rows). form:
+    "chains" (each product an explicit FMA chain) or "dots" (16-row tl.dot products; it keeps no
+    KT: a row buffer serves one form). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -486,9 +491,126 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     if beta.stride(-1) != 1:
         beta = beta.contiguous()
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    if form == "chains":
+        _chain_step_kernel[(B * Hv, Dv // bv)](
+            q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.chain_scratch, out,
+            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
+            SCR=rows.chain_scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8,
+            ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, INTERPRETED=not v.is_cuda,
+            num_warps=num_warps, num_stages=1)
+        return out
+    if form != "dots":
+        raise ValueError(f"gdn_exact_step.fused_step: form {form!r} is not 'chains' or 'dots'")
     _fused_step_kernel[(B * Hv, Dv // bv)](
         q, k, v, g, beta, positions, state, rows.K, rows.X, rows.VN, rows.G, out,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
         HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8, ORDER=sum_order, TILE=tile,
         LOG_TILE=tile.bit_length() - 1, INTERPRETED=not v.is_cuda, num_warps=num_warps, num_stages=1)
     return out
+
+
+@triton.jit
+def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_buf, kt_buf, x_buf, vn_buf, g_buf,
+                       scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
+                       SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fused_step's "chains" form: each product an explicit ascending FMA chain from zero (the
+    chain cuBLAS and an "ieee" tl.dot run for every output), a loop over the chained index with
+    one scalar (read back from the program's scratch) times one loaded row each time: no 16-row
+    padding, the loads independent of the chains."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // HV
+    hk = (bh % HV) // RATIO
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    jj = tl.arange(0, CH)
+    dk = tl.arange(0, DK)
+    dv = cb * BV + tl.arange(0, BV)
+    scr = scr_ptr + (bh * (DV // 16) + cb) * SCR            # kn | kb | qs | xw | qe | sys | attn | decay
+    # chunk_step_inputs: torch's ops in their order
+    qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
+    kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
+    qs = _mul_rn(qn, scale, INTERPRETED)
+    beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + bh % HV)
+    kb = _mul_rn(kn, beta, INTERPRETED)
+    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
+    gamma = _torch_cumsum(tl.where(jj == t, g, tl.load(g_buf + bh * CH + jj)), jj, CH, TILE, LOG_TILE, INTERPRETED)
+    g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
+    e_t = exp_f32(g_t, INTERPRETED)
+    tl.store(scr + dk, kn)
+    tl.store(scr + DK + dk, kb)
+    tl.store(scr + 2 * DK + dk, qs)
+    tl.debug_barrier()
+    # the system's and attention's row t over the chunk's rows: chains over the key's entries
+    acc_s = tl.zeros([CH], dtype=tl.float32)
+    acc_a = tl.zeros([CH], dtype=tl.float32)
+    for i in tl.static_range(DK):
+        col = tl.load(kt_buf + (bh * DK + i) * CH + jj, mask=jj < t, other=0.0)
+        col = tl.where(jj == t, tl.load(scr + i), col)
+        acc_s = tl.fma(tl.load(scr + DK + i), col, acc_s)
+        acc_a = tl.fma(tl.load(scr + 2 * DK + i), col, acc_a)
+    decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
+    tl.store(scr + 5 * DK + jj, tl.where(jj < t, _mul_rn(acc_s, decay, INTERPRETED), 0.0))
+    tl.store(scr + 5 * DK + CH + jj, _mul_rn(acc_a, decay, INTERPRETED))
+    tl.store(scr + 5 * DK + 2 * CH + jj, decay)
+    tl.debug_barrier()
+    # the solve's row t in cuBLAS's blocked order: an earlier block's terms one chain from zero,
+    # subtracted at the block's end; then the own block's rows by one FMA each
+    nblk = t // NB
+    xu = vb
+    xw = _mul_rn(kb, e_t, INTERPRETED)
+    acc_u = tl.zeros([BV], dtype=tl.float32)
+    acc_w = tl.zeros([DK], dtype=tl.float32)
+    for j in tl.static_range(CH):
+        lj = tl.load(scr + 5 * DK + j)
+        row = x_buf + (bh * CH + j) * (DV + DK)
+        xr_u = tl.load(row + dv, mask=j < t, other=0.0)
+        xr_w = tl.load(row + DV + dk, mask=j < t, other=0.0)
+        early = j < nblk * NB
+        acc_u = tl.where(early, tl.fma(lj, xr_u, acc_u), acc_u)
+        acc_w = tl.where(early, tl.fma(lj, xr_w, acc_w), acc_w)
+        own = (j >= nblk * NB) & (j < t)
+        xu = tl.where(own, tl.fma(-lj, xr_u, xu), xu)
+        xw = tl.where(own, tl.fma(-lj, xr_w, xw), xw)
+        if j % NB == NB - 1:
+            xu = tl.where(early, _sub_rn(xu, acc_u, INTERPRETED), xu)
+            xw = tl.where(early, _sub_rn(xw, acc_w, INTERPRETED), xw)
+            acc_u = tl.zeros([BV], dtype=tl.float32)
+            acc_w = tl.zeros([DK], dtype=tl.float32)
+    tl.store(scr + 3 * DK + dk, xw)
+    tl.store(scr + 4 * DK + dk, _mul_rn(qs, e_t, INTERPRETED))
+    tl.debug_barrier()
+    # v_new = u - w S_c and (q e^gamma) S_c: chains over the state's rows
+    s_rows = s_ptr + bh * DK * DV + dv
+    acc_w2 = tl.zeros([BV], dtype=tl.float32)
+    acc_q = tl.zeros([BV], dtype=tl.float32)
+    for i in tl.static_range(DK):
+        srow = tl.load(s_rows + i * DV)
+        acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
+        acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
+    v_new = _sub_rn(xu, acc_w2, INTERPRETED)
+    # attention over the chunk's new values so far (the terms past t are zeros: left out)
+    acc_i = tl.zeros([BV], dtype=tl.float32)
+    for j in tl.static_range(CH):
+        vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+        acc_i = tl.where(j <= t, tl.fma(tl.load(scr + 5 * DK + CH + j), vn, acc_i), acc_i)
+    tl.store(o_ptr + bh * DV + dv, _add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16))
+    tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
+    tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
+    if cb == 0:
+        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
+        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
+        tl.store(kt_buf + (bh * DK + dk) * CH + t, kn)
+        tl.store(g_buf + bh * CH + t, g)
+    # the chunk's close at its last row: S_c <- S_c e^gamma_last + (K e^(gamma_last - gamma))^T VN
+    if t == CH - 1:
+        upd = tl.zeros([DK, BV], dtype=tl.float32)
+        for j in tl.static_range(CH):
+            krow = tl.where(j == t, kn, tl.load(k_buf + (bh * CH + j) * DK + dk, mask=j < t, other=0.0))
+            kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
+            vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+            upd = tl.fma(kd[:, None], vn[None, :], upd)
+        s_ptrs = s_rows + dk[:, None] * DV
+        tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))

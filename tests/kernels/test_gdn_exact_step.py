@@ -109,8 +109,8 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
                         for i in range(n)], 1)
 
 
-@pytest.mark.parametrize("D,block_v,tile", [(32, 16, 32), (64, 32, 64)])
-def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile):
+@pytest.mark.parametrize("D,block_v,tile,form", [(32, 16, 32, "chains"), (64, 32, 64, "chains"), (32, 16, 32, "dots")])
+def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, form):
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
@@ -120,12 +120,12 @@ def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile)
     pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
     if DEV == "cuda":
         tile = step.scan_tile(B * Hv * 2)        # the bits of the reference's cumulative sum over two chunks
-    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile)
+    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile, form=form)
     _same(got, want[:, :64], "rows 0-63")
     _same(S, at_64, "the state the close leaves after row 63")
     closed = S.clone()
     got = _fused_steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows, pos0 + 64, T - 64,
-                       tile=tile)
+                       tile=tile, form=form)
     _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
     assert torch.equal(S, closed)
 
