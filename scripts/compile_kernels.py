@@ -681,6 +681,10 @@ def _gdn_decode_step(batch: int) -> None:
     gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
                               torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
                               torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows)
+    gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
+                              torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
+                              torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows,
+                              form="dots")
     gdn_exact_step.torch_rows(torch.empty((4, 128), dtype=torch.float32, device=CUDA), "l2norm")
     gdn_exact_step.torch_rows(torch.empty((4, 64), dtype=torch.float32, device=CUDA), "cumsum")
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place

@@ -121,7 +121,8 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    forms = [("chains", bv, w) for bv in (16, 32, 64) for w in (1, 2, 4)] + [("dots", 32, 4)]
+    forms = [("chains", 16, 1), ("chains", 16, 2), ("chains", 32, 2), ("chains", 32, 4), ("chains", 64, 4),
+             ("dots", 32, 4)]
     for form, bv, warps in forms:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
         key = f"{form}_bv{bv}_w{warps}"

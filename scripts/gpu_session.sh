@@ -361,7 +361,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                          | grep -v "^    \|^  File\|^E    +" | tail -40 | tee "$OUT/pytest_gdn_exact.log" ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
-    exact-step) timeout 420 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
+    exact-step) timeout 300 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
     exact-rule) timeout 300 python3 scripts/gpu_exact_rule.py --out "$OUT/exact_rule.json" 2>&1 | grep -v Warn | tail -8 ;;
     trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
                  --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;

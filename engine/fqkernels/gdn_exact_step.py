@@ -496,7 +496,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.chain_scratch, out,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
             SCR=rows.chain_scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8,
-            ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, INTERPRETED=not v.is_cuda,
+            ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, U=8, INTERPRETED=not v.is_cuda,
             num_warps=num_warps, num_stages=1)
         return out
     if form != "dots":
@@ -514,11 +514,12 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """fused_step's "chains" form: each product an explicit ascending FMA chain from zero (the
     chain cuBLAS and an "ieee" tl.dot run for every output), a loop over the chained index with
     one scalar (read back from the program's scratch) times one loaded row each time: no 16-row
-    padding, the loads independent of the chains."""
+    padding, the loads independent of the chains. The loops run U steps unrolled a trip (a
+    whole unroll takes Triton 3.6 four minutes to compile)."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
@@ -546,39 +547,40 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     # the system's and attention's row t over the chunk's rows: chains over the key's entries
     acc_s = tl.zeros([CH], dtype=tl.float32)
     acc_a = tl.zeros([CH], dtype=tl.float32)
-    for i in tl.static_range(DK):
-        col = tl.load(kt_buf + (bh * DK + i) * CH + jj, mask=jj < t, other=0.0)
-        col = tl.where(jj == t, tl.load(scr + i), col)
-        acc_s = tl.fma(tl.load(scr + DK + i), col, acc_s)
-        acc_a = tl.fma(tl.load(scr + 2 * DK + i), col, acc_a)
+    for i0 in range(0, DK, U):
+        for u in tl.static_range(U):
+            i = i0 + u
+            col = tl.load(kt_buf + (bh * DK + i) * CH + jj, mask=jj < t, other=0.0)
+            col = tl.where(jj == t, tl.load(scr + i), col)
+            acc_s = tl.fma(tl.load(scr + DK + i), col, acc_s)
+            acc_a = tl.fma(tl.load(scr + 2 * DK + i), col, acc_a)
     decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
     tl.store(scr + 5 * DK + jj, tl.where(jj < t, _mul_rn(acc_s, decay, INTERPRETED), 0.0))
     tl.store(scr + 5 * DK + CH + jj, _mul_rn(acc_a, decay, INTERPRETED))
     tl.store(scr + 5 * DK + 2 * CH + jj, decay)
     tl.debug_barrier()
-    # the solve's row t in cuBLAS's blocked order: an earlier block's terms one chain from zero,
-    # subtracted at the block's end; then the own block's rows by one FMA each
+    # the solve's row t in cuBLAS's blocked order: each earlier block of NB rows one chain from
+    # zero, subtracted at the block's end; then the own block's rows by one FMA each
     nblk = t // NB
     xu = vb
     xw = _mul_rn(kb, e_t, INTERPRETED)
-    acc_u = tl.zeros([BV], dtype=tl.float32)
-    acc_w = tl.zeros([DK], dtype=tl.float32)
-    for j in tl.static_range(CH):
+    for blk in range(0, nblk):
+        acc_u = tl.zeros([BV], dtype=tl.float32)
+        acc_w = tl.zeros([DK], dtype=tl.float32)
+        for u in tl.static_range(NB):
+            j = blk * NB + u
+            lj = tl.load(scr + 5 * DK + j)
+            row = x_buf + (bh * CH + j) * (DV + DK)
+            acc_u = tl.fma(lj, tl.load(row + dv), acc_u)
+            acc_w = tl.fma(lj, tl.load(row + DV + dk), acc_w)
+        xu = _sub_rn(xu, acc_u, INTERPRETED)
+        xw = _sub_rn(xw, acc_w, INTERPRETED)
+    for u in tl.static_range(NB):
+        j = nblk * NB + u
         lj = tl.load(scr + 5 * DK + j)
         row = x_buf + (bh * CH + j) * (DV + DK)
-        xr_u = tl.load(row + dv, mask=j < t, other=0.0)
-        xr_w = tl.load(row + DV + dk, mask=j < t, other=0.0)
-        early = j < nblk * NB
-        acc_u = tl.where(early, tl.fma(lj, xr_u, acc_u), acc_u)
-        acc_w = tl.where(early, tl.fma(lj, xr_w, acc_w), acc_w)
-        own = (j >= nblk * NB) & (j < t)
-        xu = tl.where(own, tl.fma(-lj, xr_u, xu), xu)
-        xw = tl.where(own, tl.fma(-lj, xr_w, xw), xw)
-        if j % NB == NB - 1:
-            xu = tl.where(early, _sub_rn(xu, acc_u, INTERPRETED), xu)
-            xw = tl.where(early, _sub_rn(xw, acc_w, INTERPRETED), xw)
-            acc_u = tl.zeros([BV], dtype=tl.float32)
-            acc_w = tl.zeros([DK], dtype=tl.float32)
+        xu = tl.where(j < t, tl.fma(-lj, tl.load(row + dv, mask=j < t, other=0.0), xu), xu)
+        xw = tl.where(j < t, tl.fma(-lj, tl.load(row + DV + dk, mask=j < t, other=0.0), xw), xw)
     tl.store(scr + 3 * DK + dk, xw)
     tl.store(scr + 4 * DK + dk, _mul_rn(qs, e_t, INTERPRETED))
     tl.debug_barrier()
@@ -586,16 +588,21 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     s_rows = s_ptr + bh * DK * DV + dv
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     acc_q = tl.zeros([BV], dtype=tl.float32)
-    for i in tl.static_range(DK):
-        srow = tl.load(s_rows + i * DV)
-        acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
-        acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
+    for i0 in range(0, DK, U):
+        for u in tl.static_range(U):
+            i = i0 + u
+            srow = tl.load(s_rows + i * DV)
+            acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
+            acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
     v_new = _sub_rn(xu, acc_w2, INTERPRETED)
     # attention over the chunk's new values so far (the terms past t are zeros: left out)
     acc_i = tl.zeros([BV], dtype=tl.float32)
-    for j in tl.static_range(CH):
-        vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
-        acc_i = tl.where(j <= t, tl.fma(tl.load(scr + 5 * DK + CH + j), vn, acc_i), acc_i)
+    for j0 in range(0, t + 1, U):
+        for u in tl.static_range(U):
+            j = j0 + u
+            vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+            a_j = tl.load(scr + 5 * DK + CH + j, mask=j <= t, other=0.0)
+            acc_i = tl.where(j <= t, tl.fma(a_j, vn, acc_i), acc_i)
     tl.store(o_ptr + bh * DV + dv, _add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16))
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
@@ -607,10 +614,12 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     # the chunk's close at its last row: S_c <- S_c e^gamma_last + (K e^(gamma_last - gamma))^T VN
     if t == CH - 1:
         upd = tl.zeros([DK, BV], dtype=tl.float32)
-        for j in tl.static_range(CH):
-            krow = tl.where(j == t, kn, tl.load(k_buf + (bh * CH + j) * DK + dk, mask=j < t, other=0.0))
-            kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
-            vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
-            upd = tl.fma(kd[:, None], vn[None, :], upd)
+        for j0 in range(0, CH, U):
+            for u in tl.static_range(U):
+                j = j0 + u
+                krow = tl.where(j == t, kn, tl.load(k_buf + (bh * CH + j) * DK + dk, mask=j < t, other=0.0))
+                kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
+                vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+                upd = tl.fma(kd[:, None], vn[None, :], upd)
         s_ptrs = s_rows + dk[:, None] * DV
         tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))

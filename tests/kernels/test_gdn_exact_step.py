@@ -139,7 +139,7 @@ def test_fused_step_at_different_rows_and_wrong_shapes():
     S0 = state[:1].clone()
     _fused_steps(q[:1], k[:1], v[:1], g[:1], beta[:1], S0, alone, torch.zeros(1, dtype=torch.int64, device=DEV), 10)
     rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
-    for name in ("K", "X", "VN", "G"):
+    for name in ("K", "KT", "X", "VN", "G"):
         getattr(rows, name)[:1] = getattr(alone, name)
     S = state.clone()
     S[:1] = S0
