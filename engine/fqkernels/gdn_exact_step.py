@@ -246,6 +246,13 @@ SUM_ORDERS = {0: "strided lanes, adjacent pairs first", 1: "contiguous lanes, ad
               2: "strided lanes, halves first", 3: "contiguous lanes, halves first"}
 
 
+def torch_sum_order(D: int) -> int:
+    """The SUM_ORDERS entry of torch's reduce over rows of D: its loads are vectorized (a lane's
+    values contiguous) from D = 128 on (torch 2.11: order 3 matched bit for bit on an H200,
+    session 22), strided below; its shuffles combine halves first either way."""
+    return 3 if D >= 128 else 2
+
+
 def scan_tile(rows: int, row_size: int = C) -> int:
     """The values one tile of torch's inner scan covers for `rows` rows of `row_size` (ATen's
     get_log_num_threads_x_inner_scan, its unsigned wrap-around included), at most row_size."""
@@ -367,15 +374,16 @@ def _torch_rows_kernel(x_ptr, o_ptr, N: tl.constexpr, WHAT: tl.constexpr, ORDER:
     tl.store(o_ptr + r * N + n, y)
 
 
-def torch_rows(x: torch.Tensor, what: str, sum_order: int = 0, tile: int | None = None) -> torch.Tensor:
+def torch_rows(x: torch.Tensor, what: str, sum_order: int | None = None, tile: int | None = None) -> torch.Tensor:
     """The replicas on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn.l2_normalize in
-    SUM_ORDERS[sum_order]) or "cumsum" (x.cumsum(-1) with torch's tile, scan_tile(R, N) unless
+    SUM_ORDERS[sum_order], torch_sum_order(N) unless given) or "cumsum" (x.cumsum(-1) with torch's tile, scan_tile(R, N) unless
     given). For the tests and the GPU probe that checks them bit for bit against torch."""
     R, N = x.shape
     tile = tile or scan_tile(R, N)
     if what not in ("l2norm", "cumsum") or N & (N - 1) or N < 32 or (what == "cumsum" and tile not in (N, N // 2)):
         raise ValueError(f"gdn_exact_step.torch_rows: {what!r} over rows of {N} (a power of two >= 32), tile {tile}")
     out = torch.empty_like(x)
+    sum_order = torch_sum_order(N) if sum_order is None else sum_order
     _torch_rows_kernel[(R,)](x.contiguous(), out, N=N, WHAT=0 if what == "l2norm" else 1, ORDER=sum_order,
                              TILE=tile, LOG_TILE=tile.bit_length() - 1, INTERPRETED=not x.is_cuda)
     return out
@@ -463,20 +471,21 @@ def _fused_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
         tl.store(s_ptrs, _add_rn(_mul_rn(S, e_t, INTERPRETED), upd, INTERPRETED))
 
 
-def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int = 3, tile: int = 32,
+def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = 4, form: str = "chains"):
     """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
     position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
     each chunk's start; advanced in place at a chunk's last row), rows (the chunk's rows so far;
-    this step's written). sum_order: the l2 norms' order (SUM_ORDERS; 3 gives torch's bits on an
-    H200, session 22); tile: the cumulative sum's (scan_tile of the full forward's rows). form:
+    this step's written). sum_order: the l2 norms' order (SUM_ORDERS; torch_sum_order(Dk) unless
+    given); tile: the cumulative sum's (scan_tile of the full forward's rows). form:
     "chains" (each product an explicit FMA chain) or "dots" (16-row tl.dot products; it keeps no
     KT: a row buffer serves one form). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
+    sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.K.shape[:2] != (B, Hv)):

@@ -137,7 +137,8 @@ def test_fused_step_at_different_rows_and_wrong_shapes():
     q, k, v, g, beta, state = _sequence(2, 70, Hk, Hv, D, seed=4)
     alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=16)
     S0 = state[:1].clone()
-    _fused_steps(q[:1], k[:1], v[:1], g[:1], beta[:1], S0, alone, torch.zeros(1, dtype=torch.int64, device=DEV), 10)
+    _fused_steps(q[:1], k[:1], v[:1], g[:1], beta[:1], S0, alone, torch.zeros(1, dtype=torch.int64, device=DEV), 10,
+                 tile=64)
     rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
     for name in ("K", "KT", "X", "VN", "G"):
         getattr(rows, name)[:1] = getattr(alone, name)
@@ -146,8 +147,9 @@ def test_fused_step_at_different_rows_and_wrong_shapes():
     n = 60
     idx = torch.stack([torch.arange(10, 10 + n), torch.arange(0, n)]).to(DEV)
     pick = lambda x: torch.stack([x[b, idx[b]] for b in range(2)])                 # noqa: E731
+    # each reference below scans 4 or 2 rows of g: torch's tile is the whole row there
     got = _fused_steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
-                       torch.tensor([10, 0], dtype=torch.int64, device=DEV), n)
+                       torch.tensor([10, 0], dtype=torch.int64, device=DEV), n, tile=64)
     for b, T in ((0, 10 + n), (1, n)):
         want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
             k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
