@@ -7,10 +7,9 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
 - bits: per batch, fused_step's outputs over 72 steps (a chunk and 8 rows of the next) against
   the reference's chunked rule over 512 + 72 positions (the full forward of a 512-token prompt
   and its decode: the steps start from the state it leaves at position 512), and the state the
-  chunk's close leaves against the reference's at position 576; also the first form (the torch
-  pieces, chunk_step and chunk_close);
+  chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  in each form at column blocks and warp counts and for the recurrent kernel (gdn.decode_step).
+  at column blocks and warp counts and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
 """
@@ -74,30 +73,17 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * (T + gdn.CHUNK - 1) // gdn.CHUNK)
     report = {"tile": tile}
-    # the one-kernel step, each form
-    for form in ("chains", "dots"):
-        rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
-        for i in range(PROMPT, T):
-            pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
-            outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
-                                        sum_order=sum_order, tile=tile, form=form))
-            if i == PROMPT + gdn.CHUNK - 1:
-                closed = S.clone()
-        got = torch.stack(outs, 1)
-        report[f"fused_{form}"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
-                                   float((got.float() - want[:, PROMPT:].float()).abs().max()),
-                                   "state_differing": _differ(closed, at_next)}
-    # the first form: torch's pieces, the row kernel, the close
-    rows, S, outs = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), []
+    rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
     for i in range(PROMPT, T):
-        t = torch.full((B,), i % gdn.CHUNK, dtype=torch.int64, device="cuda")
-        qs, kn, kb, vb, gamma = step.chunk_step_inputs(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], rows, t)
-        outs.append(step.chunk_step(qs, kn, kb, vb, gamma, t, S, rows))
-        step.chunk_close(gamma, t, S, rows)
+        pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
+        outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
+                                    sum_order=sum_order, tile=tile))
         if i == PROMPT + gdn.CHUNK - 1:
             closed = S.clone()
     got = torch.stack(outs, 1)
-    report["pieces"] = {"out_differing": _differ(got, want[:, PROMPT:]), "state_differing": _differ(closed, at_next)}
+    report["fused"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
+                       "state_differing": _differ(closed, at_next)}
     return report
 
 
@@ -121,14 +107,12 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    forms = [("chains", 16, 1), ("chains", 16, 2), ("chains", 32, 2), ("chains", 32, 4), ("chains", 64, 4),
-             ("dots", 32, 4)]
-    for form, bv, warps in forms:
+    for bv, warps in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = f"{form}_bv{bv}_w{warps}"
+        key = f"fused_bv{bv}_w{warps}"
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows,
-                                                           sum_order=sum_order, num_warps=warps, form=form), gdn.CHUNK)
+                                                           sum_order=sum_order, num_warps=warps), gdn.CHUNK)
         except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
             out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()

@@ -4,44 +4,38 @@ Native's prompt pass is its full forward's, and its decode is not (a recurrent s
 full forward runs the chunked rule), so its noise is its decode's. The engine's prompt pass
 cannot have the full forward's bits at the speed bars (the reference order's ~41 GFLOP of FMA
 chains a layer at 4x2048: PERF_LOG, session 21), which puts its noise at about twice native's;
-with a decode that gave the full forward's bits its noise would be the prompt's share alone,
-which session 21 run 2 measured at native's level (`fullfwd_prompt_fast`).
+with a decode that gave the full forward's bits its noise would be the prompt's share alone
+(session 22 run 1, simulated: 121 / 30 / 7 positions over 0.25 / 0.5 / 0.75 against native's
+108 / 30 / 8 and the engine's 129 / 33 / 7).
 
 The chunked rule's output at position t of a chunk depends only on the chunk's rows 0..t and
 the state at the chunk's start, S_c; so a decode step can compute the full forward's row t from
 rows kept as the chunk fills:
 
-  K[j]   the normalized key (fp32 [Dk]),   X[j] = [u_j | w_j] (the solve's row, fp32 [Dv + Dk]),
-  VN[j]  v_new_j = u_j - w_j S_c (fp32 [Dv]),  G[j] the raw log decay (the chunk's gamma is its
-         cumulative sum, recomputed each step on torch's ops over the whole 64 as the full forward
-         sums it),
+  K[j]   the normalized key (fp32 [Dk]; KT the same transposed),  X[j] = [u_j | w_j] (the solve's
+         row, fp32 [Dv + Dk]),  VN[j] = v_new_j = u_j - w_j S_c (fp32 [Dv]),  G[j] the raw log
+         decay (the chunk's gamma is its cumulative sum, recomputed each step as torch sums it),
 
 and, once the chunk's 64th row is in, S_c <- S_c * exp(gamma_63) + K_d^T VN. Per step that reads
-S_c and the rows so far (~2 KB a row and head) and writes one row, where the recurrent step reads
-and writes the whole state (64 KB a head at Dk = Dv = 128): the same traffic on average.
+S_c and the rows so far and writes one row, where the recurrent step reads and writes the whole
+state: about the same traffic.
 
-Order of each piece, as gdn_exact's (measured on an H200, sessions 19-21): products are ascending
-FMA chains from zero (tl.dot "ieee" over a tile whose first row is the vector: a row of a
-product is its own chain), multiplies, adds and subtracts rounded on their own (PTX), expf as
-torch's, the solve's row in cuBLAS's blocked order (earlier 8-row blocks' terms each summed from
-zero and subtracted, then the own block's rows by one FMA each). The element-wise pieces and the
-reductions (the l2 norms, beta, the cumulative sum) stay on torch's ops (chunk_step_inputs).
+Order of each piece, as gdn_exact's (measured on an H200, sessions 19-22): products are ascending
+FMA chains from zero (cuBLAS's and an "ieee" tl.dot's chain for every output; written out here
+as loops), multiplies, adds and subtracts rounded on their own (PTX), expf as torch's, the
+solve's row in cuBLAS's blocked order (earlier 8-row blocks' terms each summed from zero and
+subtracted, then the own block's rows by one FMA each); torch's l2 norm and cumulative sum in
+their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the copies).
 
-  chunk_step_inputs(...)   torch's ops: the step's normalized q (scaled) and k, k beta, v beta,
-                           and the chunk's gamma with this step's g in its row
-  chunk_step(...)          the kernel: row t's output, its rows into the chunk's buffers
-  chunk_close(...)         the kernel: S_c <- the next chunk's start where a sequence's row 63 is in
+  fused_step(...)          the step as one kernel: row t's output, its rows into the chunk's
+                           buffers, the close at row 63 in the same pass
   chunk_step_reference     the reference's chunked rule over the chunk's rows 0..t from S_c: row t
-  fused_step(...)          the whole step as one kernel: torch's l2 norm and cumulative sum
-                           written in their CUDA kernels' order (torch_rows checks the replicas),
-                           the close in the same pass; forms "chains" (explicit FMA chains) and
-                           "dots" (16-row products)
 
-Measured on an H200 (session 22, PERF_LOG): every form bit-equal to the reference after a
-512-token prefix at B = 1, 4, 16 (the torch pieces' form not at B = 1: its one-row l2 norm runs
-another reduce configuration); per step in a 64-step graph the chains form takes 12 / 14 / 78 us
-at B = 1 / 4 / 16 against the recurrent kernel's 2.5 / 4.7 / 13.5, too slow yet for the engine's
-decode (which does not call it).
+Measured on an H200 (session 22, PERF_LOG): bit-equal to the reference after a 512-token prefix
+at B = 1, 4, 16 (outputs and the closed state); per step in a 64-step graph 12 / 14 / 78 us at
+B = 1 / 4 / 16 against the recurrent kernel's 2.5 / 4.7 / 13.5: too slow yet for the engine's
+decode, which does not call it. (Two earlier forms, torch's pieces with a row kernel and a close,
+and the step with 16-row tl.dot products, were slower at every batch and are gone.)
 """
 from __future__ import annotations
 
@@ -55,12 +49,12 @@ from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
 from fqkernels.swiglu import exp_f32
 
 C = gdn.CHUNK
-R = tl.constexpr(16)  # the rows of a tile whose first row carries a vector into tl.dot (its least size)
 
 
 class ChunkRows:
     """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk] (and transposed, KT),
-    X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the kernels' scratches."""
+    X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the step's scratch;
+    block_v: the step's value columns a program."""
 
     def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32):
         f32 = dict(dtype=torch.float32, device=device)
@@ -70,162 +64,9 @@ class ChunkRows:
         self.G = torch.zeros((B, Hv, C), **f32)
         self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the chains' form reads its rows)
         self.block_v = min(block_v, Dv)
-        self.scratch = torch.zeros((B, Hv, Dv // self.block_v, C), **f32)
-        # the chains' form: a program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each;
-        # the system's and attention's rows and the decays [C] each), for blocks down to 16 columns
-        self.chain_scratch = torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), **f32)
-
-
-def chunk_step_inputs(q, k, v, g, beta, rows: ChunkRows, t: torch.Tensor):
-    """The step's per-position pieces on torch's ops, as gdn.chunked_inputs forms them: q, k [B, Hk,
-    Dk] and v [B, Hv, Dv] bf16 (the conv's output), g [B, Hv] fp32, beta [B, Hv] bf16, t [B] int64
-    (each sequence's row in its chunk). Writes g into rows.G at t and returns (q normalized and
-    scaled, k normalized, k beta [B, Hv, Dk], v beta [B, Hv, Dv], the chunk's gamma [B, Hv, C])."""
-    B, Hv = v.shape[:2]
-    Dk = k.shape[-1]
-    q, k = (gdn.expand_heads(x.unsqueeze(1), Hv)[:, 0] for x in (q, k))
-    q, k, v, beta = (x.to(torch.float32) for x in (q, k, v, beta))
-    q, k = gdn.l2_normalize(q), gdn.l2_normalize(k)
-    q = q * Dk ** -0.5
-    vb, kb = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    rows.G[torch.arange(B, device=g.device), :, t] = g
-    gamma = rows.G.cumsum(dim=-1)
-    return q, k, kb, vb, gamma
-
-
-@triton.jit
-def _first_row(v, r16):
-    """A [R, N] tile whose row 0 is the vector v [N] and the rest zeros (a product's row 0 is
-    then v's product: each output one chain from zero)."""
-    return tl.where(r16[:, None] == 0, v[None, :], 0.0)
-
-
-@triton.jit
-def _solve_part(x, t, sys_ptr, buf_ptr, stride_row, col0, cols, r16, W: tl.constexpr, NB: tl.constexpr,
-                INTERPRETED: tl.constexpr):
-    """Row t of the unit-lower solve for the columns col0 + cols of the chunk's X rows (buf_ptr: the
-    sequence-head's X [C, stride_row]), right-hand side x, the system's row t at sys_ptr [C]:
-    every earlier block of NB rows' terms summed from zero by ascending FMA (one tl.dot: NB zeros,
-    then the block's NB) and subtracted, then the own block's rows by one FMA each, ascending.
-    W: the columns' count."""
-    k16 = tl.arange(0, 2 * NB)
-    for s in range(0, (t // NB) * NB, NB):
-        ks = s - NB + k16                                   # the first NB read as zeros
-        real = ks >= s
-        l_blk = tl.load(sys_ptr + tl.where(real, ks, 0)[None, :] + r16[:, None] * 0,
-                        mask=real[None, :] & (r16 == 0)[:, None], other=0.0)
-        x_blk = tl.load(buf_ptr + tl.where(real, ks, 0)[:, None] * stride_row + col0 + cols[None, :],
-                        mask=real[:, None], other=0.0)
-        acc = tl.dot(l_blk, x_blk, tl.zeros([R, W], dtype=tl.float32), input_precision="ieee")
-        x = _sub_rn(x, _row(acc, r16, 0), INTERPRETED)
-    for j in range((t // NB) * NB, t):
-        lj = tl.load(sys_ptr + j)
-        x = tl.fma(-lj, tl.load(buf_ptr + j * stride_row + col0 + cols), x)
-    return x
-
-
-@triton.jit
-def _step_kernel(qs_ptr, kn_ptr, kb_ptr, vb_ptr, gamma_ptr, t_ptr, s_ptr, k_buf, x_buf, vn_buf, scr_ptr, o_ptr,
-                 HV, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
-                 NB: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Row t of the chunked rule for one sequence-head (program 0) and BV value columns
-    (program 1): see the module doc. Inputs [B * HV, .] contiguous fp32; s_ptr the state at the
-    chunk's start [B * HV, DK, DV]; the buffers ChunkRows'; o_ptr bf16 [B * HV, DV]."""
-    bh = tl.program_id(0)
-    cb = tl.program_id(1)
-    t = tl.load(t_ptr + bh // HV).to(tl.int32)
-    r16 = tl.arange(0, R)
-    jj = tl.arange(0, CH)
-    dk = tl.arange(0, DK)
-    dv = cb * BV + tl.arange(0, BV)
-    kn = tl.load(kn_ptr + bh * DK + dk)
-    kb = tl.load(kb_ptr + bh * DK + dk)
-    qs = tl.load(qs_ptr + bh * DK + dk)
-    gamma = tl.load(gamma_ptr + bh * CH + jj)
-    g_t = tl.load(gamma_ptr + bh * CH + t)
-    # the chunk's keys, row t this step's: the system's and attention's rows as products' row 0/1
-    K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :], mask=(jj < t)[:, None], other=0.0)
-    K = tl.where((jj == t)[:, None], kn[None, :], K)
-    lhs = tl.where(r16[:, None] == 0, kb[None, :], tl.where(r16[:, None] == 1, qs[None, :], 0.0))
-    prods = tl.dot(lhs, tl.trans(K), input_precision="ieee")                      # [R, CH]
-    decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
-    sys_row = tl.where(jj < t, _mul_rn(_row(prods, r16, 0), decay, INTERPRETED), 0.0)
-    attn_row = _mul_rn(_row(prods, r16, 1), decay, INTERPRETED)
-    scr = scr_ptr + (bh * tl.num_programs(1) + cb) * CH
-    tl.store(scr + jj, sys_row)
-    tl.debug_barrier()
-    # the solve's row t: u's columns of this program, all of w's
-    e_t = exp_f32(g_t, INTERPRETED)
-    xu = _solve_part(tl.load(vb_ptr + bh * DV + dv), t, scr, x_buf + bh * CH * (DV + DK), DV + DK, cb * BV,
-                     tl.arange(0, BV), r16, BV, NB, INTERPRETED)
-    xw = _solve_part(_mul_rn(kb, e_t, INTERPRETED), t, scr, x_buf + bh * CH * (DV + DK), DV + DK, DV, dk, r16, DK, NB,
-                     INTERPRETED)
-    # v_new = u - w S_c; out = (q e^gamma) S_c + attn v_new over the chunk's rows
-    S = tl.load(s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :])
-    ws = _row(tl.dot(_first_row(xw, r16), S, input_precision="ieee"), r16, 0)
-    v_new = _sub_rn(xu, ws, INTERPRETED)
-    tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
-    tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-    if cb == 0:
-        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
-        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
-    tl.debug_barrier()
-    VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :], mask=(jj <= t)[:, None], other=0.0)
-    inter = _row(tl.dot(_first_row(_mul_rn(qs, e_t, INTERPRETED), r16), S, input_precision="ieee"), r16, 0)
-    intra = _row(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16, 0)
-    tl.store(o_ptr + bh * DV + dv, _add_rn(inter, intra, INTERPRETED).to(tl.bfloat16))
-
-
-def chunk_step(qs, kn, kb, vb, gamma, t, state, rows: ChunkRows, num_warps: int = 4):
-    """Row t of the full forward's chunked rule for every sequence-head: qs, kn, kb [B, Hv, Dk],
-    vb [B, Hv, Dv], gamma [B, Hv, C] (chunk_step_inputs'), t [B] (each sequence's row in its
-    chunk), state [B, Hv, Dk, Dv] fp32 (the state at each chunk's start, contiguous). Writes the
-    step's rows into `rows`; returns the output [B, Hv, Dv] bf16 (the reference's cast)."""
-    B, Hv, Dk = kn.shape
-    Dv = vb.shape[-1]
-    bv = rows.block_v
-    if state.shape != (B, Hv, Dk, Dv) or not state.is_contiguous() or Dv % bv or Dk % 16 or bv % 16:
-        raise ValueError(f"gdn_exact_step.chunk_step: state {tuple(state.shape)} against q/k {tuple(kn.shape)} "
-                         f"and v {tuple(vb.shape)} (contiguous; Dk and the column block {bv} multiples of 16)")
-    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=kn.device)
-    _step_kernel[(B * Hv, Dv // bv)](qs.contiguous(), kn.contiguous(), kb.contiguous(), vb.contiguous(),
-                                     gamma.contiguous(), t, state, rows.K, rows.X, rows.VN, rows.scratch, out, Hv,
-                                     DK=Dk, DV=Dv, BV=bv, CH=C, NB=8, INTERPRETED=not kn.is_cuda,
-                                     num_warps=num_warps, num_stages=1)
-    return out
-
-
-@triton.jit
-def _close_kernel(t_ptr, gamma_ptr, s_ptr, k_buf, vn_buf, HV, DK: tl.constexpr, DV: tl.constexpr,
-                  BV: tl.constexpr, CH: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Where the sequence's step wrote its chunk's last row: S_c <- S_c * exp(gamma_last) +
-    K_d^T VN, K_d[j] = K[j] * exp(gamma_last - gamma_j), the product an ascending chain from zero
-    over the chunk's rows, the multiply and the add rounded on their own (the reference loop's)."""
-    bh = tl.program_id(0)
-    t = tl.load(t_ptr + bh // HV)
-    if t == CH - 1:
-        jj = tl.arange(0, CH)
-        dk = tl.arange(0, DK)
-        dv = tl.program_id(1) * BV + tl.arange(0, BV)
-        gamma = tl.load(gamma_ptr + bh * CH + jj)
-        last = tl.load(gamma_ptr + bh * CH + CH - 1)
-        K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :])
-        kd = _mul_rn(K, exp_f32(last - gamma, INTERPRETED)[:, None], INTERPRETED)
-        VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :])
-        upd = tl.dot(tl.trans(kd), VN, input_precision="ieee")
-        s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :]
-        S = tl.load(s_ptrs)
-        tl.store(s_ptrs, _add_rn(_mul_rn(S, exp_f32(last, INTERPRETED), INTERPRETED), upd, INTERPRETED))
-
-
-def chunk_close(gamma, t, state, rows: ChunkRows, num_warps: int = 4):
-    """After chunk_step: each sequence whose step was its chunk's row 63 has its state advanced
-    to the next chunk's start, in place (the others are left alone; a graph can launch it every
-    step)."""
-    B, Hv, Dk, Dv = state.shape
-    bv = rows.block_v
-    _close_kernel[(B * Hv, Dv // bv)](t, gamma.contiguous(), state, rows.K, rows.VN, Hv, DK=Dk, DV=Dv, BV=bv,
-                                      CH=C, INTERPRETED=not state.is_cuda, num_warps=num_warps, num_stages=1)
+        # a program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each; the system's and
+        # attention's rows and the decays [C] each), for column blocks down to 16
+        self.scratch = torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), **f32)
 
 
 def chunk_step_reference(q, k, v, g, beta, state):
@@ -239,9 +80,9 @@ def chunk_step_reference(q, k, v, g, beta, state):
     return o[:, -1], s
 
 
-# ------------------------------------------------------------------ the step as one kernel
-# chunk_step_inputs' torch ops (the l2 norms' reductions, the chunk's cumulative sum) written
-# in the order of torch's CUDA kernels, so the whole step is one launch: torch's reduce of a
+# ------------------------------------------------------------------ torch's reductions, copied
+# The step's torch ops (the l2 norms' reductions, the chunk's cumulative sum) written in the
+# order of torch's CUDA kernels, so the whole step is one launch: torch's reduce of a
 # contiguous row of D values runs 32 lanes of D / 32 values each, a lane's values summed in
 # turn, then the lanes combined by shuffles (sum_order picks which values a lane holds and which
 # lanes the shuffles pair); its inner scan (a cumulative sum along the last dimension) runs
@@ -395,99 +236,16 @@ def torch_rows(x: torch.Tensor, what: str, sum_order: int | None = None, tile: i
     return out
 
 
-@triton.jit
-def _fused_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_buf, x_buf, vn_buf, g_buf, o_ptr,
-                       stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
-                       HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fused_step's program (sequence-head, BV value columns): chunk_step_inputs, chunk_step and
-    chunk_close in one pass; the row t = position mod CH."""
-    bh = tl.program_id(0)
-    cb = tl.program_id(1)
-    b = bh // HV
-    hk = (bh % HV) // RATIO
-    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
-    r16 = tl.arange(0, R)
-    jj = tl.arange(0, CH)
-    dk = tl.arange(0, DK)
-    cols = tl.arange(0, BV)
-    dv = cb * BV + cols
-    # chunk_step_inputs: torch's ops in their order
-    qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
-    kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
-    qs = _mul_rn(qn, scale, INTERPRETED)
-    beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
-    g = tl.load(g_ptr + b * stride_gb + bh % HV)
-    kb = _mul_rn(kn, beta, INTERPRETED)
-    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
-    G = tl.where(jj == t, g, tl.load(g_buf + bh * CH + jj))
-    gamma = _torch_cumsum(G, jj, CH, TILE, LOG_TILE, INTERPRETED)
-    g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
-    e_t = exp_f32(g_t, INTERPRETED)
-    # the system's and attention's row t: products' rows 0 and 1 over the chunk's keys
-    K = tl.load(k_buf + (bh * CH + jj[:, None]) * DK + dk[None, :], mask=(jj < t)[:, None], other=0.0)
-    K = tl.where((jj == t)[:, None], kn[None, :], K)
-    lhs = tl.where(r16[:, None] == 0, kb[None, :], tl.where(r16[:, None] == 1, qs[None, :], 0.0))
-    prods = tl.dot(lhs, tl.trans(K), input_precision="ieee")                      # [R, CH]
-    decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
-    sys_row = tl.where(jj < t, _mul_rn(_row(prods, r16, 0), decay, INTERPRETED), 0.0)
-    attn_row = _mul_rn(_row(prods, r16, 1), decay, INTERPRETED)
-    # the solve's row t in cuBLAS's blocked order: each earlier block's terms (row b of one
-    # product: the system's row t kept to block b) subtracted in turn, then the own block's rows
-    nblk = t // NB
-    lb = tl.where((jj[None, :] // NB == r16[:, None]) & (r16[:, None] < nblk), sys_row[None, :], 0.0)
-    full = (jj < nblk * NB)[:, None]
-    x_rows = x_buf + (bh * CH + jj[:, None]) * (DV + DK)
-    terms_u = tl.dot(lb, tl.load(x_rows + dv[None, :], mask=full, other=0.0), input_precision="ieee")
-    terms_w = tl.dot(lb, tl.load(x_rows + DV + dk[None, :], mask=full, other=0.0), input_precision="ieee")
-    xu = vb
-    xw = _mul_rn(kb, e_t, INTERPRETED)
-    for blk in tl.static_range(CH // NB):
-        xu = tl.where(blk < nblk, _sub_rn(xu, _row(terms_u, r16, blk), INTERPRETED), xu)
-        xw = tl.where(blk < nblk, _sub_rn(xw, _row(terms_w, r16, blk), INTERPRETED), xw)
-    for i in tl.static_range(NB):
-        j = nblk * NB + i
-        lj = tl.sum(tl.where(jj == j, sys_row, 0.0), axis=0)
-        x_j = x_buf + (bh * CH + j) * (DV + DK)
-        xu = tl.where(j < t, tl.fma(-lj, tl.load(x_j + dv, mask=j < t, other=0.0), xu), xu)
-        xw = tl.where(j < t, tl.fma(-lj, tl.load(x_j + DV + dk, mask=j < t, other=0.0), xw), xw)
-    # v_new = u - w S_c and (q e^gamma) S_c: rows 0 and 1 of one product
-    s_ptrs = s_ptr + bh * DK * DV + dk[:, None] * DV + dv[None, :]
-    S = tl.load(s_ptrs)
-    lhs2 = tl.where(r16[:, None] == 0, xw[None, :],
-                    tl.where(r16[:, None] == 1, _mul_rn(qs, e_t, INTERPRETED)[None, :], 0.0))
-    ps = tl.dot(lhs2, S, input_precision="ieee")
-    v_new = _sub_rn(xu, _row(ps, r16, 0), INTERPRETED)
-    VN = tl.load(vn_buf + (bh * CH + jj[:, None]) * DV + dv[None, :], mask=(jj < t)[:, None], other=0.0)
-    VN = tl.where((jj == t)[:, None], v_new[None, :], VN)
-    intra = _row(tl.dot(_first_row(attn_row, r16), VN, input_precision="ieee"), r16, 0)
-    tl.store(o_ptr + bh * DV + dv, _add_rn(_row(ps, r16, 1), intra, INTERPRETED).to(tl.bfloat16))
-    # the step's rows into the chunk's buffers (w's, the key's and g's once a sequence-head)
-    tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
-    tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-    if cb == 0:
-        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
-        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
-        tl.store(g_buf + bh * CH + t, g)
-    # the chunk's close at its last row: S_c <- S_c e^gamma_last + (K e^(gamma_last - gamma))^T VN
-    if t == CH - 1:
-        kd = _mul_rn(K, exp_f32(g_t - gamma, INTERPRETED)[:, None], INTERPRETED)
-        upd = tl.dot(tl.trans(kd), VN, input_precision="ieee")
-        tl.store(s_ptrs, _add_rn(_mul_rn(S, e_t, INTERPRETED), upd, INTERPRETED))
-
-
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
-               block_v: int | None = None, num_warps: int = 4, form: str = "chains"):
+               block_v: int | None = None, num_warps: int = 4):
     """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
     position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
     each chunk's start; advanced in place at a chunk's last row), rows (the chunk's rows so far;
     this step's written). sum_order: the l2 norms' order (SUM_ORDERS; torch_sum_order(Dk) unless
-    given); tile: the cumulative sum's (scan_tile of the full forward's rows). form:
-    "chains" (each product an explicit FMA chain) or "dots" (16-row tl.dot products; it keeps no
-    KT: a row buffer serves one form). Returns o [B, Hv, Dv] bf16."""
+    given); tile: the cumulative sum's (scan_tile of the full forward's rows). Returns o [B, Hv,
+    Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -506,21 +264,12 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     if beta.stride(-1) != 1:
         beta = beta.contiguous()
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
-    if form == "chains":
-        _chain_step_kernel[(B * Hv, Dv // bv)](
-            q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.chain_scratch, out,
-            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
-            SCR=rows.chain_scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8,
-            ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, U=8, INTERPRETED=not v.is_cuda,
-            num_warps=num_warps, num_stages=1)
-        return out
-    if form != "dots":
-        raise ValueError(f"gdn_exact_step.fused_step: form {form!r} is not 'chains' or 'dots'")
-    _fused_step_kernel[(B * Hv, Dv // bv)](
-        q, k, v, g, beta, positions, state, rows.K, rows.X, rows.VN, rows.G, out,
+    _chain_step_kernel[(B * Hv, Dv // bv)](
+        q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
-        HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8, ORDER=sum_order, TILE=tile,
-        LOG_TILE=tile.bit_length() - 1, INTERPRETED=not v.is_cuda, num_warps=num_warps, num_stages=1)
+        SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8,
+        ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, U=8, INTERPRETED=not v.is_cuda,
+        num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -530,10 +279,10 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fused_step's "chains" form: each product an explicit ascending FMA chain from zero (the
-    chain cuBLAS and an "ieee" tl.dot run for every output), a loop over the chained index with
-    one scalar (read back from the program's scratch) times one loaded row each time: no 16-row
-    padding, the loads independent of the chains. The loops run U steps unrolled a trip (a
+    """fused_step's program (sequence-head, BV value columns): each product an explicit ascending
+    FMA chain from zero (the chain cuBLAS and an "ieee" tl.dot run for every output), a loop over
+    the chained index with one scalar (read back from the program's scratch) times one loaded row
+    each time: no 16-row padding, the loads independent of the chains. The loops run U steps unrolled a trip (a
     whole unroll takes Triton 3.6 four minutes to compile)."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)

@@ -2,8 +2,9 @@
 output against the reference's chunked rule over the whole generated sequence from the same
 starting state (the full forward's rows), across a chunk boundary, with the state the chunk's
 close leaves against the reference's state after 64 rows; sequences at different rows of their
-chunks in one call. On a GPU bit for bit; under Triton's CPU interpreter (>= 3.4) the logic,
-within rounding (the interpreter's products are not the GPU's chains)."""
+chunks in one call; the copies of torch's l2 norm and cumulative sum. On a GPU bit for bit;
+under Triton's CPU interpreter (>= 3.4) the logic, within rounding (the interpreter's products
+are not the GPU's chains)."""
 from __future__ import annotations
 
 import pytest
@@ -34,64 +35,6 @@ def _sequence(B, T, Hk, Hv, D, seed):
     return [t.to(DEV) for t in (q, k, v, g, beta, state)]
 
 
-def _steps(q, k, v, g, beta, state, rows, t0, n):
-    """n decode steps from row t0 of each sequence's chunk (t0 [B]): the outputs [B, n, Hv, Dv]."""
-    B = q.shape[0]
-    outs = []
-    for i in range(n):
-        t = (t0 + i) % gdn.CHUNK
-        qs, kn, kb, vb, gamma = step.chunk_step_inputs(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], rows, t)
-        outs.append(step.chunk_step(qs, kn, kb, vb, gamma, t, state, rows))
-        step.chunk_close(gamma, t, state, rows)
-        assert outs[-1].shape == (B, v.shape[2], v.shape[3])
-    return torch.stack(outs, 1)
-
-
-@pytest.mark.parametrize("D,block_v", [(32, 16), (64, 32)])
-def test_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v):
-    B, T, Hk, Hv = 2, 70, 2, 4
-    q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D)
-    want, want_state, at_64 = gdn.delta_rule_chunked_reference(
-        gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta, state=state, capture=1)
-    rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=block_v)
-    S = state.clone()
-    got = _steps(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], S, rows,
-                 torch.zeros(B, dtype=torch.int64, device=DEV), 64)
-    _same(got, want[:, :64], "rows 0-63")
-    _same(S, at_64, "the state the close leaves after row 63")
-    closed = S.clone()
-    got = _steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows,
-                 torch.zeros(B, dtype=torch.int64, device=DEV), T - 64)
-    _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
-    # the close leaves a state alone until its sequence's row 63
-    assert torch.equal(S, closed)
-
-
-def test_sequences_at_different_rows_of_their_chunks():
-    """One call over two sequences at rows 10 + i and i of their chunks (the first prefilled by
-    ten steps of its own), each against its own reference; the first crosses its chunk's end."""
-    D, Hk, Hv = 32, 1, 2
-    q, k, v, g, beta, state = _sequence(2, 70, Hk, Hv, D, seed=3)
-    alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=16)
-    S0 = state[:1].clone()
-    _steps(q[:1, :10], k[:1, :10], v[:1, :10], g[:1, :10], beta[:1, :10], S0, alone,
-           torch.zeros(1, dtype=torch.int64, device=DEV), 10)
-    rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
-    for name in ("K", "X", "VN", "G"):
-        getattr(rows, name)[:1] = getattr(alone, name)
-    S = state.clone()
-    S[:1] = S0
-    n = 60
-    idx = torch.stack([torch.arange(10, 10 + n), torch.arange(0, n)]).to(DEV)      # each sequence's positions
-    pick = lambda x: torch.stack([x[b, idx[b]] for b in range(2)])                 # noqa: E731
-    got = _steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
-                 torch.tensor([10, 0], dtype=torch.int64, device=DEV), n)
-    for b, T in ((0, 10 + n), (1, n)):
-        want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
-            k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
-        _same(got[b], want[0, T - n:], f"sequence {b}")
-
-
 def test_the_reference_step_is_the_rules_last_row():
     D, Hk, Hv = 32, 2, 4
     q, k, v, g, beta, state = _sequence(1, 9, Hk, Hv, D, seed=5)
@@ -101,16 +44,14 @@ def test_the_reference_step_is_the_rules_last_row():
     assert torch.equal(o, want[:, -1]) and torch.equal(s, want_s)
 
 
-# ------------------------------------------------------------------ the step as one kernel
-
 def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
     """n steps of fused_step from positions pos0 [B]: the outputs [B, n, Hv, Dv]."""
     return torch.stack([step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos0 + i, state, rows, **kw)
                         for i in range(n)], 1)
 
 
-@pytest.mark.parametrize("D,block_v,tile,form", [(32, 16, 32, "chains"), (64, 32, 64, "chains"), (32, 16, 32, "dots")])
-def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, form):
+@pytest.mark.parametrize("D,block_v,tile", [(32, 16, 32), (64, 32, 64)])
+def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile):
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
@@ -120,12 +61,12 @@ def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile,
     pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
     if DEV == "cuda":
         tile = step.scan_tile(B * Hv * 2)        # the bits of the reference's cumulative sum over two chunks
-    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile, form=form)
+    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile)
     _same(got, want[:, :64], "rows 0-63")
     _same(S, at_64, "the state the close leaves after row 63")
     closed = S.clone()
     got = _fused_steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows, pos0 + 64, T - 64,
-                       tile=tile, form=form)
+                       tile=tile)
     _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
     assert torch.equal(S, closed)
 
