@@ -62,7 +62,7 @@ class ChunkRows:
         self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
         self.VN = torch.zeros((B, Hv, C, Dv), **f32)
         self.G = torch.zeros((B, Hv, C), **f32)
-        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the chains' form reads its rows)
+        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the step reads its rows)
         self.block_v = min(block_v, Dv)
         # a program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each; the system's and
         # attention's rows and the decays [C] each), for column blocks down to 16
@@ -222,9 +222,10 @@ def _torch_rows_kernel(x_ptr, o_ptr, N: tl.constexpr, WHAT: tl.constexpr, ORDER:
 
 
 def torch_rows(x: torch.Tensor, what: str, sum_order: int | None = None, tile: int | None = None) -> torch.Tensor:
-    """The replicas on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn.l2_normalize in
-    SUM_ORDERS[sum_order], torch_sum_order(N) unless given) or "cumsum" (x.cumsum(-1) with torch's tile, scan_tile(R, N) unless
-    given). For the tests and the GPU probe that checks them bit for bit against torch."""
+    """The copies on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn.l2_normalize in
+    SUM_ORDERS[sum_order], torch_sum_order(N) unless given) or "cumsum" (x.cumsum(-1) with
+    torch's tile, scan_tile(R, N) unless given). For the tests and the GPU probe that checks them
+    bit for bit against torch."""
     R, N = x.shape
     tile = tile or scan_tile(R, N)
     if what not in ("l2norm", "cumsum") or N & (N - 1) or N < 32 or (what == "cumsum" and tile not in (N, N // 2)):
@@ -293,7 +294,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     dk = tl.arange(0, DK)
     dv = cb * BV + tl.arange(0, BV)
     scr = scr_ptr + (bh * (DV // 16) + cb) * SCR            # kn | kb | qs | xw | qe | sys | attn | decay
-    # chunk_step_inputs: torch's ops in their order
+    # the step's inputs: torch's ops in their order
     qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
     kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
     qs = _mul_rn(qn, scale, INTERPRETED)
