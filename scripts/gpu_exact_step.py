@@ -71,7 +71,7 @@ def bits(B: int, sum_order: int) -> dict:
                                                       state=state, capture=c0)
     _, _, at_next = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, HV), gdn.expand_heads(k, HV), v, g, beta,
                                                      state=state, capture=c0 + 1)
-    tile = step.scan_tile(B * HV * (T + gdn.CHUNK - 1) // gdn.CHUNK)
+    tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
     rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
     for i in range(PROMPT, T):

@@ -255,6 +255,19 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, o)
 
 
+def step_views(q, k, v, g, beta):
+    """A decode step's inputs as its kernels read them, copied only where they are not so already:
+    q, k, v may be views of the conv's output row (unit last stride, q and k alike), beta a column
+    slice of in_proj's rows (in_proj_conv_gates_step); g contiguous."""
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if beta.stride(-1) != 1:
+        beta = beta.contiguous()
+    return q, k, v, g.contiguous(), beta
+
+
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, block_v: int = 32) -> torch.Tensor:
     """One token of the rule for every sequence: q, k [B, Hk, Dk] bf16 (the conv's output,
@@ -272,14 +285,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                          f"got {g.dtype} {tuple(g.shape)} and {tuple(beta.shape)}")
     if Dk & (Dk - 1) or Dv % block_v:
         raise ValueError(f"gdn.decode_step: Dk must be a power of two and Dv a multiple of {block_v}")
-    # q, k, v may be views of the conv's output row (unit last stride, q and k alike): no copy
-    if q.stride() != k.stride() or q.stride(-1) != 1:
-        q, k = q.contiguous(), k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    g = g.contiguous()
-    if beta.stride(-1) != 1:     # beta may be a column slice of in_proj's rows (in_proj_conv_gates_step)
-        beta = beta.contiguous()
+    q, k, v, g, beta = step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     use_pdl, pdl_launch = pdl.for_rows(B)
     _decode_step_kernel[(B * Hv, Dv // block_v)](

@@ -49,6 +49,7 @@ from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
 from fqkernels.swiglu import exp_f32
 
 C = gdn.CHUNK
+_EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 
 
 class ChunkRows:
@@ -159,8 +160,8 @@ def _torch_sumsq(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.conste
 
 @triton.jit
 def _torch_l2norm(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.constexpr):
-    """gdn.l2_normalize on one row: x * rsqrt(sum(x * x) + 1e-6), each step rounded."""
-    ss = _add_rn(_torch_sumsq(x, D, ORDER, INTERPRETED), 1e-6, INTERPRETED)
+    """gdn.l2_normalize on one row: x * rsqrt(sum(x * x) + gdn.EPS), each step rounded."""
+    ss = _add_rn(_torch_sumsq(x, D, ORDER, INTERPRETED), _EPS, INTERPRETED)
     if INTERPRETED:
         inv = 1.0 / tl.sqrt(ss)
     else:
@@ -257,13 +258,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.K.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv)")
-    if q.stride() != k.stride() or q.stride(-1) != 1:
-        q, k = q.contiguous(), k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    g = g.contiguous()
-    if beta.stride(-1) != 1:
-        beta = beta.contiguous()
+    q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     _chain_step_kernel[(B * Hv, Dv // bv)](
         q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
