@@ -21,7 +21,9 @@ step is the full forward's, bit for bit, its products and attention in that orde
 fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 (serving, Qwen3.5: a prompt pass that
 keeps a state snapshot runs eagerly, not as a chunk graph; read when slots are made, fq_slots).
 FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule in the reference's order of
-operations, its bits; slower prompts; fqkernels/gdn_exact.py).
+operations, its bits; slower prompts; fqkernels/gdn_exact.py). FASTQWEN_GDN_EXACT_DECODE=1 (Qwen3.5:
+each GDN decode step computes the full forward's row of the chunked rule, not the recurrent step;
+fqkernels/gdn_exact_step.py).
 """
 import gc
 import json
@@ -158,6 +160,8 @@ class Engine:
 
             out["gdn_prompt_rule"] = ("reference" if backend != "triton" else
                                       "exact kernels" if gdn.EXACT_PREFILL else "kernels")
+            # the GDN decode step: the recurrent step, or the full forward's row (FASTQWEN_GDN_EXACT_DECODE)
+            out["gdn_decode"] = "full forward's rows" if self.model.exact_decode else "recurrent"
         return out
 
     # ---- input checks: every problem is reported before any GPU work ---------------

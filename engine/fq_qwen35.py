@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from fqkernels import gdn, gdn_exact
+from fqkernels import gdn, gdn_exact, gdn_exact_step
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
@@ -67,6 +67,10 @@ MLP_ROWS = 8192
 # The GDN step's conv and gates in in_proj's GEMV epilogue at batch 1 (the same bits as the
 # separate kernel; FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
 FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
+# Exact GDN decode (FASTQWEN_GDN_EXACT_DECODE=1, opt-in): each GDN layer's decode step computes the
+# full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
+# step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
+EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -256,9 +260,16 @@ class Qwen35Model:
     prefix_sharing = True
     snapshot_granule = gdn.CHUNK
 
-    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, backend: str | None = None):
+    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, backend: str | None = None,
+                 exact_decode: bool | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
         self.backend = resolve_backend(device, backend)
+        # exact_decode (None: EXACT_DECODE): the GDN decode step in the full forward's arithmetic.
+        # Then a GDN layer's state in the cache is the state at the start of the chunk its row's
+        # position is in, and self.rows[layer] the chunk's rows so far; a prompt pass leaves them so.
+        self.exact_decode = EXACT_DECODE if exact_decode is None else exact_decode
+        self.rows = None
+        self.decode_tile = gdn.CHUNK // 2   # the full forward's cumulative-sum tile (_allocate_rows)
         # layer index -> its slot in the attention layers' KV cache, or in the GDN layers' states
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
@@ -314,6 +325,8 @@ class Qwen35Model:
             self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
         self.conv_state[:, dst] = self.conv_state[:, src]
         self.state[:, dst] = self.state[:, src]
+        for rows in self.rows or ():
+            rows.copy_row(src, dst)
 
     def cache_fits(self, batch: int, capacity: int) -> bool:
         return (self.k_cache is not None and self.block_table is None and self.k_cache.shape[1] == batch
@@ -332,7 +345,34 @@ class Qwen35Model:
         kv = 2 * len(self.attn_slot) * batch * c.kv_size * capacity * 2
         states = len(self.gdn_slot) * batch * (c.conv_dim * c.conv_width * 2
                                                  + c.linear_v_heads * c.linear_k_dim * c.linear_v_dim * 4)
-        return kv + states
+        return kv + states + len(self.gdn_slot) * batch * self._rows_bytes()
+
+    def _rows_bytes(self) -> int:
+        """Bytes of one sequence's chunk rows in one GDN layer (exact decode; else 0)."""
+        c = self.cfg
+        if not self.exact_decode:
+            return 0
+        if self.backend == "triton":
+            return gdn_exact_step.ChunkRows.row_bytes(c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)
+        return gdn_exact_step.ReferenceRows.row_bytes(c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
+                                                      c.linear_v_dim)
+
+    def _allocate_rows(self, batch: int, capacity: int) -> None:
+        """Exact decode's chunk rows for `batch` sequences in every GDN layer (one scratch shared by
+        the layers' steps), and the cumulative sum's tile of a full forward over `capacity`
+        positions of `batch` sequences (gdn_exact_step.scan_tile over its rows of 64)."""
+        self.rows = None
+        if not self.exact_decode:
+            return
+        c, dev = self.cfg, self.device
+        self.decode_tile = gdn_exact_step.scan_tile(batch * c.linear_v_heads * max(1, -(-capacity // gdn.CHUNK)))
+        if self.backend == "triton":
+            scratch = gdn_exact_step.ChunkRows.scratch_for(batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, dev)
+            self.rows = [gdn_exact_step.ChunkRows(batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, dev,
+                                                  scratch=scratch) for _ in self.gdn_slot]
+        else:
+            self.rows = [gdn_exact_step.ReferenceRows(batch, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
+                                                      c.linear_v_dim, dev) for _ in self.gdn_slot]
 
     def allocate_paged_cache(self, rows: int, pages: int, page: int, capacity: int) -> None:
         """The paged form: K and V pools of `pages` pages of `page` positions per attention layer,
@@ -341,6 +381,7 @@ class Qwen35Model:
         if capacity % page:
             raise ValueError(f"allocate_paged_cache: capacity {capacity} is not a multiple of the page size {page}")
         self.allocate_cache(rows, 0)
+        self._allocate_rows(rows, capacity)
         self.k_cache = self.v_cache = None
         c = self.cfg
         shape = (len(self.attn_slot), pages, c.num_kv_heads, page, c.head_dim)
@@ -372,7 +413,7 @@ class Qwen35Model:
     def allocate_cache(self, batch: int, capacity: int) -> None:
         c, dev = self.cfg, self.device
         self.k_cache = self.v_cache = self.conv_state = self.state = self.block_table = None
-        self.snap_conv = self.snap_state = None
+        self.snap_conv = self.snap_state = self.rows = None
         shape = (len(self.attn_slot), batch, c.num_kv_heads, capacity, c.head_dim)
         # zeros: the torch backend's masked attention over rows of other lengths (fq_slots) reads
         # past a row's length, where a mask cannot hide a NaN an empty buffer may hold
@@ -382,6 +423,7 @@ class Qwen35Model:
                                       dtype=torch.bfloat16, device=dev)
         self.state = torch.zeros((len(self.gdn_slot), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
                                  dtype=torch.float32, device=dev)
+        self._allocate_rows(batch, capacity)
 
     # ---- forward passes ------------------------------------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -429,13 +471,16 @@ class Qwen35Model:
             cos = sin = None
         else:
             cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths))
+        h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths),
+                         positions=positions)
         return self._logits(h)
 
-    def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention, start: int = 0) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention, start: int = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Every decoder layer over the embeddings of ids [B, T]: the GDN mixer (chunked over a
         prompt filling cache rows prompt_rows, one step in decode: None) or attention(i, h), then
-        the MLP, each behind its (1 + w) norm, adds in BF16. Returns the final norm's output at
+        the MLP, each behind its (1 + w) norm, adds in BF16 (a decode step's positions [B] go to the
+        GDN step: exact decode's row in the chunk). Returns the final norm's output at
         each sequence's last position, [B, hidden]. On the triton backend the embedding lookup and
         the first norm are one kernel, and each residual add and the norm after it one kernel
         (fqkernels.rmsnorm, one_plus)."""
@@ -446,7 +491,7 @@ class Qwen35Model:
             x = table[ids]
             for i in range(L):
                 h = _norm(x, ln(i, "input_layernorm"), eps)
-                x = x + (self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h))
+                x = x + (self._gdn(i, h, prompt_rows, start, positions) if i in self.gdn_slot else attention(i, h))
                 x = x + self._mlp(i, _norm(x, ln(i, "post_attention_layernorm"), eps))
             return _norm(x[:, -1], self.w["model.norm.weight"], eps)
         from fqkernels.rmsnorm import add_rmsnorm, embed_rmsnorm
@@ -456,7 +501,7 @@ class Qwen35Model:
         rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
         h = h.view(shape)
         for i in range(L):
-            mixed = self._gdn(i, h, prompt_rows, start) if i in self.gdn_slot else attention(i, h)
+            mixed = self._gdn(i, h, prompt_rows, start, positions) if i in self.gdn_slot else attention(i, h)
             h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
                             one_plus=True).view(shape)
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
@@ -608,12 +653,14 @@ class Qwen35Model:
         gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
         return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
-    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0) -> torch.Tensor:
+    def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         """GDN layer i over h: a prompt pass filling cache rows prompt_rows (start > 0: going on
-        from the rows' conv and recurrent states), or (None) one decode step of the first B rows."""
+        from the rows' conv and recurrent states), or (None) one decode step of the first B rows
+        at `positions`."""
         prompt = prompt_rows is not None
         if not prompt and self.backend == "triton":
-            return self._gdn_step_kernels(i, h)
+            return self._gdn_step_kernels(i, h, positions)
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
@@ -649,15 +696,21 @@ class Qwen35Model:
             # the state written into its cache rows; the reference's ops on the torch backend, the fast
             # kernels on the triton backend, or with gdn.EXACT_PREFILL the kernels in the reference's
             # order (gdn_exact: its bits)
-            at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
             if not kernels:
                 rule = gdn.chunked_prefill_reference
             else:
                 rule = gdn_exact.chunked_prefill_exact if gdn.EXACT_PREFILL else gdn.chunked_prefill
-            o, _ = rule(q, k, v, g, beta, state_out=self.state[slot, rows],
-                        initial_state=self.state[slot, rows] if carried else None, capture=at)
-            if capture is not None:
-                self.snap_state[capture[1], slot] = at[1]
+            if self.exact_decode:
+                o = self._exact_decode_prompt(rule, slot, rows, q, k, v, g, beta, start, carried, capture)
+            else:
+                at = None if capture is None else (capture[0] // gdn.CHUNK, torch.empty_like(self.state[slot, rows]))
+                o, _ = rule(q, k, v, g, beta, state_out=self.state[slot, rows],
+                            initial_state=self.state[slot, rows] if carried else None, capture=at)
+                if capture is not None:
+                    self.snap_state[capture[1], slot] = at[1]
+        elif self.exact_decode:     # the full forward's row on the reference's ops
+            o = gdn_exact_step.reference_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], positions,
+                                              self.state[slot, rows], self.rows[slot].narrow(0, B))[:, None]
         else:        # one decode step on the reference's ops (the triton backend's step: _gdn_step_kernels)
             q, k = gdn.expand_heads(q, c.linear_v_heads), gdn.expand_heads(k, c.linear_v_heads)
             o, state = gdn.delta_rule_recurrent_reference(q, k, v, g, beta, state=self.state[slot, rows])
@@ -669,6 +722,45 @@ class Qwen35Model:
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, T, -1), self.w[p + "out_proj.weight"])
 
+    def _exact_decode_prompt(self, rule, slot: int, rows: slice, q, k, v, g, beta, start: int, carried: bool,
+                             capture) -> torch.Tensor:
+        """A prompt pass's rule with exact decode on ([B, T, Hv, Dv] out): the positions before the
+        prompt's first chunk boundary (a prompt going on inside a chunk) and after its last one go
+        through the decode step one at a time, so the cache rows end as decode leaves them (the
+        state at the last chunk's start and that chunk's rows so far); the whole chunks between
+        through `rule`, the fast prompt rule, from the state the steps before left. A snapshot
+        (capture: cut, indices) is taken at one of those chunks' boundaries."""
+        C, T = gdn.CHUNK, v.shape[1]
+        state = self.state[slot, rows]
+        chunk_rows = self.rows[slot].narrow(rows.start, rows.stop - rows.start)
+        step, kw = ((gdn_exact_step.fused_step, {"tile": self.decode_tile}) if self.backend == "triton"
+                    else (gdn_exact_step.reference_step, {}))
+        head = min(-start % C, T)
+        body = (T - head) // C * C
+        if capture is not None and (capture[0] - head) % C:
+            raise ValueError(f"prefill_logits: with exact decode a snapshot must sit at a chunk boundary, not "
+                             f"position {start + capture[0]}")
+        if not carried and not body:
+            state.zero_()
+        parts = []
+        if head:
+            parts.append(gdn_exact_step.run_rows(step, q[:, :head], k[:, :head], v[:, :head], g[:, :head],
+                                                 beta[:, :head], start, state, chunk_rows, **kw))
+        if body:
+            cut = None if capture is None else (capture[0] - head) // C
+            at = None if cut is None or cut * C == body else (cut, torch.empty_like(state))
+            part = slice(head, head + body)
+            o, _ = rule(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state_out=state,
+                        initial_state=state if carried else None, capture=at)
+            parts.append(o)
+            if capture is not None:
+                self.snap_state[capture[1], slot] = state if at is None else at[1]
+        if head + body < T:
+            tail = slice(head + body, T)
+            parts.append(gdn_exact_step.run_rows(step, q[:, tail], k[:, tail], v[:, tail], g[:, tail], beta[:, tail],
+                                                 start + head + body, state, chunk_rows, **kw))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def _in_proj(self, p: str, h: torch.Tensor):
         """A GDN layer's four input projections (qkv for the conv, z, b, a): one product of the
         packed matrix on the triton backend, four on the references."""
@@ -678,9 +770,9 @@ class Qwen35Model:
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
         return torch.split(self.ops.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
 
-    def _gdn_step_kernels(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def _gdn_step_kernels(self, i: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
-        The conv and recurrent states are updated in place."""
+        The conv and recurrent states (exact decode: the chunk's rows) are updated in place."""
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
         slot = self.gdn_slot[i]
@@ -700,7 +792,11 @@ class Qwen35Model:
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
-        o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
+        if self.exact_decode:
+            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], self.rows[slot].narrow(0, B),
+                                          tile=self.decode_tile)
+        else:
+            o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:

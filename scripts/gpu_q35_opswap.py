@@ -321,7 +321,7 @@ def gdn_prompt_torch(core_only: bool):
             setattr(gdn, name, fn)
 
 
-def gdn_step_torch(model, i: int, h: torch.Tensor) -> torch.Tensor:
+def gdn_step_torch(model, i: int, h: torch.Tensor, positions=None) -> torch.Tensor:
     """One decode step of GDN layer i on the torch reference ops (what the torch backend's
     Qwen35Model._gdn runs for a step: conv and gates, the recurrent rule with heads repeated, the
     gated norm), its products the model's own (model._in_proj, model.ops): h [B, 1, hidden] ->
@@ -415,9 +415,9 @@ def chunked_gdn_decode(model):
     prompt a multiple of 64 positions: the first generated position starts a chunk)."""
     orig, chunks = model._gdn, {}
 
-    def layer(i, h, prompt_rows, start=0):
+    def layer(i, h, prompt_rows, start=0, positions=None):
         if prompt_rows is not None:
-            return orig(i, h, prompt_rows, start)
+            return orig(i, h, prompt_rows, start, positions)
         if i not in chunks:
             slot, B = model.gdn_slot[i], h.shape[0]
             chunks[i] = {"n": 0, "rows": [], "conv0": model.conv_state[slot, :B].clone(),

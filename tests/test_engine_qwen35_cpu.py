@@ -233,7 +233,7 @@ def test_backend_is_explicit(tiny, monkeypatch):
     eng = Engine(str(tiny))
     info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False, "gdn_prompt_rule": "reference"}
+                    "exact_decode": False, "gdn_prompt_rule": "reference", "gdn_decode": "recurrent"}
     # the triton backend names its prompt rule: the fast kernels, or those in the reference's order when asked
     from fqkernels import gdn
 
@@ -241,3 +241,6 @@ def test_backend_is_explicit(tiny, monkeypatch):
     assert eng.describe()["gdn_prompt_rule"] == "kernels"
     monkeypatch.setattr(gdn, "EXACT_PREFILL", True)
     assert eng.describe()["gdn_prompt_rule"] == "exact kernels"
+    # and its GDN decode step: the recurrent one, or the full forward's rows (FASTQWEN_GDN_EXACT_DECODE)
+    monkeypatch.setattr(eng.model, "exact_decode", True)
+    assert eng.describe()["gdn_decode"] == "full forward's rows"

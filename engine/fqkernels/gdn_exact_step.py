@@ -55,9 +55,10 @@ _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 class ChunkRows:
     """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk] (and transposed, KT),
     X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the step's scratch;
-    block_v: the step's value columns a program."""
+    block_v: the step's value columns a program. scratch: a step's working rows, only used
+    within one launch, so the GDN layers of a model can share one (scratch_for); None: its own."""
 
-    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32):
+    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32, scratch=None):
         f32 = dict(dtype=torch.float32, device=device)
         self.K = torch.zeros((B, Hv, C, Dk), **f32)
         self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
@@ -65,9 +66,85 @@ class ChunkRows:
         self.G = torch.zeros((B, Hv, C), **f32)
         self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the step reads its rows)
         self.block_v = min(block_v, Dv)
-        # a program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each; the system's and
-        # attention's rows and the decays [C] each), for column blocks down to 16
-        self.scratch = torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), **f32)
+        self.scratch = ChunkRows.scratch_for(B, Hv, Dk, Dv, device) if scratch is None else scratch
+        need = ChunkRows.scratch_for(B, Hv, Dk, Dv, "meta").shape
+        if self.scratch.shape[1:] != need[1:] or self.scratch.shape[0] < B:
+            raise ValueError(f"ChunkRows: scratch {tuple(self.scratch.shape)} does not fit {tuple(need)}")
+
+    @staticmethod
+    def scratch_for(B: int, Hv: int, Dk: int, Dv: int, device) -> torch.Tensor:
+        """A step's scratch for up to B sequences: a program's vectors read back as scalars (kn, kb,
+        qs, xw, qe [Dk] each; the system's and attention's rows and the decays [C] each), for column
+        blocks down to 16."""
+        return torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def row_bytes(Hv: int, Dk: int, Dv: int) -> int:
+        """Bytes one sequence's buffers take in one layer (the shared scratch not counted)."""
+        return 4 * Hv * C * (2 * Dk + (Dv + Dk) + Dv + 1)
+
+    def narrow(self, start: int, count: int) -> "ChunkRows":
+        """The buffers of sequences [start, start + count): views, sharing the scratch (a launch
+        indexes it from its first program)."""
+        view = object.__new__(ChunkRows)
+        for name in ("K", "X", "VN", "G", "KT"):
+            setattr(view, name, getattr(self, name).narrow(0, start, count))
+        view.block_v, view.scratch = self.block_v, self.scratch
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in (self.K, self.X, self.VN, self.G, self.KT):
+            t[dst] = t[src]
+
+
+class ReferenceRows:
+    """The torch reference's form of the chunk's rows: the step's own inputs at each row so far
+    (q, k [B, C, Hk, Dk] bf16, v [B, C, Hv, Dv] bf16, g fp32 and beta bf16 [B, C, Hv]), which
+    reference_step runs the reference's chunked rule over (chunk_step_reference)."""
+
+    def __init__(self, B: int, Hk: int, Hv: int, Dk: int, Dv: int, device):
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.q = torch.zeros((B, C, Hk, Dk), **bf16)
+        self.k = torch.zeros((B, C, Hk, Dk), **bf16)
+        self.v = torch.zeros((B, C, Hv, Dv), **bf16)
+        self.g = torch.zeros((B, C, Hv), dtype=torch.float32, device=device)
+        self.beta = torch.zeros((B, C, Hv), **bf16)
+
+    @staticmethod
+    def row_bytes(Hk: int, Hv: int, Dk: int, Dv: int) -> int:
+        return C * (2 * 2 * Hk * Dk + 2 * Hv * Dv + 4 * Hv + 2 * Hv)
+
+    def narrow(self, start: int, count: int) -> "ReferenceRows":
+        view = object.__new__(ReferenceRows)
+        for name in ("q", "k", "v", "g", "beta"):
+            setattr(view, name, getattr(self, name).narrow(0, start, count))
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in (self.q, self.k, self.v, self.g, self.beta):
+            t[dst] = t[src]
+
+
+def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):
+    """fused_step's contract on the reference's ops (the torch backend): this step's inputs into
+    row position mod 64 of each sequence's chunk, then the reference's chunked rule over the
+    chunk's rows so far from the chunk's start (state, advanced in place at its last row): the
+    full forward's output at that row, on the reference's ops. Reads the positions on the host;
+    sequences at the same row run together. Returns o [B, Hv, Dv] bf16."""
+    B, Hv, Dv = v.shape
+    t_of = [int(p) % C for p in positions.tolist()]
+    for b, t in enumerate(t_of):
+        rows.q[b, t], rows.k[b, t], rows.v[b, t], rows.g[b, t], rows.beta[b, t] = q[b], k[b], v[b], g[b], beta[b]
+    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    for t in sorted(set(t_of)):
+        idx = [b for b, tb in enumerate(t_of) if tb == t]
+        sel = torch.tensor(idx, device=v.device)
+        o, s = chunk_step_reference(*(x[sel, :t + 1] for x in (rows.q, rows.k, rows.v, rows.g, rows.beta)),
+                                    state[sel])
+        out[sel] = o
+        if t == C - 1:
+            state[sel] = s
+    return out
 
 
 def chunk_step_reference(q, k, v, g, beta, state):
@@ -79,6 +156,16 @@ def chunk_step_reference(q, k, v, g, beta, state):
     q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
     o, s = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=state)
     return o[:, -1], s
+
+
+def run_rows(step, q, k, v, g, beta, pos0: int, state, rows, **kw):
+    """`step` (fused_step or reference_step) over a prompt's positions pos0, pos0 + 1, ... in turn:
+    q, k [B, n, Hk, Dk], v [B, n, Hv, Dv], g, beta [B, n, Hv] (a prompt pass's views). Returns
+    the outputs [B, n, Hv, Dv]; the rows and state are left as n decode steps leave them."""
+    B, n = v.shape[:2]
+    positions = (torch.arange(n, dtype=torch.int32, device=v.device) + pos0)[:, None].expand(n, B).contiguous()
+    return torch.stack([step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], positions[i], state, rows, **kw)
+                        for i in range(n)], 1)
 
 
 # ------------------------------------------------------------------ torch's reductions, copied

@@ -49,14 +49,14 @@ def tiny(tmp_path_factory):
     return cfg, fq_qwen35.load_weights(str(path), cfg, DEV)
 
 
-def _forced(model, seq):
-    """Prefill logits of seq[:, :S], then N - 1 teacher-forced decode steps' logits; final states."""
-    model.ensure_rope(S + N)
-    model.allocate_cache(seq.shape[0], S + N)
+def _forced(model, seq, n=N):
+    """Prefill logits of seq[:, :S], then n - 1 teacher-forced decode steps' logits; final states."""
+    model.ensure_rope(S + n)
+    model.allocate_cache(seq.shape[0], S + n)
     with torch.inference_mode():
         out = [model.prefill_logits(seq[:, :S])]
         pos = torch.full((seq.shape[0],), S, dtype=torch.int32, device=DEV)
-        for t in range(S, S + N - 1):
+        for t in range(S, S + n - 1):
             out.append(model.decode_logits(seq[:, t].contiguous(), pos, pos + 1))
             pos += 1
     return torch.stack(out, 1).float(), model.conv_state.clone(), model.state.clone()
@@ -76,6 +76,25 @@ def test_triton_step_tracks_the_reference(tiny):
     assert conv_diff <= 0.05 * conv_ref.float().abs().max().item(), conv_diff
     state_diff = (state_got - state_ref).abs().max().item()
     assert state_diff <= 0.05 * state_ref.abs().max().item(), state_diff
+
+
+def test_exact_decode_triton_tracks_the_exact_reference(tiny):
+    """Exact GDN decode (exact_decode: the full forward's rows, fqkernels.gdn_exact_step) on both
+    backends: the triton one's prompt tail and steps through fused_step, the torch one's through
+    the reference's chunked rule (tests/test_gdn_exact_decode_cpu.py: the full forward's bits on
+    the CPU); within the same bounds, and the states the caches keep (the chunk's start) too. On
+    a GPU the decode crosses a chunk boundary (the close); under the interpreter 6 steps (each
+    step there takes seconds a layer)."""
+    cfg, w = tiny
+    n = N if DEV.type == "cpu" else 70
+    seq = torch.randint(0, cfg.vocab_size, (B, S + n), generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref, _, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch", exact_decode=True), seq, n)
+    got, _, state_got = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton", exact_decode=True), seq, n)
+    diff = (got - ref).abs().max().item()
+    spread = ref.std().item()
+    assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
+    assert (got[:, 1:].argmax(-1) == ref[:, 1:].argmax(-1)).float().mean() >= 0.8
+    assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
 
 
 def _all_products_on_the_gemv(model, rows):
@@ -176,14 +195,15 @@ def test_a_wrong_gdn_step_is_caught(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a GPU")
-def test_the_step_replays_as_a_graph(tiny):
+@pytest.mark.parametrize("exact", [False, True], ids=["recurrent", "exact-decode"])
+def test_the_step_replays_as_a_graph(tiny, exact):
     from fq_decode import DecodeRunner
 
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(5)).to(DEV)
     toks = {}
     for graph in (False, True):
-        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton", exact_decode=exact)
         model.ensure_rope(S + N)
         model.allocate_cache(B, S + N)
         with torch.inference_mode():
