@@ -618,6 +618,14 @@ def _gdn_decode_step(batch: int) -> None:
     q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
     gdn.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
                     state)
+    # the exact decode's step (FASTQWEN_GDN_EXACT_DECODE) as fq_qwen35 runs it: the same views, the
+    # decode runner's int32 positions, a cache's chunk rows
+    from fqkernels import gdn_exact_step
+
+    for form in gdn_exact_step.FORMS:
+        gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g,
+                                  beta, torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
+                                  gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), form=form)
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
@@ -673,9 +681,11 @@ def _gdn_decode_step(batch: int) -> None:
     at = torch.empty((batch,), dtype=torch.int64, device=CUDA)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
     qk = torch.empty((batch, 16, 128), dtype=torch.bfloat16, device=CUDA)
-    gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
-                              torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
-                              torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows)
+    for form in gdn_exact_step.FORMS:       # one kernel, or a head's rows then the column blocks
+        gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
+                                  torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
+                                  torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows,
+                                  form=form)
     # its copies of torch's l2 norm and cumulative sum
     gdn_exact_step.torch_rows(torch.empty((4, 128), dtype=torch.float32, device=CUDA), "l2norm")
     gdn_exact_step.torch_rows(torch.empty((4, 64), dtype=torch.float32, device=CUDA), "cumsum")

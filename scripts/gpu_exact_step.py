@@ -9,7 +9,8 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
   and its decode: the steps start from the state it leaves at position 512), and the state the
   chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  at column blocks and warp counts and for the recurrent kernel (gdn.decode_step).
+  in one kernel or two (a head's rows, then the column blocks), at column blocks, warp counts and
+  loop unrolls (FORMS), and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
 """
@@ -27,6 +28,12 @@ from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
 from gpu_rule_bits_probe import _time_us  # noqa: E402
 
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
+# the step's forms timed: (kernels, value columns a program, warps, rows a loop trip loads); bits for
+# BIT_FORMS (kernels, rows a trip)
+FORMS = (("fused", 16, 1, 8), ("fused", 32, 2, 8), ("fused", 64, 4, 8), ("fused", 16, 1, 32), ("fused", 32, 2, 32),
+         ("fused", 64, 4, 32), ("fused", 128, 4, 32), ("split", 16, 1, 32), ("split", 32, 2, 8),
+         ("split", 32, 2, 32), ("split", 64, 4, 32), ("split", 128, 4, 32))
+BIT_FORMS = (("fused", 8), ("fused", 32), ("split", 32))
 
 
 def _differ(a, b) -> float:
@@ -73,17 +80,18 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
-    for i in range(PROMPT, T):
-        pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
-        outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
-                                    sum_order=sum_order, tile=tile))
-        if i == PROMPT + gdn.CHUNK - 1:
-            closed = S.clone()
-    got = torch.stack(outs, 1)
-    report["fused"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
-                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
-                       "state_differing": _differ(closed, at_next)}
+    for form, unroll in BIT_FORMS:
+        rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
+        for i in range(PROMPT, T):
+            pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
+            outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
+                                        sum_order=sum_order, tile=tile, unroll=unroll, form=form))
+            if i == PROMPT + gdn.CHUNK - 1:
+                closed = S.clone()
+        got = torch.stack(outs, 1)
+        report[f"{form}_u{unroll}"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+                                      float((got.float() - want[:, PROMPT:].float()).abs().max()),
+                                      "state_differing": _differ(closed, at_next)}
     return report
 
 
@@ -107,12 +115,13 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for bv, warps in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
+    for form, bv, warps, unroll in FORMS:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = f"fused_bv{bv}_w{warps}"
+        key = f"{form}_bv{bv}_w{warps}_u{unroll}"
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows,
-                                                           sum_order=sum_order, num_warps=warps), gdn.CHUNK)
+                                                           sum_order=sum_order, num_warps=warps, unroll=unroll,
+                                                           form=form), gdn.CHUNK)
         except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
             out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()

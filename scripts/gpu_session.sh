@@ -63,6 +63,9 @@
 #   judge-q35-own-exact  results/workloads/q35_own_b2_b16.json (two own shapes), official, FASTQWEN_GDN_EXACT_PREFILL=1
 #   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule in the
 #                 reference's order, gdn_exact.py: its bits)
+#   judge-q35-xdecode, judge-q35-own-xdecode  judge-q35-official / -own with FASTQWEN_GDN_EXACT_DECODE=1 (each
+#                 GDN decode step the full forward's row, gdn_exact_step.py)
+#   q35-opswap-xdecode  q35-opswap's engine alone with FASTQWEN_GDN_EXACT_DECODE=1, seeds 5 and 6
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
 #                 forward of the engine, of variants with one piece swapped, and of native's cached decode
 #                 (gpu_q35_opswap.py; OPSWAP_SHAPES, default 16x512x128,4x2048x32; OPSWAP_VARIANTS, default all; OPSWAP_SEEDS, the prompts' seeds, default 5)
@@ -266,6 +269,20 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
                  --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
                  --workloads "$set" 2>&1 | tail -40 ;;
+    judge-q35-xdecode|judge-q35-own-xdecode) # the public set (or q35_own.json), official, the GDN decode step in
+               # the full forward's arithmetic (FASTQWEN_GDN_EXACT_DECODE=1, gdn_exact_step)
+               q35_site
+               q35_ckpt
+               set="public"; [ "$stage" = judge-q35-own-xdecode ] && set=results/workloads/q35_own.json
+               FASTQWEN_GDN_EXACT_DECODE=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
+                 --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
+                 --workloads "$set" 2>&1 | tail -40 ;;
+    q35-opswap-xdecode) # q35-opswap's engine with FASTQWEN_GDN_EXACT_DECODE=1 beside native (seeds 5 and 6)
+               q35_site
+               q35_ckpt
+               FASTQWEN_GDN_EXACT_DECODE=1 timeout "${OPSWAP_TIMEOUT_S:-400}" python3 scripts/gpu_q35_opswap.py \
+                 --model /tmp/q35_4b --shapes "${OPSWAP_SHAPES:-16x512x128,4x2048x32}" --variants engine \
+                 --seeds "${OPSWAP_SEEDS:-5,6}" --out "$OUT/q35_opswap_xdecode.json" 2>&1 | grep -v Warn | tail -40 ;;
     q35-opswap) # teacher-forced on native's tokens: the engine's logits and its variants' against the full
                 # forward, beside native's cached decode (gpu_q35_opswap.py)
                 q35_site
@@ -361,7 +378,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                          | grep -v "^    \|^  File\|^E    +" | tail -40 | tee "$OUT/pytest_gdn_exact.log" ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
-    exact-step) timeout 300 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
+    exact-step) timeout 420 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
     exact-rule) timeout 300 python3 scripts/gpu_exact_rule.py --out "$OUT/exact_rule.json" 2>&1 | grep -v Warn | tail -8 ;;
     trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
                  --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;

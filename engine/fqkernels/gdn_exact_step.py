@@ -31,13 +31,21 @@ their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the co
                            buffers, the close at row 63 in the same pass
   chunk_step_reference     the reference's chunked rule over the chunk's rows 0..t from S_c: row t
 
+  ChunkRows / ReferenceRows a GDN layer's rows in the cache (the kernel's form; the reference's:
+                           the step's own inputs), reference_step the step on the reference's ops
+  run_rows                 a step over a prompt's positions in turn (fq_qwen35's prompt pass with
+                           exact decode: the positions outside its whole chunks)
+
 Measured on an H200 (session 22, PERF_LOG): bit-equal to the reference after a 512-token prefix
 at B = 1, 4, 16 (outputs and the closed state); per step in a 64-step graph 12 / 14 / 78 us at
-B = 1 / 4 / 16 against the recurrent kernel's 2.5 / 4.7 / 13.5: too slow yet for the engine's
-decode, which does not call it. (Two earlier forms, torch's pieces with a row kernel and a close,
-and the step with 16-row tl.dot products, were slower at every batch and are gone.)
+B = 1 / 4 / 16 against the recurrent kernel's 2.5 / 4.7 / 13.5 (8 rows a loop trip): too slow
+yet for the engine's default decode; fq_qwen35 runs it with FASTQWEN_GDN_EXACT_DECODE=1. (Two
+earlier forms, torch's pieces with a row kernel and a close, and the step with 16-row tl.dot
+products, were slower at every batch and are gone.)
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -49,22 +57,27 @@ from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
 from fqkernels.swiglu import exp_f32
 
 C = gdn.CHUNK
+# fused_step's kernels: one ("fused") or a head's rows then the column blocks ("split");
+# FASTQWEN_GDN_STEP_FORM to pick
+FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
+# fused_step's rows a loop trip loads at once (the loads of a trip are in flight together; each
+# trip waits for its own): 8 as measured in session 22; FASTQWEN_GDN_STEP_UNROLL to try others
+UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "8"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 
 
 class ChunkRows:
-    """The chunk buffers of one GDN layer's cache rows: K [B, Hv, C, Dk] (and transposed, KT),
-    X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the step's scratch;
+    """The chunk buffers of one GDN layer's cache rows: the normalized keys transposed KT [B, Hv,
+    Dk, C], X [B, Hv, C, Dv + Dk], VN [B, Hv, C, Dv], G [B, Hv, C] (fp32), and the step's scratch;
     block_v: the step's value columns a program. scratch: a step's working rows, only used
     within one launch, so the GDN layers of a model can share one (scratch_for); None: its own."""
 
     def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32, scratch=None):
         f32 = dict(dtype=torch.float32, device=device)
-        self.K = torch.zeros((B, Hv, C, Dk), **f32)
         self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
         self.VN = torch.zeros((B, Hv, C, Dv), **f32)
         self.G = torch.zeros((B, Hv, C), **f32)
-        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # K transposed (the step reads its rows)
+        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # transposed: the step reads its rows
         self.block_v = min(block_v, Dv)
         self.scratch = ChunkRows.scratch_for(B, Hv, Dk, Dv, device) if scratch is None else scratch
         need = ChunkRows.scratch_for(B, Hv, Dk, Dv, "meta").shape
@@ -81,19 +94,19 @@ class ChunkRows:
     @staticmethod
     def row_bytes(Hv: int, Dk: int, Dv: int) -> int:
         """Bytes one sequence's buffers take in one layer (the shared scratch not counted)."""
-        return 4 * Hv * C * (2 * Dk + (Dv + Dk) + Dv + 1)
+        return 4 * Hv * C * (Dk + (Dv + Dk) + Dv + 1)
 
     def narrow(self, start: int, count: int) -> "ChunkRows":
         """The buffers of sequences [start, start + count): views, sharing the scratch (a launch
         indexes it from its first program)."""
         view = object.__new__(ChunkRows)
-        for name in ("K", "X", "VN", "G", "KT"):
+        for name in ("X", "VN", "G", "KT"):
             setattr(view, name, getattr(self, name).narrow(0, start, count))
         view.block_v, view.scratch = self.block_v, self.scratch
         return view
 
     def copy_row(self, src: int, dst: int) -> None:
-        for t in (self.K, self.X, self.VN, self.G, self.KT):
+        for t in (self.X, self.VN, self.G, self.KT):
             t[dst] = t[src]
 
 
@@ -325,71 +338,86 @@ def torch_rows(x: torch.Tensor, what: str, sum_order: int | None = None, tile: i
     return out
 
 
+FORMS = ("fused", "split")
+
+
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
-               block_v: int | None = None, num_warps: int = 4):
+               block_v: int | None = None, num_warps: int = 4, unroll: int = UNROLL, form: str = FORM):
     """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
     position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
     each chunk's start; advanced in place at a chunk's last row), rows (the chunk's rows so far;
     this step's written). sum_order: the l2 norms' order (SUM_ORDERS; torch_sum_order(Dk) unless
-    given); tile: the cumulative sum's (scan_tile of the full forward's rows). Returns o [B, Hv,
-    Dv] bf16."""
+    given); tile: the cumulative sum's (scan_tile of the full forward's rows); unroll: the rows a
+    loop trip loads at once (a power of two from 8 to Dk); form: "fused" one kernel (each column
+    block's program also computes its head's system and attention rows and w's solve), "split"
+    two (those a program a head, then the column blocks': the same chains, so the same bits).
+    Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
-            or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.K.shape[:2] != (B, Hv)):
+            or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
+            or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
-                         f"{tuple(state.shape)}, rows for {tuple(rows.K.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv)")
+                         f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r} (Dk a power of two >= 32; the block "
+                         f"a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; form one of {FORMS})")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile, LOG_TILE=tile.bit_length() - 1,
+                  U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
+    if form == "split":
+        _head_rows_kernel[(B * Hv,)](q, k, g, beta, positions, rows.KT, rows.X, rows.G, rows.scratch, q.stride(0),
+                                    q.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, RATIO=Hv // Hk,
+                                    ORDER=sum_order, num_warps=4, **consts)
+        _columns_kernel[(B * Hv, Dv // bv)](v, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch,
+                                            out, v.stride(0), v.stride(1), beta.stride(0), BV=bv,
+                                            num_warps=num_warps, **consts)
+        return out
     _chain_step_kernel[(B * Hv, Dv // bv)](
-        q, k, v, g, beta, positions, state, rows.K, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
+        q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
-        SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, BV=bv, CH=C, NB=8,
-        ORDER=sum_order, TILE=tile, LOG_TILE=tile.bit_length() - 1, U=8, INTERPRETED=not v.is_cuda,
-        num_warps=num_warps, num_stages=1)
+        RATIO=Hv // Hk, BV=bv, ORDER=sum_order, num_warps=num_warps, **consts)
     return out
 
 
+# ------------------------------------------------------------------ the step's kernels
+# Each product an explicit ascending FMA chain from zero (the chain cuBLAS and an "ieee" tl.dot
+# run for every output): a loop over the chained index with one scalar (read back from the
+# program's scratch) times one loaded row each time, no 16-row padding, the loads independent of
+# the chains. The loops run U rows unrolled a trip (a whole unroll takes Triton 3.6 four minutes
+# to compile). A sequence-head's scratch: kn | kb | qs | xw | qe [DK] | sys | attn | decay [CH].
+# _head_part and _columns_part are the two halves: one kernel runs both per column block
+# ("fused"), or each is its own kernel ("split").
+
+
 @triton.jit
-def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_buf, kt_buf, x_buf, vn_buf, g_buf,
-                       scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
-                       SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fused_step's program (sequence-head, BV value columns): each product an explicit ascending
-    FMA chain from zero (the chain cuBLAS and an "ieee" tl.dot run for every output), a loop over
-    the chained index with one scalar (read back from the program's scratch) times one loaded row
-    each time: no 16-row padding, the loads independent of the chains. The loops run U steps unrolled a trip (a
-    whole unroll takes Triton 3.6 four minutes to compile)."""
-    bh = tl.program_id(0)
-    cb = tl.program_id(1)
-    b = bh // HV
-    hk = (bh % HV) // RATIO
-    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+def _head_part(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, x_buf, g_buf, scr, b, hk, bh, t, write_row, stride_qb,
+               stride_qh, stride_gb, stride_betab, scale, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
+               U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A sequence-head's part: the normalized key and query (torch's l2 norm), the decays (torch's
+    cumulative sum), the system's and attention's row t over the chunk's keys, w's solve; into the
+    scratch, and with write_row row t of the chunk's keys, w and g. Returns (kn, e^gamma_t)."""
     jj = tl.arange(0, CH)
     dk = tl.arange(0, DK)
-    dv = cb * BV + tl.arange(0, BV)
-    scr = scr_ptr + (bh * (DV // 16) + cb) * SCR            # kn | kb | qs | xw | qe | sys | attn | decay
-    # the step's inputs: torch's ops in their order
     qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
     kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
     qs = _mul_rn(qn, scale, INTERPRETED)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     g = tl.load(g_ptr + b * stride_gb + bh % HV)
     kb = _mul_rn(kn, beta, INTERPRETED)
-    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     gamma = _torch_cumsum(tl.where(jj == t, g, tl.load(g_buf + bh * CH + jj)), jj, CH, TILE, LOG_TILE, INTERPRETED)
     g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
     e_t = exp_f32(g_t, INTERPRETED)
     tl.store(scr + dk, kn)
     tl.store(scr + DK + dk, kb)
     tl.store(scr + 2 * DK + dk, qs)
+    tl.store(scr + 4 * DK + dk, _mul_rn(qs, e_t, INTERPRETED))
     tl.debug_barrier()
     # the system's and attention's row t over the chunk's rows: chains over the key's entries
     acc_s = tl.zeros([CH], dtype=tl.float32)
@@ -406,33 +434,53 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     tl.store(scr + 5 * DK + CH + jj, _mul_rn(acc_a, decay, INTERPRETED))
     tl.store(scr + 5 * DK + 2 * CH + jj, decay)
     tl.debug_barrier()
-    # the solve's row t in cuBLAS's blocked order: each earlier block of NB rows one chain from
-    # zero, subtracted at the block's end; then the own block's rows by one FMA each
+    xw = _solve_row(_mul_rn(kb, e_t, INTERPRETED), x_buf + bh * CH * (DV + DK) + DV, dk, scr + 5 * DK, t, DV + DK,
+                    DK, NB, U, INTERPRETED)
+    tl.store(scr + 3 * DK + dk, xw)
+    if write_row:
+        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
+        tl.store(kt_buf + (bh * DK + dk) * CH + t, kn)
+        tl.store(g_buf + bh * CH + t, g)
+    tl.debug_barrier()
+    return kn, e_t
+
+
+@triton.jit
+def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, NB: tl.constexpr, U: tl.constexpr,
+               INTERPRETED: tl.constexpr):
+    """Row t of the unit-lower solve in cuBLAS's blocked order, for the N columns `cols` of the
+    solved rows (rows_ptr + j * ROW + cols) from its right-hand side x: each earlier block of NB
+    rows one chain from zero, subtracted at the block's end (U / NB blocks a trip, in turn), then
+    the own block's rows by one FMA each; l_ptr: the system's row t."""
     nblk = t // NB
-    xu = vb
-    xw = _mul_rn(kb, e_t, INTERPRETED)
-    for blk in range(0, nblk):
-        acc_u = tl.zeros([BV], dtype=tl.float32)
-        acc_w = tl.zeros([DK], dtype=tl.float32)
-        for u in tl.static_range(NB):
-            j = blk * NB + u
-            lj = tl.load(scr + 5 * DK + j)
-            row = x_buf + (bh * CH + j) * (DV + DK)
-            acc_u = tl.fma(lj, tl.load(row + dv), acc_u)
-            acc_w = tl.fma(lj, tl.load(row + DV + dk), acc_w)
-        xu = _sub_rn(xu, acc_u, INTERPRETED)
-        xw = _sub_rn(xw, acc_w, INTERPRETED)
+    for blk0 in range(0, nblk, U // NB):
+        for sb in tl.static_range(U // NB):
+            blk = blk0 + sb
+            live = blk < nblk
+            acc = tl.zeros([N], dtype=tl.float32)
+            for u in tl.static_range(NB):
+                j = blk * NB + u
+                lj = tl.load(l_ptr + j, mask=live, other=0.0)
+                acc = tl.fma(lj, tl.load(rows_ptr + j * ROW + cols, mask=live, other=0.0), acc)
+            x = tl.where(live, _sub_rn(x, acc, INTERPRETED), x)
     for u in tl.static_range(NB):
         j = nblk * NB + u
-        lj = tl.load(scr + 5 * DK + j)
-        row = x_buf + (bh * CH + j) * (DV + DK)
-        xu = tl.where(j < t, tl.fma(-lj, tl.load(row + dv, mask=j < t, other=0.0), xu), xu)
-        xw = tl.where(j < t, tl.fma(-lj, tl.load(row + DV + dk, mask=j < t, other=0.0), xw), xw)
-    tl.store(scr + 3 * DK + dk, xw)
-    tl.store(scr + 4 * DK + dk, _mul_rn(qs, e_t, INTERPRETED))
-    tl.debug_barrier()
-    # v_new = u - w S_c and (q e^gamma) S_c: chains over the state's rows
-    s_rows = s_ptr + bh * DK * DV + dv
+        lj = tl.load(l_ptr + j)
+        x = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + cols, mask=j < t, other=0.0), x), x)
+    return x
+
+
+@triton.jit
+def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
+                  stride_betab, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                  CH: tl.constexpr, NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A sequence-head's BV value columns dv, after its head part: u's solve, v_new = u - w S_c,
+    (q e^gamma) S_c + the attention over the new values (row t's output, stored), row t of u and
+    v_new. Returns v_new."""
+    beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
+    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
+    xu = _solve_row(vb, x_buf + bh * CH * (DV + DK), dv, scr + 5 * DK, t, DV + DK, BV, NB, U, INTERPRETED)
+    # w S_c and (q e^gamma) S_c: chains over the state's rows
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     acc_q = tl.zeros([BV], dtype=tl.float32)
     for i0 in range(0, DK, U):
@@ -453,20 +501,87 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, k_b
     tl.store(o_ptr + bh * DV + dv, _add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16))
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-    if cb == 0:
-        tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
-        tl.store(k_buf + (bh * CH + t) * DK + dk, kn)
-        tl.store(kt_buf + (bh * DK + dk) * CH + t, kn)
-        tl.store(g_buf + bh * CH + t, g)
-    # the chunk's close at its last row: S_c <- S_c e^gamma_last + (K e^(gamma_last - gamma))^T VN
+    return v_new
+
+
+@triton.jit
+def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, kn, v_new, e_t, DK: tl.constexpr, DV: tl.constexpr,
+           BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The chunk's close at its last row t: S_c <- S_c e^gamma_t + (K e^(gamma_t - gamma))^T VN for
+    the columns dv (row t's key kn and new values v_new from registers)."""
+    dk = tl.arange(0, DK)
+    upd = tl.zeros([DK, BV], dtype=tl.float32)
+    for j0 in range(0, CH, U):
+        for u in tl.static_range(U):
+            j = j0 + u
+            krow = tl.where(j == t, kn, tl.load(kt_buf + (bh * DK + dk) * CH + j, mask=j < t, other=0.0))
+            kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
+            vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+            upd = tl.fma(kd[:, None], vn[None, :], upd)
+    s_ptrs = s_rows + dk[:, None] * DV
+    tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
+
+
+@triton.jit
+def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
+                       scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
+                       SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
+    scratch (the first column block's program writes row t of the head's buffers), then its
+    columns; the close at the chunk's last row."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // HV
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    scr = scr_ptr + (bh * (DV // 16) + cb) * SCR
+    dv = cb * BV + tl.arange(0, BV)
+    s_rows = s_ptr + bh * DK * DV + dv
+    kn, e_t = _head_part(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, x_buf, g_buf, scr, b, (bh % HV) // RATIO, bh, t,
+                         cb == 0, stride_qb, stride_qh, stride_gb, stride_betab, scale, HV, DK, DV, CH, NB, ORDER,
+                         TILE, LOG_TILE, U, INTERPRETED)
+    v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
+                          stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
     if t == CH - 1:
-        upd = tl.zeros([DK, BV], dtype=tl.float32)
-        for j0 in range(0, CH, U):
-            for u in tl.static_range(U):
-                j = j0 + u
-                krow = tl.where(j == t, kn, tl.load(k_buf + (bh * CH + j) * DK + dk, mask=j < t, other=0.0))
-                kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
-                vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
-                upd = tl.fma(kd[:, None], vn[None, :], upd)
-        s_ptrs = s_rows + dk[:, None] * DV
-        tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, kn, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
+
+
+@triton.jit
+def _head_rows_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, pos_ptr, kt_buf, x_buf, g_buf, scr_ptr, stride_qb, stride_qh,
+                      stride_gb, stride_betab, scale, SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                      TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The "split" form's first kernel: a sequence-head's part, once (the scratch of its first
+    column block), row t of its buffers written."""
+    bh = tl.program_id(0)
+    b = bh // HV
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    _head_part(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, x_buf, g_buf, scr_ptr + bh * (DV // 16) * SCR, b,
+               (bh % HV) // RATIO, bh, t, True, stride_qb, stride_qh, stride_gb, stride_betab, scale, HV, DK, DV, CH,
+               NB, ORDER, TILE, LOG_TILE, U, INTERPRETED)
+
+
+@triton.jit
+def _columns_kernel(v_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf, scr_ptr, o_ptr, stride_vb, stride_vh,
+                    stride_betab, SCR: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr,
+                    LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The "split" form's second kernel (sequence-head, BV value columns): its columns from the
+    head's scratch; at the chunk's last row the close, e^gamma_t from the chunk's rows of g (the
+    first kernel wrote row t's) and the key from the scratch."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // HV
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    scr = scr_ptr + bh * (DV // 16) * SCR
+    dv = cb * BV + tl.arange(0, BV)
+    s_rows = s_ptr + bh * DK * DV + dv
+    v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
+                          stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
+    if t == CH - 1:
+        jj = tl.arange(0, CH)
+        gamma = _torch_cumsum(tl.load(g_buf + bh * CH + jj), jj, CH, TILE, LOG_TILE, INTERPRETED)
+        e_t = exp_f32(tl.sum(tl.where(jj == t, gamma, 0.0), axis=0), INTERPRETED)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, tl.load(scr + tl.arange(0, DK)), v_new, e_t, DK, DV, BV, CH,
+               U, INTERPRETED)

@@ -50,8 +50,12 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
                         for i in range(n)], 1)
 
 
-@pytest.mark.parametrize("D,block_v,tile", [(32, 16, 32), (64, 32, 64)])
-def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile):
+@pytest.mark.parametrize("D,block_v,tile,unroll,form", [(32, 16, 32, 8, "fused"), (64, 32, 64, 8, "fused"),
+                                                        (64, 16, 32, 32, "fused"), (32, 16, 32, 8, "split"),
+                                                        (64, 32, 32, 32, "split")])
+def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form):
+    """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
+    kernel, or a head's rows then the column blocks."""
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
@@ -61,17 +65,18 @@ def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile)
     pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
     if DEV == "cuda":
         tile = step.scan_tile(B * Hv * 2)        # the bits of the reference's cumulative sum over two chunks
-    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile)
+    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile, unroll=unroll, form=form)
     _same(got, want[:, :64], "rows 0-63")
     _same(S, at_64, "the state the close leaves after row 63")
     closed = S.clone()
     got = _fused_steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows, pos0 + 64, T - 64,
-                       tile=tile)
+                       tile=tile, unroll=unroll, form=form)
     _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
     assert torch.equal(S, closed)
 
 
-def test_fused_step_at_different_rows_and_wrong_shapes():
+@pytest.mark.parametrize("form", step.FORMS)
+def test_fused_step_at_different_rows_and_wrong_shapes(form):
     """Two sequences at positions 10 + i and i (the first prefilled by ten steps of its own), each
     against its own reference; a state of the wrong shape is refused by name."""
     D, Hk, Hv = 32, 1, 2
@@ -79,9 +84,9 @@ def test_fused_step_at_different_rows_and_wrong_shapes():
     alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=16)
     S0 = state[:1].clone()
     _fused_steps(q[:1], k[:1], v[:1], g[:1], beta[:1], S0, alone, torch.zeros(1, dtype=torch.int64, device=DEV), 10,
-                 tile=64)
+                 tile=64, form=form)
     rows = step.ChunkRows(2, Hv, D, D, DEV, block_v=16)
-    for name in ("K", "KT", "X", "VN", "G"):
+    for name in ("KT", "X", "VN", "G"):
         getattr(rows, name)[:1] = getattr(alone, name)
     S = state.clone()
     S[:1] = S0
@@ -90,7 +95,7 @@ def test_fused_step_at_different_rows_and_wrong_shapes():
     pick = lambda x: torch.stack([x[b, idx[b]] for b in range(2)])                 # noqa: E731
     # each reference below scans 4 or 2 rows of g: torch's tile is the whole row there
     got = _fused_steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
-                       torch.tensor([10, 0], dtype=torch.int64, device=DEV), n, tile=64)
+                       torch.tensor([10, 0], dtype=torch.int64, device=DEV), n, tile=64, form=form)
     for b, T in ((0, 10 + n), (1, n)):
         want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
             k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
