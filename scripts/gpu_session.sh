@@ -261,20 +261,17 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                set="public"; [ "$stage" = judge-q35-own ] && set=results/workloads/q35_own.json
                timeout 560 python3 -m fastqwen.cli judge --engine engine --official --out "$OUT/${stage//-/_}.json" \
                  --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b --workloads "$set" 2>&1 | tail -40 ;;
-    judge-q35-exact|judge-q35-own-exact) # the public set (or two own shapes), official, the prompt pass's
-               # chunked rule in the reference's order (gdn_exact)
+    judge-q35-exact|judge-q35-own-exact|judge-q35-xdecode|judge-q35-own-xdecode) # official, the public set or own
+               # shapes; *-exact: the prompt pass's chunked rule in the reference's order (gdn_exact; own: two
+               # shapes), *-xdecode: the GDN decode step in the full forward's arithmetic (gdn_exact_step)
                q35_site
                q35_ckpt
-               set="public"; [ "$stage" = judge-q35-own-exact ] && set=results/workloads/q35_own_b2_b16.json
-               FASTQWEN_GDN_EXACT_PREFILL=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
-                 --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
-                 --workloads "$set" 2>&1 | tail -40 ;;
-    judge-q35-xdecode|judge-q35-own-xdecode) # the public set (or q35_own.json), official, the GDN decode step in
-               # the full forward's arithmetic (FASTQWEN_GDN_EXACT_DECODE=1, gdn_exact_step)
-               q35_site
-               q35_ckpt
-               set="public"; [ "$stage" = judge-q35-own-xdecode ] && set=results/workloads/q35_own.json
-               FASTQWEN_GDN_EXACT_DECODE=1 timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
+               case "$stage" in
+                 *-exact) flag=FASTQWEN_GDN_EXACT_PREFILL own=results/workloads/q35_own_b2_b16.json ;;
+                 *) flag=FASTQWEN_GDN_EXACT_DECODE own=results/workloads/q35_own.json ;;
+               esac
+               set="public"; [[ "$stage" == *-own-* ]] && set=$own
+               env "$flag=1" timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
                  --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
                  --workloads "$set" 2>&1 | tail -40 ;;
     q35-opswap-xdecode) # q35-opswap's engine with FASTQWEN_GDN_EXACT_DECODE=1 beside native (seeds 5 and 6)
