@@ -27,8 +27,9 @@ solve's row in cuBLAS's blocked order (earlier 8-row blocks' terms each summed f
 subtracted, then the own block's rows by one FMA each); torch's l2 norm and cumulative sum in
 their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the copies).
 
-  fused_step(...)          the step as one kernel: row t's output, its rows into the chunk's
-                           buffers, the close at row 63 in the same pass
+  fused_step(...)          the step: row t's output, its rows into the chunk's buffers, the close
+                           at row 63 in the same pass; one kernel ("fused") or a head's rows then
+                           the value columns ("split"), the same chains
   chunk_step_reference     the reference's chunked rule over the chunk's rows 0..t from S_c: row t
 
   ChunkRows / ReferenceRows a GDN layer's rows in the cache (the kernel's form; the reference's:
@@ -343,7 +344,7 @@ FORMS = ("fused", "split")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = 4, unroll: int = UNROLL, form: str = FORM):
-    """One decode step of the rule in the full forward's arithmetic, as one kernel: q, k [B, Hk,
+    """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
     position: its row in its chunk is position mod 64), state [B, Hv, Dk, Dv] fp32 (the state at
