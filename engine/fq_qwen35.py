@@ -797,8 +797,8 @@ class Qwen35Model:
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
         if self.exact_decode:
-            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], self.rows[slot].narrow(0, B),
-                                          tile=self.decode_tile)
+            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B],
+                                          self.rows[slot].narrow(0, B), tile=self.decode_tile)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place

@@ -165,10 +165,11 @@ def test_a_wiring_slip_is_caught(tiny, monkeypatch, slip):
     _, cfg, w = tiny
     model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
     real = gdn_exact_step.reference_step
-    if slip == "next row":
-        step = lambda q, k, v, g, beta, positions, state, rows: real(q, k, v, g, beta, positions + 1, state, rows)  # noqa: E731
-    else:
-        step = lambda q, k, v, g, beta, positions, state, rows: gdn.decode_step_reference(q, k, v, g, beta, state)  # noqa: E731
+    def step(q, k, v, g, beta, positions, state, rows):
+        if slip == "next row":
+            return real(q, k, v, g, beta, positions + 1, state, rows)
+        return gdn.decode_step_reference(q, k, v, g, beta, state)
+
     rec = Recorder(monkeypatch, model, step=step)
     seq = _seq(cfg, 140)
     model.ensure_rope(140)

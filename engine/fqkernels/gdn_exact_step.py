@@ -369,8 +369,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                          f"a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; form one of {FORMS})")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
-    consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile, LOG_TILE=tile.bit_length() - 1,
-                  U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
+    consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
+                  LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
     if form == "split":
         _head_rows_kernel[(B * Hv,)](q, k, g, beta, positions, rows.KT, rows.X, rows.G, rows.scratch, q.stride(0),
                                     q.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, RATIO=Hv // Hk,
