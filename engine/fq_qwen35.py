@@ -273,7 +273,7 @@ class Qwen35Model:
         # position is in, and self.rows[layer] the chunk's rows so far; a prompt pass leaves them so.
         self.exact_decode = EXACT_DECODE if exact_decode is None else exact_decode
         self.rows = None
-        self.decode_tile = gdn.CHUNK // 2   # the full forward's cumulative-sum tile (_allocate_rows)
+        self.decode_tile = gdn.CHUNK // 2   # the full forward's cumulative-sum tile (_decode_tile)
         # layer index -> its slot in the attention layers' KV cache, or in the GDN layers' states
         self.attn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
@@ -361,15 +361,19 @@ class Qwen35Model:
         return gdn_exact_step.ReferenceRows.row_bytes(c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
                                                       c.linear_v_dim)
 
+    def _decode_tile(self, batch: int, capacity: int) -> int:
+        """The cumulative sum's tile of a full forward over `capacity` positions of `batch`
+        sequences (gdn_exact_step.scan_tile over its rows of 64)."""
+        return gdn_exact_step.scan_tile(batch * self.cfg.linear_v_heads * max(1, -(-capacity // gdn.CHUNK)))
+
     def _allocate_rows(self, batch: int, capacity: int) -> None:
         """Exact decode's chunk rows for `batch` sequences in every GDN layer (one scratch shared by
-        the layers' steps), and the cumulative sum's tile of a full forward over `capacity`
-        positions of `batch` sequences (gdn_exact_step.scan_tile over its rows of 64)."""
+        the layers' steps), and the decode's tile for `capacity` positions (_decode_tile)."""
         self.rows = None
         if not self.exact_decode:
             return
         c, dev = self.cfg, self.device
-        self.decode_tile = gdn_exact_step.scan_tile(batch * c.linear_v_heads * max(1, -(-capacity // gdn.CHUNK)))
+        self.decode_tile = self._decode_tile(batch, capacity)
         if self.backend == "triton":
             scratch = gdn_exact_step.ChunkRows.scratch_for(batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, dev)
             self.rows = [gdn_exact_step.ChunkRows(batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, dev,
@@ -385,7 +389,7 @@ class Qwen35Model:
         if capacity % page:
             raise ValueError(f"allocate_paged_cache: capacity {capacity} is not a multiple of the page size {page}")
         self.allocate_cache(rows, 0)
-        self._allocate_rows(rows, capacity)
+        self.decode_tile = self._decode_tile(rows, capacity)
         self.k_cache = self.v_cache = None
         c = self.cfg
         shape = (len(self.attn_slot), pages, c.num_kv_heads, page, c.head_dim)

@@ -674,19 +674,7 @@ def _gdn_decode_step(batch: int) -> None:
     gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, capture=2, captured=rows)
     for form in ("fused", "split"):
         gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form=form)
-    # the decode step in the full forward's arithmetic (gdn_exact_step): one step, its close included
-    from fqkernels import gdn_exact_step
-
-    chunk_rows = gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA)
-    at = torch.empty((batch,), dtype=torch.int64, device=CUDA)
-    state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
-    qk = torch.empty((batch, 16, 128), dtype=torch.bfloat16, device=CUDA)
-    for form in gdn_exact_step.FORMS:       # one kernel, or a head's rows then the column blocks
-        gdn_exact_step.fused_step(qk, qk, torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA),
-                                  torch.empty((batch, 32), dtype=torch.float32, device=CUDA),
-                                  torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA), at, state, chunk_rows,
-                                  form=form)
-    # its copies of torch's l2 norm and cumulative sum
+    # the exact decode step's copies of torch's l2 norm and cumulative sum (the step itself: above)
     gdn_exact_step.torch_rows(torch.empty((4, 128), dtype=torch.float32, device=CUDA), "l2norm")
     gdn_exact_step.torch_rows(torch.empty((4, 64), dtype=torch.float32, device=CUDA), "cumsum")
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place

@@ -39,20 +39,20 @@ class Recorder:
     address): inputs and outputs per position, in call order."""
 
     def __init__(self, monkeypatch, model, step=None):
-        self.calls = defaultdict(list)      # state address -> [(positions [n], (q, k, v, g, beta) [B, n, ...], o)]
+        self.calls = defaultdict(list)      # state address -> [((q, k, v, g, beta) [B, n, ...], o)]
         self.model = model
         rule, step = gdn.chunked_prefill_reference, step or gdn_exact_step.reference_step
 
         def recorded_rule(q, k, v, g, beta, state_out=None, initial_state=None, capture=None, **kw):
             key = state_out.data_ptr()
             o, s = rule(q, k, v, g, beta, state_out=state_out, initial_state=initial_state, capture=capture, **kw)
-            self.calls[key].append((None, tuple(t.clone() for t in (q, k, v, g, beta)), o.clone()))
+            self.calls[key].append((tuple(t.clone() for t in (q, k, v, g, beta)), o.clone()))
             return o, s
 
         def recorded_step(q, k, v, g, beta, positions, state, rows):
             o = step(q, k, v, g, beta, positions, state, rows)
             ins = tuple(t[:, None].clone() for t in (q, k, v, g, beta))
-            self.calls[state.data_ptr()].append((positions.clone(), ins, o[:, None].clone()))
+            self.calls[state.data_ptr()].append((ins, o[:, None].clone()))
             return o
 
         monkeypatch.setattr(gdn, "chunked_prefill_reference", recorded_rule)
@@ -66,8 +66,8 @@ class Recorder:
         for slot in range(len(m.gdn_slot)):
             calls = self.calls[m.state[slot, rows].data_ptr()]
             assert calls, f"GDN layer {slot}: no calls recorded"
-            ins = [torch.cat([c[1][j] for c in calls], 1) for j in range(5)]
-            got = torch.cat([c[2] for c in calls], 1)
+            ins = [torch.cat([c[0][j] for c in calls], 1) for j in range(5)]
+            got = torch.cat([c[1] for c in calls], 1)
             T, H = ins[2].shape[1], ins[2].shape[2]
             q, k = gdn.expand_heads(ins[0], H), gdn.expand_heads(ins[1], H)
             init = None if start_state is None else start_state[slot]

@@ -81,16 +81,20 @@ class ChunkRows:
         self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # transposed: the step reads its rows
         self.block_v = min(block_v, Dv)
         self.scratch = ChunkRows.scratch_for(B, Hv, Dk, Dv, device) if scratch is None else scratch
-        need = ChunkRows.scratch_for(B, Hv, Dk, Dv, "meta").shape
+        need = ChunkRows._scratch_shape(B, Hv, Dk, Dv)
         if self.scratch.shape[1:] != need[1:] or self.scratch.shape[0] < B:
-            raise ValueError(f"ChunkRows: scratch {tuple(self.scratch.shape)} does not fit {tuple(need)}")
+            raise ValueError(f"ChunkRows: scratch {tuple(self.scratch.shape)} does not fit {need}")
+
+    @staticmethod
+    def _scratch_shape(B: int, Hv: int, Dk: int, Dv: int) -> tuple:
+        """A program's vectors read back as scalars (kn, kb, qs, xw, qe [Dk] each; the system's and
+        attention's rows and the decays [C] each), for column blocks down to 16."""
+        return (B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C)
 
     @staticmethod
     def scratch_for(B: int, Hv: int, Dk: int, Dv: int, device) -> torch.Tensor:
-        """A step's scratch for up to B sequences: a program's vectors read back as scalars (kn, kb,
-        qs, xw, qe [Dk] each; the system's and attention's rows and the decays [C] each), for column
-        blocks down to 16."""
-        return torch.zeros((B, Hv, max(Dv // 16, 1), 5 * Dk + 3 * C), dtype=torch.float32, device=device)
+        """A step's scratch for up to B sequences."""
+        return torch.zeros(ChunkRows._scratch_shape(B, Hv, Dk, Dv), dtype=torch.float32, device=device)
 
     @staticmethod
     def row_bytes(Hv: int, Dk: int, Dv: int) -> int:
