@@ -62,8 +62,12 @@ C = gdn.CHUNK
 # FASTQWEN_GDN_STEP_FORM to pick
 FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
 # fused_step's rows a loop trip loads at once (the loads of a trip are in flight together; each
-# trip waits for its own): 8 as measured in session 22; FASTQWEN_GDN_STEP_UNROLL to try others
-UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "8"))
+# trip waits for its own), value columns a program and warps: the fastest measured at B = 1, 4 and
+# 16 on the H200 (session 24: 32 rows, one program a head of 4 warps, 10.1 / 10.5 / 44.0 us a step);
+# FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
+UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
+BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
+WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 
 
@@ -73,7 +77,7 @@ class ChunkRows:
     block_v: the step's value columns a program. scratch: a step's working rows, only used
     within one launch, so the GDN layers of a model can share one (scratch_for); None: its own."""
 
-    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = 32, scratch=None):
+    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = BLOCK_V, scratch=None):
         f32 = dict(dtype=torch.float32, device=device)
         self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
         self.VN = torch.zeros((B, Hv, C, Dv), **f32)
@@ -347,7 +351,7 @@ FORMS = ("fused", "split")
 
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
-               block_v: int | None = None, num_warps: int = 4, unroll: int = UNROLL, form: str = FORM):
+               block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
