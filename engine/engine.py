@@ -161,7 +161,12 @@ class Engine:
             out["gdn_prompt_rule"] = ("reference" if backend != "triton" else
                                       "exact kernels" if gdn.EXACT_PREFILL else "kernels")
             # the GDN decode step: the recurrent step, or the full forward's row (FASTQWEN_GDN_EXACT_DECODE)
-            out["gdn_decode"] = "full forward's rows" if self.model.exact_decode else "recurrent"
+            out["gdn_decode"] = "recurrent"
+            if self.model.exact_decode:
+                from fqkernels import gdn_exact_step
+
+                out["gdn_decode"] = ("full forward's rows" + (f" ({gdn_exact_step.step_form()})"
+                                                              if backend == "triton" else ""))
         return out
 
     # ---- input checks: every problem is reported before any GPU work ---------------

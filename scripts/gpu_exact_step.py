@@ -4,15 +4,16 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
 - replicas: the one-kernel step's copies of torch's l2 norm (each candidate sum order) and
   cumulative sum, bit for bit against torch's own ops at the full forward's shapes (the l2 norm
   over [B, 32, T, 128], the cumulative sum over [B, 32, chunks, 64]);
-- bits: per batch, fused_step's outputs over 72 steps (a chunk and 8 rows of the next) against
+- bits: per batch and form (FORMS), fused_step's outputs over 72 steps (a chunk and 8 rows of the next) against
   the reference's chunked rule over 512 + 72 positions (the full forward of a 512-token prompt
   and its decode: the steps start from the state it leaves at position 512), and the state the
   chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  in one kernel or two (a head's rows, then the column blocks), at column blocks, warp counts and
-  loop unrolls (FORMS), and for the recurrent kernel (gdn.decode_step).
+  at column blocks, warp counts, loop unrolls, with and without its L2 prefetch and a register
+  cap (FORMS), and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
+    python scripts/gpu_exact_step.py --best FILE     # FASTQWEN_GDN_STEP_* of the best bit-equal form
 """
 import argparse
 import json
@@ -28,12 +29,16 @@ from fqkernels import gdn, gdn_exact_step as step  # noqa: E402
 from gpu_rule_bits_probe import _time_us  # noqa: E402
 
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
-# the step's forms timed: (kernels, value columns a program, warps, rows a loop trip loads); bits for
-# BIT_FORMS (kernels, rows a trip)
-FORMS = (("fused", 16, 1, 8), ("fused", 32, 2, 8), ("fused", 64, 4, 8), ("fused", 16, 1, 32), ("fused", 32, 2, 32),
-         ("fused", 64, 4, 32), ("fused", 128, 4, 32), ("split", 16, 1, 32), ("split", 32, 2, 8),
-         ("split", 32, 2, 32), ("split", 64, 4, 32), ("split", 128, 4, 32))
-BIT_FORMS = (("fused", 8), ("fused", 32), ("split", 32))
+# the step's forms, bits and time: (kernels, value columns a program, warps, rows a loop trip
+# loads, L2 prefetch, register cap or 0)
+FORMS = (("fused", 128, 4, 32, 0, 0), ("fused", 128, 4, 32, 1, 0), ("fused", 128, 4, 32, 0, 128),
+         ("fused", 128, 4, 16, 1, 128), ("fused", 128, 4, 16, 0, 128), ("fused", 128, 4, 16, 1, 168),
+         ("fused", 128, 4, 8, 1, 128), ("fused", 128, 8, 16, 1, 128))
+ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG")   # FASTQWEN_GDN_STEP_<name>, a form's fields
+
+
+def _key(form, bv, warps, unroll, prefetch, maxnreg) -> str:
+    return f"{form}_bv{bv}_w{warps}_u{unroll}_p{prefetch}_r{maxnreg}"
 
 
 def _differ(a, b) -> float:
@@ -80,16 +85,17 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    for form, unroll in BIT_FORMS:
-        rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda"), start.clone(), [], None
+    for form, bv, warps, unroll, prefetch, maxnreg in FORMS:
+        rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), start.clone(), [], None
         for i in range(PROMPT, T):
-            pos = torch.full((B,), i, dtype=torch.int64, device="cuda")
+            pos = torch.full((B,), i, dtype=torch.int32, device="cuda")
             outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
-                                        sum_order=sum_order, tile=tile, unroll=unroll, form=form))
+                                        sum_order=sum_order, tile=tile, unroll=unroll, form=form, num_warps=warps,
+                                        prefetch=bool(prefetch), maxnreg=maxnreg))
             if i == PROMPT + gdn.CHUNK - 1:
                 closed = S.clone()
         got = torch.stack(outs, 1)
-        report[f"{form}_u{unroll}"] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+        report[_key(form, bv, warps, unroll, prefetch, maxnreg)] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
                                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
                                       "state_differing": _differ(closed, at_next)}
     return report
@@ -113,15 +119,16 @@ def _graph_us(fn, n: int) -> float:
 def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta, state = inputs(B, 1, seed=100 + B)
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
-    positions = [torch.full((B,), i, dtype=torch.int64, device="cuda") for i in range(gdn.CHUNK)]
+    positions = [torch.full((B,), i, dtype=torch.int32, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for form, bv, warps, unroll in FORMS:
+    for form, bv, warps, unroll, prefetch, maxnreg in FORMS:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = f"{form}_bv{bv}_w{warps}_u{unroll}"
+        key = _key(form, bv, warps, unroll, prefetch, maxnreg)
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows,
                                                            sum_order=sum_order, num_warps=warps, unroll=unroll,
-                                                           form=form), gdn.CHUNK)
+                                                           form=form, prefetch=bool(prefetch), maxnreg=maxnreg),
+                                 gdn.CHUNK)
         except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
             out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()
@@ -129,11 +136,35 @@ def timing(B: int, sum_order: int) -> dict:
     return out
 
 
+def best(report: dict) -> str:
+    """The form bit-equal at every batch with the least sum over the batches of its time over the
+    fastest form's there, as FASTQWEN_GDN_STEP_* assignments ("" if none is bit-equal everywhere)."""
+    batches = [key for key in report if key.isdigit()]
+    times = {}
+    for form in FORMS:
+        key = _key(*form)
+        per = [report[b].get(key) for b in batches]
+        if all(isinstance(p, dict) and not any(p[f] for f in ("out_differing", "out_max_abs", "state_differing"))
+               and isinstance(report[b]["us_per_step"].get(key), float) for b, p in zip(batches, per)):
+            times[form] = [report[b]["us_per_step"][key] for b in batches]
+    if not times:
+        return ""
+    fastest = [min(t[i] for t in times.values()) for i in range(len(batches))]
+    form = min(times, key=lambda f: sum(t / m for t, m in zip(times[f], fastest)))
+    return " ".join(f"FASTQWEN_GDN_STEP_{name}={value}" for name, value in zip(ENV, form))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--best", default=None, metavar="REPORT",
+                    help="print the best form of a report as FASTQWEN_GDN_STEP_* assignments, and exit")
     args = ap.parse_args(argv)
+    if args.best:
+        with open(args.best) as f:
+            print(best(json.load(f)))
+        return {}
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"replicas": replicas()}
     l2 = [v for key, v in report["replicas"].items() if key.startswith("l2norm")]

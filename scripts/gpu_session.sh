@@ -82,6 +82,7 @@
 #                 reference's rule over the whole sequence, bit for bit
 #   exact-step    that step's bits (its replicas of torch's l2 norm and cumsum too) and time in 64-step graphs at
 #                 the 4B's shapes, beside the recurrent step (gpu_exact_step.py)
+#   use-best-exact-step  exports the exact-step's best bit-equal form (FASTQWEN_GDN_STEP_*) for the later stages
 #   exact-rule    that rule's bits and time against the reference's ops and the fast kernels (gpu_exact_rule.py)
 #   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
 #   gdn-probe     the GDN prompt pass's three kernels timed whole and with one stage taken out (gpu_gdn_probe.py)
@@ -376,6 +377,10 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
     exact-step) timeout 420 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
+    use-best-exact-step) # the exact GDN decode step's best bit-equal form of this call's exact-step, for every later stage
+                 best=$(python3 scripts/gpu_exact_step.py --best "$OUT/exact_step.json")
+                 for assignment in $best; do export "$assignment"; done
+                 echo "${best:-no form bit-equal at every batch: the defaults}" | tee "$OUT/exact_step_best.txt" ;;
     exact-rule) timeout 300 python3 scripts/gpu_exact_rule.py --out "$OUT/exact_rule.json" 2>&1 | grep -v Warn | tail -8 ;;
     trsm-bits) timeout 300 python3 scripts/gpu_trsm_probe.py --shape 4x2048 --count "${TRSM_COUNT:-1024}" \
                  --out "$OUT/trsm_bits.json" 2>&1 | grep -v Warn | cut -c1-330 | tail -70 ;;

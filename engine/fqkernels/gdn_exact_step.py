@@ -68,7 +68,19 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
+# the one-kernel step first asks L2 for the lines it will read (FASTQWEN_GDN_STEP_PREFETCH=1), and
+# a register cap for it (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
+# takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor
+PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0") == "1"
+MAXNREG = int(os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "0"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
+_RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
+
+
+def step_form() -> str:
+    """fused_step's defaults in words (for the engine's describe())."""
+    return (f"{FORM}, {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
+            + (", L2 prefetch" if PREFETCH else "") + (f", {MAXNREG} registers" if MAXNREG else ""))
 
 
 class ChunkRows:
@@ -351,7 +363,8 @@ FORMS = ("fused", "split")
 
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
-               block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM):
+               block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
+               prefetch: bool = PREFETCH, maxnreg: int = MAXNREG):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -361,8 +374,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     given); tile: the cumulative sum's (scan_tile of the full forward's rows); unroll: the rows a
     loop trip loads at once (a power of two from 8 to Dk); form: "fused" one kernel (each column
     block's program also computes its head's system and attention rows and w's solve), "split"
-    two (those a program a head, then the column blocks': the same chains, so the same bits).
-    Returns o [B, Hv, Dv] bf16."""
+    two (those a program a head, then the column blocks': the same chains, so the same bits);
+    prefetch: the one-kernel form first asks L2 for the lines it will read (column blocks of 32 or
+    more); maxnreg: its register cap (0: none). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -370,11 +384,12 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
-            or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS):
+            or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS or (prefetch and bv < 32)):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r} (Dk a power of two >= 32; the block "
-                         f"a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; form one of {FORMS})")
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch} (Dk a power of two "
+                         f">= 32; the block a multiple of 16 dividing Dv, 32 or more to prefetch; unroll a power of "
+                         f"two from 8 to Dk; form one of {FORMS})")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
@@ -390,7 +405,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     _chain_step_kernel[(B * Hv, Dv // bv)](
         q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
-        RATIO=Hv // Hk, BV=bv, ORDER=sum_order, num_warps=num_warps, **consts)
+        RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PREFETCH=bool(prefetch), num_warps=num_warps,
+        **consts, **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
 
 
@@ -514,21 +530,48 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, 
 
 
 @triton.jit
-def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, kn, v_new, e_t, DK: tl.constexpr, DV: tl.constexpr,
+def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr, DV: tl.constexpr,
            BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """The chunk's close at its last row t: S_c <- S_c e^gamma_t + (K e^(gamma_t - gamma))^T VN for
-    the columns dv (row t's key kn and new values v_new from registers)."""
-    dk = tl.arange(0, DK)
-    upd = tl.zeros([DK, BV], dtype=tl.float32)
-    for j0 in range(0, CH, U):
-        for u in tl.static_range(U):
-            j = j0 + u
-            krow = tl.where(j == t, kn, tl.load(kt_buf + (bh * DK + dk) * CH + j, mask=j < t, other=0.0))
-            kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
-            vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
-            upd = tl.fma(kd[:, None], vn[None, :], upd)
-    s_ptrs = s_rows + dk[:, None] * DV
-    tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
+    the columns dv (row t's key from the scratch, its new values v_new from registers), _RB of the
+    state's rows at a time (a [DK, BV] tile of sums would hold the whole program's registers: fewer
+    programs a multiprocessor at every step, not only the close's); each sum the same ascending
+    chain over the chunk's rows."""
+    for r0 in range(0, DK, _RB):
+        rr = r0 + tl.arange(0, _RB)
+        kn = tl.load(scr + rr)
+        upd = tl.zeros([_RB, BV], dtype=tl.float32)
+        for j0 in range(0, CH, U):
+            for u in tl.static_range(U):
+                j = j0 + u
+                krow = tl.where(j == t, kn, tl.load(kt_buf + (bh * DK + rr) * CH + j, mask=j < t, other=0.0))
+                kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
+                vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
+                upd = tl.fma(kd[:, None], vn[None, :], upd)
+        s_ptrs = s_rows + rr[:, None] * DV
+        tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
+
+
+@triton.jit
+def _prefetch_l2(ptrs, INTERPRETED: tl.constexpr):
+    """Asks L2 for the lines at ptrs (nothing waits for them); a no-op in the interpreter."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, dv0, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                   CH: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The chunk's rows a step's program will read, asked of L2 before its first wait: the keys,
+    and the rows before t of X and of its columns of the new values (a line a 32 floats; rows at or
+    past t point at row 0, already asked for)."""
+    live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)
+    _prefetch_l2(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32,
+                 INTERPRETED)
+    _prefetch_l2(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32,
+                 INTERPRETED)
+    _prefetch_l2(vn_buf + (bh * CH + live)[:, None] * DV + dv0 + tl.arange(0, BV // 32)[None, :] * 32, INTERPRETED)
 
 
 @triton.jit
@@ -536,14 +579,21 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
-    columns; the close at the chunk's last row."""
+    columns; the close at the chunk's last row. PREFETCH: first ask L2 for the state's and the
+    chunk rows' lines the program reads (each trip then waits on L2, not on HBM)."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
+    if PREFETCH:
+        _prefetch_l2(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
+                     + tl.arange(0, BV // 32)[None, :] * 32, INTERPRETED)
     t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    if PREFETCH:
+        _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, cb * BV, DK, DV, BV, CH, INTERPRETED)
     scr = scr_ptr + (bh * (DV // 16) + cb) * SCR
     dv = cb * BV + tl.arange(0, BV)
     s_rows = s_ptr + bh * DK * DV + dv
@@ -553,7 +603,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
                           stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
     if t == CH - 1:
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, kn, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
 
 
 @triton.jit
@@ -592,5 +642,4 @@ def _columns_kernel(v_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_bu
         jj = tl.arange(0, CH)
         gamma = _torch_cumsum(tl.load(g_buf + bh * CH + jj), jj, CH, TILE, LOG_TILE, INTERPRETED)
         e_t = exp_f32(tl.sum(tl.where(jj == t, gamma, 0.0), axis=0), INTERPRETED)
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, tl.load(scr + tl.arange(0, DK)), v_new, e_t, DK, DV, BV, CH,
-               U, INTERPRETED)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)

@@ -50,12 +50,14 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
                         for i in range(n)], 1)
 
 
-@pytest.mark.parametrize("D,block_v,tile,unroll,form", [(32, 16, 32, 8, "fused"), (64, 32, 64, 8, "fused"),
-                                                        (64, 16, 32, 32, "fused"), (32, 16, 32, 8, "split"),
-                                                        (64, 32, 32, 32, "split")])
-def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form):
+@pytest.mark.parametrize("D,block_v,tile,unroll,form,extra", [
+    (32, 16, 32, 8, "fused", {}), (64, 32, 64, 8, "fused", {}), (64, 16, 32, 32, "fused", {}),
+    (64, 64, 32, 16, "fused", {"prefetch": True, "maxnreg": 128}), (32, 16, 32, 8, "split", {}),
+    (64, 32, 32, 32, "split", {})])
+def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form, extra):
     """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
-    kernel, or a head's rows then the column blocks."""
+    kernel, or a head's rows then the column blocks; extra: the L2 prefetch (a no-op in the
+    interpreter) and a register cap."""
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
@@ -65,12 +67,12 @@ def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile,
     pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
     if DEV == "cuda":
         tile = step.scan_tile(B * Hv * 2)        # the bits of the reference's cumulative sum over two chunks
-    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile, unroll=unroll, form=form)
+    got = _fused_steps(q, k, v, g, beta, S, rows, pos0, 64, tile=tile, unroll=unroll, form=form, **extra)
     _same(got, want[:, :64], "rows 0-63")
     _same(S, at_64, "the state the close leaves after row 63")
     closed = S.clone()
     got = _fused_steps(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:], S, rows, pos0 + 64, T - 64,
-                       tile=tile, unroll=unroll, form=form)
+                       tile=tile, unroll=unroll, form=form, **extra)
     _same(got, want[:, 64:], "rows 64-69 (the second chunk, from the close's state)")
     assert torch.equal(S, closed)
 
