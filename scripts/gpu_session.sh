@@ -64,7 +64,7 @@
 #   judge-q35-exact  judge-q35-official with FASTQWEN_GDN_EXACT_PREFILL=1 (the prompt pass's rule in the
 #                 reference's order, gdn_exact.py: its bits)
 #   judge-q35-xdecode, judge-q35-own-xdecode  judge-q35-official / -own with FASTQWEN_GDN_EXACT_DECODE=1 (each
-#                 GDN decode step the full forward's row, gdn_exact_step.py)
+#                 GDN decode step the full forward's row, gdn_exact_step.py); JUDGE_SAMPLES=N: N samples, not 5
 #   q35-opswap-xdecode  q35-opswap's engine alone with FASTQWEN_GDN_EXACT_DECODE=1, seeds 5 and 6
 #   q35-opswap    Qwen3.5, teacher-forced on native's own tokens: mean / p99 / max logit distance to the full
 #                 forward of the engine, of variants with one piece swapped, and of native's cached decode
@@ -273,6 +273,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                esac
                set="public"; [[ "$stage" == *-own-* ]] && set=$own
                env "$flag=1" timeout 560 python3 -m fastqwen.cli judge --engine engine --official \
+                 ${JUDGE_SAMPLES:+--samples "$JUDGE_SAMPLES"} \
                  --out "$OUT/${stage//-/_}.json" --chart "$OUT/${stage//-/_}.png" --model /tmp/q35_4b \
                  --workloads "$set" 2>&1 | tail -40 ;;
     q35-opswap-xdecode) # q35-opswap's engine with FASTQWEN_GDN_EXACT_DECODE=1 beside native (seeds 5 and 6)

@@ -63,16 +63,19 @@ C = gdn.CHUNK
 FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
 # fused_step's rows a loop trip loads at once (the loads of a trip are in flight together; each
 # trip waits for its own), value columns a program and warps: the fastest measured at B = 1, 4 and
-# 16 on the H200 (session 24: 32 rows, one program a head of 4 warps, 10.1 / 10.5 / 44.0 us a step);
+# 16 on the H200 (session 24: 32 rows, one program a head of 4 warps, 10.1 / 10.5 / 44.0 us a step
+# before the register cap below);
 # FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
-# the one-kernel step first asks L2 for the lines it will read (FASTQWEN_GDN_STEP_PREFETCH=1), and
-# a register cap for it (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
-# takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor
+# the one-kernel step first asks L2 for the lines it will read (FASTQWEN_GDN_STEP_PREFETCH=1: slower
+# at every batch on the H200, session 24), and a register cap for it (Triton's maxnreg,
+# FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise takes all 255 at 32 rows a trip, two
+# programs of 4 warps a multiprocessor; 128 (four) took B = 16 from 44.8 to 35.4 us a step and
+# cost B = 1 and 4 about 1 us
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0") == "1"
-MAXNREG = int(os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "0"))
+MAXNREG = int(os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "128"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
 
