@@ -9,11 +9,13 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
   and its decode: the steps start from the state it leaves at position 512), and the state the
   chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  at column blocks, warp counts, loop unrolls, with and without its L2 prefetch and a register
-  cap (FORMS), and for the recurrent kernel (gdn.decode_step).
+  at column blocks, warp counts, loop unrolls, with and without its L2 prefetch, a register
+  cap and PDL (FORMS), the first form also with all 64 steps at one row (ROWS: the step's cost
+  against its row, the close's at 63), and for the recurrent kernel (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
     python scripts/gpu_exact_step.py --best FILE     # FASTQWEN_GDN_STEP_* of the best bit-equal form
+    python scripts/gpu_exact_step.py --ncu 1,16      # the default form alone, for Nsight Compute
 """
 import argparse
 import json
@@ -30,15 +32,15 @@ from gpu_rule_bits_probe import _time_us  # noqa: E402
 
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # the step's forms, bits and time: (kernels, value columns a program, warps, rows a loop trip
-# loads, L2 prefetch, register cap or 0)
-FORMS = (("fused", 128, 4, 32, 0, 0), ("fused", 128, 4, 32, 1, 0), ("fused", 128, 4, 32, 0, 128),
-         ("fused", 128, 4, 16, 1, 128), ("fused", 128, 4, 16, 0, 128), ("fused", 128, 4, 16, 1, 168),
-         ("fused", 128, 4, 8, 1, 128), ("fused", 128, 8, 16, 1, 128))
-ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG")   # FASTQWEN_GDN_STEP_<name>, a form's fields
+# loads, L2 prefetch, register cap or 0, programmatic dependent launch)
+FORMS = (("fused", 128, 4, 32, 0, 128, 1), ("fused", 128, 4, 32, 0, 128, 0), ("fused", 128, 4, 32, 1, 128, 1),
+         ("fused", 128, 4, 32, 0, 0, 1), ("fused", 128, 4, 16, 0, 128, 1))
+ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
+ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[0]): the step's cost against its row
 
 
-def _key(form, bv, warps, unroll, prefetch, maxnreg) -> str:
-    return f"{form}_bv{bv}_w{warps}_u{unroll}_p{prefetch}_r{maxnreg}"
+def _key(form, bv, warps, unroll, prefetch, maxnreg, pdl) -> str:
+    return f"{form}_bv{bv}_w{warps}_u{unroll}_p{prefetch}_r{maxnreg}_pdl{pdl}"
 
 
 def _differ(a, b) -> float:
@@ -85,17 +87,17 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    for form, bv, warps, unroll, prefetch, maxnreg in FORMS:
+    for form, bv, warps, unroll, prefetch, maxnreg, pdl in FORMS:
         rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), start.clone(), [], None
         for i in range(PROMPT, T):
             pos = torch.full((B,), i, dtype=torch.int32, device="cuda")
             outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
                                         sum_order=sum_order, tile=tile, unroll=unroll, form=form, num_warps=warps,
-                                        prefetch=bool(prefetch), maxnreg=maxnreg))
+                                        prefetch=bool(prefetch), maxnreg=maxnreg, use_pdl=bool(pdl)))
             if i == PROMPT + gdn.CHUNK - 1:
                 closed = S.clone()
         got = torch.stack(outs, 1)
-        report[_key(form, bv, warps, unroll, prefetch, maxnreg)] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
+        report[_key(form, bv, warps, unroll, prefetch, maxnreg, pdl)] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
                                       float((got.float() - want[:, PROMPT:].float()).abs().max()),
                                       "state_differing": _differ(closed, at_next)}
     return report
@@ -121,14 +123,17 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int32, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for form, bv, warps, unroll, prefetch, maxnreg in FORMS:
+    for form, bv, warps, unroll, prefetch, maxnreg, pdl in FORMS:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = _key(form, bv, warps, unroll, prefetch, maxnreg)
+        key = _key(form, bv, warps, unroll, prefetch, maxnreg, pdl)
+        kw = dict(sum_order=sum_order, num_warps=warps, unroll=unroll, form=form, prefetch=bool(prefetch),
+                  maxnreg=maxnreg, use_pdl=bool(pdl))
         try:
-            out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows,
-                                                           sum_order=sum_order, num_warps=warps, unroll=unroll,
-                                                           form=form, prefetch=bool(prefetch), maxnreg=maxnreg),
-                                 gdn.CHUNK)
+            out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, **kw), gdn.CHUNK)
+            if (form, bv, warps, unroll, prefetch, maxnreg, pdl) == FORMS[0]:
+                for t in ROWS:    # 64 steps all at row t (each rewrites row t; at 63 each closes)
+                    out[f"{key}_row{t}"] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[t], S,
+                                                                               rows, **kw), gdn.CHUNK)
         except Exception as exc:  # noqa: BLE001 - a form that does not compile or fit is reported, not fatal
             out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
     R = state.clone()
@@ -160,7 +165,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--best", default=None, metavar="REPORT",
                     help="print the best form of a report as FASTQWEN_GDN_STEP_* assignments, and exit")
+    ap.add_argument("--ncu", default=None, metavar="BATCHES",
+                    help="only run the default form eagerly, 4 steps at row 31 a batch (for Nsight Compute)")
     args = ap.parse_args(argv)
+    if args.ncu:
+        for B in (int(b) for b in args.ncu.split(",")):
+            q, k, v, g, beta, state = inputs(B, 1, seed=100 + B)
+            q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
+            rows, pos = step.ChunkRows(B, HV, D, D, "cuda"), torch.full((B,), 31, dtype=torch.int32, device="cuda")
+            for _ in range(4):
+                step.fused_step(q, k, v, g, beta, pos, state, rows)
+            torch.cuda.synchronize()
+        return {}
     if args.best:
         with open(args.best) as f:
             print(best(json.load(f)))

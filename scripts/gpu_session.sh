@@ -82,6 +82,7 @@
 #                 reference's rule over the whole sequence, bit for bit
 #   exact-step    that step's bits (its replicas of torch's l2 norm and cumsum too) and time in 64-step graphs at
 #                 the 4B's shapes, beside the recurrent step (gpu_exact_step.py)
+#   exact-step-ncu  Nsight Compute over that step (its default form) at B = 1 and 16 (stall reasons by line)
 #   use-best-exact-step  exports the exact-step's best bit-equal form (FASTQWEN_GDN_STEP_*) for the later stages
 #   exact-rule    that rule's bits and time against the reference's ops and the fast kernels (gpu_exact_rule.py)
 #   trsm-bits     the rule's triangular solves against ~50 emulated solve orders, per row (gpu_trsm_probe.py)
@@ -378,6 +379,16 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
     exact-step) timeout 420 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
+    exact-step-ncu) # Nsight Compute over the exact GDN decode step (the default form) at B = 1 and 16, row 31:
+                    # stall reasons by source line, occupancy, memory (the clocks left alone, METHOD.md)
+             ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+             [ -n "$ncu_bin" ] || { echo "exact-step-ncu: no ncu here"; continue; }
+             timeout 300 "$ncu_bin" --clock-control none --kernel-name regex:"_chain_step_kernel" --launch-skip 2 \
+               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+               --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+               python3 scripts/gpu_exact_step.py --ncu 1,16 > "$OUT/exact_step_ncu.txt" 2>&1
+             grep -E "_chain_step|Duration|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Memory Throughput|Stall|Warp Cycles Per Issued" \
+               "$OUT/exact_step_ncu.txt" | head -60 ;;
     use-best-exact-step) # the exact GDN decode step's best bit-equal form of this call's exact-step, for every later stage
                  best=$(python3 scripts/gpu_exact_step.py --best "$OUT/exact_step.json")
                  for assignment in $best; do export "$assignment"; done

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fqkernels import gdn
+from fqkernels import gdn, pdl
 from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
 from fqkernels.swiglu import exp_f32
 
@@ -76,6 +76,9 @@ WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # cost B = 1 and 4 about 1 us
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0") == "1"
 MAXNREG = int(os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "128"))
+# programmatic dependent launch for the one-kernel step, as every other decode kernel
+# (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
+PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
 
@@ -83,7 +86,8 @@ _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 3
 def step_form() -> str:
     """fused_step's defaults in words (for the engine's describe())."""
     return (f"{FORM}, {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
-            + (", L2 prefetch" if PREFETCH else "") + (f", {MAXNREG} registers" if MAXNREG else ""))
+            + (", L2 prefetch" if PREFETCH else "") + (f", {MAXNREG} registers" if MAXNREG else "")
+            + (", PDL" if PDL and pdl.ENABLED else ""))
 
 
 class ChunkRows:
@@ -367,7 +371,7 @@ FORMS = ("fused", "split")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               prefetch: bool = PREFETCH, maxnreg: int = MAXNREG):
+               prefetch: bool = PREFETCH, maxnreg: int = MAXNREG, use_pdl: bool = PDL):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -379,7 +383,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     block's program also computes its head's system and attention rows and w's solve), "split"
     two (those a program a head, then the column blocks': the same chains, so the same bits);
     prefetch: the one-kernel form first asks L2 for the lines it will read (column blocks of 32 or
-    more); maxnreg: its register cap (0: none). Returns o [B, Hv, Dv] bf16."""
+    more); maxnreg: its register cap (0: none); use_pdl: the one-kernel form launches with programmatic
+    dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits). Returns o
+    [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -405,11 +411,12 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                                             out, v.stride(0), v.stride(1), beta.stride(0), BV=bv,
                                             num_warps=num_warps, **consts)
         return out
+    use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     _chain_step_kernel[(B * Hv, Dv // bv)](
         q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5,
-        RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PREFETCH=bool(prefetch), num_warps=num_warps,
-        **consts, **({"maxnreg": maxnreg} if maxnreg else {}))
+        RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PREFETCH=bool(prefetch), PDL=use_pdl, num_warps=num_warps,
+        **consts, **pdl_launch, **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
 
 
@@ -556,25 +563,18 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_l2(ptrs, INTERPRETED: tl.constexpr):
-    """Asks L2 for the lines at ptrs (nothing waits for them); a no-op in the interpreter."""
-    if not INTERPRETED:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, dv0, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                    CH: tl.constexpr, INTERPRETED: tl.constexpr):
     """The chunk's rows a step's program will read, asked of L2 before its first wait: the keys,
     and the rows before t of X and of its columns of the new values (a line a 32 floats; rows at or
     past t point at row 0, already asked for)."""
     live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)
-    _prefetch_l2(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32,
-                 INTERPRETED)
-    _prefetch_l2(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32,
-                 INTERPRETED)
-    _prefetch_l2(vn_buf + (bh * CH + live)[:, None] * DV + dv0 + tl.arange(0, BV // 32)[None, :] * 32, INTERPRETED)
+    pdl.prefetch_l2(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32,
+                    not INTERPRETED)
+    pdl.prefetch_l2(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32,
+                    not INTERPRETED)
+    pdl.prefetch_l2(vn_buf + (bh * CH + live)[:, None] * DV + dv0 + tl.arange(0, BV // 32)[None, :] * 32,
+                    not INTERPRETED)
 
 
 @triton.jit
@@ -583,17 +583,20 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row. PREFETCH: first ask L2 for the state's and the
-    chunk rows' lines the program reads (each trip then waits on L2, not on HBM)."""
+    chunk rows' lines the program reads (each trip then waits on L2, not on HBM); the state's
+    before PDL's wait (a hint: L2 is where writes meet, so no stale bytes)."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
     if PREFETCH:
-        _prefetch_l2(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
-                     + tl.arange(0, BV // 32)[None, :] * 32, INTERPRETED)
+        pdl.prefetch_l2(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
+                        + tl.arange(0, BV // 32)[None, :] * 32, not INTERPRETED)
+    pdl.wait(PDL)  # q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's
+    pdl.launch_dependents(PDL)
     t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
     if PREFETCH:
         _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, cb * BV, DK, DV, BV, CH, INTERPRETED)
