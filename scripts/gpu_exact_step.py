@@ -10,8 +10,9 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
   chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
   at column blocks, warp counts, loop unrolls, with and without its L2 prefetch, a register
-  cap and PDL (FORMS), the first form also with all 64 steps at one row (ROWS: the step's cost
-  against its row, the close's at 63), and for the recurrent kernel (gdn.decode_step).
+  cap and PDL, in both kernel forms (FORMS), the first two also with all 64 steps at one row
+  (ROWS: the step's cost against its row, the close's at 63), and for the recurrent kernel
+  (gdn.decode_step).
 
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
     python scripts/gpu_exact_step.py --best FILE     # FASTQWEN_GDN_STEP_* of the best bit-equal form
@@ -33,10 +34,10 @@ from gpu_rule_bits_probe import _time_us  # noqa: E402
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # the step's forms, bits and time: (kernels, value columns a program, warps, rows a loop trip
 # loads, L2 prefetch, register cap or 0, programmatic dependent launch)
-FORMS = (("fused", 128, 4, 32, 0, 128, 1), ("fused", 128, 4, 32, 0, 128, 0), ("fused", 128, 4, 32, 1, 128, 1),
-         ("fused", 128, 4, 32, 0, 0, 1), ("fused", 128, 4, 16, 0, 128, 1))
+FORMS = (("fused", 128, 4, 32, 0, 128, 1), ("merged", 128, 4, 32, 0, 128, 1), ("fused", 128, 4, 32, 0, 128, 0),
+         ("fused", 128, 4, 32, 1, 128, 1), ("merged", 128, 4, 16, 0, 128, 1), ("merged", 128, 4, 8, 0, 0, 1))
 ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
-ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[0]): the step's cost against its row
+ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 
 
 def _key(form, bv, warps, unroll, prefetch, maxnreg, pdl) -> str:
@@ -130,7 +131,7 @@ def timing(B: int, sum_order: int) -> dict:
                   maxnreg=maxnreg, use_pdl=bool(pdl))
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, **kw), gdn.CHUNK)
-            if (form, bv, warps, unroll, prefetch, maxnreg, pdl) == FORMS[0]:
+            if (form, bv, warps, unroll, prefetch, maxnreg, pdl) in FORMS[:2]:
                 for t in ROWS:    # 64 steps all at row t (each rewrites row t; at 63 each closes)
                     out[f"{key}_row{t}"] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[t], S,
                                                                                rows, **kw), gdn.CHUNK)
