@@ -98,9 +98,10 @@ def bits(B: int, sum_order: int) -> dict:
             if i == PROMPT + gdn.CHUNK - 1:
                 closed = S.clone()
         got = torch.stack(outs, 1)
-        report[_key(form, bv, warps, unroll, prefetch, maxnreg, pdl)] = {"out_differing": _differ(got, want[:, PROMPT:]), "out_max_abs":
-                                      float((got.float() - want[:, PROMPT:].float()).abs().max()),
-                                      "state_differing": _differ(closed, at_next)}
+        report[_key(form, bv, warps, unroll, prefetch, maxnreg, pdl)] = {
+            "out_differing": _differ(got, want[:, PROMPT:]),
+            "out_max_abs": float((got.float() - want[:, PROMPT:].float()).abs().max()),
+            "state_differing": _differ(closed, at_next)}
     return report
 
 

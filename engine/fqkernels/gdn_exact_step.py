@@ -403,9 +403,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or (prefetch and (bv < 32 or form != "fused"))):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch} (Dk a power of two "
-                         f">= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; form "
-                         f"one of {FORMS}; the prefetch the fused form's, at blocks of 32 or more)")
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch} (Dk a power "
+                         f"of two >= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; "
+                         f"form one of {FORMS}; the prefetch the fused form's, at blocks of 32 or more)")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
