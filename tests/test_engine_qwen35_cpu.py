@@ -242,5 +242,9 @@ def test_backend_is_explicit(tiny, monkeypatch):
     monkeypatch.setattr(gdn, "EXACT_PREFILL", True)
     assert eng.describe()["gdn_prompt_rule"] == "exact kernels"
     # and its GDN decode step: the recurrent one, or the full forward's rows (FASTQWEN_GDN_EXACT_DECODE)
+    # (on the triton backend with the step's form: its kernel, columns, warps, rows a trip, caps)
+    from fqkernels import gdn_exact_step
+
     monkeypatch.setattr(eng.model, "exact_decode", True)
-    assert eng.describe()["gdn_decode"] == "full forward's rows"
+    assert eng.describe()["gdn_decode"] == f"full forward's rows ({gdn_exact_step.step_form()})"
+    assert "fused, 128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()
