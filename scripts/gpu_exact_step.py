@@ -33,9 +33,10 @@ from gpu_rule_bits_probe import _time_us  # noqa: E402
 
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # the step's forms, bits and time: (kernels, value columns a program, warps, rows a loop trip
-# loads, L2 prefetch, register cap or 0, programmatic dependent launch)
-FORMS = (("fused", 128, 4, 32, 0, 128, 1), ("merged", 128, 4, 32, 0, 128, 1), ("fused", 128, 4, 32, 0, 128, 0),
-         ("fused", 128, 4, 32, 1, 128, 1), ("merged", 128, 4, 16, 0, 128, 1), ("merged", 128, 4, 8, 0, 0, 1))
+# loads, L2 prefetch, register cap ("auto": 128 where the grid outnumbers two programs a
+# multiprocessor, B = 16 here; 0: none), programmatic dependent launch)
+FORMS = (("fused", 128, 4, 32, 0, "auto", 1), ("merged", 128, 4, 32, 0, "auto", 1), ("fused", 128, 4, 32, 0, "auto", 0),
+         ("merged", 128, 4, 16, 0, "auto", 1), ("merged", 128, 4, 8, 0, 0, 1))
 ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
 ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 

@@ -232,3 +232,20 @@ def test_shared_prefixes_with_exact_decode(exact_engine):
     slots = exact_engine.slots(3, 320, page_size=64, num_pages=20)
     assert _greedy(slots, {"a": prompts["a"]}, 70) == {"a": alone["a"]} and slots.pool.hit_tokens == 0
     assert _greedy(slots, {"b": prompts["b"]}, 70) == {"b": alone["b"]} and slots.pool.hit_tokens == 128
+
+
+def test_the_steps_register_cap(monkeypatch):
+    """"auto" caps the step's registers only where its grid outnumbers two programs a
+    multiprocessor (B = 9 and more of the 4B on an H200); an explicit cap is kept; a bad
+    cap is refused by name before any launch."""
+    monkeypatch.setitem(gdn_exact_step._SM_COUNT, 0, 132)
+    cuda0 = torch.device("cuda", 0)
+    assert [gdn_exact_step.register_cap("auto", B * 32, cuda0) for B in (1, 4, 8, 9, 16)] == [0, 0, 0, 128, 128]
+    assert gdn_exact_step.register_cap("auto", 512, torch.device("cpu")) == 0
+    assert gdn_exact_step.register_cap(168, 32, cuda0) == 168 and gdn_exact_step.register_cap(0, 512, cuda0) == 0
+    rows = gdn_exact_step.ChunkRows(1, 2, 32, 32, "cpu", block_v=16)
+    q = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    v = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="register cap 'many'"):
+        gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, maxnreg="many")

@@ -78,9 +78,13 @@ WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # at every batch on the H200, session 24), and a register cap for it (Triton's maxnreg,
 # FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise takes all 255 at 32 rows a trip, two
 # programs of 4 warps a multiprocessor; 128 (four) took B = 16 from 44.8 to 35.4 us a step and
-# cost B = 1 and 4 about 1 us
+# cost B = 1 and 4 about 1 us (session 24). "auto" (the default): the cap of AUTO_CAP only where
+# the grid has more programs than two a multiprocessor (where four a multiprocessor can run more
+# of them at once); the B = 1 and 4 grids (32 and 128 programs on the H200's 132) run uncapped
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0") == "1"
-MAXNREG = int(os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "128"))
+AUTO_CAP = 128
+MAXNREG = os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "auto")
+MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
 # programmatic dependent launch for the one-kernel step, as every other decode kernel
 # (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
 PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
@@ -91,8 +95,30 @@ _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 3
 def step_form() -> str:
     """fused_step's defaults in words (for the engine's describe())."""
     return (f"{FORM}, {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
-            + (", L2 prefetch" if PREFETCH else "") + (f", {MAXNREG} registers" if MAXNREG else "")
+            + (", L2 prefetch" if PREFETCH else "")
+            + (f", {AUTO_CAP} registers beyond two programs a multiprocessor" if MAXNREG == "auto"
+               else f", {MAXNREG} registers" if MAXNREG else "")
             + (", PDL" if PDL and pdl.ENABLED else ""))
+
+
+def register_cap(maxnreg, programs: int, device: torch.device) -> int:
+    """The step's register cap for a grid of `programs` (maxnreg: a cap, 0 for none, or "auto":
+    AUTO_CAP where the programs outnumber two a multiprocessor, on a GPU)."""
+    if maxnreg != "auto":
+        return int(maxnreg)
+    if device.type != "cuda":
+        return 0
+    return AUTO_CAP if programs > 2 * _multiprocessors(device.index) else 0
+
+
+_SM_COUNT: dict = {}
+
+
+def _multiprocessors(index) -> int:
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 class ChunkRows:
@@ -390,8 +416,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     the attention over the earlier new values in one pass; w S_c over the state's rows read
     again from cache): the same chains, so the same bits; prefetch: the fused form first asks L2
     for the lines it will read (column blocks of 32 or more); maxnreg: the kernel's register cap
-    (0: none); use_pdl: launch with programmatic dependent launch where fqkernels.pdl allows
-    (decode-sized batches; the same bits). Returns o [B, Hv, Dv] bf16."""
+    (0: none; "auto": register_cap's); use_pdl: launch with programmatic dependent launch where
+    fqkernels.pdl allows (decode-sized batches; the same bits). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -400,17 +426,20 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
-            or (prefetch and (bv < 32 or form != "fused"))):
+            or (prefetch and (bv < 32 or form != "fused"))
+            or not (maxnreg == "auto" or isinstance(maxnreg, int) and maxnreg >= 0)):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch} (Dk a power "
-                         f"of two >= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; "
-                         f"form one of {FORMS}; the prefetch the fused form's, at blocks of 32 or more)")
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch}, register "
+                         f"cap {maxnreg!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; unroll "
+                         f"a power of two from 8 to Dk; form one of {FORMS}; the prefetch the fused form's, at "
+                         f"blocks of 32 or more; the cap \"auto\" or registers >= 0)")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
                   LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
+    maxnreg = register_cap(maxnreg, B * Hv * (Dv // bv), v.device)
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5)
