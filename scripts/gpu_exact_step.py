@@ -34,17 +34,15 @@ from gpu_rule_bits_probe import _time_us  # noqa: E402
 HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # the step's forms, bits and time: (kernels, value columns a program, warps, rows a loop trip
 # loads, L2 prefetch, register cap ("auto": 128 where the grid outnumbers two programs a
-# multiprocessor, B = 16 here; 0: none), programmatic dependent launch, the loops' pipeline stages)
-FORMS = (("fused", 128, 4, 32, 0, "auto", 1, 1), ("fused", 128, 4, 32, 0, "auto", 1, 3),
-         ("merged", 128, 4, 32, 0, "auto", 1, 1), ("merged", 128, 4, 32, 0, "auto", 1, 3),
-         ("fused", 128, 4, 32, 0, "auto", 1, 2), ("fused", 128, 4, 16, 0, "auto", 1, 3),
-         ("fused", 128, 4, 32, 0, "auto", 0, 1))
-ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG", "PDL", "STAGES")   # FASTQWEN_GDN_STEP_<name>
+# multiprocessor, B = 16 here; 0: none), programmatic dependent launch)
+FORMS = (("merged", 128, 4, 32, 0, "auto", 1), ("fused", 128, 4, 32, 0, "auto", 1),
+         ("merged", 128, 4, 32, 0, "auto", 0), ("fused", 128, 4, 32, 0, "auto", 0))
+ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "PREFETCH", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
 ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 
 
-def _key(form, bv, warps, unroll, prefetch, maxnreg, pdl, stages) -> str:
-    return f"{form}_bv{bv}_w{warps}_u{unroll}_p{prefetch}_r{maxnreg}_pdl{pdl}_s{stages}"
+def _key(form, bv, warps, unroll, prefetch, maxnreg, pdl) -> str:
+    return f"{form}_bv{bv}_w{warps}_u{unroll}_p{prefetch}_r{maxnreg}_pdl{pdl}"
 
 
 def _differ(a, b) -> float:
@@ -91,18 +89,17 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    for form, bv, warps, unroll, prefetch, maxnreg, pdl, stages in FORMS:
+    for form, bv, warps, unroll, prefetch, maxnreg, pdl in FORMS:
         rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), start.clone(), [], None
         for i in range(PROMPT, T):
             pos = torch.full((B,), i, dtype=torch.int32, device="cuda")
             outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
                                         sum_order=sum_order, tile=tile, unroll=unroll, form=form, num_warps=warps,
-                                        prefetch=bool(prefetch), maxnreg=maxnreg, use_pdl=bool(pdl),
-                                        stages=stages))
+                                        prefetch=bool(prefetch), maxnreg=maxnreg, use_pdl=bool(pdl)))
             if i == PROMPT + gdn.CHUNK - 1:
                 closed = S.clone()
         got = torch.stack(outs, 1)
-        report[_key(form, bv, warps, unroll, prefetch, maxnreg, pdl, stages)] = {
+        report[_key(form, bv, warps, unroll, prefetch, maxnreg, pdl)] = {
             "out_differing": _differ(got, want[:, PROMPT:]),
             "out_max_abs": float((got.float() - want[:, PROMPT:].float()).abs().max()),
             "state_differing": _differ(closed, at_next)}
@@ -129,14 +126,14 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int32, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for form, bv, warps, unroll, prefetch, maxnreg, pdl, stages in FORMS:
+    for form, bv, warps, unroll, prefetch, maxnreg, pdl in FORMS:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = _key(form, bv, warps, unroll, prefetch, maxnreg, pdl, stages)
+        key = _key(form, bv, warps, unroll, prefetch, maxnreg, pdl)
         kw = dict(sum_order=sum_order, num_warps=warps, unroll=unroll, form=form, prefetch=bool(prefetch),
-                  maxnreg=maxnreg, use_pdl=bool(pdl), stages=stages)
+                  maxnreg=maxnreg, use_pdl=bool(pdl))
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, **kw), gdn.CHUNK)
-            if (form, bv, warps, unroll, prefetch, maxnreg, pdl, stages) in FORMS[:2]:
+            if (form, bv, warps, unroll, prefetch, maxnreg, pdl) in FORMS[:2]:
                 for t in ROWS:    # 64 steps all at row t (each rewrites row t; at 63 each closes)
                     out[f"{key}_row{t}"] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[t], S,
                                                                                rows, **kw), gdn.CHUNK)

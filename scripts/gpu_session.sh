@@ -81,7 +81,7 @@
 #   kernels-gdn-exact-step  the GDN decode step in the full forward's arithmetic (gdn_exact_step.py) against the
 #                 reference's rule over the whole sequence, bit for bit
 #   exact-step    that step's bits (its replicas of torch's l2 norm and cumsum too) and time in 64-step graphs at
-#                 the 4B's shapes, beside the recurrent step (gpu_exact_step.py)
+#                 the 4B's shapes, beside the recurrent step (gpu_exact_step.py; EXACT_STEP_BATCHES, default 1,4,16)
 #   exact-step-ncu  Nsight Compute over that step (its default form) at B = 1 and 16 (stall reasons by line)
 #   use-best-exact-step  exports the exact-step's best bit-equal form (FASTQWEN_GDN_STEP_*) for the later stages
 #   exact-rule    that rule's bits and time against the reference's ops and the fast kernels (gpu_exact_rule.py)
@@ -378,7 +378,8 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                          | grep -v "^    \|^  File\|^E    +" | tail -40 | tee "$OUT/pytest_gdn_exact.log" ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
-    exact-step) timeout 420 python3 scripts/gpu_exact_step.py --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
+    exact-step) timeout 420 python3 scripts/gpu_exact_step.py --batches "${EXACT_STEP_BATCHES:-1,4,16}" \
+                  --out "$OUT/exact_step.json" 2>&1 | grep -v Warn | tail -5 ;;
     exact-step-ncu) # Nsight Compute over the exact GDN decode step (the default form) at B = 1 and 16, row 31:
                     # stall reasons by source line, occupancy, memory (the clocks left alone, METHOD.md)
              ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

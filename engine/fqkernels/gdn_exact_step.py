@@ -88,9 +88,6 @@ MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
 # programmatic dependent launch for the one-kernel step, as every other decode kernel
 # (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
 PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
-# the loops' software pipeline (Triton's num_stages on each chain's loop: a trip's rows and scalars
-# copied into shared memory while the trip before runs; 1: none, each trip waits for its loads)
-STAGES = int(os.environ.get("FASTQWEN_GDN_STEP_STAGES", "1"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
 
@@ -101,7 +98,7 @@ def step_form() -> str:
             + (", L2 prefetch" if PREFETCH else "")
             + (f", {AUTO_CAP} registers beyond two programs a multiprocessor" if MAXNREG == "auto"
                else f", {MAXNREG} registers" if MAXNREG else "")
-            + (f", {STAGES}-stage loops" if STAGES > 1 else "") + (", PDL" if PDL and pdl.ENABLED else ""))
+            + (", PDL" if PDL and pdl.ENABLED else ""))
 
 
 def register_cap(maxnreg, programs: int, device: torch.device) -> int:
@@ -405,7 +402,7 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               prefetch: bool = PREFETCH, maxnreg=MAXNREG, use_pdl: bool = PDL, stages: int = STAGES):
+               prefetch: bool = PREFETCH, maxnreg: int = MAXNREG, use_pdl: bool = PDL):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -420,8 +417,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     again from cache): the same chains, so the same bits; prefetch: the fused form first asks L2
     for the lines it will read (column blocks of 32 or more); maxnreg: the kernel's register cap
     (0: none; "auto": register_cap's); use_pdl: launch with programmatic dependent launch where
-    fqkernels.pdl allows (decode-sized batches; the same bits); stages: the chains' loops' software
-    pipeline depth (1: none; the same bits). Returns o [B, Hv, Dv] bf16."""
+    fqkernels.pdl allows (decode-sized batches; the same bits). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -431,18 +427,17 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
             or (prefetch and (bv < 32 or form != "fused"))
-            or not (maxnreg == "auto" or isinstance(maxnreg, int) and maxnreg >= 0)
-            or stages not in (1, 2, 3, 4)):
+            or not (maxnreg == "auto" or isinstance(maxnreg, int) and maxnreg >= 0)):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch}, register "
-                         f"cap {maxnreg!r}, stages {stages} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; unroll "
+                         f"cap {maxnreg!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; unroll "
                          f"a power of two from 8 to Dk; form one of {FORMS}; the prefetch the fused form's, at "
-                         f"blocks of 32 or more; the cap \"auto\" or registers >= 0; stages 1 to 4)")
+                         f"blocks of 32 or more; the cap \"auto\" or registers >= 0)")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
-                  LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, ST=stages, num_stages=1)
+                  LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     maxnreg = register_cap(maxnreg, B * Hv * (Dv // bv), v.device)
     caps = {"maxnreg": maxnreg} if maxnreg else {}
@@ -474,7 +469,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
 def _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b, hk, bh, t, stride_qb, stride_qh,
                stride_gb, stride_betab, scale, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BV: tl.constexpr, CH: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
-               U: tl.constexpr, Q_STATE: tl.constexpr, INTERPRETED: tl.constexpr, ST: tl.constexpr = 1):
+               U: tl.constexpr, Q_STATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """A sequence-head's rows: the normalized key and query (torch's l2 norm), the decays (torch's
     cumulative sum), the system's and attention's row t over the chunk's keys, into the scratch;
     with Q_STATE also (q e^gamma_t) S_c for the columns at s_rows, its chain in the same trips as the
@@ -499,7 +494,7 @@ def _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b, hk,
     acc_s = tl.zeros([CH], dtype=tl.float32)
     acc_a = tl.zeros([CH], dtype=tl.float32)
     acc_q = tl.zeros([BV], dtype=tl.float32)
-    for i0 in tl.range(0, DK, U, num_stages=ST):
+    for i0 in range(0, DK, U):
         for u in tl.static_range(U):
             i = i0 + u
             col = tl.load(kt_buf + (bh * DK + i) * CH + jj, mask=jj < t, other=0.0)
@@ -531,13 +526,13 @@ def _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, write_row, DK: 
 
 @triton.jit
 def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, NB: tl.constexpr, U: tl.constexpr,
-               INTERPRETED: tl.constexpr, ST: tl.constexpr = 1):
+               INTERPRETED: tl.constexpr):
     """Row t of the unit-lower solve in cuBLAS's blocked order, for the N columns `cols` of the
     solved rows (rows_ptr + j * ROW + cols) from its right-hand side x: each earlier block of NB
     rows one chain from zero, subtracted at the block's end (U / NB blocks a trip, in turn), then
     the own block's rows by one FMA each; l_ptr: the system's row t."""
     nblk = t // NB
-    for blk0 in tl.range(0, nblk, U // NB, num_stages=ST):
+    for blk0 in range(0, nblk, U // NB):
         for sb in tl.static_range(U // NB):
             blk = blk0 + sb
             live = blk < nblk
@@ -556,14 +551,14 @@ def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, 
 
 @triton.jit
 def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: tl.constexpr, DV: tl.constexpr,
-                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr, ST: tl.constexpr = 1):
+                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """_solve_row for w's row (columns DV + dk) and u's (columns dv) in one pass over the rows
     before t, each its own chains in the same order; in the same trips the attention's chain over
     those rows' new values (a_ptr: the attention's row t; vn_rows + j * DV: row j's columns), from
     zero and ascending as the unmerged loop runs it. Returns (xw, xu, that chain's sum)."""
     acc_i = tl.zeros(xu.shape, dtype=tl.float32)
     nblk = t // NB
-    for blk0 in tl.range(0, nblk, U // NB, num_stages=ST):
+    for blk0 in range(0, nblk, U // NB):
         for sb in tl.static_range(U // NB):
             blk = blk0 + sb
             live = blk < nblk
@@ -591,18 +586,17 @@ def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: 
 @triton.jit
 def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
                   stride_betab, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                  CH: tl.constexpr, NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                  ST: tl.constexpr = 1):
+                  CH: tl.constexpr, NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """A sequence-head's BV value columns dv, after its head part: u's solve, v_new = u - w S_c,
     (q e^gamma) S_c + the attention over the new values (row t's output, stored), row t of u and
     v_new. Returns v_new."""
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
-    xu = _solve_row(vb, x_buf + bh * CH * (DV + DK), dv, scr + 5 * DK, t, DV + DK, BV, NB, U, INTERPRETED, ST)
+    xu = _solve_row(vb, x_buf + bh * CH * (DV + DK), dv, scr + 5 * DK, t, DV + DK, BV, NB, U, INTERPRETED)
     # w S_c and (q e^gamma) S_c: chains over the state's rows
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     acc_q = tl.zeros([BV], dtype=tl.float32)
-    for i0 in tl.range(0, DK, U, num_stages=ST):
+    for i0 in range(0, DK, U):
         for u in tl.static_range(U):
             i = i0 + u
             srow = tl.load(s_rows + i * DV)
@@ -611,7 +605,7 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, 
     v_new = _sub_rn(xu, acc_w2, INTERPRETED)
     # attention over the chunk's new values so far (the terms past t are zeros: left out)
     acc_i = tl.zeros([BV], dtype=tl.float32)
-    for j0 in tl.range(0, t + 1, U, num_stages=ST):
+    for j0 in range(0, t + 1, U):
         for u in tl.static_range(U):
             j = j0 + u
             vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
@@ -625,7 +619,7 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, 
 
 @triton.jit
 def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr, DV: tl.constexpr,
-           BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr, ST: tl.constexpr = 1):
+           BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """The chunk's close at its last row t: S_c <- S_c e^gamma_t + (K e^(gamma_t - gamma))^T VN for
     the columns dv (row t's key from the scratch, its new values v_new from registers), _RB of the
     state's rows at a time (a [DK, BV] tile of sums would hold the whole program's registers: fewer
@@ -635,7 +629,7 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
         rr = r0 + tl.arange(0, _RB)
         kn = tl.load(scr + rr)
         upd = tl.zeros([_RB, BV], dtype=tl.float32)
-        for j0 in tl.range(0, CH, U, num_stages=ST):
+        for j0 in range(0, CH, U):
             for u in tl.static_range(U):
                 j = j0 + u
                 krow = tl.where(j == t, kn, tl.load(kt_buf + (bh * DK + rr) * CH + j, mask=j < t, other=0.0))
@@ -667,7 +661,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, ST: tl.constexpr = 1):
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row. PREFETCH: first ask L2 for the state's and the
@@ -689,14 +683,14 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     s_rows = s_ptr + bh * DK * DV + dv
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
-                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED, ST)
+                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
     xw = _solve_row(_mul_rn(kb, e_t, INTERPRETED), x_buf + bh * CH * (DV + DK) + DV, tl.arange(0, DK),
-                    scr + 5 * DK, t, DV + DK, DK, NB, U, INTERPRETED, ST)
+                    scr + 5 * DK, t, DV + DK, DK, NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
-                          stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED, ST)
+                          stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
     if t == CH - 1:
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED, ST)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
 
 
 @triton.jit
@@ -705,7 +699,7 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                        PDL: tl.constexpr = False, ST: tl.constexpr = 1):
+                        PDL: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
@@ -722,15 +716,15 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     s_rows = s_ptr + bh * DK * DV + dv
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
-                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, True, INTERPRETED, ST)
+                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, True, INTERPRETED)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xw, xu, acc_i = _solve_rows_merged(_mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
                                        scr + 5 * DK, scr + 5 * DK + CH, vn_buf + bh * CH * DV + dv, t, DV + DK, DV,
-                                       NB, U, INTERPRETED, ST)
+                                       NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
-    for i0 in tl.range(0, DK, U, num_stages=ST):
+    for i0 in range(0, DK, U):
         for u in tl.static_range(U):
             i = i0 + u
             acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), tl.load(s_rows + i * DV), acc_w2)
@@ -740,4 +734,4 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
     if t == CH - 1:
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED, ST)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)

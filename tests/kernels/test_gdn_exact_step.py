@@ -53,8 +53,7 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
 @pytest.mark.parametrize("D,block_v,tile,unroll,form,extra", [
     (32, 16, 32, 8, "fused", {}), (64, 32, 64, 8, "fused", {}), (64, 16, 32, 32, "fused", {}),
     (64, 64, 32, 16, "fused", {"prefetch": True, "maxnreg": 128}), (32, 16, 32, 8, "merged", {}),
-    (64, 32, 32, 32, "merged", {}), (64, 64, 64, 16, "merged", {"maxnreg": 128}),
-    (64, 64, 32, 16, "fused", {"stages": 3}), (64, 32, 32, 32, "merged", {"stages": 2})])
+    (64, 32, 32, 32, "merged", {}), (64, 64, 64, 16, "merged", {"maxnreg": 128})])
 def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form, extra):
     """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
     kernel with a pass a product, or with the passes merged; extra: the L2 prefetch (a no-op in the
