@@ -247,4 +247,4 @@ def test_backend_is_explicit(tiny, monkeypatch):
 
     monkeypatch.setattr(eng.model, "exact_decode", True)
     assert eng.describe()["gdn_decode"] == f"full forward's rows ({gdn_exact_step.step_form()})"
-    assert "fused, 128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()
+    assert "128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()

@@ -234,15 +234,18 @@ def test_shared_prefixes_with_exact_decode(exact_engine):
     assert _greedy(slots, {"b": prompts["b"]}, 70) == {"b": alone["b"]} and slots.pool.hit_tokens == 128
 
 
-def test_the_steps_register_cap(monkeypatch):
-    """"auto" caps the step's registers only where its grid outnumbers two programs a
-    multiprocessor (B = 9 and more of the 4B on an H200); an explicit cap is kept; a bad
-    cap is refused by name before any launch."""
-    monkeypatch.setitem(gdn_exact_step._SM_COUNT, 0, 132)
+def test_the_steps_grid_plan(monkeypatch):
+    """"auto" picks the step's form and register cap by its grid: the merged form uncapped where the
+    programs fit two a multiprocessor (B <= 8 of the 4B on an H200), the fused form at 128 registers
+    beyond; explicit choices are kept; the CPU never caps; a bad cap is refused by name before any
+    launch."""
+    monkeypatch.setattr(gdn, "_sm_count", lambda device: 132)
     cuda0 = torch.device("cuda", 0)
-    assert [gdn_exact_step.register_cap("auto", B * 32, cuda0) for B in (1, 4, 8, 9, 16)] == [0, 0, 0, 128, 128]
-    assert gdn_exact_step.register_cap("auto", 512, torch.device("cpu")) == 0
-    assert gdn_exact_step.register_cap(168, 32, cuda0) == 168 and gdn_exact_step.register_cap(0, 512, cuda0) == 0
+    plan = [gdn_exact_step.grid_plan("auto", "auto", B * 32, cuda0) for B in (1, 4, 8, 9, 16)]
+    assert plan == [("merged", 0)] * 3 + [("fused", 128)] * 2
+    assert gdn_exact_step.grid_plan("auto", "auto", 512, torch.device("cpu")) == ("merged", 0)
+    assert gdn_exact_step.grid_plan("fused", 168, 32, cuda0) == ("fused", 168)
+    assert gdn_exact_step.grid_plan("merged", 0, 512, cuda0) == ("merged", 0)
     rows = gdn_exact_step.ChunkRows(1, 2, 32, 32, "cpu", block_v=16)
     q = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
     v = torch.zeros(1, 2, 32, dtype=torch.bfloat16)

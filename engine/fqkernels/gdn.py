@@ -1269,8 +1269,9 @@ def with_prefill_contract(rule, q, k, v, g, beta, state_out=None, initial_state=
 
 
 def _sm_count(device: torch.device) -> int:
-    """The device's SMs (132 on an H100 or H200; that where there is no GPU, the interpreter)."""
-    if device.type != "cuda":
+    """The device's SMs (132 on an H100 or H200; that where there is no GPU: the interpreter, or
+    scripts/compile_kernels.py's tensors that only say they are on one)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -64,8 +64,10 @@ from fqkernels.swiglu import exp_f32
 C = gdn.CHUNK
 # fused_step's kernel: "fused" (a pass a product) or "merged" (fewer passes over the same rows;
 # session 24 replaced the "split" form, a head's rows then the column blocks, 3-4x slower at
-# every batch); FASTQWEN_GDN_STEP_FORM to pick
-FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
+# every batch); "auto" (the default): grid_plan's, merged where the grid fits two programs a
+# multiprocessor (B = 1 / 4 on the H200: 8.99 / 9.62 us a step against the fused form's 10.40 /
+# 11.07), fused beyond (B = 16: 35.1 against 37.0; session 25); FASTQWEN_GDN_STEP_FORM to pick
+FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
 # fused_step's rows a loop trip loads at once (the loads of a trip are in flight together; each
 # trip waits for its own), value columns a program and warps: the fastest measured at B = 1, 4 and
 # 16 on the H200 (session 24: 32 rows, one program a head of 4 warps, 10.1 / 10.5 / 44.0 us a step
@@ -74,14 +76,12 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "fused")
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
-# the one-kernel step first asks L2 for the lines it will read (FASTQWEN_GDN_STEP_PREFETCH=1: slower
-# at every batch on the H200, session 24), and a register cap for it (Triton's maxnreg,
-# FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise takes all 255 at 32 rows a trip, two
+# the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise takes all 255 at 32 rows a trip, two
 # programs of 4 warps a multiprocessor; 128 (four) took B = 16 from 44.8 to 35.4 us a step and
-# cost B = 1 and 4 about 1 us (session 24). "auto" (the default): the cap of AUTO_CAP only where
-# the grid has more programs than two a multiprocessor (where four a multiprocessor can run more
-# of them at once); the B = 1 and 4 grids (32 and 128 programs on the H200's 132) run uncapped
-PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0") == "1"
+# cost B = 1 and 4 about 1 us (session 24). "auto" (the default): grid_plan's, the cap of AUTO_CAP
+# only where the grid has more programs than two a multiprocessor (where four a multiprocessor can
+# run more of them at once); the B = 1 and 4 grids (32 and 128 programs on the H200's 132) run
+# uncapped (session 25: 10.40 / 11.07 us a step against the capped 11.43 / 12.12)
 AUTO_CAP = 128
 MAXNREG = os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "auto")
 MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
@@ -90,35 +90,30 @@ MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
 PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 _RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
+_KB = tl.constexpr(16)               # and the chunk's rows a dot of it (tl.dot's least K)
 
 
 def step_form() -> str:
     """fused_step's defaults in words (for the engine's describe())."""
-    return (f"{FORM}, {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
-            + (", L2 prefetch" if PREFETCH else "")
-            + (f", {AUTO_CAP} registers beyond two programs a multiprocessor" if MAXNREG == "auto"
-               else f", {MAXNREG} registers" if MAXNREG else "")
+    wide = "beyond two programs a multiprocessor"
+    if FORM == "auto" and MAXNREG == "auto":
+        form = f"merged, or fused at {AUTO_CAP} registers {wide}"
+    else:
+        form = f"merged, fused {wide}" if FORM == "auto" else FORM
+        form += (f", {AUTO_CAP} registers {wide}" if MAXNREG == "auto" else f", {MAXNREG} registers" if MAXNREG
+                 else "")
+    return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
             + (", PDL" if PDL and pdl.ENABLED else ""))
 
 
-def register_cap(maxnreg, programs: int, device: torch.device) -> int:
-    """The step's register cap for a grid of `programs` (maxnreg: a cap, 0 for none, or "auto":
-    AUTO_CAP where the programs outnumber two a multiprocessor, on a GPU)."""
-    if maxnreg != "auto":
-        return int(maxnreg)
-    if device.type != "cuda":
-        return 0
-    return AUTO_CAP if programs > 2 * _multiprocessors(device.index) else 0
-
-
-_SM_COUNT: dict = {}
-
-
-def _multiprocessors(index) -> int:
-    index = torch.cuda.current_device() if index is None else index
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
+    """The step's kernel form and register cap for a grid of `programs`: "auto" for either picks by
+    whether the programs outnumber two a multiprocessor (a GPU's; never on the CPU), the fused form
+    at AUTO_CAP registers if they do (four a multiprocessor run more of them at once), else the
+    merged form uncapped (a grid in one wave: the step's latency is all there is)."""
+    wide = device.type == "cuda" and programs > 2 * gdn._sm_count(device)
+    form = ("fused" if wide else "merged") if form == "auto" else form
+    return form, (AUTO_CAP if wide else 0) if maxnreg == "auto" else maxnreg
 
 
 class ChunkRows:
@@ -402,7 +397,7 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               prefetch: bool = PREFETCH, maxnreg: int = MAXNREG, use_pdl: bool = PDL):
+               maxnreg=MAXNREG, use_pdl: bool = PDL):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -414,32 +409,31 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     program computes its head's system and attention rows, w's solve, then its columns: a pass
     over the rows a product) or "merged" (q S_c's chain in the keys' trips; w's and u's solves and
     the attention over the earlier new values in one pass; w S_c over the state's rows read
-    again from cache): the same chains, so the same bits; prefetch: the fused form first asks L2
-    for the lines it will read (column blocks of 32 or more); maxnreg: the kernel's register cap
-    (0: none; "auto": register_cap's); use_pdl: launch with programmatic dependent launch where
-    fqkernels.pdl allows (decode-sized batches; the same bits). Returns o [B, Hv, Dv] bf16."""
+    again from cache): the same chains, so the same bits; "auto": grid_plan's; maxnreg: the
+    kernel's register cap (0: none; "auto": grid_plan's); use_pdl: launch with programmatic
+    dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits). Returns o
+    [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
+    form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
-            or (prefetch and (bv < 32 or form != "fused"))
-            or not (maxnreg == "auto" or isinstance(maxnreg, int) and maxnreg >= 0)):
+            or not (isinstance(maxnreg, int) and maxnreg >= 0)):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, prefetch {prefetch}, register "
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, register "
                          f"cap {maxnreg!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; unroll "
-                         f"a power of two from 8 to Dk; form one of {FORMS}; the prefetch the fused form's, at "
-                         f"blocks of 32 or more; the cap \"auto\" or registers >= 0)")
+                         f"a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" or registers "
+                         f">= 0)")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
                   LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
-    maxnreg = register_cap(maxnreg, B * Hv * (Dv // bv), v.device)
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5)
@@ -448,7 +442,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                                                 num_warps=num_warps, **consts, **pdl_launch, **caps)
     else:
         _chain_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order,
-                                               PREFETCH=bool(prefetch), PDL=use_pdl, num_warps=num_warps,
+                                               PDL=use_pdl, num_warps=num_warps,
                                                **consts, **pdl_launch, **caps)
     return out
 
@@ -622,37 +616,24 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
            BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """The chunk's close at its last row t: S_c <- S_c e^gamma_t + (K e^(gamma_t - gamma))^T VN for
     the columns dv (row t's key from the scratch, its new values v_new from registers), _RB of the
-    state's rows at a time (a [DK, BV] tile of sums would hold the whole program's registers: fewer
-    programs a multiprocessor at every step, not only the close's); each sum the same ascending
-    chain over the chunk's rows."""
+    state's rows at a time, each block's sums "ieee" tl.dots over _KB of the chunk's rows at a time,
+    each continuing the last's sums: an ascending FMA chain from zero for every sum, as the
+    reference's product (gdn_exact's close is the same dot). Session 25: a loop of one row a trip
+    (a [_RB, BV] FMA per row) took ~41 us at B = 1 and ~325 at B = 16, each row's new values moved
+    between layouts through shared memory."""
     for r0 in range(0, DK, _RB):
         rr = r0 + tl.arange(0, _RB)
-        kn = tl.load(scr + rr)
         upd = tl.zeros([_RB, BV], dtype=tl.float32)
-        for j0 in range(0, CH, U):
-            for u in tl.static_range(U):
-                j = j0 + u
-                krow = tl.where(j == t, kn, tl.load(kt_buf + (bh * DK + rr) * CH + j, mask=j < t, other=0.0))
-                kd = _mul_rn(krow, tl.load(scr + 5 * DK + 2 * CH + j), INTERPRETED)
-                vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
-                upd = tl.fma(kd[:, None], vn[None, :], upd)
+        for j0 in range(0, CH, _KB):
+            jj = j0 + tl.arange(0, _KB)
+            kt = tl.load(kt_buf + (bh * DK + rr)[:, None] * CH + jj[None, :], mask=jj[None, :] < t, other=0.0)
+            kt = tl.where(jj[None, :] == t, tl.load(scr + rr)[:, None], kt)
+            kd = _mul_rn(kt, tl.load(scr + 5 * DK + 2 * CH + jj)[None, :], INTERPRETED)   # e^(gamma_t - gamma_j)
+            vn = tl.load(vn_buf + (bh * CH + jj)[:, None] * DV + dv[None, :], mask=jj[:, None] < t, other=0.0)
+            vn = tl.where(jj[:, None] == t, v_new[None, :], vn)
+            upd = tl.dot(kd, vn, upd, input_precision="ieee")
         s_ptrs = s_rows + rr[:, None] * DV
         tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
-
-
-@triton.jit
-def _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, dv0, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                   CH: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The chunk's rows a step's program will read, asked of L2 before its first wait: the keys,
-    and the rows before t of X and of its columns of the new values (a line a 32 floats; rows at or
-    past t point at row 0, already asked for)."""
-    live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)
-    pdl.prefetch_l2(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32,
-                    not INTERPRETED)
-    pdl.prefetch_l2(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32,
-                    not INTERPRETED)
-    pdl.prefetch_l2(vn_buf + (bh * CH + live)[:, None] * DV + dv0 + tl.arange(0, BV // 32)[None, :] * 32,
-                    not INTERPRETED)
 
 
 @triton.jit
@@ -660,24 +641,17 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+                       TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
-    columns; the close at the chunk's last row. PREFETCH: first ask L2 for the state's and the
-    chunk rows' lines the program reads (each trip then waits on L2, not on HBM); the state's
-    before PDL's wait (a hint: L2 is where writes meet, so no stale bytes)."""
+    columns; the close at the chunk's last row."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
-    if PREFETCH:
-        pdl.prefetch_l2(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
-                        + tl.arange(0, BV // 32)[None, :] * 32, not INTERPRETED)
     pdl.wait(PDL)  # q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's
     pdl.launch_dependents(PDL)
     t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
-    if PREFETCH:
-        _prefetch_rows(kt_buf, x_buf, vn_buf, bh, t, cb * BV, DK, DV, BV, CH, INTERPRETED)
     scr = scr_ptr + (bh * (DV // 16) + cb) * SCR
     dv = cb * BV + tl.arange(0, BV)
     s_rows = s_ptr + bh * DK * DV + dv
