@@ -36,7 +36,7 @@ HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # B = 16 here), value columns a program, warps, rows a loop trip loads, register cap ("auto": 128
 # where the grid outnumbers two programs a multiprocessor, B = 16 here; 0: none), programmatic
 # dependent launch)
-FORMS = (("auto", 128, 4, 32, "auto", 1), ("fused", 128, 4, 32, "auto", 1), ("merged", 128, 4, 32, "auto", 1))
+FORMS = (("auto", 128, 4, 32, "auto", 1), ("fused", 128, 4, 32, "auto", 1))
 ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
 ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 
