@@ -9,8 +9,8 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
   and its decode: the steps start from the state it leaves at position 512), and the state the
   chunk's close leaves against the reference's at position 576;
 - time: a CUDA graph of 64 steps (one chunk's rows, its close included) per step, for fused_step
-  at column blocks, warp counts, loop unrolls, with and without a register cap and PDL, in both
-  kernel forms and the grid's pick (FORMS), the first two also with all 64 steps at one row
+  at column blocks, warp counts, loop unrolls, close blocks, with and without a register cap and
+  PDL, in both kernel forms and the grid's pick (FORMS), the first two also with all 64 steps at one row
   (ROWS: the step's cost against its row, the close's at 63), and for the recurrent kernel
   (gdn.decode_step).
 
@@ -35,14 +35,19 @@ HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # the step's forms, bits and time: (kernels ("auto": grid_plan's, merged at B = 1 / 4 and fused at
 # B = 16 here), value columns a program, warps, rows a loop trip loads, register cap ("auto": 128
 # where the grid outnumbers two programs a multiprocessor, B = 16 here; 0: none), programmatic
-# dependent launch)
-FORMS = (("auto", 128, 4, 32, "auto", 1), ("fused", 128, 4, 32, "auto", 1))
-ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "MAXNREG", "PDL")   # FASTQWEN_GDN_STEP_<name>
+# dependent launch, the close's blocks (state rows x chunk rows a dot))
+FORMS = (("auto", 128, 4, 32, "auto", 1, "32x16"), ("auto", 128, 4, 32, "auto", 1, "16x16"),
+         ("auto", 128, 4, 64, "auto", 1, "16x16"), ("fused", 128, 4, 32, "auto", 1, "32x16"))
+ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "MAXNREG", "PDL", "CLOSE")   # FASTQWEN_GDN_STEP_<name>
 ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 
 
-def _key(form, bv, warps, unroll, maxnreg, pdl) -> str:
-    return f"{form}_bv{bv}_w{warps}_u{unroll}_r{maxnreg}_pdl{pdl}"
+def _key(form, bv, warps, unroll, maxnreg, pdl, close) -> str:
+    return f"{form}_bv{bv}_w{warps}_u{unroll}_r{maxnreg}_pdl{pdl}_c{close}"
+
+
+def _close(close: str) -> tuple:
+    return tuple(int(x) for x in close.split("x"))
 
 
 def _differ(a, b) -> float:
@@ -89,17 +94,17 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    for form, bv, warps, unroll, maxnreg, pdl in FORMS:
+    for form, bv, warps, unroll, maxnreg, pdl, close in FORMS:
         rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), start.clone(), [], None
         for i in range(PROMPT, T):
             pos = torch.full((B,), i, dtype=torch.int32, device="cuda")
             outs.append(step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, S, rows,
                                         sum_order=sum_order, tile=tile, unroll=unroll, form=form, num_warps=warps,
-                                        maxnreg=maxnreg, use_pdl=bool(pdl)))
+                                        maxnreg=maxnreg, use_pdl=bool(pdl), close=_close(close)))
             if i == PROMPT + gdn.CHUNK - 1:
                 closed = S.clone()
         got = torch.stack(outs, 1)
-        report[_key(form, bv, warps, unroll, maxnreg, pdl)] = {
+        report[_key(form, bv, warps, unroll, maxnreg, pdl, close)] = {
             "out_differing": _differ(got, want[:, PROMPT:]),
             "out_max_abs": float((got.float() - want[:, PROMPT:].float()).abs().max()),
             "state_differing": _differ(closed, at_next)}
@@ -126,14 +131,14 @@ def timing(B: int, sum_order: int) -> dict:
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int32, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for form, bv, warps, unroll, maxnreg, pdl in FORMS:
+    for form, bv, warps, unroll, maxnreg, pdl, close in FORMS:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
-        key = _key(form, bv, warps, unroll, maxnreg, pdl)
+        key = _key(form, bv, warps, unroll, maxnreg, pdl, close)
         kw = dict(sum_order=sum_order, num_warps=warps, unroll=unroll, form=form, maxnreg=maxnreg,
-                  use_pdl=bool(pdl))
+                  use_pdl=bool(pdl), close=_close(close))
         try:
             out[key] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[i], S, rows, **kw), gdn.CHUNK)
-            if (form, bv, warps, unroll, maxnreg, pdl) in FORMS[:2]:
+            if (form, bv, warps, unroll, maxnreg, pdl, close) in FORMS[:2]:
                 for t in ROWS:    # 64 steps all at row t (each rewrites row t; at 63 each closes)
                     out[f"{key}_row{t}"] = _graph_us(lambda i: step.fused_step(q, k, v, g, beta, positions[t], S,
                                                                                rows, **kw), gdn.CHUNK)

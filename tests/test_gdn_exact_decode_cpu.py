@@ -237,8 +237,8 @@ def test_shared_prefixes_with_exact_decode(exact_engine):
 def test_the_steps_grid_plan(monkeypatch):
     """"auto" picks the step's form and register cap by its grid: the merged form uncapped where the
     programs fit two a multiprocessor (B <= 8 of the 4B on an H200), the fused form at 128 registers
-    beyond; explicit choices are kept; the CPU never caps; a bad cap is refused by name before any
-    launch."""
+    beyond; explicit choices are kept; the CPU never caps; a bad cap or close block is refused by
+    name before any launch."""
     monkeypatch.setattr(gdn, "_sm_count", lambda device: 132)
     cuda0 = torch.device("cuda", 0)
     plan = [gdn_exact_step.grid_plan("auto", "auto", B * 32, cuda0) for B in (1, 4, 8, 9, 16)]
@@ -252,3 +252,6 @@ def test_the_steps_grid_plan(monkeypatch):
     with pytest.raises(ValueError, match="register cap 'many'"):
         gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, maxnreg="many")
+    with pytest.raises(ValueError, match=r"close \(8, 16\)"):
+        gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, close=(8, 16))

@@ -77,21 +77,23 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
-# the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise takes all 255 at 32 rows a trip, two
-# programs of 4 warps a multiprocessor; 128 (four) took B = 16 from 44.8 to 35.4 us a step and
-# cost B = 1 and 4 about 1 us (session 24). "auto" (the default): grid_plan's, the cap of AUTO_CAP
-# only where the grid has more programs than two a multiprocessor (where four a multiprocessor can
-# run more of them at once); the B = 1 and 4 grids (32 and 128 programs on the H200's 132) run
-# uncapped (session 25: 10.40 / 11.07 us a step against the capped 11.43 / 12.12)
+# the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
+# takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor; 128 (four) took B = 16
+# from 44.8 to 35.4 us a step and cost B = 1 and 4 about 1 us (session 24). "auto" (the default):
+# grid_plan's, the cap of AUTO_CAP only where the grid has more programs than two a
+# multiprocessor (where four a multiprocessor can run more of them at once); the B = 1 and 4 grids
+# (32 and 128 programs on the H200's 132) run uncapped (session 25: 10.40 / 11.07 us a step
+# against the capped 11.43 / 12.12)
 AUTO_CAP = 128
 MAXNREG = os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "auto")
 MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
 # programmatic dependent launch for the one-kernel step, as every other decode kernel
 # (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
 PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
+# the chunk's close: the state's rows a block, and the chunk's rows a tl.dot of it ("ROWSxK",
+# FASTQWEN_GDN_STEP_CLOSE): 32x16 measured (session 25); 16x16 has no spills at the cap (ptxas)
+CLOSE = tuple(int(x) for x in os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "32x16").split("x"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
-_RB = tl.constexpr(32)               # the close's state rows at a time (Dk >= 32)
-_KB = tl.constexpr(16)               # and the chunk's rows a dot of it (tl.dot's least K)
 
 
 def step_form() -> str:
@@ -398,7 +400,7 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               maxnreg=MAXNREG, use_pdl: bool = PDL):
+               maxnreg=MAXNREG, use_pdl: bool = PDL, close: tuple = CLOSE):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -412,8 +414,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     the attention over the earlier new values in one pass; w S_c over the state's rows read
     again from cache): the same chains, so the same bits; "auto": grid_plan's; maxnreg: the
     kernel's register cap (0: none; "auto": grid_plan's); use_pdl: launch with programmatic
-    dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits). Returns o
-    [B, Hv, Dv] bf16."""
+    dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits); close: the
+    close's (state rows a block, chunk rows a dot), powers of two from 16 to Dk and to 64 (the
+    same bits). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -423,17 +426,19 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
-            or not (isinstance(maxnreg, int) and maxnreg >= 0)):
+            or not (isinstance(maxnreg, int) and maxnreg >= 0)
+            or len(close) != 2 or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, register "
-                         f"cap {maxnreg!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; unroll "
-                         f"a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" or registers "
-                         f">= 0)")
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
+                         f"close {close} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; "
+                         f"unroll a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" "
+                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64)")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
-                  LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, num_stages=1)
+                  LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
+                  num_stages=1)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
@@ -614,19 +619,19 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, 
 
 @triton.jit
 def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr, DV: tl.constexpr,
-           BV: tl.constexpr, CH: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+           BV: tl.constexpr, CH: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, INTERPRETED: tl.constexpr):
     """The chunk's close at its last row t: S_c <- S_c e^gamma_t + (K e^(gamma_t - gamma))^T VN for
-    the columns dv (row t's key from the scratch, its new values v_new from registers), _RB of the
-    state's rows at a time, each block's sums "ieee" tl.dots over _KB of the chunk's rows at a time,
+    the columns dv (row t's key from the scratch, its new values v_new from registers), RB of the
+    state's rows at a time, each block's sums "ieee" tl.dots over KB of the chunk's rows at a time,
     each continuing the last's sums: an ascending FMA chain from zero for every sum, as the
     reference's product (gdn_exact's close is the same dot). Session 25: a loop of one row a trip
-    (a [_RB, BV] FMA per row) took ~41 us at B = 1 and ~325 at B = 16, each row's new values moved
+    (a [32, BV] FMA per row) took ~41 us at B = 1 and ~325 at B = 16, each row's new values moved
     between layouts through shared memory."""
-    for r0 in range(0, DK, _RB):
-        rr = r0 + tl.arange(0, _RB)
-        upd = tl.zeros([_RB, BV], dtype=tl.float32)
-        for j0 in range(0, CH, _KB):
-            jj = j0 + tl.arange(0, _KB)
+    for r0 in range(0, DK, RB):
+        rr = r0 + tl.arange(0, RB)
+        upd = tl.zeros([RB, BV], dtype=tl.float32)
+        for j0 in range(0, CH, KB):
+            jj = j0 + tl.arange(0, KB)
             kt = tl.load(kt_buf + (bh * DK + rr)[:, None] * CH + jj[None, :], mask=jj[None, :] < t, other=0.0)
             kt = tl.where(jj[None, :] == t, tl.load(scr + rr)[:, None], kt)
             kd = _mul_rn(kt, tl.load(scr + 5 * DK + 2 * CH + jj)[None, :], INTERPRETED)   # e^(gamma_t - gamma_j)
@@ -643,7 +648,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       RB: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row."""
@@ -665,7 +670,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
                           stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
     if t == CH - 1:
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, RB, KB, INTERPRETED)
 
 
 @triton.jit
@@ -674,7 +679,7 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        RB: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
@@ -709,4 +714,4 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
     if t == CH - 1:
-        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, U, INTERPRETED)
+        _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, RB, KB, INTERPRETED)
