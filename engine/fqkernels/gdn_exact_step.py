@@ -643,6 +643,22 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
 
 
 @triton.jit
+def _program_start(pos_ptr, s_ptr, scr_ptr, SCR: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
+    """A step program's place (both forms): its sequence-head bh, column block cb, sequence b, row t
+    in its chunk, scratch, value columns dv and their state columns; PDL's wait before its first
+    load (q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's)."""
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // HV
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    dv = cb * BV + tl.arange(0, BV)
+    return bh, cb, b, t, scr_ptr + (bh * (DV // 16) + cb) * SCR, dv, s_ptr + bh * DK * DV + dv
+
+
+@triton.jit
 def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -652,15 +668,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row."""
-    bh = tl.program_id(0)
-    cb = tl.program_id(1)
-    b = bh // HV
-    pdl.wait(PDL)  # q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's
-    pdl.launch_dependents(PDL)
-    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
-    scr = scr_ptr + (bh * (DV // 16) + cb) * SCR
-    dv = cb * BV + tl.arange(0, BV)
-    s_rows = s_ptr + bh * DK * DV + dv
+    bh, cb, b, t, scr, dv, s_rows = _program_start(pos_ptr, s_ptr, scr_ptr, SCR, HV, DK, DV, BV, CH, PDL)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
@@ -684,16 +692,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
     state's rows this program just read (cache hits); the close at the chunk's last row."""
-    bh = tl.program_id(0)
-    cb = tl.program_id(1)
-    b = bh // HV
-    pdl.wait(PDL)  # q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's
-    pdl.launch_dependents(PDL)
-    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
-    scr = scr_ptr + (bh * (DV // 16) + cb) * SCR
-    dv = cb * BV + tl.arange(0, BV)
+    bh, cb, b, t, scr, dv, s_rows = _program_start(pos_ptr, s_ptr, scr_ptr, SCR, HV, DK, DV, BV, CH, PDL)
     dk = tl.arange(0, DK)
-    s_rows = s_ptr + bh * DK * DV + dv
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, True, INTERPRETED)
