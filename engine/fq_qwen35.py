@@ -75,6 +75,11 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
+# A GDN layer's decode out-projection asks L2 for its whole weight slice before it waits for the
+# gated norm (gemv.linear's prefetch_all), not only its first block: with the gated norm's early
+# launch (gdn.GATED_NORM_EARLY) its weights then stream in while the rule's step runs, which
+# leaves HBM idle (the exact step: a latency chain). Read at each call; FASTQWEN_GDN_OUT_PREFETCH.
+OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -810,7 +815,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"], prefetch_all=OUT_PREFETCH_ALL)
 
 
 def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor, scale: float):
@@ -828,7 +833,9 @@ def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, length
 class _TorchProducts:
     """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
 
-    linear = staticmethod(F.linear)
+    @staticmethod
+    def linear(x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
+        return F.linear(x, w)
 
     def tune(self, weights, rows: int) -> dict:
         return {}
@@ -862,10 +869,12 @@ class _Products:
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
+        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs."""
         rows = x.numel() // x.shape[-1]
         if self.use_gemv.get((False, rows) + tuple(w.shape)):
-            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
+            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w,
+                                     prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
     def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

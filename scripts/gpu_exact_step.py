@@ -37,7 +37,7 @@ HK, HV, D, PROMPT, STEPS = 16, 32, 128, 512, 72
 # where the grid outnumbers two programs a multiprocessor, B = 16 here; 0: none), programmatic
 # dependent launch, the close's blocks (state rows x chunk rows a dot))
 FORMS = (("auto", 128, 4, 32, "auto", 1, "32x16"), ("auto", 128, 4, 32, "auto", 1, "16x16"),
-         ("auto", 128, 4, 64, "auto", 1, "16x16"), ("fused", 128, 4, 32, "auto", 1, "32x16"))
+         ("auto", 128, 4, 64, "auto", 1, "16x16"))
 ENV = ("FORM", "BLOCK_V", "WARPS", "UNROLL", "MAXNREG", "PDL", "CLOSE")   # FASTQWEN_GDN_STEP_<name>
 ROWS = (0, 31, 62, 63)   # rows of the chunk timed alone (FORMS[:2]): the step's cost against its row
 

@@ -10,6 +10,11 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
         [--profile 1x512,16x512] [--out FILE]
         [--gemv NxK@ROWS:field=value,...]   # an A/B: one GEMV table entry replaced
 
+--arms (timing only) times the graphed decode step at each shape under several settings in one
+process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
+step walks the same rows): ARMS below (exact decode on or off, the gated norm's early launch,
+the out-projection's whole-slice prefetch).
+
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
 entry lacks becomes a new row range) (fqkernels/gemv.py LINEAR_CONFIGS / SILU_MUL_CONFIGS)
@@ -34,6 +39,40 @@ from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
 from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
+
+# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL)
+ARMS = {"exact": (True, False, False), "exact_early": (True, True, False), "exact_early_all": (True, True, True),
+        "exact_all": (True, False, True), "fast": (False, False, False), "fast_early_all": (False, True, True)}
+
+
+def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
+    """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
+    settings, the arms interleaved round by round, each from its own prompt pass."""
+    from fqkernels import gdn
+
+    ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
+    saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL)
+    times: dict = {a: [] for a in arms}
+    try:
+        for _ in range(rounds):
+            for arm in arms:
+                model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL = ARMS[arm]
+                model.allocate_cache(b, p + steps + 8)
+                with torch.inference_mode():
+                    runner = DecodeRunner(model, b, use_graph=True)
+                    runner.start(model.prefill(ids), p)
+                    for _ in range(3):
+                        runner.step()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        runner.step()
+                    torch.cuda.synchronize()
+                times[arm].append(round((time.perf_counter() - t0) * 1e3 / steps, 4))
+                del runner
+    finally:
+        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL = saved
+    return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
 
 
 def _step(report: dict, name: str, fn):
@@ -101,12 +140,20 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "q35_check.json"))
     ap.add_argument("--timing-only", action="store_true",
                     help="only the shapes' timings (no torch model, no teacher-forced or graph checks): an A/B")
+    ap.add_argument("--arms", default="", help=f"with --timing-only: arms to time in one process ({', '.join(ARMS)})")
+    ap.add_argument("--rounds", type=int, default=3, help="--arms: interleaved rounds")
     ap.add_argument("--gemv", action="append", default=[], metavar="NxK@ROWS:FIELDS",
                     help="replace a GEMV table entry's config (repeatable), e.g. 12352x2560@1:block_n=8,block_k=256,"
                     "mode=fma,block_m=1")
     ap.add_argument("--gemv-silu", action="append", default=[], metavar="NxK@ROWS:FIELDS",
                     help="the same for the fused gate/up (SiLU) table")
     args = ap.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    if arms and not args.timing_only:
+        ap.error("--arms needs --timing-only")
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"--arms: {a!r} is not one of {', '.join(ARMS)}")
     for table, specs in ((gemv.LINEAR_CONFIGS, args.gemv), (gemv.SILU_MUL_CONFIGS, args.gemv_silu)):
         for spec in specs:
             _replace_entry(ap, table, spec)
@@ -188,6 +235,9 @@ def main() -> None:
                     runner.step()
                 torch.cuda.synchronize()
                 res["graph_step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+                del runner
+            if arms:
+                res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res
 
         _step(report, f"timing_{shape}", timing)

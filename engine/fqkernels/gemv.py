@@ -39,8 +39,9 @@ is a function of the shapes alone, never of the device, so an H100 and an H200 r
 the same code (given the same Triton version).
 
 Dependent launch. Where Triton can launch with PDL (fqkernels/pdl.py), each program
-prefetches its first weight block into L2, waits for the previous kernel, and lets
-the next one be scheduled after its main loop; the arithmetic is unchanged.
+prefetches its first weight block (`linear(prefetch_all=True)`: its whole slice) into L2,
+waits for the previous kernel, and lets the next one be scheduled after its main loop;
+the arithmetic is unchanged.
 
 Epilogue. `linear_epilogue` runs the same product with the GDN decode step's conv and gates
 applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen3.5 step at
@@ -345,8 +346,9 @@ def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def _prefetch_first_block(w_ptr, cols, k_lo, up_offset, K: tl.constexpr, SILU: tl.constexpr,
                           PDL: tl.constexpr, LINES: tl.constexpr):
-    """L2 prefetch of this program's first weight block (LINES 128-byte lines a row), before
-    the wait for the previous kernel: weights are constant, so this may overlap its tail."""
+    """L2 prefetch of the first LINES 128-byte lines of each of this program's weight rows from
+    its K chunk's start (its first block, or its whole chunk: _prefetch_lines), before the wait
+    for the previous kernel: weights are constant, so this may overlap that kernel."""
     if PDL:
         k = tl.minimum(k_lo + tl.arange(0, LINES) * 64, K - 1)
         lines = w_ptr + cols.to(tl.int64)[:, None] * K + k[None, :]
@@ -618,7 +620,8 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None) -> torch.Tensor:
+            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
+            prefetch_all: bool = False) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -674,7 +677,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
-        PREFETCH_LINES=max(1, config.block_k // 64),
+        PREFETCH_LINES=_prefetch_lines(config.block_k, blocks_per_split, prefetch_all),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
         **_epilogue_args(epilogue),
     )
@@ -689,15 +692,26 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     return out
 
 
+def _prefetch_lines(block_k: int, blocks_per_split: int, prefetch_all: bool) -> int:
+    """128-byte lines a weight row that a program asks L2 for before its wait (PDL): its first
+    block's, or (prefetch_all) its whole K chunk's (a power of two; lines past the chunk are
+    clamped to K, see _prefetch_first_block)."""
+    return max(1, (triton.next_power_of_2(blocks_per_split * block_k) if prefetch_all else block_k) // 64)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           config: GemvConfig | None = None) -> torch.Tensor:
+           config: GemvConfig | None = None, prefetch_all: bool = False) -> torch.Tensor:
     """out[M, N] = bf16(x @ w.T) with fp32 accumulation; x [M, K] bf16, w [N, K] bf16.
 
     Deterministic and independent of M row by row (see the module docstring).
     `out` ([M, N] bf16 contiguous) is written in place and returned; `config`
-    overrides the table (select_config). Raises ValueError naming a bad argument.
+    overrides the table (select_config). prefetch_all (with PDL): each program asks L2
+    for its whole weight slice, not only its first block, before it waits for the kernel
+    before it: for a product that follows a kernel that leaves HBM idle (the exact GDN
+    step), so that the weights arrive while it runs; the sums are the same.
+    Raises ValueError naming a bad argument.
     """
-    return _launch(x, w, out, config, silu=False, w_name="w")
+    return _launch(x, w, out, config, silu=False, w_name="w", prefetch_all=prefetch_all)
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:

@@ -97,3 +97,43 @@ def test_pdl_only_for_decode_sized_launches(monkeypatch):
     assert pdl.for_rows(pdl.MAX_ROWS + 1) == (False, {})  # a prefill
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.for_rows(1) == (False, {})
+
+
+@needs_compiler
+@pytest.mark.parametrize("early", [False, True])
+def test_the_gated_norm_can_launch_its_dependents_before_its_wait(early):
+    """gdn.GATED_NORM_EARLY: the trigger before the wait (the out-projection's programs may then
+    start while the GDN step runs), or after it as the other small kernels do."""
+    from fqkernels import gdn
+
+    sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "inv_n": "fp32",
+           "eps": "fp32", "z_heads": "i32", "stride_z": "i32"}
+    consts = dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True, EARLY=early)
+    ptx = _aot_compile(gdn._gated_rmsnorm_kernel, sig, consts, ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]
+    _assert_pdl(ptx)
+    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert (trigger < wait) == early
+
+
+@needs_compiler
+def test_a_whole_slice_prefetch_compiles():
+    """gemv.linear(prefetch_all=True) at the Qwen3.5-4B out-projection's one-row config: every one
+    of a program's 8 x 64 lines (4096 columns of bf16) asked of L2 before the wait."""
+    n, k = 2560, 4096
+    cfg = gemv.select_config(n, k, False, 1)
+    blocks = k // cfg.block_k
+    lines = gemv._prefetch_lines(cfg.block_k, blocks, True)
+    assert lines * 64 == k and gemv._prefetch_lines(cfg.block_k, blocks, False) * 64 == cfg.block_k
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
+           "up_offset": "i32", "ws_split_stride": "i32", "ws_cols": "i32"}
+    consts = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
+                  BLOCKS_PER_SPLIT=blocks, EVEN_N=True, EVEN_K=True, PARTIALS=False, SILU=False, INTERPRETED=False,
+                  PDL=True, PREFETCH_LINES=lines, e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0,
+                  e_sc=0, EPI=False, EPI_CONV=0, EPI_GATE_COL=0, EPI_HV=1)
+    kernel = gemv._gemv_fma_kernel if cfg.mode == "fma" else gemv._gemv_dot_kernel
+    ptx = _aot_compile(kernel, sig, consts, ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N"), cfg.num_warps,
+                       cfg.num_stages).asm["ptx"]
+    _assert_pdl(ptx)
+    before_wait = ptx[:ptx.index("griddepcontrol.wait")]
+    # 512 lines over 128 threads: 4 each, unrolled
+    assert before_wait.count("prefetch.global.L2") * 32 * cfg.num_warps >= cfg.block_n * lines
