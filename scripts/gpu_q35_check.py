@@ -13,7 +13,7 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
 step walks the same rows): ARMS below (exact decode on or off, the gated norm's early launch,
-the out-projection's whole-slice prefetch).
+the out-projection's whole-slice prefetch, the small kernels' early launch).
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -40,23 +40,25 @@ from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL)
-ARMS = {"exact": (True, False, False), "exact_early": (True, True, False), "exact_early_all": (True, True, True),
-        "exact_all": (True, False, True), "fast": (False, False, False), "fast_early_all": (False, True, True)}
+# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
+ARMS = {"exact": (True, False, False, False), "exact_early": (True, True, False, False),
+        "exact_early_all": (True, True, True, False), "exact_all": (True, False, True, False),
+        "exact_early_all_pdl": (True, True, True, True), "fast": (False, False, False, False),
+        "fast_early_all": (False, True, True, False), "fast_early_all_pdl": (False, True, True, True)}
 
 
 def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
-    from fqkernels import gdn
+    from fqkernels import gdn, pdl
 
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
-    saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL)
+    saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
     times: dict = {a: [] for a in arms}
     try:
         for _ in range(rounds):
             for arm in arms:
-                model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL = ARMS[arm]
+                model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = ARMS[arm]
                 model.allocate_cache(b, p + steps + 8)
                 with torch.inference_mode():
                     runner = DecodeRunner(model, b, use_graph=True)
@@ -71,7 +73,7 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
                 times[arm].append(round((time.perf_counter() - t0) * 1e3 / steps, 4))
                 del runner
     finally:
-        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL = saved
+        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = saved
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
 
 

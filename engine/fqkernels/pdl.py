@@ -24,7 +24,8 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "for_rows", "wait", "launch_dependents", "prefetch_l2"]
+__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "for_rows", "wait", "launch_dependents", "start",
+           "prefetch_l2"]
 
 
 def _enabled() -> bool:
@@ -49,6 +50,11 @@ LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
 # many-program grid then sat resident in its wait beside the GEMM's later waves:
 # TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
 MAX_ROWS = 64
+# The small kernels that take it (the residual norms, the output gate; `start`) let the next
+# kernel be scheduled before their wait instead of after it, so a product after them starts,
+# and prefetches its first weights, during the tail of the product before them. Read at each
+# launch; FASTQWEN_PDL_EARLY=1.
+EARLY = os.environ.get("FASTQWEN_PDL_EARLY", "0") == "1"
 
 
 def for_rows(rows: int) -> tuple[bool, dict]:
@@ -69,6 +75,17 @@ def launch_dependents(ON: tl.constexpr):
     if ON:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def start(ON: tl.constexpr, EARLY: tl.constexpr):
+    """A small kernel's prologue: wait for the previous kernel and let the next be scheduled;
+    EARLY: the next first (it still waits for this whole grid before it reads what we write)."""
+    if EARLY:
+        launch_dependents(ON)
+    wait(ON)
+    if not EARLY:
+        launch_dependents(ON)
 
 
 @triton.jit

@@ -57,7 +57,7 @@ def test_norm_and_rope_kernels_compile_with_pdl():
                "stride_t": "i32"}
     for gather in (False, True):
         flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True,
-                     ONE_PLUS=False, HEADS=1)
+                     ONE_PLUS=False, HEADS=1, EARLY=False)
         sig = {**base, "N": "i32", "eps": "fp32", **strides}
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
         sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
@@ -65,7 +65,7 @@ def test_norm_and_rope_kernels_compile_with_pdl():
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     # Qwen3.5's q heads, read in place from the packed q | k | v product's rows
     consts = dict(HAS_RESIDUAL=False, SPLITS=0, BLOCK=256, GATHER=False, PDL=True, ONE_PLUS=True, HEADS=16, N=256,
-                  VEC=True, HALVES=True, STATS=False)
+                  VEC=True, HALVES=True, STATS=False, EARLY=False)
     _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
@@ -83,7 +83,7 @@ def test_the_output_gate_compiles_with_pdl():
     without flushing subnormal quotients (swiglu.sigmoid_f32)."""
     sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32",
            **{f"stride_{t}{d}": "i32" for t in "xg" for d in "bth"}}
-    consts = dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True)
+    consts = dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True, EARLY=False)
     ptx = _aot_compile(swiglu._sigmoid_gate_mul_kernel, sig, consts, ("x_ptr", "g_ptr", "out_ptr"), 1, 1).asm["ptx"]
     _assert_pdl(ptx)
     assert "div.rn.f32" in ptx and "div.rn.ftz" not in ptx
@@ -137,3 +137,29 @@ def test_a_whole_slice_prefetch_compiles():
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
     # 512 lines over 128 threads: 4 each, unrolled
     assert before_wait.count("prefetch.global.L2") * 32 * cfg.num_warps >= cfg.block_n * lines
+
+
+@needs_compiler
+def test_the_small_kernels_can_launch_their_dependents_first():
+    """pdl.EARLY (FASTQWEN_PDL_EARLY=1): the residual norm and the output gate trigger the next
+    kernel before their wait; off, after it."""
+    base = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
+            "table_ptr": "*bf16"}
+    strides = {"stride_x": "i32", "stride_h": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32",
+               "stride_t": "i32"}
+    gate_sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32",
+                **{f"stride_{t}{d}": "i32" for t in "xg" for d in "bth"}}
+    for early in (False, True):
+        flags = dict(HAS_RESIDUAL=True, SPLITS=2, BLOCK=4096, GATHER=False, PDL=True, ONE_PLUS=False, HEADS=1,
+                     EARLY=early)
+        sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
+        ptxs = [_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, dict(flags, N=2560, VEC=True, HALVES=True,
+                                                                            STATS=False), ("x_ptr",), 4, 1).asm["ptx"],
+                _aot_compile(rmsnorm._rmsnorm_kernel, {**base, "N": "i32", "eps": "fp32", **strides}, flags,
+                             ("x_ptr",), 4, 1).asm["ptx"],
+                _aot_compile(swiglu._sigmoid_gate_mul_kernel, gate_sig,
+                             dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True, EARLY=early),
+                             ("x_ptr", "g_ptr", "out_ptr"), 1, 1).asm["ptx"]]
+        for ptx in ptxs:
+            _assert_pdl(ptx)
+            assert (ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == early
