@@ -46,8 +46,8 @@ def _key(form, bv, warps, unroll, maxnreg, pdl, close) -> str:
     return f"{form}_bv{bv}_w{warps}_u{unroll}_r{maxnreg}_pdl{pdl}_c{close}"
 
 
-def _close(close: str) -> tuple:
-    return tuple(int(x) for x in close.split("x"))
+def _close(close: str):
+    return close if close == "auto" else tuple(int(x) for x in close.split("x"))
 
 
 def _differ(a, b) -> float:

@@ -255,3 +255,10 @@ def test_the_steps_grid_plan(monkeypatch):
     with pytest.raises(ValueError, match=r"close \(8, 16\)"):
         gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, close=(8, 16))
+    with pytest.raises(ValueError, match="close 'all'"):
+        gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, close="all")
+    # the close's blocks by form (session 26): 16x16 where the fused form runs capped, else 32x16
+    assert gdn_exact_step.close_blocks("fused", "auto") == (16, 16)
+    assert gdn_exact_step.close_blocks("merged", "auto") == (32, 16)
+    assert gdn_exact_step.close_blocks("fused", (64, 64)) == (64, 64)

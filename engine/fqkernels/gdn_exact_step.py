@@ -91,8 +91,12 @@ MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
 # (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
 PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 # the chunk's close: the state's rows a block, and the chunk's rows a tl.dot of it ("ROWSxK",
-# FASTQWEN_GDN_STEP_CLOSE): 32x16 measured (session 25); 16x16 has no spills at the cap (ptxas)
-CLOSE = tuple(int(x) for x in os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "32x16").split("x"))
+# FASTQWEN_GDN_STEP_CLOSE). "auto" (the default): close_blocks', by the form: the merged form
+# 32x16, the fused form (capped) 16x16, which has no spills at the cap (ptxas). Measured (session
+# 26): 16x16 took the B = 16 step from 31.64 to 30.66 us (row 63 138 -> 96) and the merged form's
+# B = 1 / 4 from 8.73 / 9.26 to 10.41 / 10.69.
+_CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
+CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 
 
@@ -105,7 +109,9 @@ def step_form() -> str:
         form = f"merged, fused {wide}" if FORM == "auto" else FORM
         form += (f", {AUTO_CAP} registers {wide}" if MAXNREG == "auto" else f", {MAXNREG} registers" if MAXNREG
                  else "")
-    return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip"
+    closing = ("the close 32x16 merged, 16x16 fused" if CLOSE == "auto"
+               else f"the close {CLOSE[0]}x{CLOSE[1]}")
+    return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
             + (", PDL" if PDL and pdl.ENABLED else ""))
 
 
@@ -117,6 +123,14 @@ def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
     wide = device.type == "cuda" and programs > 2 * gdn._sm_count(device)
     form = ("fused" if wide else "merged") if form == "auto" else form
     return form, (AUTO_CAP if wide else 0) if maxnreg == "auto" else maxnreg
+
+
+def close_blocks(form: str, close) -> tuple:
+    """The close's (state rows a block, chunk rows a dot) for a kernel form: `close`, or for "auto"
+    32x16 in the merged form and 16x16 in the fused one (CLOSE)."""
+    if close == "auto":
+        return (16, 16) if form == "fused" else (32, 16)
+    return tuple(close)
 
 
 class ChunkRows:
@@ -400,7 +414,7 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               maxnreg=MAXNREG, use_pdl: bool = PDL, close: tuple = CLOSE):
+               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -415,25 +429,27 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     again from cache): the same chains, so the same bits; "auto": grid_plan's; maxnreg: the
     kernel's register cap (0: none; "auto": grid_plan's); use_pdl: launch with programmatic
     dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits); close: the
-    close's (state rows a block, chunk rows a dot), powers of two from 16 to Dk and to 64 (the
-    same bits). Returns o [B, Hv, Dv] bf16."""
+    close's (state rows a block, chunk rows a dot), powers of two from 16 to Dk and to 64, or "auto"
+    (close_blocks' for the form) (the same bits). Returns o [B, Hv, Dv] bf16."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
+    close = close_blocks(form, close) if close == "auto" else close
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
             or not (isinstance(maxnreg, int) and maxnreg >= 0)
-            or len(close) != 2 or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C):
+            or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
+            or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
-                         f"close {close} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; "
+                         f"close {close!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; "
                          f"unroll a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" "
-                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64)")
+                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64, or \"auto\")")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
