@@ -47,6 +47,21 @@ ARMS = {"exact": (True, False, False, False), "exact_early": (True, True, False,
         "fast_early_all": (False, True, True, False), "fast_early_all_pdl": (False, True, True, True)}
 
 
+def _graphed_step_ms(model, ids, steps: int) -> float:
+    """Milliseconds a step of the graphed decode after a prompt pass over ids (3 steps' warm-up)."""
+    b, p = ids.shape
+    runner = DecodeRunner(model, b, use_graph=True)
+    runner.start(model.prefill(ids), p)
+    for _ in range(3):
+        runner.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
@@ -61,17 +76,7 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
                 model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = ARMS[arm]
                 model.allocate_cache(b, p + steps + 8)
                 with torch.inference_mode():
-                    runner = DecodeRunner(model, b, use_graph=True)
-                    runner.start(model.prefill(ids), p)
-                    for _ in range(3):
-                        runner.step()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        runner.step()
-                    torch.cuda.synchronize()
-                times[arm].append(round((time.perf_counter() - t0) * 1e3 / steps, 4))
-                del runner
+                    times[arm].append(round(_graphed_step_ms(model, ids, steps), 4))
     finally:
         model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = saved
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
@@ -227,17 +232,7 @@ def main() -> None:
                 res["prefill_graph_equals_eager"] = bool(torch.equal(pg.run(other).clone(), model.prefill(other)))
                 del pg
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
-                runner = DecodeRunner(model, b, use_graph=True)
-                runner.start(model.prefill(ids), p)
-                for _ in range(3):
-                    runner.step()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    runner.step()
-                torch.cuda.synchronize()
-                res["graph_step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
-                del runner
+                res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
             if arms:
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res
