@@ -75,10 +75,11 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
-# A GDN layer's decode out-projection asks L2 for its whole weight slice before it waits for the
-# gated norm (gemv.linear's prefetch_all), not only its first block: with the gated norm's early
-# launch (gdn.GATED_NORM_EARLY) its weights then stream in while the rule's step runs, which
-# leaves HBM idle (the exact step: a latency chain). Read at each call; FASTQWEN_GDN_OUT_PREFETCH.
+# FASTQWEN_GDN_OUT_PREFETCH=1: a GDN layer's decode out-projection asks L2 for its whole weight
+# slice before it waits (gemv.linear's prefetch_all), not only its first block, so that with the
+# gated norm's early launch (gdn.GATED_NORM_EARLY) its weights stream in during the rule's step.
+# Off: with exact decode the step was 34 us slower at batch 1, not faster (the step's own chain of
+# loads queued behind the prefetches; PERF_LOG, session 26). Read at each call.
 OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
 
 

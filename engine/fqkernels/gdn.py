@@ -610,11 +610,7 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, 
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = (rows < R)[:, None]
     offs = tl.arange(0, D)[None, :]
-    if EARLY:
-        pdl.launch_dependents(PDL)
-    pdl.wait(PDL)  # x and z are earlier kernels' outputs
-    if not EARLY:
-        pdl.launch_dependents(PDL)
+    pdl.start(PDL, EARLY)  # x and z are earlier kernels' outputs
     x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0).to(tl.float32)
     sq = x * x
     if VEC:
@@ -634,10 +630,11 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, 
 # row a program; a prompt: tiles of GATED_NORM_ROWS rows)
 GATED_NORM_ROWS = int(os.environ.get("FASTQWEN_GATED_NORM_ROWS", "8"))
 GATED_NORM_WARPS = int(os.environ.get("FASTQWEN_GATED_NORM_WARPS", "2"))
-# With PDL, the gated norm lets the next kernel (the GDN layer's out-projection) be scheduled
-# before its own wait, not after it: the product's programs then start, and prefetch their
-# weights (gemv.linear's prefetch_all), while the rule's step is still running. Read at each
-# call; FASTQWEN_GATED_NORM_EARLY=0 for the plain order.
+# FASTQWEN_GATED_NORM_EARLY=1: with PDL, the gated norm lets the next kernel (the GDN layer's
+# out-projection) be scheduled before its own wait, not after it, so the product's programs start,
+# and prefetch their weights, while the rule's step still runs. Off: in the Qwen3.5-4B decode step
+# it was no faster at batch 1 and 78 us a step slower at batch 4 (PERF_LOG, session 26). Read at
+# each call.
 GATED_NORM_EARLY = os.environ.get("FASTQWEN_GATED_NORM_EARLY", "0") == "1"
 
 

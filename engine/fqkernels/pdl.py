@@ -50,10 +50,11 @@ LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
 # many-program grid then sat resident in its wait beside the GEMM's later waves:
 # TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
 MAX_ROWS = 64
-# The small kernels that take it (the residual norms, the output gate; `start`) let the next
-# kernel be scheduled before their wait instead of after it, so a product after them starts,
-# and prefetches its first weights, during the tail of the product before them. Read at each
-# launch; FASTQWEN_PDL_EARLY=1.
+# FASTQWEN_PDL_EARLY=1: the small kernels that take it (the residual norms, the output gate;
+# `start`) let the next kernel be scheduled before their wait instead of after it, so a product
+# after them starts, and prefetches its first weights, during the tail of the product before
+# them. Off: in the Qwen3.5-4B decode step it cost the default up to 37 us a step (batch 4;
+# PERF_LOG, session 26). Read at each launch.
 EARLY = os.environ.get("FASTQWEN_PDL_EARLY", "0") == "1"
 
 
