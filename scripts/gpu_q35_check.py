@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
-from fqkernels import gemv  # noqa: E402
+from fqkernels import gdn, gemv, pdl  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
@@ -65,8 +65,6 @@ def _graphed_step_ms(model, ids, steps: int) -> float:
 def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
-    from fqkernels import gdn, pdl
-
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
     saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
     times: dict = {a: [] for a in arms}

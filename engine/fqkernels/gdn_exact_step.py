@@ -126,11 +126,11 @@ def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
 
 
 def close_blocks(form: str, close) -> tuple:
-    """The close's (state rows a block, chunk rows a dot) for a kernel form: `close`, or for "auto"
-    32x16 in the merged form and 16x16 in the fused one (CLOSE)."""
+    """The close's (state rows a block, chunk rows a dot) for a kernel form: for "auto" 32x16 in the
+    merged form and 16x16 in the fused one (CLOSE), else `close` as given (fused_step checks it)."""
     if close == "auto":
         return (16, 16) if form == "fused" else (32, 16)
-    return tuple(close)
+    return close
 
 
 class ChunkRows:
@@ -436,7 +436,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     bv = block_v or rows.block_v
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
-    close = close_blocks(form, close) if close == "auto" else close
+    close = close_blocks(form, close)
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
