@@ -51,6 +51,7 @@ put back into a row later; fq_slots shares a prompt prefix's pages with them.
 import json
 import os
 from contextlib import ExitStack
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from fqkernels import gdn, gdn_exact, gdn_exact_step
+from fqkernels.gemv import NormFold
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
@@ -81,6 +83,11 @@ EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 # Off: with exact decode the step was 34 us slower at batch 1, not faster (the step's own chain of
 # loads queued behind the prefetches; PERF_LOG, session 26). Read at each call.
 OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
+# FASTQWEN_FOLD_NORMS=1: in a decode step, each residual add and the norm after it computed in the
+# prologue of the product that consumes it (gemv.NormFold; in_proj, attention's q | k | v and the
+# MLP's gate | up at one row, where our GEMV's fma kernel runs them) instead of its own kernel: the
+# same bits, 64 kernels fewer a batch-1 step of the 4B. Read at each call.
+FOLD_NORMS = os.environ.get("FASTQWEN_FOLD_NORMS", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -514,23 +521,47 @@ class Qwen35Model:
         # rows: the residual stream, added to in place
         rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
         h = h.view(shape)
+        spare = None     # a folded norm's residual goes to another buffer (gemv.NormFold): the two alternate
+
+        def norm(delta, w, consumer):
+            """The residual add and the norm after it: one kernel, or (FOLD_NORMS, a decode step whose
+            consumer product takes it) a NormFold for that product's prologue."""
+            nonlocal rows, spare
+            delta = delta.reshape(rows.shape)
+            if FOLD_NORMS and prompt_rows is None and consumer is not None and self.ops.fold_ok(rows.shape[0], *consumer):
+                spare = torch.empty_like(rows) if spare is None else spare
+                fold = NormFold(rows, delta, w, eps, spare, one_plus=True, shape=shape)
+                rows, spare = spare, rows
+                return fold
+            return add_rmsnorm(rows, delta, w, eps, one_plus=True).view(shape)
+
         for i in range(L):
             mixed = self._gdn(i, h, prompt_rows, start, positions) if i in self.gdn_slot else attention(i, h)
-            h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
-                            one_plus=True).view(shape)
+            h = norm(mixed, ln(i, "post_attention_layernorm"), (self.w[f"model.layers.{i}.mlp.gate_up.weight"], True))
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
-            h = add_rmsnorm(rows, self._mlp(i, h).reshape(rows.shape), nxt, eps, one_plus=True).view(shape)
+            h = norm(self._mlp(i, h), nxt, self._first_product(i + 1))
         return h[:, -1]
+
+    def _first_product(self, i: int):
+        """(weight, fused SiLU) of layer i's first decode product, the one its input norm feeds (None
+        past the last layer: the final norm feeds the lm_head, which does not fold it)."""
+        if i >= self.cfg.num_layers:
+            return None
+        if i in self.gdn_slot:
+            return self.w[f"model.layers.{i}.linear_attn.in_proj.weight"], False
+        return self.w[f"model.layers.{i}.self_attn.qkv_proj.weight"], False
 
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """BF16 logits of final-normed rows."""
         return self.ops.linear(h, self.w["lm_head.weight"])
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, h: torch.Tensor | NormFold) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
             gate_up, down = self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"]
+            if isinstance(h, NormFold):
+                return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
             rows = h.reshape(-1, h.shape[-1])
             if rows.shape[0] <= MLP_ROWS:
                 return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
@@ -543,14 +574,15 @@ class Qwen35Model:
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
-    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True, positions=None):
+    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True, positions=None, proj=None):
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE (k not rotated with
         rope_k False, triton backend: rope_store_kv rotates it on its way into the cache);
         gate [B, T, H, D], a view of q_proj's rows (per head [query | gate]). positions (triton
-        backend, T = 1): the RoPE kernel reads the tables there, cos and sin unused."""
+        backend, T = 1): the RoPE kernel reads the tables there, cos and sin unused. proj: the
+        products' outputs (_qkv_proj's) when the caller has them."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
-        qp, k, v = self._qkv_proj(p, h)
+        qp, k, v = self._qkv_proj(p, h) if proj is None else proj
         q, gate = torch.chunk(qp.view(B, T, -1, 2 * c.head_dim), 2, dim=-1)    # per head [query | gate]
         k = k.view(B, T, -1, c.head_dim)
         v = v.view(B, T, -1, c.head_dim).transpose(1, 2)
@@ -632,7 +664,7 @@ class Qwen35Model:
             # the packed q | k | v product, then one kernel: each q and k head's (1 + w) norm and
             # partial RoPE, the key and value into the caches at the positions
             # (past GEMV_MAX_ROWS rows _qkv_proj takes the separate products: the separate kernels then)
-            q = None
+            q = y = None
             if B <= _Products.GEMV_MAX_ROWS:
                 y = self.ops.linear(h, self.w[p + "qkv_proj.weight"]).view(B, -1)
                 q = qk_norm_partial_rope_store(y, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
@@ -641,7 +673,9 @@ class Qwen35Model:
             if q is not None:
                 gate = y[:, :2 * c.num_heads * c.head_dim].view(B, 1, c.num_heads, 2 * c.head_dim)[..., c.head_dim:]
             else:   # this torch's order of the norm's mean is not the fused kernel's: the separate kernels
-                q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
+                proj = None if y is None else torch.split(y.view(B, 1, -1), [2 * c.num_heads * c.head_dim,
+                                                                               c.kv_size, c.kv_size], dim=-1)
+                q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions, proj=proj)
                 rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
                 q = q[:, :, 0]
             attn = decode_attention(q, kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
@@ -784,11 +818,13 @@ class Qwen35Model:
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
         return torch.split(self.ops.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
 
-    def _gdn_step_kernels(self, i: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
-        The conv and recurrent states (exact decode: the chunk's rows) are updated in place."""
+    def _gdn_step_kernels(self, i: int, h: torch.Tensor | NormFold, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] (or the norm before it,
+        folded into in_proj) -> [B, 1, hidden]. The conv and recurrent states (exact decode: the
+        chunk's rows) are updated in place."""
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
+        x = dataclasses.replace(h, shape=(B, h.shape[-1])) if isinstance(h, NormFold) else h[:, 0].contiguous()
         slot = self.gdn_slot[i]
         conv_state, conv_w = self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1)
         w_in = self.w[p + "in_proj.weight"]
@@ -796,11 +832,11 @@ class Qwen35Model:
         # and slower at batch 4 and 16 (the 4B's tensor-core tiles; PERF_LOG, session 13)
         config = self.ops.gemv_config(1, w_in) if FUSE_IN_PROJ and B == 1 else None
         if config is not None and config.split_k == 1:
-            mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
+            mixed, z, beta, g = gdn.in_proj_conv_gates_step(x, w_in, conv_state, conv_w,
                                                             self.w[p + "A_log"], self.w[p + "dt_bias"],
                                                             c.linear_v_heads * c.linear_v_dim, config)
         else:
-            mixed, z, b, a = self._in_proj(p, h[:, 0])      # column slices of one product: mixed [B, conv_dim]
+            mixed, z, b, a = self._in_proj(p, x)      # column slices of one product: mixed [B, conv_dim]
             mixed, g, beta = gdn.conv_gates_step(mixed, conv_state, conv_w, a, b, self.w[p + "A_log"],
                                                  self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
@@ -838,6 +874,10 @@ class _TorchProducts:
     def linear(x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
         return F.linear(x, w)
 
+    @staticmethod
+    def fold_ok(rows: int, w: torch.Tensor, silu: bool) -> bool:
+        return False
+
     def tune(self, weights, rows: int) -> dict:
         return {}
 
@@ -870,19 +910,32 @@ class _Products:
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
-        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs."""
-        rows = x.numel() // x.shape[-1]
+    def fold_ok(self, rows: int, w: torch.Tensor, silu: bool) -> bool:
+        """Whether the product of w at `rows` rows runs our GEMV with a config that takes a
+        gemv.NormFold (the norm before it in its prologue)."""
+        if not self.use_gemv.get((silu, rows) + tuple(w.shape)):
+            return False
+        return self._gemv.can_fold(self._gemv.select_config(w.shape[0], w.shape[1], silu, rows), w.shape[1], w.device)
+
+    def linear(self, x: torch.Tensor | NormFold, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
+        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs.
+        x may be a NormFold where fold_ok."""
+        rows = x.rows if isinstance(x, NormFold) else x.numel() // x.shape[-1]
         if self.use_gemv.get((False, rows) + tuple(w.shape)):
-            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w,
-                                     prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
+            flat = x if isinstance(x, NormFold) else x.reshape(rows, -1).contiguous()
+            return self._gemv.linear(flat, w, prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
+        if isinstance(x, NormFold):
+            raise ValueError(f"a NormFold reached a product of {tuple(w.shape)} at {rows} rows that cuBLAS runs")
         return F.linear(x, w)
 
-    def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    def linear_silu_mul(self, x: torch.Tensor | NormFold, w_gate_up: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) with the reference's cast points, w_gate_up = gate | up."""
-        rows = x.numel() // x.shape[-1]
+        rows = x.rows if isinstance(x, NormFold) else x.numel() // x.shape[-1]
         if self.use_gemv.get((True, rows) + tuple(w_gate_up.shape)):
-            out = self._gemv.linear_silu_mul(x.reshape(rows, -1).contiguous(), w_gate_up)
+            out = self._gemv.linear_silu_mul(x if isinstance(x, NormFold) else x.reshape(rows, -1).contiguous(),
+                                             w_gate_up)
+        elif isinstance(x, NormFold):
+            raise ValueError(f"a NormFold reached a product of {tuple(w_gate_up.shape)} at {rows} rows that cuBLAS runs")
         else:
             out = self._silu_mul(F.linear(x.reshape(rows, -1), w_gate_up))
         return out.view(*x.shape[:-1], w_gate_up.shape[0] // 2)

@@ -48,6 +48,11 @@ applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen
 batch 1 calls it through gdn.in_proj_conv_gates_step): one K chunk a program, so each output
 column is summed, rounded and post-processed by one program; the sums are `linear`'s.
 
+Folded norm. x may be a NormFold: the residual add and RMSNorm before the product, which the
+fma kernel at one row a program computes in its prologue (every program its row's statistics,
+in the torch-order norm's order, while its first weight block loads) in place of a norm kernel
+of its own; x's bits are the norm kernel's, so the product's are too.
+
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
 after a warm-up call allocate nothing and a captured graph never points at freed
@@ -65,10 +70,13 @@ import triton
 import triton.language as tl
 from fqkernels import pdl
 from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
+from fqkernels.rmsnorm import _inverse, fold_stats, fold_values, torch_order_launch
 from fqkernels.swiglu import silu_f32
 
 __all__ = [
     "GemvConfig",
+    "NormFold",
+    "can_fold",
     "select_config",
     "linear",
     "linear_silu_mul",
@@ -480,7 +488,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1):
+                     EPI_HV: tl.constexpr = 1,
+                     f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, FOLD: tl.constexpr = False,
+                     F_BLOCK: tl.constexpr = 128, F_VEC: tl.constexpr = True, F_HALVES: tl.constexpr = True,
+                     F_ONE_PLUS: tl.constexpr = False):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -491,6 +502,13 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     block. The rows are unrolled by hand (acc0..acc3) so that each row's code is
     the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
     layout, and so the summation tree, depend on BLOCK_M.
+
+    FOLD (one row a program, one K chunk: NormFold): x is not read; each program computes its row
+    as the residual add and RMSNorm before this product would (rmsnorm.fold_stats / fold_values:
+    bf16(f_res + x) normalized with the torch-order norm's bits, times f_w or 1 + f_w), and the
+    first column block's program writes bf16(f_res + x) to f_out, the residual stream's next
+    copy. Its first weight block is loaded before the wait (weights are constant) and each
+    block a trip ahead, so the row's statistics are computed while weights are in flight.
     """
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
@@ -499,7 +517,13 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
-    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    if FOLD:
+        w = _load_w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
+        wu = w
+        if SILU:
+            wu = _load_w_block(w_ptrs + up_offset, k_lo, offs_k, K, EVEN_K)
+    else:
+        _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
     if EPI:   # one row a program (BLOCK_M 1): the GDN epilogue's other inputs, as in _gemv_dot_kernel
         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
             m0, offs_n, M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL, EPI_HV)
@@ -517,16 +541,35 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     accu1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for i in range(BLOCKS_PER_SPLIT):
-        k = k_lo + i * BLOCK_K
-        w = _load_w_block(w_ptrs, k, offs_k, K, EVEN_K)
-        if SILU:
-            wu = _load_w_block(w_ptrs + up_offset, k, offs_k, K, EVEN_K)
-        acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K, EVEN_K,
-                                           BLOCK_M)
-        if SILU:
-            accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
-                                                   EVEN_K, BLOCK_M)
+    if FOLD:
+        f_row = f_res + m0 * K
+        inv, s, s_offs, s_mask = fold_stats(f_row, x0, f_inv_n, f_eps, K, F_BLOCK, F_VEC, F_HALVES, INTERPRETED)
+        if pid_n == 0:
+            tl.store(f_out + m0 * K + s_offs, s, mask=s_mask)
+        for i in range(BLOCKS_PER_SPLIT):
+            k = k_lo + i * BLOCK_K
+            xv = fold_values(f_row, x0, f_w, k + offs_k, (k + offs_k) < K, inv, F_ONE_PLUS).to(tl.float32)
+            acc0 = acc0 + w * xv[None, :]
+            if SILU:
+                accu0 = accu0 + wu * xv[None, :]
+            # the next block (none after the last: a masked load reads nothing)
+            more = ((k + BLOCK_K + offs_k) < K) & (i + 1 < BLOCKS_PER_SPLIT)
+            w = tl.load(w_ptrs + k + BLOCK_K, mask=more[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            if SILU:
+                wu = tl.load(w_ptrs + up_offset + k + BLOCK_K, mask=more[None, :], other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)
+    else:
+        for i in range(BLOCKS_PER_SPLIT):
+            k = k_lo + i * BLOCK_K
+            w = _load_w_block(w_ptrs, k, offs_k, K, EVEN_K)
+            if SILU:
+                wu = _load_w_block(w_ptrs + up_offset, k, offs_k, K, EVEN_K)
+            acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K, EVEN_K,
+                                               BLOCK_M)
+            if SILU:
+                accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k,
+                                                       K, EVEN_K, BLOCK_M)
     pdl.launch_dependents(PDL)
     if EPI:
         in_proj_epilogue(tl.sum(acc0, axis=1), m0, offs_n, M, N, out_ptr, e_g, e_state, e_sb, e_sc,
@@ -596,6 +639,67 @@ def _workspace(device: torch.device, splits: int, cols: int, rows: int) -> torch
 
 # ----------------------------------------------------------------------------- host wrappers
 
+@dataclasses.dataclass(frozen=True)
+class NormFold:
+    """A product's x given as the residual add and RMSNorm before it, for the product to compute
+    in its prologue instead of a norm kernel of its own (can_fold says which configs take it):
+
+        residual_out <- bf16(residual + delta)          (the residual stream's next copy)
+        x = RMSNorm(residual_out) * weight, or * (1 + weight) with one_plus
+
+    with rmsnorm.add_rmsnorm's bits (its torch-order kernel). residual, delta and residual_out
+    [M, K] bf16 contiguous, weight [K] bf16. residual_out must be another buffer than residual:
+    every program reads residual while the first column block's programs write residual_out.
+    shape: what x's shape would be (the product's output keeps its leading dims; default [M, K])."""
+
+    residual: torch.Tensor
+    delta: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor
+    one_plus: bool = False
+    shape: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            object.__setattr__(self, "shape", tuple(self.residual.shape))
+
+    @property
+    def rows(self) -> int:
+        return self.residual.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.residual.device
+
+
+def can_fold(config: GemvConfig, k: int, device: torch.device) -> bool:
+    """Whether a product with this config over rows of width k takes a NormFold: the fma kernel
+    at one row a program and one K chunk, where the norm sums in torch's order (rmsnorm)."""
+    return (config.mode == "fma" and config.block_m == 1 and config.split_k == 1
+            and torch_order_launch(k, device) is not None)
+
+
+def _check_fold(fold: NormFold) -> None:
+    for name in ("residual", "delta", "residual_out"):
+        _check_matrix(f"NormFold.{name}", getattr(fold, name))
+        if getattr(fold, name).shape != fold.residual.shape:
+            raise ValueError(f"NormFold.{name} has shape {tuple(getattr(fold, name).shape)}, residual "
+                             f"{tuple(fold.residual.shape)}")
+    w = fold.weight
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 1 or w.stride(0) != 1:
+        raise ValueError(f"NormFold.weight must be a 1-D contiguous bfloat16 tensor, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    if w.shape[0] != fold.residual.shape[1]:
+        raise ValueError(f"NormFold.weight has {w.shape[0]} elements, rows have {fold.residual.shape[1]}")
+    if fold.residual_out.data_ptr() == fold.residual.data_ptr():
+        raise ValueError("NormFold.residual_out must be another buffer than NormFold.residual (every program "
+                         "reads the residual while the first column block writes the sum)")
+    for name in ("delta", "weight", "residual_out"):
+        if getattr(fold, name).device != fold.residual.device:
+            raise ValueError(f"NormFold.{name} is on {getattr(fold, name).device}, residual on {fold.residual.device}")
+
+
 def _check_matrix(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -619,9 +723,13 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
         raise ValueError(f"x must be on a CUDA device, got {x.device}")
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+def _launch(x: torch.Tensor | NormFold, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
             silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
             prefetch_all: bool = False) -> torch.Tensor:
+    fold = None
+    if isinstance(x, NormFold):
+        _check_fold(x)
+        fold, x = x, x.delta
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -637,6 +745,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
     if m > _MAX_ROWS:
         raise ValueError(f"x has {m} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
+    fold_args = {}
+    if fold is not None:
+        if partials or not can_fold(config, k, x.device):
+            raise ValueError(f"a NormFold needs the fma kernel at one row a program and one K chunk, where the "
+                             f"norm of width {k} sums in torch's order; got config {config}")
+        vec, halves = torch_order_launch(k, x.device)
+        fold_args = dict(f_res=fold.residual, f_w=fold.weight, f_out=fold.residual_out, f_inv_n=_inverse(k),
+                         f_eps=float(fold.eps), FOLD=True, F_BLOCK=triton.next_power_of_2(k), F_VEC=vec,
+                         F_HALVES=halves, F_ONE_PLUS=bool(fold.one_plus))
     if out is not None:
         _check_matrix("out", out)
         if tuple(out.shape) != (m, n):
@@ -679,7 +796,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
         PREFETCH_LINES=_prefetch_lines(config.block_k, blocks_per_split, prefetch_all),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
-        **_epilogue_args(epilogue),
+        **_epilogue_args(epilogue), **fold_args,
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -709,6 +826,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     for its whole weight slice, not only its first block, before it waits for the kernel
     before it, for a product after a kernel that leaves HBM idle; the sums are the same.
     (Measured slower after the exact GDN step: PERF_LOG, session 26.)
+    x may be a NormFold (the norm before the product computed in its prologue; can_fold).
     Raises ValueError naming a bad argument.
     """
     return _launch(x, w, out, config, silu=False, w_name="w", prefetch_all=prefetch_all)

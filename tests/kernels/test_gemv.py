@@ -711,3 +711,158 @@ def test_swapped_dot_compiles_for_sm90(name, silu):
     ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     assert "mma" in ptx
+
+
+# ----------------------------------------------------------------------------- the norm folded into a product
+
+FOLD_SIG = {"f_res": "*bf16", "f_w": "*bf16", "f_out": "*bf16", "f_inv_n": "fp32", "f_eps": "fp32"}
+
+
+def _fold_inputs(m: int, k: int, gen: torch.Generator, device="cpu"):
+    """(residual, delta, norm weight): a residual stream a few times larger than the update,
+    as between two layers, and a (1 + w) weight near zero."""
+    res = randn_bf16(m, k, gen=gen, scale=3.0).to(device)
+    delta = randn_bf16(m, k, gen=gen).to(device)
+    nw = randn_bf16(k, gen=gen, scale=0.1).to(device)
+    return res, delta, nw
+
+
+def _unfolded(res, delta, nw, eps, one_plus, product):
+    """The norm kernel (in place on a copy of the residual), then the product: (out, new residual)."""
+    from fqkernels.rmsnorm import add_rmsnorm
+
+    r = res.clone()
+    h = add_rmsnorm(r, delta, nw, eps, one_plus=one_plus)
+    return product(h), r
+
+
+FOLD_CASES = [
+    # (m, k, config): masked K tail (320 = 2.5 blocks of 128), uneven N (clamped columns)
+    (1, 256, GemvConfig(block_n=16, block_k=64, split_k=1, mode="fma", block_m=1)),
+    (3, 320, GemvConfig(block_n=8, block_k=128, split_k=1, mode="fma", block_m=1)),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"m{c[0]}-k{c[1]}")
+@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu_mul"])
+@pytest.mark.parametrize("one_plus", [True, False], ids=["one_plus", "plain"])
+def test_interpreted_norm_fold_is_the_norm_then_the_product(case, silu, one_plus, interpreter_bf16_rounding):
+    """A NormFold: the product's output and the residual's next copy are, bit for bit, the norm
+    kernel's (add_rmsnorm) then the product on its output; the residual read is left as it was."""
+    m, k, cfg = case
+    n = 40
+    gen = torch.Generator().manual_seed(m + k + silu)
+    res, delta, nw = _fold_inputs(m, k, gen)
+    w = randn_bf16(2 * n if silu else n, k, gen=gen, scale=k ** -0.5)
+    fn = linear_silu_mul if silu else linear
+    want, want_res = _unfolded(res, delta, nw, 1e-6, one_plus, lambda h: fn(h, w, config=cfg))
+    before = res.clone()
+    res_out = torch.full_like(res, float("nan"))
+    got = fn(gemv.NormFold(res, delta, nw, 1e-6, res_out, one_plus=one_plus), w, config=cfg)
+    assert torch.equal(got, want)
+    assert torch.equal(res_out, want_res)
+    assert torch.equal(res, before)
+
+
+@needs_interpreter
+def test_interpreted_norm_fold_into_the_gdn_epilogue(interpreter_bf16_rounding):
+    """in_proj's product with the GDN step's conv and gates in its epilogue takes the fold too:
+    every output and the conv state as from the norm kernel's output."""
+    from fqkernels import gdn
+
+    C, Hv, Dv, K, W = 72, 4, 16, 256, 4
+    N = C + Hv * Dv + 2 * Hv
+    cfg = GemvConfig(block_n=8, block_k=64, split_k=1, mode="fma", block_m=1)
+    gen = torch.Generator().manual_seed(5)
+    w = randn_bf16(N, K, gen=gen, scale=0.1)
+    conv_w, a_log = randn_bf16(C, W, gen=gen, scale=0.5), torch.log(torch.rand(Hv, generator=gen) + 0.5).bfloat16()
+    dt_bias = randn_bf16(Hv, gen=gen)
+    res, delta, nw = _fold_inputs(1, K, gen)
+    st_a = randn_bf16(1, C, W, gen=gen)
+    st_b = st_a.clone()
+    want, want_res = _unfolded(res, delta, nw, 1e-6, True, lambda h: gdn.in_proj_conv_gates_step(
+        h, w, st_a, conv_w, a_log, dt_bias, Hv * Dv, cfg))
+    res_out = torch.empty_like(res)
+    got = gdn.in_proj_conv_gates_step(gemv.NormFold(res, delta, nw, 1e-6, res_out, one_plus=True), w, st_b, conv_w,
+                                      a_log, dt_bias, Hv * Dv, cfg)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_, w_)
+    assert torch.equal(st_b, st_a) and torch.equal(res_out, want_res)
+
+
+def test_norm_fold_bad_arguments_raise_naming_them():
+    """What the fold cannot take, refused before any launch, on any machine."""
+    gen = torch.Generator().manual_seed(1)
+    res, delta, nw = _fold_inputs(1, 256, gen)
+    w = randn_bf16(32, 256, gen=gen)
+    fma = GemvConfig(block_n=16, block_k=64, split_k=1, mode="fma", block_m=1)
+    with pytest.raises(ValueError, match="residual_out must be another buffer"):
+        linear(gemv.NormFold(res, delta, nw, 1e-6, res), w, config=fma)
+    with pytest.raises(ValueError, match="NormFold.weight has 255"):
+        linear(gemv.NormFold(res, delta, nw[:255], 1e-6, torch.empty_like(res)), w, config=fma)
+    with pytest.raises(ValueError, match="NormFold.delta has shape"):
+        linear(gemv.NormFold(res, delta[:, :128].contiguous(), nw, 1e-6, torch.empty_like(res)), w, config=fma)
+    for cfg in (GemvConfig(block_n=16, block_k=64, split_k=2, mode="fma", block_m=1),
+                GemvConfig(block_n=16, block_k=64, split_k=1, mode="fma", block_m=2),
+                GemvConfig(block_n=64, block_k=64, split_k=1, mode="dot_t")):
+        with pytest.raises(ValueError, match="a NormFold needs the fma kernel"):
+            linear(gemv.NormFold(res, delta, nw, 1e-6, torch.empty_like(res)), w, config=cfg)
+    assert not gemv.can_fold(GemvConfig(block_n=16, block_k=64, split_k=1, mode="fma", block_m=4), 256, res.device)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("name,silu,epi", [("gate_up", True, False), ("qkv", False, False), ("in_proj", False, True)])
+def test_norm_fold_compiles_for_sm90(name, silu, epi):
+    """The folded norm in the one-row fma kernel at Qwen3.5-4B's consumers of a norm (gate | up,
+    q | k | v, in_proj with the GDN epilogue) and the table's one-row configs: it compiles on this
+    Triton, with the mean's product by 1/N as one rounding (mul.rn) and the PDL wait."""
+    n, k = {"gate_up": (18432, 2560), "qkv": (10240, 2560), "in_proj": (12352, 2560)}[name]
+    cfg = select_config(n, k, silu, 1)
+    assert gemv.can_fold(cfg, k, torch.device("cpu"))
+    cols = n // 2 if silu else n
+    constants = dict(K=k, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
+                     BLOCKS_PER_SPLIT=k // cfg.block_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True, PARTIALS=False,
+                     SILU=silu, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64),
+                     FOLD=True, F_BLOCK=4096, F_VEC=True, F_HALVES=True, F_ONE_PLUS=True,
+                     **(EPI_ON if epi else EPI_OFF))
+    sig = dict(MAIN_SIG, **(EPI_SIG if epi else {}), **FOLD_SIG)     # the kernel's argument order
+    aligned = MAIN_ALIGNED + ("f_res", "f_w", "f_out") + (("e_g", "e_state", "e_w") if epi else ())
+    ptx = _aot_compile(gemv._gemv_fma_kernel, sig, constants, aligned, cfg.num_warps, cfg.num_stages).asm["ptx"]
+    assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx) and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["gate_up", "qkv", "in_proj"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_norm_fold_gives_the_norm_kernels_bits(name, rows):
+    """On the GPU, at Qwen3.5-4B's shapes and the one-row table configs: the fold's product and
+    residual equal the norm kernel then the product, bit for bit (the fold compiles with fp
+    fusion, the norm kernel without: the mean's mul.rn keeps them one function)."""
+    from fqkernels import gdn
+
+    n, k = {"gate_up": (18432, 2560), "qkv": (10240, 2560), "in_proj": (12352, 2560)}[name]
+    silu = name == "gate_up"
+    cfg = select_config(n, k, silu, 1)
+    gen = torch.Generator().manual_seed(rows + n)
+    for trial in range(3):
+        res, delta, nw = _fold_inputs(rows, k, gen, "cuda")
+        w = randn_bf16(n, k, gen=gen, scale=k ** -0.5).cuda()
+        res_out = torch.empty_like(res)
+        fold = gemv.NormFold(res, delta, nw, 1e-6, res_out, one_plus=True)
+        if name == "in_proj":
+            C, Hv, Dv = 8192, 32, 128
+            conv_w, a_log = randn_bf16(C, 4, gen=gen, scale=0.5).cuda(), torch.zeros(Hv, dtype=torch.bfloat16).cuda()
+            dt_bias = randn_bf16(Hv, gen=gen).cuda()
+            st = randn_bf16(rows, C, 4, gen=gen).cuda()
+            st2 = st.clone()
+            want, want_res = _unfolded(res, delta, nw, 1e-6, True, lambda h: gdn.in_proj_conv_gates_step(
+                h, w, st, conv_w, a_log, dt_bias, Hv * Dv, cfg))
+            got = gdn.in_proj_conv_gates_step(fold, w, st2, conv_w, a_log, dt_bias, Hv * Dv, cfg)
+            assert all(torch.equal(g_, w_) for g_, w_ in zip(got, want)) and torch.equal(st2, st)
+        else:
+            fn = linear_silu_mul if silu else linear
+            want, want_res = _unfolded(res, delta, nw, 1e-6, True, lambda h: fn(h, w, config=cfg))
+            assert torch.equal(fn(fold, w, config=cfg), want)
+        assert torch.equal(res_out, want_res)
