@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from fqkernels import gdn, gdn_exact, gdn_exact_step
-from fqkernels.gemv import NormFold
+from fqkernels.gemv import FOLDS, GatedNormFold, NormFold, SigmoidGateFold
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
@@ -85,8 +85,9 @@ EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
 # FASTQWEN_FOLD_NORMS=1: in a decode step, each residual add and the norm after it computed in the
 # prologue of the product that consumes it (gemv.NormFold; in_proj, attention's q | k | v and the
-# MLP's gate | up at one row, where our GEMV's fma kernel runs them) instead of its own kernel: the
-# same bits, 64 kernels fewer a batch-1 step of the 4B. Read at each call.
+# MLP's gate | up), the GDN layer's gated norm in its out-projection (gemv.GatedNormFold) and the
+# attention's output gate in o_proj (gemv.SigmoidGateFold), where our GEMV's one-row fma kernel runs
+# those products: the same bits, 96 kernels fewer a batch-1 step of the 4B. Read at each call.
 FOLD_NORMS = os.environ.get("FASTQWEN_FOLD_NORMS", "0") == "1"
 
 
@@ -698,8 +699,13 @@ class Qwen35Model:
         """o_proj(attn * sigmoid(gate)), attn and gate [B, T, H, D] (views): on the triton backend
         one kernel reading both in place (swiglu.sigmoid_gate_mul, the torch ops' bits), on the
         torch backend the reference's ops on both flattened to [B, T, H * D]."""
+        w_o = self.w[f"model.layers.{i}.self_attn.o_proj.weight"]
+        B, T, H, D = attn.shape
+        if FOLD_NORMS and T == 1 and self.ops.fold_ok(B, w_o, False, SigmoidGateFold, D):
+            # the gate computed in o_proj (the same bits)
+            return self.ops.linear(SigmoidGateFold(attn.reshape(B, -1), gate[:, 0], shape=(B, 1, H * D)), w_o)
         gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
-        return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+        return self.ops.linear(gate_mul(attn, gate), w_o)
 
     def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0,
              positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -847,12 +853,17 @@ class Qwen35Model:
                                           self.rows[slot].narrow(0, B), tile=self.decode_tile)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
+        w_out = self.w[p + "out_proj.weight"]
+        if FOLD_NORMS and c.linear_v_dim == 128 and self.ops.fold_ok(B, w_out, False, GatedNormFold, 128):
+            # the gated norm computed in the out-projection (the same bits)
+            return self.ops.linear(GatedNormFold(o.reshape(B, -1), z, self.w[p + "norm.weight"], c.rms_norm_eps,
+                                                 shape=(B, 1, w_out.shape[1])), w_out)
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"], prefetch_all=OUT_PREFETCH_ALL)
+        return self.ops.linear(o.reshape(B, 1, -1), w_out, prefetch_all=OUT_PREFETCH_ALL)
 
 
 def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor, scale: float):
@@ -875,7 +886,7 @@ class _TorchProducts:
         return F.linear(x, w)
 
     @staticmethod
-    def fold_ok(rows: int, w: torch.Tensor, silu: bool) -> bool:
+    def fold_ok(rows: int, w: torch.Tensor, silu: bool, kind: type = NormFold, head_dim: int = 128) -> bool:
         return False
 
     def tune(self, weights, rows: int) -> dict:
@@ -910,32 +921,33 @@ class _Products:
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
-    def fold_ok(self, rows: int, w: torch.Tensor, silu: bool) -> bool:
-        """Whether the product of w at `rows` rows runs our GEMV with a config that takes a
-        gemv.NormFold (the norm before it in its prologue)."""
+    def fold_ok(self, rows: int, w: torch.Tensor, silu: bool, kind: type = NormFold, head_dim: int = 128) -> bool:
+        """Whether the product of w at `rows` rows runs our GEMV with a config that takes a fold of
+        this kind (gemv.NormFold, GatedNormFold, SigmoidGateFold: the small kernel before it, in it)."""
         if not self.use_gemv.get((silu, rows) + tuple(w.shape)):
             return False
-        return self._gemv.can_fold(self._gemv.select_config(w.shape[0], w.shape[1], silu, rows), w.shape[1], w.device)
+        config = self._gemv.select_config(w.shape[0], w.shape[1], silu, rows)
+        return self._gemv.can_fold(config, w.shape[1], w.device, kind, head_dim)
 
     def linear(self, x: torch.Tensor | NormFold, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
         """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs.
-        x may be a NormFold where fold_ok."""
-        rows = x.rows if isinstance(x, NormFold) else x.numel() // x.shape[-1]
+        x may be one of gemv's FOLDS where fold_ok."""
+        rows = x.rows if isinstance(x, FOLDS) else x.numel() // x.shape[-1]
         if self.use_gemv.get((False, rows) + tuple(w.shape)):
-            flat = x if isinstance(x, NormFold) else x.reshape(rows, -1).contiguous()
+            flat = x if isinstance(x, FOLDS) else x.reshape(rows, -1).contiguous()
             return self._gemv.linear(flat, w, prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
-        if isinstance(x, NormFold):
-            raise ValueError(f"a NormFold reached a product of {tuple(w.shape)} at {rows} rows that cuBLAS runs")
+        if isinstance(x, FOLDS):
+            raise ValueError(f"a {type(x).__name__} reached a product of {tuple(w.shape)} at {rows} rows that cuBLAS runs")
         return F.linear(x, w)
 
     def linear_silu_mul(self, x: torch.Tensor | NormFold, w_gate_up: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) with the reference's cast points, w_gate_up = gate | up."""
-        rows = x.rows if isinstance(x, NormFold) else x.numel() // x.shape[-1]
+        rows = x.rows if isinstance(x, FOLDS) else x.numel() // x.shape[-1]
         if self.use_gemv.get((True, rows) + tuple(w_gate_up.shape)):
-            out = self._gemv.linear_silu_mul(x if isinstance(x, NormFold) else x.reshape(rows, -1).contiguous(),
+            out = self._gemv.linear_silu_mul(x if isinstance(x, FOLDS) else x.reshape(rows, -1).contiguous(),
                                              w_gate_up)
-        elif isinstance(x, NormFold):
-            raise ValueError(f"a NormFold reached a product of {tuple(w_gate_up.shape)} at {rows} rows that cuBLAS runs")
+        elif isinstance(x, FOLDS):
+            raise ValueError(f"a {type(x).__name__} reached a product of {tuple(w_gate_up.shape)} at {rows} rows that cuBLAS runs")
         else:
             out = self._silu_mul(F.linear(x.reshape(rows, -1), w_gate_up))
         return out.view(*x.shape[:-1], w_gate_up.shape[0] // 2)

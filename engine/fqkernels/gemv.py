@@ -48,10 +48,11 @@ applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen
 batch 1 calls it through gdn.in_proj_conv_gates_step): one K chunk a program, so each output
 column is summed, rounded and post-processed by one program; the sums are `linear`'s.
 
-Folded norm. x may be a NormFold: the residual add and RMSNorm before the product, which the
-fma kernel at one row a program computes in its prologue (every program its row's statistics,
-in the torch-order norm's order, while its first weight block loads) in place of a norm kernel
-of its own; x's bits are the norm kernel's, so the product's are too.
+Folds. x may be the small kernel before the product, which the fma kernel at one row a program
+then computes itself in place of that kernel, with its bits (so the product's are the same):
+a NormFold (the residual add and RMSNorm: every program its row's statistics in the torch-order
+norm's order, while its first weight block loads), a GatedNormFold (the GDN layer's gated norm,
+a K block of heads at a time) or a SigmoidGateFold (the gated attention's output gate).
 
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
@@ -69,13 +70,15 @@ import torch
 import triton
 import triton.language as tl
 from fqkernels import pdl
-from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
-from fqkernels.rmsnorm import _inverse, fold_stats, fold_values, torch_order_launch
-from fqkernels.swiglu import silu_f32
+from fqkernels.gdn import gated_norm_rows, in_proj_epilogue, in_proj_epilogue_inputs
+from fqkernels.rmsnorm import _inverse, fold_stats, fold_values, torch_order, torch_order_launch
+from fqkernels.swiglu import sigmoid_f32, silu_f32
 
 __all__ = [
     "GemvConfig",
     "NormFold",
+    "GatedNormFold",
+    "SigmoidGateFold",
     "can_fold",
     "select_config",
     "linear",
@@ -479,6 +482,28 @@ def _load_w_block(ptrs, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
     return w.to(tl.float32)
 
 
+@triton.jit
+def _gated_norm_block(x_row, z_row, w_ptr, k, inv_n, eps, BLOCK_K: tl.constexpr, D: tl.constexpr,
+                      VEC: tl.constexpr, HALVES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gated norm (gdn.gated_norm_rows) of the BLOCK_K // D heads of D at k, as [BLOCK_K] bf16."""
+    offs = k + tl.arange(0, BLOCK_K // D)[:, None] * D + tl.arange(0, D)[None, :]
+    y = gated_norm_rows(tl.load(x_row + offs), tl.load(z_row + offs), w_ptr, inv_n, eps, VEC, HALVES, INTERPRETED)
+    return tl.reshape(y, (BLOCK_K,))
+
+
+@triton.jit
+def _sigmoid_gate_block(x_row, g_row, k, stride_h, BLOCK_K: tl.constexpr, D: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+    """bf16(x * bf16(sigmoid(gate))) (swiglu.sigmoid_gate_mul's arithmetic) of the BLOCK_K // D heads
+    of D at k, their gates stride_h apart, as [BLOCK_K] bf16."""
+    heads = tl.arange(0, BLOCK_K // D)[:, None]
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(x_row + k + heads * D + d)
+    g = tl.load(g_row + (k // D + heads) * stride_h + d)
+    gate = sigmoid_f32(g.to(tl.float32), INTERPRETED).to(tl.bfloat16)
+    return tl.reshape((x.to(tl.float32) * gate.to(tl.float32)).to(tl.bfloat16), (BLOCK_K,))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -489,9 +514,9 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
                      EPI_HV: tl.constexpr = 1,
-                     f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, FOLD: tl.constexpr = False,
-                     F_BLOCK: tl.constexpr = 128, F_VEC: tl.constexpr = True, F_HALVES: tl.constexpr = True,
-                     F_ONE_PLUS: tl.constexpr = False):
+                     f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, f_stride=0, f_stride_h=0,
+                     FOLD: tl.constexpr = 0, F_BLOCK: tl.constexpr = 128, F_VEC: tl.constexpr = True,
+                     F_HALVES: tl.constexpr = True, F_ONE_PLUS: tl.constexpr = False):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -503,12 +528,17 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
     layout, and so the summation tree, depend on BLOCK_M.
 
-    FOLD (one row a program, one K chunk: NormFold): x is not read; each program computes its row
-    as the residual add and RMSNorm before this product would (rmsnorm.fold_stats / fold_values:
-    bf16(f_res + x) normalized with the torch-order norm's bits, times f_w or 1 + f_w), and the
-    first column block's program writes bf16(f_res + x) to f_out, the residual stream's next
-    copy. Its first weight block is loaded before the wait (weights are constant) and each
-    block a trip ahead, so the row's statistics are computed while weights are in flight.
+    FOLD (one row a program, one K chunk): the product's row is computed from x as the small kernel
+    before the product would (its bits), in place of reading it:
+      1 (NormFold): the residual add and RMSNorm, rmsnorm.fold_stats / fold_values: bf16(f_res + x)
+        normalized with the torch-order norm's bits, times f_w or 1 + f_w; the first column
+        block's program writes bf16(f_res + x) to f_out, the residual stream's next copy;
+      2 (GatedNormFold): the GDN layer's gated norm of x's heads of F_BLOCK with their gates at
+        f_res (rows f_stride apart), gdn.gated_norm_rows, one K block of heads at a time;
+      3 (SigmoidGateFold): x * bf16(sigmoid(gate)), the gate's heads of F_BLOCK at f_res (rows
+        f_stride, heads f_stride_h apart), swiglu's sigmoid_gate_mul, a K block at a time.
+    Its first weight block is loaded before the wait (weights are constant) and each block a trip
+    ahead, so the row's values are computed while weights are in flight.
     """
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
@@ -542,13 +572,22 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     accu2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if FOLD:
-        f_row = f_res + m0 * K
-        inv, s, s_offs, s_mask = fold_stats(f_row, x0, f_inv_n, f_eps, K, F_BLOCK, F_VEC, F_HALVES, INTERPRETED)
-        if pid_n == 0:
-            tl.store(f_out + m0 * K + s_offs, s, mask=s_mask)
+        if FOLD == 1:
+            f_row = f_res + m0 * K
+            inv, s, s_offs, s_mask = fold_stats(f_row, x0, f_inv_n, f_eps, K, F_BLOCK, F_VEC, F_HALVES, INTERPRETED)
+            if pid_n == 0:
+                tl.store(f_out + m0 * K + s_offs, s, mask=s_mask)
+        else:
+            f_row = f_res + m0 * f_stride
         for i in range(BLOCKS_PER_SPLIT):
             k = k_lo + i * BLOCK_K
-            xv = fold_values(f_row, x0, f_w, k + offs_k, (k + offs_k) < K, inv, F_ONE_PLUS).to(tl.float32)
+            if FOLD == 1:
+                xv = fold_values(f_row, x0, f_w, k + offs_k, (k + offs_k) < K, inv, F_ONE_PLUS).to(tl.float32)
+            elif FOLD == 2:
+                xv = _gated_norm_block(x0, f_row, f_w, k, f_inv_n, f_eps, BLOCK_K, F_BLOCK, F_VEC, F_HALVES,
+                                       INTERPRETED).to(tl.float32)
+            else:
+                xv = _sigmoid_gate_block(x0, f_row, k, f_stride_h, BLOCK_K, F_BLOCK, INTERPRETED).to(tl.float32)
             acc0 = acc0 + w * xv[None, :]
             if SILU:
                 accu0 = accu0 + wu * xv[None, :]
@@ -639,8 +678,49 @@ def _workspace(device: torch.device, splits: int, cols: int, rows: int) -> torch
 
 # ----------------------------------------------------------------------------- host wrappers
 
+def _check_vector(name: str, w: object, n: int) -> None:
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 1 or w.stride(0) != 1:
+        raise ValueError(f"{name} must be a 1-D contiguous bfloat16 tensor, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    if w.shape[0] != n:
+        raise ValueError(f"{name} has {w.shape[0]} elements, rows have {n}")
+
+
+def _same_device(fold: object, names: tuple) -> None:
+    first = getattr(fold, names[0])
+    for name in names[1:]:
+        if getattr(fold, name).device != first.device:
+            raise ValueError(f"{type(fold).__name__}.{name} is on {getattr(fold, name).device}, "
+                             f"{names[0]} on {first.device}")
+
+
+class _Fold:
+    """What the folds share: x, the rows the kernel reads as its x_ptr ([M, K] bf16 contiguous),
+    and shape, the shape the product's input would have (its output keeps the leading dims)."""
+
+    KIND = 0
+    x: torch.Tensor
+    shape: tuple | None
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            object.__setattr__(self, "shape", tuple(self.x.shape))
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def head_dim(self) -> int:
+        return self.x.shape[1]
+
+
 @dataclasses.dataclass(frozen=True)
-class NormFold:
+class NormFold(_Fold):
     """A product's x given as the residual add and RMSNorm before it, for the product to compute
     in its prologue instead of a norm kernel of its own (can_fold says which configs take it):
 
@@ -649,8 +729,7 @@ class NormFold:
 
     with rmsnorm.add_rmsnorm's bits (its torch-order kernel). residual, delta and residual_out
     [M, K] bf16 contiguous, weight [K] bf16. residual_out must be another buffer than residual:
-    every program reads residual while the first column block's programs write residual_out.
-    shape: what x's shape would be (the product's output keeps its leading dims; default [M, K])."""
+    every program reads residual while the first column block's programs write residual_out."""
 
     residual: torch.Tensor
     delta: torch.Tensor
@@ -659,45 +738,118 @@ class NormFold:
     residual_out: torch.Tensor
     one_plus: bool = False
     shape: tuple | None = None
-
-    def __post_init__(self) -> None:
-        if self.shape is None:
-            object.__setattr__(self, "shape", tuple(self.residual.shape))
+    KIND = 1
 
     @property
-    def rows(self) -> int:
-        return self.residual.shape[0]
+    def x(self) -> torch.Tensor:
+        return self.delta
+
+    def check(self) -> None:
+        for name in ("residual", "delta", "residual_out"):
+            _check_matrix(f"NormFold.{name}", getattr(self, name))
+            if getattr(self, name).shape != self.residual.shape:
+                raise ValueError(f"NormFold.{name} has shape {tuple(getattr(self, name).shape)}, residual "
+                                 f"{tuple(self.residual.shape)}")
+        _check_vector("NormFold.weight", self.weight, self.residual.shape[1])
+        out_ptr = self.residual_out.data_ptr()
+        if self.residual_out is self.residual or (out_ptr and out_ptr == self.residual.data_ptr()):
+            raise ValueError("NormFold.residual_out must be another buffer than NormFold.residual (every program "
+                             "reads the residual while the first column block writes the sum)")
+        _same_device(self, ("residual", "delta", "weight", "residual_out"))
+
+    def args(self, k: int) -> dict:
+        vec, halves = torch_order_launch(k, self.device)
+        return dict(f_res=self.residual, f_w=self.weight, f_out=self.residual_out, f_inv_n=_inverse(k),
+                    f_eps=float(self.eps), F_BLOCK=triton.next_power_of_2(k), F_VEC=vec, F_HALVES=halves,
+                    F_ONE_PLUS=bool(self.one_plus))
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedNormFold(_Fold):
+    """A product's x given as the GDN layer's gated norm (gdn.gated_rmsnorm's bits) of x's heads:
+    x [M, H D] bf16 contiguous (the rule's output), z [M, >= H D] bf16 with unit column stride
+    (any row stride: the z columns of in_proj's rows, read in place), weight [D]; D = 128."""
+
+    x: torch.Tensor
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    shape: tuple | None = None
+    KIND = 2
 
     @property
-    def device(self) -> torch.device:
-        return self.residual.device
+    def head_dim(self) -> int:
+        return self.weight.shape[0]
+
+    def check(self) -> None:
+        _check_matrix("GatedNormFold.x", self.x)
+        if self.weight.shape[0:1] != (128,):
+            raise ValueError(f"GatedNormFold.weight must have 128 elements (the heads' width), got "
+                             f"{tuple(self.weight.shape)}")
+        _check_vector("GatedNormFold.weight", self.weight, 128)
+        if self.x.shape[1] % 128:
+            raise ValueError(f"GatedNormFold.x has {self.x.shape[1]} columns, not whole heads of 128")
+        z = self.z
+        if (not isinstance(z, torch.Tensor) or z.dtype != torch.bfloat16 or z.dim() != 2 or z.stride(1) != 1
+                or z.shape[0] != self.x.shape[0] or z.shape[1] < self.x.shape[1]):
+            raise ValueError(f"GatedNormFold.z must be bfloat16 [{self.x.shape[0]}, >= {self.x.shape[1]}] with unit "
+                             f"column stride, got {getattr(z, 'dtype', None)} {tuple(getattr(z, 'shape', ()))}")
+        _same_device(self, ("x", "z", "weight"))
+
+    def args(self, k: int) -> dict:
+        vec, halves, _ = torch_order(128, self.device)
+        return dict(f_res=self.z, f_w=self.weight, f_inv_n=_inverse(128), f_eps=float(self.eps),
+                    f_stride=self.z.stride(0), F_BLOCK=128, F_VEC=vec, F_HALVES=halves)
 
 
-def can_fold(config: GemvConfig, k: int, device: torch.device) -> bool:
-    """Whether a product with this config over rows of width k takes a NormFold: the fma kernel
-    at one row a program and one K chunk, where the norm sums in torch's order (rmsnorm)."""
-    return (config.mode == "fma" and config.block_m == 1 and config.split_k == 1
-            and torch_order_launch(k, device) is not None)
+@dataclasses.dataclass(frozen=True)
+class SigmoidGateFold(_Fold):
+    """A product's x given as x * sigmoid(gate) (swiglu.sigmoid_gate_mul's bits), the gated
+    attention's output: x [M, H D] bf16 contiguous, gate [M, H, D] bf16 with unit stride on D (a
+    view of q_proj's rows, read in place)."""
+
+    x: torch.Tensor
+    gate: torch.Tensor
+    shape: tuple | None = None
+    KIND = 3
+
+    @property
+    def head_dim(self) -> int:
+        return self.gate.shape[-1]
+
+    def check(self) -> None:
+        _check_matrix("SigmoidGateFold.x", self.x)
+        g = self.gate
+        if (not isinstance(g, torch.Tensor) or g.dtype != torch.bfloat16 or g.dim() != 3 or g.stride(2) != 1
+                or g.shape[0] * g.shape[1] * g.shape[2] != self.x.numel() or g.shape[0] != self.x.shape[0]):
+            raise ValueError(f"SigmoidGateFold.gate must be bfloat16 [{self.x.shape[0]}, H, D] with H D = "
+                             f"{self.x.shape[1]} and unit stride on D, got {getattr(g, 'dtype', None)} "
+                             f"{tuple(getattr(g, 'shape', ()))}")
+        _same_device(self, ("x", "gate"))
+
+    def args(self, k: int) -> dict:
+        return dict(f_res=self.gate, f_stride=self.gate.stride(0), f_stride_h=self.gate.stride(1),
+                    F_BLOCK=self.gate.shape[2])
 
 
-def _check_fold(fold: NormFold) -> None:
-    for name in ("residual", "delta", "residual_out"):
-        _check_matrix(f"NormFold.{name}", getattr(fold, name))
-        if getattr(fold, name).shape != fold.residual.shape:
-            raise ValueError(f"NormFold.{name} has shape {tuple(getattr(fold, name).shape)}, residual "
-                             f"{tuple(fold.residual.shape)}")
-    w = fold.weight
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 1 or w.stride(0) != 1:
-        raise ValueError(f"NormFold.weight must be a 1-D contiguous bfloat16 tensor, got "
-                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    if w.shape[0] != fold.residual.shape[1]:
-        raise ValueError(f"NormFold.weight has {w.shape[0]} elements, rows have {fold.residual.shape[1]}")
-    if fold.residual_out.data_ptr() == fold.residual.data_ptr():
-        raise ValueError("NormFold.residual_out must be another buffer than NormFold.residual (every program "
-                         "reads the residual while the first column block writes the sum)")
-    for name in ("delta", "weight", "residual_out"):
-        if getattr(fold, name).device != fold.residual.device:
-            raise ValueError(f"NormFold.{name} is on {getattr(fold, name).device}, residual on {fold.residual.device}")
+FOLDS = (NormFold, GatedNormFold, SigmoidGateFold)   # the folds a product takes as its x
+
+
+def can_fold(config: GemvConfig, k: int, device: torch.device, kind: type = NormFold, head_dim: int = 128) -> bool:
+    """Whether a product with this config over rows of width k takes a fold of this kind (its
+    input computed in the product, not by a kernel of its own): the fma kernel at one row a
+    program and one K chunk; a NormFold where the norm of width k sums in torch's order
+    (rmsnorm), the others where each K block holds whole heads of head_dim (and the gated norm's
+    heads of 128 sum in an order the kernel has)."""
+    if not (config.mode == "fma" and config.block_m == 1 and config.split_k == 1):
+        return False
+    if kind is NormFold:
+        return torch_order_launch(k, device) is not None
+    if config.block_k % head_dim or k % config.block_k or head_dim & (head_dim - 1):
+        return False
+    if kind is GatedNormFold:
+        return head_dim == 128 and torch_order_launch(128, device) is not None
+    return kind is SigmoidGateFold
 
 
 def _check_matrix(name: str, t: object) -> None:
@@ -723,13 +875,13 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
         raise ValueError(f"x must be on a CUDA device, got {x.device}")
 
 
-def _launch(x: torch.Tensor | NormFold, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+def _launch(x: torch.Tensor | _Fold, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
             silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
             prefetch_all: bool = False) -> torch.Tensor:
     fold = None
-    if isinstance(x, NormFold):
-        _check_fold(x)
-        fold, x = x, x.delta
+    if isinstance(x, FOLDS):
+        x.check()
+        fold, x = x, x.x
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -747,13 +899,11 @@ def _launch(x: torch.Tensor | NormFold, w: torch.Tensor, out: torch.Tensor | Non
         raise ValueError(f"x has {m} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
     fold_args = {}
     if fold is not None:
-        if partials or not can_fold(config, k, x.device):
-            raise ValueError(f"a NormFold needs the fma kernel at one row a program and one K chunk, where the "
-                             f"norm of width {k} sums in torch's order; got config {config}")
-        vec, halves = torch_order_launch(k, x.device)
-        fold_args = dict(f_res=fold.residual, f_w=fold.weight, f_out=fold.residual_out, f_inv_n=_inverse(k),
-                         f_eps=float(fold.eps), FOLD=True, F_BLOCK=triton.next_power_of_2(k), F_VEC=vec,
-                         F_HALVES=halves, F_ONE_PLUS=bool(fold.one_plus))
+        if partials or not can_fold(config, k, x.device, type(fold), fold.head_dim):
+            raise ValueError(f"a {type(fold).__name__} needs the fma kernel at one row a program and one K chunk "
+                             f"(NormFold: a norm of width {k} summed in torch's order; the others: whole heads of "
+                             f"{fold.head_dim} a K block); got config {config}")
+        fold_args = dict(fold.args(k), FOLD=fold.KIND)
     if out is not None:
         _check_matrix("out", out)
         if tuple(out.shape) != (m, n):
@@ -826,7 +976,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     for its whole weight slice, not only its first block, before it waits for the kernel
     before it, for a product after a kernel that leaves HBM idle; the sums are the same.
     (Measured slower after the exact GDN step: PERF_LOG, session 26.)
-    x may be a NormFold (the norm before the product computed in its prologue; can_fold).
+    x may be a NormFold, GatedNormFold or SigmoidGateFold (the small kernel before the product
+    computed in it; can_fold).
     Raises ValueError naming a bad argument.
     """
     return _launch(x, w, out, config, silu=False, w_name="w", prefetch_all=prefetch_all)

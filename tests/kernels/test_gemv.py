@@ -363,6 +363,9 @@ EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0
 EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
            "e_sb": "i32", "e_sc": "i32"}
 EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32)
+# The fma kernel's folded norm (gemv.NormFold) off, as a plain launch binds it
+FOLD_OFF = dict(f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, f_stride=0, f_stride_h=0, FOLD=0,
+                F_BLOCK=128, F_VEC=True, F_HALVES=True, F_ONE_PLUS=False)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -383,6 +386,7 @@ def test_kernels_compile_for_sm90(name, mode, silu):
                      PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_OFF)
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
+        constants.update(FOLD_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, mode == "dot_t"
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
@@ -417,6 +421,7 @@ def test_the_gdn_epilogue_compiles_for_sm90(rows):
                      SILU=False, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_ON)
     if cfg.mode == "fma":
         kernel = gemv._gemv_fma_kernel
+        constants.update(FOLD_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, cfg.mode == "dot_t"
     compiled = _aot_compile(kernel, dict(MAIN_SIG, **EPI_SIG), constants, MAIN_ALIGNED + ("e_g", "e_state", "e_w"),
@@ -824,7 +829,7 @@ def test_norm_fold_compiles_for_sm90(name, silu, epi):
     constants = dict(K=k, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
                      BLOCKS_PER_SPLIT=k // cfg.block_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True, PARTIALS=False,
                      SILU=silu, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64),
-                     FOLD=True, F_BLOCK=4096, F_VEC=True, F_HALVES=True, F_ONE_PLUS=True,
+                     f_stride=0, f_stride_h=0, FOLD=1, F_BLOCK=4096, F_VEC=True, F_HALVES=True, F_ONE_PLUS=True,
                      **(EPI_ON if epi else EPI_OFF))
     sig = dict(MAIN_SIG, **(EPI_SIG if epi else {}), **FOLD_SIG)     # the kernel's argument order
     aligned = MAIN_ALIGNED + ("f_res", "f_w", "f_out") + (("e_g", "e_state", "e_w") if epi else ())
@@ -866,3 +871,115 @@ def test_gpu_norm_fold_gives_the_norm_kernels_bits(name, rows):
             want, want_res = _unfolded(res, delta, nw, 1e-6, True, lambda h: fn(h, w, config=cfg))
             assert torch.equal(fn(fold, w, config=cfg), want)
         assert torch.equal(res_out, want_res)
+
+
+HEAD_FOLDS = [
+    # (m, heads, head dim, config): one K block of 2 heads, then of 1 head (several blocks)
+    (1, 4, 128, GemvConfig(block_n=16, block_k=256, split_k=1, mode="fma", block_m=1)),
+    (3, 2, 128, GemvConfig(block_n=8, block_k=128, split_k=1, mode="fma", block_m=1)),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", HEAD_FOLDS, ids=lambda c: f"m{c[0]}-h{c[1]}-bk{c[3].block_k}")
+def test_interpreted_gated_norm_fold_is_the_gated_norm_then_the_product(case, interpreter_bf16_rounding):
+    """A GatedNormFold: the product of the GDN layer's gated norm (gdn.gated_rmsnorm, z read in place
+    from wider rows) bit for bit, with heads spread over K blocks either way."""
+    from fqkernels import gdn
+
+    m, h, d, cfg = case
+    gen = torch.Generator().manual_seed(m + h)
+    o = randn_bf16(m, h * d, gen=gen)
+    zrows = randn_bf16(m, h * d + 40, gen=gen, scale=2.0)        # z: a column slice of wider rows
+    z = zrows[:, 8:8 + h * d]
+    nw = randn_bf16(d, gen=gen, scale=0.5)
+    w = randn_bf16(24, h * d, gen=gen, scale=0.05)
+    want = linear(gdn.gated_rmsnorm(o.reshape(-1, d), z, nw, 1e-6).reshape(m, -1), w, config=cfg)
+    assert torch.equal(linear(gemv.GatedNormFold(o, z, nw, 1e-6), w, config=cfg), want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [(1, 4, 64, GemvConfig(block_n=16, block_k=128, split_k=1, mode="fma", block_m=1)),
+                                  (2, 2, 256, GemvConfig(block_n=8, block_k=256, split_k=1, mode="fma", block_m=1))],
+                         ids=["m1-d64", "m2-d256"])
+def test_interpreted_sigmoid_gate_fold_is_the_gate_then_the_product(case, interpreter_bf16_rounding):
+    """A SigmoidGateFold: the product of swiglu.sigmoid_gate_mul (the gate a strided view of wider
+    rows, per head [query | gate] as q_proj's) bit for bit."""
+    from fqkernels.swiglu import sigmoid_gate_mul
+
+    m, h, d, cfg = case
+    gen = torch.Generator().manual_seed(m + d)
+    attn = randn_bf16(m, h, d, gen=gen)
+    qg = randn_bf16(m, h * 2 * d + 16, gen=gen, scale=3.0)
+    gate = qg[:, :2 * h * d].view(m, h, 2 * d)[..., d:]
+    w = randn_bf16(24, h * d, gen=gen, scale=0.05)
+    want = linear(sigmoid_gate_mul(attn[:, None], gate[:, None]).reshape(m, -1), w, config=cfg)
+    assert torch.equal(linear(gemv.SigmoidGateFold(attn.reshape(m, -1), gate), w, config=cfg), want)
+
+
+def test_head_folds_refuse_what_they_cannot_take():
+    gen = torch.Generator().manual_seed(2)
+    o, w = randn_bf16(1, 256, gen=gen), randn_bf16(16, 256, gen=gen)
+    z, nw = randn_bf16(1, 256, gen=gen), randn_bf16(128, gen=gen)
+    fma = GemvConfig(block_n=16, block_k=128, split_k=1, mode="fma", block_m=1)
+    with pytest.raises(ValueError, match="GatedNormFold.weight must have 128"):
+        linear(gemv.GatedNormFold(o, z, nw[:64], 1e-6), w, config=fma)
+    with pytest.raises(ValueError, match="GatedNormFold.z must be"):
+        linear(gemv.GatedNormFold(o, z[:, :128], nw, 1e-6), w, config=fma)
+    with pytest.raises(ValueError, match="whole heads of 128 a K block"):
+        linear(gemv.GatedNormFold(o, z, nw, 1e-6), w, config=GemvConfig(block_n=16, block_k=64, mode="fma", block_m=1))
+    with pytest.raises(ValueError, match="SigmoidGateFold.gate must be"):
+        linear(gemv.SigmoidGateFold(o, z.view(1, 2, 128)[:, :1]), w, config=fma)
+    assert gemv.can_fold(fma, 256, o.device, gemv.SigmoidGateFold, 128)
+    assert not gemv.can_fold(fma, 256, o.device, gemv.SigmoidGateFold, 256)      # a head across two blocks
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("kind", [2, 3], ids=["gated_norm", "sigmoid_gate"])
+def test_head_folds_compile_for_sm90(kind):
+    """The gated norm and the output gate folded into Qwen3.5-4B's out-projection / o_proj (2560 x
+    4096) at the one-row config: they compile on this Triton (mul.rn for the gated norm's mean, the
+    sigmoid's written-out division)."""
+    n, k = 2560, 4096
+    cfg = select_config(n, k, False, 1)
+    d = 128 if kind == 2 else 256
+    assert gemv.can_fold(cfg, k, torch.device("cpu"), gemv.GatedNormFold if kind == 2 else gemv.SigmoidGateFold, d)
+    constants = dict(K=k, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
+                     BLOCKS_PER_SPLIT=k // cfg.block_k, EVEN_N=True, EVEN_K=True, PARTIALS=False, SILU=False,
+                     INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), f_out=None, FOLD=kind,
+                     F_BLOCK=d, F_VEC=True, F_HALVES=True, F_ONE_PLUS=False, **EPI_OFF)
+    sig = dict(MAIN_SIG, f_res="*bf16", f_w="*bf16", f_inv_n="fp32", f_eps="fp32", f_stride="i32", f_stride_h="i32")
+    if kind == 3:
+        del sig["f_w"], sig["f_inv_n"], sig["f_eps"]
+        constants.update(f_w=None, f_inv_n=1.0, f_eps=0.0)
+    ptx = _aot_compile(gemv._gemv_fma_kernel, sig, constants, MAIN_ALIGNED + ("f_res",), cfg.num_warps,
+                       cfg.num_stages).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    if kind == 2:
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_head_folds_give_the_small_kernels_bits(rows):
+    """On the GPU at the 4B's out-projection / o_proj (2560 x 4096) and its one-row config: the
+    gated norm's and the output gate's folds equal the kernels then the product, bit for bit."""
+    from fqkernels import gdn
+    from fqkernels.swiglu import sigmoid_gate_mul
+
+    n, k = 2560, 4096
+    cfg = select_config(n, k, False, 1)
+    gen = torch.Generator().manual_seed(rows)
+    w = randn_bf16(n, k, gen=gen, scale=k ** -0.5).cuda()
+    for trial in range(3):
+        o = randn_bf16(rows, k, gen=gen).cuda()
+        zrows = randn_bf16(rows, 12352, gen=gen, scale=2.0).cuda()
+        z, nw = zrows[:, 8192:8192 + k], randn_bf16(128, gen=gen, scale=0.5).cuda()
+        want = linear(gdn.gated_rmsnorm(o.reshape(-1, 128), z, nw, 1e-6).reshape(rows, -1), w, config=cfg)
+        assert torch.equal(linear(gemv.GatedNormFold(o, z, nw, 1e-6), w, config=cfg), want)
+        attn = randn_bf16(rows, 16, 256, gen=gen).cuda()
+        qkv = randn_bf16(rows, 10240, gen=gen, scale=3.0).cuda()
+        gate = qkv[:, :8192].view(rows, 16, 512)[..., 256:]
+        want = linear(sigmoid_gate_mul(attn[:, None], gate[:, None]).reshape(rows, -1), w, config=cfg)
+        assert torch.equal(linear(gemv.SigmoidGateFold(attn.reshape(rows, -1), gate), w, config=cfg), want)

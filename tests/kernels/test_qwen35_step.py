@@ -139,9 +139,10 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
 
 def test_folded_norms_give_the_same_bits(tiny, monkeypatch, spy_launches):
     """FOLD_NORMS: at one row each residual add and norm before in_proj, q | k | v and gate | up
-    computed in that product's prologue (gemv.NormFold): the decode logits and states the same
-    bits as with the norm kernels, the prompt pass untouched, and in a decode step only the norm
-    before the lm_head (and the embedding's) left as a kernel of its own."""
+    computed in that product's prologue (gemv.NormFold), the attention's output gate in o_proj
+    (gemv.SigmoidGateFold; the tiny's value heads of 32 keep the gated norm's kernel): the decode
+    logits and states the same bits as with the kernels, and in a decode step only the norm before
+    the lm_head (and the embedding's) left as a norm kernel of its own."""
     from fqkernels import gemv
 
     cfg, w = tiny
@@ -165,7 +166,7 @@ def test_folded_norms_give_the_same_bits(tiny, monkeypatch, spy_launches):
 
 
 def _fold_runs(cfg, w, seq, monkeypatch, spy_launches):
-    from fqkernels import rmsnorm
+    from fqkernels import rmsnorm, swiglu
 
     runs = {}
     for fold in (False, True):
@@ -173,12 +174,14 @@ def _fold_runs(cfg, w, seq, monkeypatch, spy_launches):
         model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
         _all_products_on_the_gemv(model, 1)
         runs[fold] = _forced(model, seq, 3)
-        if fold:    # one more step, counting the norm kernels' launches
-            launches = spy_launches(rmsnorm, "_rmsnorm_torch_order_kernel")
+        if fold:    # one more step, counting the small kernels' launches
+            norms = spy_launches(rmsnorm, "_rmsnorm_torch_order_kernel")
+            gates = spy_launches(swiglu, "_sigmoid_gate_mul_kernel")
             pos = torch.full((1,), S + 2, dtype=torch.int32, device=DEV)
             with torch.inference_mode():
                 model.decode_logits(seq[:, S + 2].contiguous(), pos, pos + 1)
-            assert len(launches) == 2, f"{len(launches)} norm kernels in a folded step (the embedding's, the final)"
+            assert len(norms) == 2, f"{len(norms)} norm kernels in a folded step (the embedding's, the final)"
+            assert not gates, "the attention's output gate ran as a kernel of its own"
     return runs
 
 
