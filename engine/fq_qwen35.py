@@ -51,7 +51,6 @@ put back into a row later; fq_slots shares a prompt prefix's pages with them.
 import json
 import os
 from contextlib import ExitStack
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +58,6 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from fqkernels import gdn, gdn_exact, gdn_exact_step
-from fqkernels.gemv import FOLDS, GatedNormFold, NormFold, SigmoidGateFold
 from fqkernels.argmax import argmax_reference
 from fqkernels.rmsnorm import rmsnorm_one_plus_reference as _norm
 from fqkernels.rope_kv import partial_rope_reference as _rotate
@@ -83,12 +81,6 @@ EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 # Off: with exact decode the step was 34 us slower at batch 1, not faster (the step's own chain of
 # loads queued behind the prefetches; PERF_LOG, session 26). Read at each call.
 OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
-# FASTQWEN_FOLD_NORMS=1: in a decode step, each residual add and the norm after it computed in the
-# prologue of the product that consumes it (gemv.NormFold; in_proj, attention's q | k | v and the
-# MLP's gate | up), the GDN layer's gated norm in its out-projection (gemv.GatedNormFold) and the
-# attention's output gate in o_proj (gemv.SigmoidGateFold), where our GEMV's one-row fma kernel runs
-# those products: the same bits, 96 kernels fewer a batch-1 step of the 4B. Read at each call.
-FOLD_NORMS = os.environ.get("FASTQWEN_FOLD_NORMS", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -522,47 +514,23 @@ class Qwen35Model:
         # rows: the residual stream, added to in place
         rows, h = embed_rmsnorm(ids.reshape(-1), table, ln(0, "input_layernorm"), eps, one_plus=True)
         h = h.view(shape)
-        spare = None     # a folded norm's residual goes to another buffer (gemv.NormFold): the two alternate
-
-        def norm(delta, w, consumer):
-            """The residual add and the norm after it: one kernel, or (FOLD_NORMS, a decode step whose
-            consumer product takes it) a NormFold for that product's prologue."""
-            nonlocal rows, spare
-            delta = delta.reshape(rows.shape)
-            if FOLD_NORMS and prompt_rows is None and consumer is not None and self.ops.fold_ok(rows.shape[0], *consumer):
-                spare = torch.empty_like(rows) if spare is None else spare
-                fold = NormFold(rows, delta, w, eps, spare, one_plus=True, shape=shape)
-                rows, spare = spare, rows
-                return fold
-            return add_rmsnorm(rows, delta, w, eps, one_plus=True).view(shape)
-
         for i in range(L):
             mixed = self._gdn(i, h, prompt_rows, start, positions) if i in self.gdn_slot else attention(i, h)
-            h = norm(mixed, ln(i, "post_attention_layernorm"), (self.w[f"model.layers.{i}.mlp.gate_up.weight"], True))
+            h = add_rmsnorm(rows, mixed.reshape(rows.shape), ln(i, "post_attention_layernorm"), eps,
+                            one_plus=True).view(shape)
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
-            h = norm(self._mlp(i, h), nxt, self._first_product(i + 1))
+            h = add_rmsnorm(rows, self._mlp(i, h).reshape(rows.shape), nxt, eps, one_plus=True).view(shape)
         return h[:, -1]
-
-    def _first_product(self, i: int):
-        """(weight, fused SiLU) of layer i's first decode product, the one its input norm feeds (None
-        past the last layer: the final norm feeds the lm_head, which does not fold it)."""
-        if i >= self.cfg.num_layers:
-            return None
-        if i in self.gdn_slot:
-            return self.w[f"model.layers.{i}.linear_attn.in_proj.weight"], False
-        return self.w[f"model.layers.{i}.self_attn.qkv_proj.weight"], False
 
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """BF16 logits of final-normed rows."""
         return self.ops.linear(h, self.w["lm_head.weight"])
 
-    def _mlp(self, i: int, h: torch.Tensor | NormFold) -> torch.Tensor:
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if self.backend == "triton":   # one product for gate | up, SiLU * up in one kernel (the same cast points)
             gate_up, down = self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"]
-            if isinstance(h, NormFold):
-                return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
             rows = h.reshape(-1, h.shape[-1])
             if rows.shape[0] <= MLP_ROWS:
                 return self.ops.linear(self.ops.linear_silu_mul(h, gate_up), down)
@@ -575,15 +543,14 @@ class Qwen35Model:
         return F.linear(F.silu(F.linear(h, self.w[p + "gate_proj.weight"])) * F.linear(h, self.w[p + "up_proj.weight"]),
                         self.w[p + "down_proj.weight"])
 
-    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True, positions=None, proj=None):
+    def _qkv_gate(self, i: int, h: torch.Tensor, cos, sin, rope_k: bool = True, positions=None):
         """q [B, H, T, D] and k, v [B, KVH, T, D] after norms and RoPE (k not rotated with
         rope_k False, triton backend: rope_store_kv rotates it on its way into the cache);
         gate [B, T, H, D], a view of q_proj's rows (per head [query | gate]). positions (triton
-        backend, T = 1): the RoPE kernel reads the tables there, cos and sin unused. proj: the
-        products' outputs (_qkv_proj's) when the caller has them."""
+        backend, T = 1): the RoPE kernel reads the tables there, cos and sin unused."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = h.shape
-        qp, k, v = self._qkv_proj(p, h) if proj is None else proj
+        qp, k, v = self._qkv_proj(p, h)
         q, gate = torch.chunk(qp.view(B, T, -1, 2 * c.head_dim), 2, dim=-1)    # per head [query | gate]
         k = k.view(B, T, -1, c.head_dim)
         v = v.view(B, T, -1, c.head_dim).transpose(1, 2)
@@ -665,7 +632,7 @@ class Qwen35Model:
             # the packed q | k | v product, then one kernel: each q and k head's (1 + w) norm and
             # partial RoPE, the key and value into the caches at the positions
             # (past GEMV_MAX_ROWS rows _qkv_proj takes the separate products: the separate kernels then)
-            q = y = None
+            q = None
             if B <= _Products.GEMV_MAX_ROWS:
                 y = self.ops.linear(h, self.w[p + "qkv_proj.weight"]).view(B, -1)
                 q = qk_norm_partial_rope_store(y, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
@@ -674,9 +641,7 @@ class Qwen35Model:
             if q is not None:
                 gate = y[:, :2 * c.num_heads * c.head_dim].view(B, 1, c.num_heads, 2 * c.head_dim)[..., c.head_dim:]
             else:   # this torch's order of the norm's mean is not the fused kernel's: the separate kernels
-                proj = None if y is None else torch.split(y.view(B, 1, -1), [2 * c.num_heads * c.head_dim,
-                                                                               c.kv_size, c.kv_size], dim=-1)
-                q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions, proj=proj)
+                q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
                 rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
                 q = q[:, :, 0]
             attn = decode_attention(q, kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
@@ -699,13 +664,8 @@ class Qwen35Model:
         """o_proj(attn * sigmoid(gate)), attn and gate [B, T, H, D] (views): on the triton backend
         one kernel reading both in place (swiglu.sigmoid_gate_mul, the torch ops' bits), on the
         torch backend the reference's ops on both flattened to [B, T, H * D]."""
-        w_o = self.w[f"model.layers.{i}.self_attn.o_proj.weight"]
-        B, T, H, D = attn.shape
-        if FOLD_NORMS and T == 1 and self.ops.fold_ok(B, w_o, False, SigmoidGateFold, D):
-            # the gate computed in o_proj (the same bits)
-            return self.ops.linear(SigmoidGateFold(attn.reshape(B, -1), gate[:, 0], shape=(B, 1, H * D)), w_o)
         gate_mul = sigmoid_gate_mul if self.backend == "triton" else sigmoid_gate_mul_reference
-        return self.ops.linear(gate_mul(attn, gate), w_o)
+        return self.ops.linear(gate_mul(attn, gate), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
 
     def _gdn(self, i: int, h: torch.Tensor, prompt_rows: slice | None, start: int = 0,
              positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -824,13 +784,11 @@ class Qwen35Model:
         sizes = [c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads]
         return torch.split(self.ops.linear(h, self.w[p + "in_proj.weight"]), sizes, dim=-1)
 
-    def _gdn_step_kernels(self, i: int, h: torch.Tensor | NormFold, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] (or the norm before it,
-        folded into in_proj) -> [B, 1, hidden]. The conv and recurrent states (exact decode: the
-        chunk's rows) are updated in place."""
+    def _gdn_step_kernels(self, i: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of GDN layer i on the kernels: h [B, 1, hidden] -> [B, 1, hidden].
+        The conv and recurrent states (exact decode: the chunk's rows) are updated in place."""
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         B = h.shape[0]
-        x = dataclasses.replace(h, shape=(B, h.shape[-1])) if isinstance(h, NormFold) else h[:, 0].contiguous()
         slot = self.gdn_slot[i]
         conv_state, conv_w = self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1)
         w_in = self.w[p + "in_proj.weight"]
@@ -838,11 +796,11 @@ class Qwen35Model:
         # and slower at batch 4 and 16 (the 4B's tensor-core tiles; PERF_LOG, session 13)
         config = self.ops.gemv_config(1, w_in) if FUSE_IN_PROJ and B == 1 else None
         if config is not None and config.split_k == 1:
-            mixed, z, beta, g = gdn.in_proj_conv_gates_step(x, w_in, conv_state, conv_w,
+            mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
                                                             self.w[p + "A_log"], self.w[p + "dt_bias"],
                                                             c.linear_v_heads * c.linear_v_dim, config)
         else:
-            mixed, z, b, a = self._in_proj(p, x)      # column slices of one product: mixed [B, conv_dim]
+            mixed, z, b, a = self._in_proj(p, h[:, 0])      # column slices of one product: mixed [B, conv_dim]
             mixed, g, beta = gdn.conv_gates_step(mixed, conv_state, conv_w, a, b, self.w[p + "A_log"],
                                                  self.w[p + "dt_bias"])
         kd = c.linear_k_heads * c.linear_k_dim
@@ -853,17 +811,12 @@ class Qwen35Model:
                                           self.rows[slot].narrow(0, B), tile=self.decode_tile)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
-        w_out = self.w[p + "out_proj.weight"]
-        if FOLD_NORMS and c.linear_v_dim == 128 and self.ops.fold_ok(B, w_out, False, GatedNormFold, 128):
-            # the gated norm computed in the out-projection (the same bits)
-            return self.ops.linear(GatedNormFold(o.reshape(B, -1), z, self.w[p + "norm.weight"], c.rms_norm_eps,
-                                                 shape=(B, 1, w_out.shape[1])), w_out)
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self.ops.linear(o.reshape(B, 1, -1), w_out, prefetch_all=OUT_PREFETCH_ALL)
+        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"], prefetch_all=OUT_PREFETCH_ALL)
 
 
 def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor, scale: float):
@@ -884,10 +837,6 @@ class _TorchProducts:
     @staticmethod
     def linear(x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
         return F.linear(x, w)
-
-    @staticmethod
-    def fold_ok(rows: int, w: torch.Tensor, silu: bool, kind: type = NormFold, head_dim: int = 128) -> bool:
-        return False
 
     def tune(self, weights, rows: int) -> dict:
         return {}
@@ -921,33 +870,19 @@ class _Products:
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
-    def fold_ok(self, rows: int, w: torch.Tensor, silu: bool, kind: type = NormFold, head_dim: int = 128) -> bool:
-        """Whether the product of w at `rows` rows runs our GEMV with a config that takes a fold of
-        this kind (gemv.NormFold, GatedNormFold, SigmoidGateFold: the small kernel before it, in it)."""
-        if not self.use_gemv.get((silu, rows) + tuple(w.shape)):
-            return False
-        config = self._gemv.select_config(w.shape[0], w.shape[1], silu, rows)
-        return self._gemv.can_fold(config, w.shape[1], w.device, kind, head_dim)
-
-    def linear(self, x: torch.Tensor | NormFold, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
-        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs.
-        x may be one of gemv's FOLDS where fold_ok."""
-        rows = x.rows if isinstance(x, FOLDS) else x.numel() // x.shape[-1]
+    def linear(self, x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
+        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs."""
+        rows = x.numel() // x.shape[-1]
         if self.use_gemv.get((False, rows) + tuple(w.shape)):
-            flat = x if isinstance(x, FOLDS) else x.reshape(rows, -1).contiguous()
-            return self._gemv.linear(flat, w, prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
-        if isinstance(x, FOLDS):
-            raise ValueError(f"a {type(x).__name__} reached a product of {tuple(w.shape)} at {rows} rows that cuBLAS runs")
+            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w,
+                                     prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
-    def linear_silu_mul(self, x: torch.Tensor | NormFold, w_gate_up: torch.Tensor) -> torch.Tensor:
+    def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) with the reference's cast points, w_gate_up = gate | up."""
-        rows = x.rows if isinstance(x, FOLDS) else x.numel() // x.shape[-1]
+        rows = x.numel() // x.shape[-1]
         if self.use_gemv.get((True, rows) + tuple(w_gate_up.shape)):
-            out = self._gemv.linear_silu_mul(x if isinstance(x, FOLDS) else x.reshape(rows, -1).contiguous(),
-                                             w_gate_up)
-        elif isinstance(x, FOLDS):
-            raise ValueError(f"a {type(x).__name__} reached a product of {tuple(w_gate_up.shape)} at {rows} rows that cuBLAS runs")
+            out = self._gemv.linear_silu_mul(x.reshape(rows, -1).contiguous(), w_gate_up)
         else:
             out = self._silu_mul(F.linear(x.reshape(rows, -1), w_gate_up))
         return out.view(*x.shape[:-1], w_gate_up.shape[0] // 2)

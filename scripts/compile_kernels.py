@@ -615,10 +615,6 @@ def _gdn_decode_step(batch: int) -> None:
     x, z, beta, g = gdn.in_proj_conv_gates_step(torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA), w_in,
                                                 conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
                                                 per_head, per_head, 4096, gemv.select_config(*w_in.shape, False, batch))
-    if batch == 1:   # the residual norm folded into it (fq_qwen35.FOLD_NORMS)
-        gdn.in_proj_conv_gates_step(_norm_fold(batch), w_in, conv_state,
-                                    torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), per_head, per_head, 4096,
-                                    gemv.select_config(*w_in.shape, False, batch))
     q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
     gdn.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
                     state)
@@ -771,15 +767,6 @@ def _paged_kv(batch: int) -> None:
                                1e-6, 16, 4, block_table=table)
 
 
-def _norm_fold(batch: int):
-    """A Qwen3.5 residual norm for a product's prologue (gemv.NormFold) at the 4B's width."""
-    from fqkernels import gemv
-
-    rows = lambda: torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA)  # noqa: E731
-    return gemv.NormFold(rows(), rows(), torch.empty(2560, dtype=torch.bfloat16, device=CUDA), 1e-6, rows(),
-                         one_plus=True)
-
-
 def _qwen35_products(batch: int) -> None:
     """Qwen3.5-4B's decode products on our GEMV (what _Products runs where tune finds it faster,
     or, at 7-32 rows, where the config walks K in order: exact decode): the table's configs."""
@@ -791,15 +778,6 @@ def _qwen35_products(batch: int) -> None:
     gemv.linear(torch.empty((batch, 9216), dtype=torch.bfloat16, device=CUDA),
                 torch.empty((2560, 9216), dtype=torch.bfloat16, device=CUDA))
     gemv.linear_silu_mul(x, torch.empty((18432, 2560), dtype=torch.bfloat16, device=CUDA))
-    if batch == 1:   # the small kernels folded into the products (fq_qwen35.FOLD_NORMS)
-        gemv.linear(_norm_fold(batch), torch.empty((10240, 2560), dtype=torch.bfloat16, device=CUDA))
-        gemv.linear_silu_mul(_norm_fold(batch), torch.empty((18432, 2560), dtype=torch.bfloat16, device=CUDA))
-        heads = torch.empty((batch, 4096), dtype=torch.bfloat16, device=CUDA)
-        w_out = torch.empty((2560, 4096), dtype=torch.bfloat16, device=CUDA)
-        z = torch.empty((batch, 12352), dtype=torch.bfloat16, device=CUDA)[:, 8192:12288]
-        gemv.linear(gemv.GatedNormFold(heads, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA), 1e-6), w_out)
-        gate = torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA)[:, :8192].view(batch, 16, 512)[..., 256:]
-        gemv.linear(gemv.SigmoidGateFold(heads, gate), w_out)
     from fqkernels.argmax import argmax
 
     argmax(torch.empty((batch, 248320), dtype=torch.bfloat16, device=CUDA))      # the greedy pick

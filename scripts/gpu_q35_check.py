@@ -13,8 +13,7 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
 step walks the same rows): ARMS below (exact decode on or off, the gated norm's early launch,
-the out-projection's whole-slice prefetch, the small kernels' early launch, the norms folded into
-the products); with a fold arm, at one row, the fold's logits against the norm kernels' first.
+the out-projection's whole-slice prefetch, the small kernels' early launch).
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -41,21 +40,11 @@ from fqkernels import gdn, gemv, pdl  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY,
-# fq_qwen35.FOLD_NORMS)
-ARMS = {"exact": (True, False, False, False, False), "exact_early": (True, True, False, False, False),
-        "exact_early_all": (True, True, True, False, False), "exact_all": (True, False, True, False, False),
-        "exact_early_all_pdl": (True, True, True, True, False), "fast": (False, False, False, False, False),
-        "fast_early_all": (False, True, True, False, False), "fast_early_all_pdl": (False, True, True, True, False),
-        "exact_fold": (True, False, False, False, True), "fast_fold": (False, False, False, False, True)}
-
-
-def _settings(model, values=None):
-    """The arms' settings now, after setting them to `values` when given."""
-    now = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.FOLD_NORMS)
-    if values is not None:
-        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.FOLD_NORMS = values
-    return now
+# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
+ARMS = {"exact": (True, False, False, False), "exact_early": (True, True, False, False),
+        "exact_early_all": (True, True, True, False), "exact_all": (True, False, True, False),
+        "exact_early_all_pdl": (True, True, True, True), "fast": (False, False, False, False),
+        "fast_early_all": (False, True, True, False), "fast_early_all_pdl": (False, True, True, True)}
 
 
 def _graphed_step_ms(model, ids, steps: int) -> float:
@@ -77,39 +66,18 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
-    saved = _settings(model)
+    saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
     times: dict = {a: [] for a in arms}
     try:
         for _ in range(rounds):
             for arm in arms:
-                _settings(model, ARMS[arm])
+                model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = ARMS[arm]
                 model.allocate_cache(b, p + steps + 8)
                 with torch.inference_mode():
                     times[arm].append(round(_graphed_step_ms(model, ids, steps), 4))
     finally:
-        _settings(model, saved)
+        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = saved
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
-
-
-def _fold_bits(model, b: int, p: int, dev) -> dict:
-    """The decode logits (a prompt pass, then 8 teacher-forced eager steps) with the norms folded
-    into the products (FOLD_NORMS) against without, for exact GDN decode off and on: equal bit for
-    bit is what the fold claims; the norm kernels a step with each (a profile's count)."""
-    seq = torch.randint(0, model.cfg.vocab_size, (b, p + 8), generator=torch.Generator().manual_seed(11)).to(dev)
-    saved = _settings(model)
-    out: dict = {}
-    try:
-        for exact in (False, True):
-            logits = {}
-            for fold in (False, True):
-                _settings(model, (exact, False, False, False, fold))
-                logits[fold] = _forced(model, seq, p, 8)
-            out["exact" if exact else "fast"] = {
-                "equal": bool(torch.equal(logits[True], logits[False])),
-                "max_abs": (logits[True] - logits[False]).abs().max().item()}
-    finally:
-        _settings(model, saved)
-    return out
 
 
 def _step(report: dict, name: str, fn):
@@ -263,8 +231,6 @@ def main() -> None:
                 del pg
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
                 res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
-            if arms and b == 1 and any(ARMS[a][4] for a in arms):    # the fold runs at one row
-                res["fold_bits"] = _fold_bits(model, b, p, dev)
             if arms:
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res

@@ -128,8 +128,6 @@
 #   gemm-inorder3 the same with 16-column programs and long K tiles, at 16 and 64 rows
 #   gemm-inorder64 every 4B decode product at 48 and 64 rows, 64-row tiles (exact decode past 32 rows)
 #   kernels-gemv  the GEMV kernel tests alone, every failure listed
-#   kernels-fold  the small kernels folded into the products (gemv.NormFold, GatedNormFold, SigmoidGateFold):
-#                 the GEMV's fold tests, the Qwen3.5 step's, and the gated norm kernel's
 #   decode-bits-a/-b  where a decode step leaves the full forward's bits, layer by layer and per op
 #                 variant (scripts/gpu_decode_bits.py), /tmp/q4b (a) or /tmp/q4b_hf (b)
 #   attn-bits     which one-split arithmetic gives flash's decode bits (scripts/gpu_attn_bits.py)
@@ -313,7 +311,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                    --out "$OUT/q35_step_arms.json" > "$OUT/q35_step_arms.log" 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step_arms.json'))
 for k, v in d.items():
-    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: r['median_ms'] for a, r in v.get('arms', {}).items()}, v.get('fold_bits', ''), v.get('error', '')[-300:])" ;;
+    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: r['median_ms'] for a, r in v.get('arms', {}).items()}, v.get('error', '')[-300:])" ;;
     q35-gemv-ab) # the decode step with the GEMV table as committed and with each arm's configs, one process
                  # an arm, in this call (arms and shapes: the header)
                  q35_ckpt
@@ -437,9 +435,6 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                      --out "$OUT/gemm_inorder3.json" 2>&1 | grep -v Warn | tail -14 ;;
     gemm-inorder64) timeout 400 python3 scripts/gpu_gemm_inorder.py --set m64 --rows 48,64 \
                       --matrices qkv,gate_up,lm_head,o,down --out "$OUT/gemm_inorder64.json" 2>&1 | grep -v Warn | tail -14 ;;
-    kernels-fold) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gemv.py \
-                    tests/kernels/test_qwen35_step.py tests/kernels/test_gdn_kernels.py -k "fold or gated" 2>&1 \
-                    | tail -8 | tee "$OUT/pytest_fold.log" ;;
     kernels-gemv) timeout 300 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels/test_gemv.py 2>&1 \
                     | tail -30 | tee "$OUT/pytest_gemv.log" ;;
     decode-bits-a) timeout 300 python3 scripts/gpu_decode_bits.py --model /tmp/q4b --batches 16,8,64 \

@@ -48,12 +48,6 @@ applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen
 batch 1 calls it through gdn.in_proj_conv_gates_step): one K chunk a program, so each output
 column is summed, rounded and post-processed by one program; the sums are `linear`'s.
 
-Folds. x may be the small kernel before the product, which the fma kernel at one row a program
-then computes itself in place of that kernel, with its bits (so the product's are the same):
-a NormFold (the residual add and RMSNorm: every program its row's statistics in the torch-order
-norm's order, while its first weight block loads), a GatedNormFold (the GDN layer's gated norm,
-a K block of heads at a time) or a SigmoidGateFold (the gated attention's output gate).
-
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
 after a warm-up call allocate nothing and a captured graph never points at freed
@@ -70,16 +64,11 @@ import torch
 import triton
 import triton.language as tl
 from fqkernels import pdl
-from fqkernels.gdn import gated_norm_rows, in_proj_epilogue, in_proj_epilogue_inputs
-from fqkernels.rmsnorm import _inverse, fold_stats, fold_values, torch_order, torch_order_launch
-from fqkernels.swiglu import sigmoid_f32, silu_f32
+from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
+from fqkernels.swiglu import silu_f32
 
 __all__ = [
     "GemvConfig",
-    "NormFold",
-    "GatedNormFold",
-    "SigmoidGateFold",
-    "can_fold",
     "select_config",
     "linear",
     "linear_silu_mul",
@@ -482,28 +471,6 @@ def _load_w_block(ptrs, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
     return w.to(tl.float32)
 
 
-@triton.jit
-def _gated_norm_block(x_row, z_row, w_ptr, k, inv_n, eps, BLOCK_K: tl.constexpr, D: tl.constexpr,
-                      VEC: tl.constexpr, HALVES: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The gated norm (gdn.gated_norm_rows) of the BLOCK_K // D heads of D at k, as [BLOCK_K] bf16."""
-    offs = k + tl.arange(0, BLOCK_K // D)[:, None] * D + tl.arange(0, D)[None, :]
-    y = gated_norm_rows(tl.load(x_row + offs), tl.load(z_row + offs), w_ptr, inv_n, eps, VEC, HALVES, INTERPRETED)
-    return tl.reshape(y, (BLOCK_K,))
-
-
-@triton.jit
-def _sigmoid_gate_block(x_row, g_row, k, stride_h, BLOCK_K: tl.constexpr, D: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
-    """bf16(x * bf16(sigmoid(gate))) (swiglu.sigmoid_gate_mul's arithmetic) of the BLOCK_K // D heads
-    of D at k, their gates stride_h apart, as [BLOCK_K] bf16."""
-    heads = tl.arange(0, BLOCK_K // D)[:, None]
-    d = tl.arange(0, D)[None, :]
-    x = tl.load(x_row + k + heads * D + d)
-    g = tl.load(g_row + (k // D + heads) * stride_h + d)
-    gate = sigmoid_f32(g.to(tl.float32), INTERPRETED).to(tl.bfloat16)
-    return tl.reshape((x.to(tl.float32) * gate.to(tl.float32)).to(tl.bfloat16), (BLOCK_K,))
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -513,10 +480,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1,
-                     f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, f_stride=0, f_stride_h=0,
-                     FOLD: tl.constexpr = 0, F_BLOCK: tl.constexpr = 128, F_VEC: tl.constexpr = True,
-                     F_HALVES: tl.constexpr = True, F_ONE_PLUS: tl.constexpr = False):
+                     EPI_HV: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
 
     Each weight block is loaded once into registers and multiplied by every row of
@@ -527,18 +491,6 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     block. The rows are unrolled by hand (acc0..acc3) so that each row's code is
     the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
     layout, and so the summation tree, depend on BLOCK_M.
-
-    FOLD (one row a program, one K chunk): the product's row is computed from x as the small kernel
-    before the product would (its bits), in place of reading it:
-      1 (NormFold): the residual add and RMSNorm, rmsnorm.fold_stats / fold_values: bf16(f_res + x)
-        normalized with the torch-order norm's bits, times f_w or 1 + f_w; the first column
-        block's program writes bf16(f_res + x) to f_out, the residual stream's next copy;
-      2 (GatedNormFold): the GDN layer's gated norm of x's heads of F_BLOCK with their gates at
-        f_res (rows f_stride apart), gdn.gated_norm_rows, one K block of heads at a time;
-      3 (SigmoidGateFold): x * bf16(sigmoid(gate)), the gate's heads of F_BLOCK at f_res (rows
-        f_stride, heads f_stride_h apart), swiglu's sigmoid_gate_mul, a K block at a time.
-    Its first weight block is loaded before the wait (weights are constant) and each block a trip
-    ahead, so the row's values are computed while weights are in flight.
     """
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
@@ -547,13 +499,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
     w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
-    if FOLD:
-        w = _load_w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
-        wu = w
-        if SILU:
-            wu = _load_w_block(w_ptrs + up_offset, k_lo, offs_k, K, EVEN_K)
-    else:
-        _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
     if EPI:   # one row a program (BLOCK_M 1): the GDN epilogue's other inputs, as in _gemv_dot_kernel
         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
             m0, offs_n, M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL, EPI_HV)
@@ -571,44 +517,16 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     accu1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     accu3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if FOLD:
-        if FOLD == 1:
-            f_row = f_res + m0 * K
-            inv, s, s_offs, s_mask = fold_stats(f_row, x0, f_inv_n, f_eps, K, F_BLOCK, F_VEC, F_HALVES, INTERPRETED)
-            if pid_n == 0:
-                tl.store(f_out + m0 * K + s_offs, s, mask=s_mask)
-        else:
-            f_row = f_res + m0 * f_stride
-        for i in range(BLOCKS_PER_SPLIT):
-            k = k_lo + i * BLOCK_K
-            if FOLD == 1:
-                xv = fold_values(f_row, x0, f_w, k + offs_k, (k + offs_k) < K, inv, F_ONE_PLUS).to(tl.float32)
-            elif FOLD == 2:
-                xv = _gated_norm_block(x0, f_row, f_w, k, f_inv_n, f_eps, BLOCK_K, F_BLOCK, F_VEC, F_HALVES,
-                                       INTERPRETED).to(tl.float32)
-            else:
-                xv = _sigmoid_gate_block(x0, f_row, k, f_stride_h, BLOCK_K, F_BLOCK, INTERPRETED).to(tl.float32)
-            acc0 = acc0 + w * xv[None, :]
-            if SILU:
-                accu0 = accu0 + wu * xv[None, :]
-            # the next block (none after the last: a masked load reads nothing)
-            more = ((k + BLOCK_K + offs_k) < K) & (i + 1 < BLOCKS_PER_SPLIT)
-            w = tl.load(w_ptrs + k + BLOCK_K, mask=more[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            if SILU:
-                wu = tl.load(w_ptrs + up_offset + k + BLOCK_K, mask=more[None, :], other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
-    else:
-        for i in range(BLOCKS_PER_SPLIT):
-            k = k_lo + i * BLOCK_K
-            w = _load_w_block(w_ptrs, k, offs_k, K, EVEN_K)
-            if SILU:
-                wu = _load_w_block(w_ptrs + up_offset, k, offs_k, K, EVEN_K)
-            acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K, EVEN_K,
-                                               BLOCK_M)
-            if SILU:
-                accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k,
-                                                       K, EVEN_K, BLOCK_M)
+    for i in range(BLOCKS_PER_SPLIT):
+        k = k_lo + i * BLOCK_K
+        w = _load_w_block(w_ptrs, k, offs_k, K, EVEN_K)
+        if SILU:
+            wu = _load_w_block(w_ptrs + up_offset, k, offs_k, K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, k, offs_k, K, EVEN_K,
+                                           BLOCK_M)
+        if SILU:
+            accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
+                                                   EVEN_K, BLOCK_M)
     pdl.launch_dependents(PDL)
     if EPI:
         in_proj_epilogue(tl.sum(acc0, axis=1), m0, offs_n, M, N, out_ptr, e_g, e_state, e_sb, e_sc,
@@ -678,180 +596,6 @@ def _workspace(device: torch.device, splits: int, cols: int, rows: int) -> torch
 
 # ----------------------------------------------------------------------------- host wrappers
 
-def _check_vector(name: str, w: object, n: int) -> None:
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 1 or w.stride(0) != 1:
-        raise ValueError(f"{name} must be a 1-D contiguous bfloat16 tensor, got "
-                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    if w.shape[0] != n:
-        raise ValueError(f"{name} has {w.shape[0]} elements, rows have {n}")
-
-
-def _same_device(fold: object, names: tuple) -> None:
-    first = getattr(fold, names[0])
-    for name in names[1:]:
-        if getattr(fold, name).device != first.device:
-            raise ValueError(f"{type(fold).__name__}.{name} is on {getattr(fold, name).device}, "
-                             f"{names[0]} on {first.device}")
-
-
-class _Fold:
-    """What the folds share: x, the rows the kernel reads as its x_ptr ([M, K] bf16 contiguous),
-    and shape, the shape the product's input would have (its output keeps the leading dims)."""
-
-    KIND = 0
-    x: torch.Tensor
-    shape: tuple | None
-
-    def __post_init__(self) -> None:
-        if self.shape is None:
-            object.__setattr__(self, "shape", tuple(self.x.shape))
-
-    @property
-    def rows(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def head_dim(self) -> int:
-        return self.x.shape[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class NormFold(_Fold):
-    """A product's x given as the residual add and RMSNorm before it, for the product to compute
-    in its prologue instead of a norm kernel of its own (can_fold says which configs take it):
-
-        residual_out <- bf16(residual + delta)          (the residual stream's next copy)
-        x = RMSNorm(residual_out) * weight, or * (1 + weight) with one_plus
-
-    with rmsnorm.add_rmsnorm's bits (its torch-order kernel). residual, delta and residual_out
-    [M, K] bf16 contiguous, weight [K] bf16. residual_out must be another buffer than residual:
-    every program reads residual while the first column block's programs write residual_out."""
-
-    residual: torch.Tensor
-    delta: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor
-    one_plus: bool = False
-    shape: tuple | None = None
-    KIND = 1
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self.delta
-
-    def check(self) -> None:
-        for name in ("residual", "delta", "residual_out"):
-            _check_matrix(f"NormFold.{name}", getattr(self, name))
-            if getattr(self, name).shape != self.residual.shape:
-                raise ValueError(f"NormFold.{name} has shape {tuple(getattr(self, name).shape)}, residual "
-                                 f"{tuple(self.residual.shape)}")
-        _check_vector("NormFold.weight", self.weight, self.residual.shape[1])
-        out_ptr = self.residual_out.data_ptr()
-        if self.residual_out is self.residual or (out_ptr and out_ptr == self.residual.data_ptr()):
-            raise ValueError("NormFold.residual_out must be another buffer than NormFold.residual (every program "
-                             "reads the residual while the first column block writes the sum)")
-        _same_device(self, ("residual", "delta", "weight", "residual_out"))
-
-    def args(self, k: int) -> dict:
-        vec, halves = torch_order_launch(k, self.device)
-        return dict(f_res=self.residual, f_w=self.weight, f_out=self.residual_out, f_inv_n=_inverse(k),
-                    f_eps=float(self.eps), F_BLOCK=triton.next_power_of_2(k), F_VEC=vec, F_HALVES=halves,
-                    F_ONE_PLUS=bool(self.one_plus))
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedNormFold(_Fold):
-    """A product's x given as the GDN layer's gated norm (gdn.gated_rmsnorm's bits) of x's heads:
-    x [M, H D] bf16 contiguous (the rule's output), z [M, >= H D] bf16 with unit column stride
-    (any row stride: the z columns of in_proj's rows, read in place), weight [D]; D = 128."""
-
-    x: torch.Tensor
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    shape: tuple | None = None
-    KIND = 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.weight.shape[0]
-
-    def check(self) -> None:
-        _check_matrix("GatedNormFold.x", self.x)
-        if self.weight.shape[0:1] != (128,):
-            raise ValueError(f"GatedNormFold.weight must have 128 elements (the heads' width), got "
-                             f"{tuple(self.weight.shape)}")
-        _check_vector("GatedNormFold.weight", self.weight, 128)
-        if self.x.shape[1] % 128:
-            raise ValueError(f"GatedNormFold.x has {self.x.shape[1]} columns, not whole heads of 128")
-        z = self.z
-        if (not isinstance(z, torch.Tensor) or z.dtype != torch.bfloat16 or z.dim() != 2 or z.stride(1) != 1
-                or z.shape[0] != self.x.shape[0] or z.shape[1] < self.x.shape[1]):
-            raise ValueError(f"GatedNormFold.z must be bfloat16 [{self.x.shape[0]}, >= {self.x.shape[1]}] with unit "
-                             f"column stride, got {getattr(z, 'dtype', None)} {tuple(getattr(z, 'shape', ()))}")
-        _same_device(self, ("x", "z", "weight"))
-
-    def args(self, k: int) -> dict:
-        vec, halves, _ = torch_order(128, self.device)
-        return dict(f_res=self.z, f_w=self.weight, f_inv_n=_inverse(128), f_eps=float(self.eps),
-                    f_stride=self.z.stride(0), F_BLOCK=128, F_VEC=vec, F_HALVES=halves)
-
-
-@dataclasses.dataclass(frozen=True)
-class SigmoidGateFold(_Fold):
-    """A product's x given as x * sigmoid(gate) (swiglu.sigmoid_gate_mul's bits), the gated
-    attention's output: x [M, H D] bf16 contiguous, gate [M, H, D] bf16 with unit stride on D (a
-    view of q_proj's rows, read in place)."""
-
-    x: torch.Tensor
-    gate: torch.Tensor
-    shape: tuple | None = None
-    KIND = 3
-
-    @property
-    def head_dim(self) -> int:
-        return self.gate.shape[-1]
-
-    def check(self) -> None:
-        _check_matrix("SigmoidGateFold.x", self.x)
-        g = self.gate
-        if (not isinstance(g, torch.Tensor) or g.dtype != torch.bfloat16 or g.dim() != 3 or g.stride(2) != 1
-                or g.shape[0] * g.shape[1] * g.shape[2] != self.x.numel() or g.shape[0] != self.x.shape[0]):
-            raise ValueError(f"SigmoidGateFold.gate must be bfloat16 [{self.x.shape[0]}, H, D] with H D = "
-                             f"{self.x.shape[1]} and unit stride on D, got {getattr(g, 'dtype', None)} "
-                             f"{tuple(getattr(g, 'shape', ()))}")
-        _same_device(self, ("x", "gate"))
-
-    def args(self, k: int) -> dict:
-        return dict(f_res=self.gate, f_stride=self.gate.stride(0), f_stride_h=self.gate.stride(1),
-                    F_BLOCK=self.gate.shape[2])
-
-
-FOLDS = (NormFold, GatedNormFold, SigmoidGateFold)   # the folds a product takes as its x
-
-
-def can_fold(config: GemvConfig, k: int, device: torch.device, kind: type = NormFold, head_dim: int = 128) -> bool:
-    """Whether a product with this config over rows of width k takes a fold of this kind (its
-    input computed in the product, not by a kernel of its own): the fma kernel at one row a
-    program and one K chunk; a NormFold where the norm of width k sums in torch's order
-    (rmsnorm), the others where each K block holds whole heads of head_dim (and the gated norm's
-    heads of 128 sum in an order the kernel has)."""
-    if not (config.mode == "fma" and config.block_m == 1 and config.split_k == 1):
-        return False
-    if kind is NormFold:
-        return torch_order_launch(k, device) is not None
-    if config.block_k % head_dim or k % config.block_k or head_dim & (head_dim - 1):
-        return False
-    if kind is GatedNormFold:
-        return head_dim == 128 and torch_order_launch(128, device) is not None
-    return kind is SigmoidGateFold
-
-
 def _check_matrix(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -875,13 +619,9 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
         raise ValueError(f"x must be on a CUDA device, got {x.device}")
 
 
-def _launch(x: torch.Tensor | _Fold, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
             silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
             prefetch_all: bool = False) -> torch.Tensor:
-    fold = None
-    if isinstance(x, FOLDS):
-        x.check()
-        fold, x = x, x.x
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -897,13 +637,6 @@ def _launch(x: torch.Tensor | _Fold, w: torch.Tensor, out: torch.Tensor | None, 
         raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
     if m > _MAX_ROWS:
         raise ValueError(f"x has {m} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
-    fold_args = {}
-    if fold is not None:
-        if partials or not can_fold(config, k, x.device, type(fold), fold.head_dim):
-            raise ValueError(f"a {type(fold).__name__} needs the fma kernel at one row a program and one K chunk "
-                             f"(NormFold: a norm of width {k} summed in torch's order; the others: whole heads of "
-                             f"{fold.head_dim} a K block); got config {config}")
-        fold_args = dict(fold.args(k), FOLD=fold.KIND)
     if out is not None:
         _check_matrix("out", out)
         if tuple(out.shape) != (m, n):
@@ -946,7 +679,7 @@ def _launch(x: torch.Tensor | _Fold, w: torch.Tensor, out: torch.Tensor | None, 
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
         PREFETCH_LINES=_prefetch_lines(config.block_k, blocks_per_split, prefetch_all),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
-        **_epilogue_args(epilogue), **fold_args,
+        **_epilogue_args(epilogue),
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -976,8 +709,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     for its whole weight slice, not only its first block, before it waits for the kernel
     before it, for a product after a kernel that leaves HBM idle; the sums are the same.
     (Measured slower after the exact GDN step: PERF_LOG, session 26.)
-    x may be a NormFold, GatedNormFold or SigmoidGateFold (the small kernel before the product
-    computed in it; can_fold).
     Raises ValueError naming a bad argument.
     """
     return _launch(x, w, out, config, silu=False, w_name="w", prefetch_all=prefetch_all)

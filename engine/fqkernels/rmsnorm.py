@@ -53,7 +53,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from fqkernels import pdl
 
@@ -222,50 +221,6 @@ def _column_sums(t, NB: tl.constexpr):
 
 
 @triton.jit
-def _torch_order_sum(xf, NB: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr):
-    """The sum of squares of a row held as xf [NB, 128] fp32 (zeros past its end) in torch's
-    order: each of the 128 columns over the blocks in order, then column c is lane c // 4,
-    accumulator c % 4 (VEC) or lane c % 32, accumulator c // 32, and the lanes go through
-    ATen's tree (module doc)."""
-    cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
-    if VEC:
-        lanes = tl.reshape(cols, (32, 4))
-    else:
-        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
-    return _lane_sum(lanes, HALVES)
-
-
-@triton.jit
-def fold_stats(res_row, d_row, inv_n, eps, N: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-               HALVES: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A norm folded into the kernel that consumes it (gemv's NormFold), one row: (inv, s, offs,
-    mask) with s = bf16(res + d) as [BLOCK // 128, 128] at offs (mask: offs < N) and
-    inv = rsqrt(mean(s^2) + eps), the bits _rmsnorm_torch_order_kernel normalizes that row with
-    (BLOCK = next_power_of_2(N), (VEC, HALVES) = torch_order_launch(N)). The mean's product by
-    1/N is one rounding (mul.rn) whatever the caller's fp fusion, as the norm kernel gets by
-    compiling without it: fused with the + eps it would round once, not twice."""
-    NB: tl.constexpr = (BLOCK + 127) // 128
-    offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = offs < N
-    s = _row_values(res_row, d_row, 0, offs, mask, True, 0)
-    total = _torch_order_sum(s.to(tl.float32), NB, VEC, HALVES)
-    if INTERPRETED:
-        mean = total * inv_n
-    else:
-        mean = libdevice.mul_rn(total, inv_n)
-    return tl.rsqrt(mean + eps), s, offs, mask
-
-
-@triton.jit
-def fold_values(res_row, d_row, w_ptr, offs, mask, inv, ONE_PLUS: tl.constexpr):
-    """The folded norm's bf16 outputs at offs (masked: 0) of the row fold_stats gave inv for: the
-    norm kernel's, element for element (the residual add, then _scaled)."""
-    s = _row_values(res_row, d_row, 0, offs, mask, True, 0)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    return _scaled(s.to(tl.float32), inv, w, ONE_PLUS)
-
-
-@triton.jit
 def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, stats_ptr, inv_n, eps,
                                 stride_x, stride_h, stride_r, stride_o, stride_split, stride_t, N: tl.constexpr,
                                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -287,7 +242,12 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     mask = offs < N
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     xf = x.to(tl.float32)
-    mean = _torch_order_sum(xf, NB, VEC, HALVES) * inv_n
+    cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
+    if VEC:
+        lanes = tl.reshape(cols, (32, 4))
+    else:
+        lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
+    mean = _lane_sum(lanes, HALVES) * inv_n
     if STATS:
         tl.store(stats_ptr + row, mean)
     inv = tl.rsqrt(mean + eps)

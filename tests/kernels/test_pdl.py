@@ -108,7 +108,7 @@ def test_the_gated_norm_can_launch_its_dependents_before_its_wait(early):
 
     sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "inv_n": "fp32",
            "eps": "fp32", "z_heads": "i32", "stride_z": "i32"}
-    consts = dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True, EARLY=early, INTERPRETED=False)
+    consts = dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True, EARLY=early)
     ptx = _aot_compile(gdn._gated_rmsnorm_kernel, sig, consts, ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]
     _assert_pdl(ptx)
     trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
@@ -131,9 +131,6 @@ def test_a_whole_slice_prefetch_compiles():
                   PDL=True, PREFETCH_LINES=lines, e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0,
                   e_sc=0, EPI=False, EPI_CONV=0, EPI_GATE_COL=0, EPI_HV=1)
     kernel = gemv._gemv_fma_kernel if cfg.mode == "fma" else gemv._gemv_dot_kernel
-    if cfg.mode == "fma":       # the folded norm off (tests/kernels/test_gemv.py FOLD_OFF)
-        consts.update(f_res=None, f_w=None, f_out=None, f_inv_n=1.0, f_eps=0.0, f_stride=0, f_stride_h=0, FOLD=0,
-                      F_BLOCK=128, F_VEC=True, F_HALVES=True, F_ONE_PLUS=False)
     ptx = _aot_compile(kernel, sig, consts, ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N"), cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     _assert_pdl(ptx)

@@ -137,54 +137,6 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
     assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
 
 
-def test_folded_norms_give_the_same_bits(tiny, monkeypatch, spy_launches):
-    """FOLD_NORMS: at one row each residual add and norm before in_proj, q | k | v and gate | up
-    computed in that product's prologue (gemv.NormFold), the attention's output gate in o_proj
-    (gemv.SigmoidGateFold; the tiny's value heads of 32 keep the gated norm's kernel): the decode
-    logits and states the same bits as with the kernels, and in a decode step only the norm before
-    the lm_head (and the embedding's) left as a norm kernel of its own."""
-    from fqkernels import gemv
-
-    cfg, w = tiny
-    seq = torch.randint(0, cfg.vocab_size, (1, S + N), generator=torch.Generator().manual_seed(6)).to(DEV)
-    # the tiny's products at one row on the fma kernel, as the 4B's tables have them (the default
-    # config for an untabled shape is a tl.dot one, which takes no fold)
-    one_row = gemv.GemvConfig(block_n=16, block_k=64, mode="fma", block_m=1)
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
-    for name, t in model.w.items():
-        for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items():
-            if name.endswith(suffix) and not suffix.startswith("lm_head"):
-                table = gemv.SILU_MUL_CONFIGS if fused else gemv.LINEAR_CONFIGS
-                monkeypatch.setitem(table, tuple(t.shape), ((1, one_row),))
-    gemv.select_config.cache_clear()
-    try:
-        runs = _fold_runs(cfg, w, seq, monkeypatch, spy_launches)
-    finally:
-        gemv.select_config.cache_clear()     # the tables' own entries again
-    for got, want in zip(runs[True], runs[False]):
-        assert torch.equal(got, want)
-
-
-def _fold_runs(cfg, w, seq, monkeypatch, spy_launches):
-    from fqkernels import rmsnorm, swiglu
-
-    runs = {}
-    for fold in (False, True):
-        monkeypatch.setattr(fq_qwen35, "FOLD_NORMS", fold)
-        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
-        _all_products_on_the_gemv(model, 1)
-        runs[fold] = _forced(model, seq, 3)
-        if fold:    # one more step, counting the small kernels' launches
-            norms = spy_launches(rmsnorm, "_rmsnorm_torch_order_kernel")
-            gates = spy_launches(swiglu, "_sigmoid_gate_mul_kernel")
-            pos = torch.full((1,), S + 2, dtype=torch.int32, device=DEV)
-            with torch.inference_mode():
-                model.decode_logits(seq[:, S + 2].contiguous(), pos, pos + 1)
-            assert len(norms) == 2, f"{len(norms)} norm kernels in a folded step (the embedding's, the final)"
-            assert not gates, "the attention's output gate ran as a kernel of its own"
-    return runs
-
-
 @pytest.mark.parametrize("on_gemv", [False, True], ids=["cublas", "gemv"])
 def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
     """The triton backend's q | k | v (one packed matrix): in decode one product whose column
