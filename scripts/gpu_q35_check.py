@@ -13,7 +13,8 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
 step walks the same rows): ARMS below (exact decode on or off, the gated norm's early launch,
-the out-projection's whole-slice prefetch, the small kernels' early launch).
+the out-projection's whole-slice prefetch, the small kernels' early launch, in_proj's z apart and
+beside the step); an arm with z apart first has its greedy tokens compared with its base arm's.
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -40,11 +41,21 @@ from fqkernels import gdn, gemv, pdl  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
-ARMS = {"exact": (True, False, False, False), "exact_early": (True, True, False, False),
-        "exact_early_all": (True, True, True, False), "exact_all": (True, False, True, False),
-        "exact_early_all_pdl": (True, True, True, True), "fast": (False, False, False, False),
-        "fast_early_all": (False, True, True, False), "fast_early_all_pdl": (False, True, True, True)}
+# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY,
+# fq_qwen35.Z_APART)
+ARMS = {"exact": (True, False, False, False, False), "exact_early": (True, True, False, False, False),
+        "exact_early_all": (True, True, True, False, False), "exact_all": (True, False, True, False, False),
+        "exact_early_all_pdl": (True, True, True, True, False), "fast": (False, False, False, False, False),
+        "fast_early_all": (False, True, True, False, False), "fast_early_all_pdl": (False, True, True, True, False),
+        "exact_zapart": (True, False, False, False, True), "fast_zapart": (False, False, False, False, True)}
+
+
+def _settings(model, values=None):
+    """The arms' settings now, after setting them to `values` when given."""
+    now = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.Z_APART)
+    if values is not None:
+        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.Z_APART = values
+    return now
 
 
 def _graphed_step_ms(model, ids, steps: int) -> float:
@@ -66,18 +77,42 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
-    saved = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY)
+    saved = _settings(model)
     times: dict = {a: [] for a in arms}
     try:
         for _ in range(rounds):
             for arm in arms:
-                model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = ARMS[arm]
+                _settings(model, ARMS[arm])
                 model.allocate_cache(b, p + steps + 8)
                 with torch.inference_mode():
                     times[arm].append(round(_graphed_step_ms(model, ids, steps), 4))
     finally:
-        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY = saved
+        _settings(model, saved)
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
+
+
+def _arm_bits(model, arm: str, b: int, p: int, dev) -> dict:
+    """An arm's greedy tokens over 24 graphed decode steps after a prompt pass against its base arm's
+    (the same settings with the last one off): equal is what a same-bits knob claims."""
+    base = ARMS[arm][:4] + (False,)
+    seq = torch.randint(0, model.cfg.vocab_size, (b, p), generator=torch.Generator().manual_seed(11)).to(dev)
+    saved = _settings(model)
+    toks = {}
+    try:
+        for name, values in (("base", base), ("arm", ARMS[arm])):
+            _settings(model, values)
+            model.allocate_cache(b, p + 32)
+            with torch.inference_mode():
+                runner = DecodeRunner(model, b, use_graph=True)
+                runner.start(model.prefill(seq), p)
+                out = []
+                for _ in range(24):
+                    runner.step()
+                    out.append(runner.tokens.clone())
+            toks[name] = torch.stack(out)
+    finally:
+        _settings(model, saved)
+    return {"tokens_equal": bool(torch.equal(toks["base"], toks["arm"]))}
 
 
 def _step(report: dict, name: str, fn):
@@ -232,6 +267,7 @@ def main() -> None:
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
                 res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
             if arms:
+                res["bits"] = {a: _arm_bits(model, a, b, p, dev) for a in arms if ARMS[a][4]}
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res
 
