@@ -75,12 +75,6 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
-# FASTQWEN_GDN_OUT_PREFETCH=1: a GDN layer's decode out-projection asks L2 for its whole weight
-# slice before it waits (gemv.linear's prefetch_all), not only its first block, so that with the
-# gated norm's early launch (gdn.GATED_NORM_EARLY) its weights stream in during the rule's step.
-# Off: with exact decode the step was 34 us slower at batch 1, not faster (the step's own chain of
-# loads queued behind the prefetches; PERF_LOG, session 26). Read at each call.
-OUT_PREFETCH_ALL = os.environ.get("FASTQWEN_GDN_OUT_PREFETCH", "0") == "1"
 # FASTQWEN_GDN_Z_APART=1: at batch 1, in_proj's z columns (the gated norm's gates, which the rule's
 # step does not read) as a product of their own launched after the step and run beside it
 # (gemv.linear's wait_last), instead of inside in_proj's product before it: the same bits. Off
@@ -825,7 +819,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
                                             self.w[p + "norm.weight"], c.rms_norm_eps)
-        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"], prefetch_all=OUT_PREFETCH_ALL)
+        return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 
 def sdpa_over_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor, scale: float):
@@ -844,7 +838,7 @@ class _TorchProducts:
     """The torch backend's products: cuBLAS (the reference's F.linear), nothing to tune."""
 
     @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
     def tune(self, weights, rows: int) -> dict:
@@ -879,12 +873,11 @@ class _Products:
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], False, rows)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, prefetch_all: bool = False) -> torch.Tensor:
-        """x @ w.T; prefetch_all: our GEMV's whole-slice L2 prefetch (gemv.linear), where it runs."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w.T: our GEMV where tune chose it, else cuBLAS."""
         rows = x.numel() // x.shape[-1]
         if self.use_gemv.get((False, rows) + tuple(w.shape)):
-            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w,
-                                     prefetch_all=prefetch_all).view(*x.shape[:-1], w.shape[0])
+            return self._gemv.linear(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
     def linear_silu_mul(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

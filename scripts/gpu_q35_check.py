@@ -12,9 +12,8 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
-step walks the same rows): ARMS below (exact decode on or off, the gated norm's early launch,
-the out-projection's whole-slice prefetch, the small kernels' early launch, in_proj's z apart and
-beside the step); an arm with z apart first has its greedy tokens compared with its base arm's.
+step walks the same rows): ARMS below (exact decode on or off, in_proj's z apart and beside the
+step); an arm with z apart first has its greedy tokens compared with its base arm's.
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -37,24 +36,19 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
-from fqkernels import gdn, gemv, pdl  # noqa: E402
+from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY,
-# fq_qwen35.Z_APART)
-ARMS = {"exact": (True, False, False, False, False), "exact_early": (True, True, False, False, False),
-        "exact_early_all": (True, True, True, False, False), "exact_all": (True, False, True, False, False),
-        "exact_early_all_pdl": (True, True, True, True, False), "fast": (False, False, False, False, False),
-        "fast_early_all": (False, True, True, False, False), "fast_early_all_pdl": (False, True, True, True, False),
-        "exact_zapart": (True, False, False, False, True), "fast_zapart": (False, False, False, False, True)}
+# --arms: name -> (exact GDN decode, fq_qwen35.Z_APART)
+ARMS = {"exact": (True, False), "fast": (False, False), "exact_zapart": (True, True), "fast_zapart": (False, True)}
 
 
 def _settings(model, values=None):
     """The arms' settings now, after setting them to `values` when given."""
-    now = (model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.Z_APART)
+    now = (model.exact_decode, fq_qwen35.Z_APART)
     if values is not None:
-        model.exact_decode, gdn.GATED_NORM_EARLY, fq_qwen35.OUT_PREFETCH_ALL, pdl.EARLY, fq_qwen35.Z_APART = values
+        model.exact_decode, fq_qwen35.Z_APART = values
     return now
 
 
@@ -94,7 +88,7 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
 def _arm_bits(model, arm: str, b: int, p: int, dev) -> dict:
     """An arm's greedy tokens over 24 graphed decode steps after a prompt pass against its base arm's
     (the same settings with the last one off): equal is what a same-bits knob claims."""
-    base = ARMS[arm][:4] + (False,)
+    base = ARMS[arm][:1] + (False,)
     seq = torch.randint(0, model.cfg.vocab_size, (b, p), generator=torch.Generator().manual_seed(11)).to(dev)
     saved = _settings(model)
     toks = {}
@@ -267,7 +261,7 @@ def main() -> None:
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
                 res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
             if arms:
-                res["bits"] = {a: _arm_bits(model, a, b, p, dev) for a in arms if ARMS[a][4]}
+                res["bits"] = {a: _arm_bits(model, a, b, p, dev) for a in arms if ARMS[a][1]}
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res
 

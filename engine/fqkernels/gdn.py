@@ -601,19 +601,17 @@ def _lane_sum_rows(acc, ROWS: tl.constexpr, HALVES: tl.constexpr):
 
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, stride_z, D: tl.constexpr,
-                          ROWS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False):
+                          ROWS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False):
     """One program per ROWS rows of D = 128 values: each row's mean of squares summed in torch's
     own order for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the
     lane tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once.
     Row r's z is head r % z_heads of z's row r // z_heads (rows stride_z apart). The rows are one
     [ROWS, D] tile, so a program's loads are all in flight at once (a prompt's 8,192 tokens are
-    262,144 rows of the 4B's heads). EARLY: the next kernel may be scheduled before the wait
-    (GATED_NORM_EARLY)."""
+    262,144 rows of the 4B's heads)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = (rows < R)[:, None]
     offs = tl.arange(0, D)[None, :]
-    pdl.start(PDL, EARLY)  # x and z are earlier kernels' outputs
+    pdl.start(PDL)  # x and z are earlier kernels' outputs
     x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0).to(tl.float32)
     sq = x * x
     if VEC:
@@ -633,12 +631,6 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, 
 # row a program; a prompt: tiles of GATED_NORM_ROWS rows)
 GATED_NORM_ROWS = int(os.environ.get("FASTQWEN_GATED_NORM_ROWS", "8"))
 GATED_NORM_WARPS = int(os.environ.get("FASTQWEN_GATED_NORM_WARPS", "2"))
-# FASTQWEN_GATED_NORM_EARLY=1: with PDL, the gated norm lets the next kernel (the GDN layer's
-# out-projection) be scheduled before its own wait, not after it, so the product's programs start,
-# and prefetch their weights, while the rule's step still runs. Off: in the Qwen3.5-4B decode step
-# it was no faster at batch 1 and 78 us a step slower at batch 4 (PERF_LOG, session 26). Read at
-# each call.
-GATED_NORM_EARLY = os.environ.get("FASTQWEN_GATED_NORM_EARLY", "0") == "1"
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float = EPS,
@@ -666,7 +658,6 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
     use_pdl, pdl_launch = pdl.for_rows(z.shape[0])
     _gated_rmsnorm_kernel[(triton.cdiv(R, rows),)](x, z, w, out, R, _inverse(D), eps, z.shape[1] // D, z.stride(0),
                                                    D=D, ROWS=rows, VEC=vec, HALVES=halves, PDL=use_pdl,
-                                                   EARLY=GATED_NORM_EARLY,
                                                    num_warps=warps, enable_fp_fusion=False, **pdl_launch)
     return out
 

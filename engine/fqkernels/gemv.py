@@ -39,7 +39,7 @@ is a function of the shapes alone, never of the device, so an H100 and an H200 r
 the same code (given the same Triton version).
 
 Dependent launch. Where Triton can launch with PDL (fqkernels/pdl.py), each program
-prefetches its first weight block (`linear(prefetch_all=True)`: its whole slice) into L2,
+prefetches its first weight block into L2,
 waits for the previous kernel, and lets the next one be scheduled after its main loop;
 the arithmetic is unchanged.
 
@@ -347,7 +347,7 @@ def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
 def _prefetch_first_block(w_ptr, cols, k_lo, up_offset, K: tl.constexpr, SILU: tl.constexpr,
                           PDL: tl.constexpr, LINES: tl.constexpr):
     """L2 prefetch of the first LINES 128-byte lines of each of this program's weight rows from
-    its K chunk's start (its first block, or its whole chunk: _prefetch_lines), before the wait
+    its K chunk's start (its first block), before the wait
     for the previous kernel: weights are constant, so this may overlap that kernel."""
     if PDL:
         k = tl.minimum(k_lo + tl.arange(0, LINES) * 64, K - 1)
@@ -632,7 +632,7 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
             silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
-            prefetch_all: bool = False, skip_cols: tuple | None = None, wait_last: bool = False) -> torch.Tensor:
+            skip_cols: tuple | None = None, wait_last: bool = False) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -700,7 +700,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
         SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
-        PREFETCH_LINES=_prefetch_lines(config.block_k, blocks_per_split, prefetch_all),
+        PREFETCH_LINES=max(1, config.block_k // 64),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
         **_epilogue_args(epilogue),
     )
@@ -715,29 +715,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     return out
 
 
-def _prefetch_lines(block_k: int, blocks_per_split: int, prefetch_all: bool) -> int:
-    """128-byte lines a weight row that a program asks L2 for before its wait (PDL): its first
-    block's, or (prefetch_all) its whole K chunk's (a power of two; lines past the chunk are
-    clamped to K, see _prefetch_first_block)."""
-    return max(1, (triton.next_power_of_2(blocks_per_split * block_k) if prefetch_all else block_k) // 64)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           config: GemvConfig | None = None, prefetch_all: bool = False, wait_last: bool = False) -> torch.Tensor:
+           config: GemvConfig | None = None, wait_last: bool = False) -> torch.Tensor:
     """out[M, N] = bf16(x @ w.T) with fp32 accumulation; x [M, K] bf16, w [N, K] bf16.
 
     Deterministic and independent of M row by row (see the module docstring).
     `out` ([M, N] bf16 contiguous) is written in place and returned; `config`
-    overrides the table (select_config). prefetch_all (with PDL): each program asks L2
-    for its whole weight slice, not only its first block, before it waits for the kernel
-    before it, for a product after a kernel that leaves HBM idle; the sums are the same.
-    (Measured slower after the exact GDN step: PERF_LOG, session 26.)
+    overrides the table (select_config).
     wait_last (fma configs, with PDL): x is not the kernel before's output but older, so the
     product runs beside that kernel and waits for it only before it ends (a later kernel that
     waits for this one then also finds that one complete); the sums are the same.
     Raises ValueError naming a bad argument.
     """
-    return _launch(x, w, out, config, silu=False, w_name="w", prefetch_all=prefetch_all, wait_last=wait_last)
+    return _launch(x, w, out, config, silu=False, w_name="w", wait_last=wait_last)
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "for_rows", "wait", "launch_dependents", "start",
+__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "for_rows", "wait", "launch_dependents", "start",
            "prefetch_l2"]
 
 
@@ -50,12 +50,6 @@ LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
 # many-program grid then sat resident in its wait beside the GEMM's later waves:
 # TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
 MAX_ROWS = 64
-# FASTQWEN_PDL_EARLY=1: the small kernels that take it (the residual norms, the output gate;
-# `start`) let the next kernel be scheduled before their wait instead of after it, so a product
-# after them starts, and prefetches its first weights, during the tail of the product before
-# them. Off: in the Qwen3.5-4B decode step it cost the default up to 37 us a step (batch 4;
-# PERF_LOG, session 26). Read at each launch.
-EARLY = os.environ.get("FASTQWEN_PDL_EARLY", "0") == "1"
 
 
 def for_rows(rows: int) -> tuple[bool, dict]:
@@ -79,14 +73,12 @@ def launch_dependents(ON: tl.constexpr):
 
 
 @triton.jit
-def start(ON: tl.constexpr, EARLY: tl.constexpr):
-    """A small kernel's prologue: wait for the previous kernel and let the next be scheduled;
-    EARLY: the next first (it still waits for this whole grid before it reads what we write)."""
-    if EARLY:
-        launch_dependents(ON)
+def start(ON: tl.constexpr):
+    """A small kernel's prologue: wait for the previous kernel, then let the next be scheduled.
+    (The next first, before the wait, was measured slower in the Qwen3.5-4B decode step: up to
+    37 us a step at batch 4; PERF_LOG, session 26.)"""
     wait(ON)
-    if not EARLY:
-        launch_dependents(ON)
+    launch_dependents(ON)
 
 
 @triton.jit

@@ -134,7 +134,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
                     stride_x, stride_h, stride_r, stride_o, stride_split, stride_t,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                     GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ONE_PLUS: tl.constexpr = False,
-                    HEADS: tl.constexpr = 1, EARLY: tl.constexpr = False):
+                    HEADS: tl.constexpr = 1):
     """FASTQWEN_TORCH_ORDER_NORM=0's kernel: the mean of squares is Triton's tl.sum.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
@@ -143,7 +143,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    pdl.start(PDL, EARLY)
+    pdl.start(PDL)
     src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     if GATHER or HAS_RESIDUAL:
@@ -226,7 +226,7 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
                                 HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                                 VEC: tl.constexpr, HALVES: tl.constexpr, STATS: tl.constexpr = False,
                                 GATHER: tl.constexpr = False, PDL: tl.constexpr = False,
-                                ONE_PLUS: tl.constexpr = False, HEADS: tl.constexpr = 1, EARLY: tl.constexpr = False):
+                                ONE_PLUS: tl.constexpr = False, HEADS: tl.constexpr = 1):
     """The row once, as [blocks, 128]; each of the 128 columns summed over the blocks in
     order, then column c is lane c // 4, accumulator c % 4 (VEC) or lane c % 32,
     accumulator c // 32, and the lanes go through ATen's tree (module doc).
@@ -235,7 +235,7 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests).
     HEADS > 1 (no residual, no gather): rows of heads, as in _rmsnorm_kernel."""
     row = tl.program_id(0)
-    pdl.start(PDL, EARLY)
+    pdl.start(PDL)
     src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     NB: tl.constexpr = (BLOCK + 127) // 128
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -382,7 +382,7 @@ def _launch(x, r, w, eps, out, partials=False, gather=None, stats=None, one_plus
                stride_split, table.stride(0) if gather is not None else 0)
     flags = dict(HAS_RESIDUAL=r is not None, SPLITS=splits, BLOCK=block, GATHER=gather is not None,
                  ONE_PLUS=bool(one_plus), HEADS=heads, num_warps=4 if block <= 4096 else 8, PDL=use_pdl,
-                 EARLY=pdl.EARLY, **pdl_launch)
+                 **pdl_launch)
     # The torch-order kernel where torch_order_launch takes it, or when asked for its
     # statistics (in the order torch_order found, or 2.11's); else the tl.sum kernel.
     order = torch_order_launch(N, x.device)

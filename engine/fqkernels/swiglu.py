@@ -89,8 +89,7 @@ def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _sigmoid_gate_mul_kernel(x_ptr, g_ptr, out_ptr, T, H, stride_xb, stride_xt, stride_xh,
                              stride_gb, stride_gt, stride_gh, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             INTERPRETED: tl.constexpr = False, PDL: tl.constexpr = False,
-                             EARLY: tl.constexpr = False):
+                             INTERPRETED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (token b * T + t, head h): out[token, h * D:(h + 1) * D] = bf16(x * bf16(sigmoid(g)))
     of that head's row; int64 offsets (a long prompt's gate view spans q_proj's whole output)."""
     row = tl.program_id(0).to(tl.int64)
@@ -99,7 +98,7 @@ def _sigmoid_gate_mul_kernel(x_ptr, g_ptr, out_ptr, T, H, stride_xb, stride_xt, 
     t = row % T
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    pdl.start(PDL, EARLY)  # x and g come from earlier kernels
+    pdl.start(PDL)  # x and g come from earlier kernels
     x = tl.load(x_ptr + b * stride_xb + t * stride_xt + head * stride_xh + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + b * stride_gb + t * stride_gt + head * stride_gh + offs, mask=mask, other=0.0)
     gate = sigmoid_f32(g.to(tl.float32), INTERPRETED).to(tl.bfloat16)
@@ -124,7 +123,7 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     block_d = triton.next_power_of_2(D)
     _sigmoid_gate_mul_kernel[(B * T, H)](x, gate, out, T, H, x.stride(0), x.stride(1), x.stride(2),
                                          gate.stride(0), gate.stride(1), gate.stride(2), D=D, BLOCK_D=block_d,
-                                         INTERPRETED=_INTERPRETED, PDL=use_pdl, EARLY=pdl.EARLY,
+                                         INTERPRETED=_INTERPRETED, PDL=use_pdl,
                                          num_warps=max(1, min(4, block_d // 256)), **pdl_launch)
     return out
 

@@ -653,36 +653,6 @@ def test_gpu_in_order_products_give_the_full_forwards_bits(name, rows):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", [1, 4, 16])
-def test_gpu_a_whole_slice_prefetch_gives_the_same_bits(rows):
-    """linear(prefetch_all=True) (the Qwen3.5 GDN out-projection's, 2560 x 4096) only asks L2 for
-    more lines before its wait: the same sums, eager and in a graph behind another kernel."""
-    n, k = SHAPES_4B["o"]
-    x, w = _gpu_inputs(rows, n, k, seed=rows)
-    want = linear(x, w)
-    assert torch.equal(linear(x, w, prefetch_all=True), want)
-    out = torch.empty_like(want)
-    y = torch.empty_like(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y.copy_(x)               # a kernel before it, which the product's programs wait for
-        linear(y, w, out=out, prefetch_all=True)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-
-
-def test_prefetch_lines():
-    """The lines a weight row asks L2 for before the wait: the first block's, or the whole K chunk's
-    rounded up to a power of two (tl.arange's)."""
-    assert gemv._prefetch_lines(1024, 4, False) == 16 and gemv._prefetch_lines(1024, 4, True) == 64
-    assert gemv._prefetch_lines(256, 3, True) == 16 and gemv._prefetch_lines(32, 1, False) == 1
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("name", ["o", "down", "gate_up"])
 def test_gpu_cuda_graph_capture_and_replay(name):
     n, k = SHAPES_4B[name]

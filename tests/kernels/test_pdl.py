@@ -57,7 +57,7 @@ def test_norm_and_rope_kernels_compile_with_pdl():
                "stride_t": "i32"}
     for gather in (False, True):
         flags = dict(HAS_RESIDUAL=not gather, SPLITS=0 if gather else 2, BLOCK=4096, GATHER=gather, PDL=True,
-                     ONE_PLUS=False, HEADS=1, EARLY=False)
+                     ONE_PLUS=False, HEADS=1)
         sig = {**base, "N": "i32", "eps": "fp32", **strides}
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_kernel, sig, flags, ("x_ptr",), 4, 1).asm["ptx"])
         sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
@@ -65,7 +65,7 @@ def test_norm_and_rope_kernels_compile_with_pdl():
         _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     # Qwen3.5's q heads, read in place from the packed q | k | v product's rows
     consts = dict(HAS_RESIDUAL=False, SPLITS=0, BLOCK=256, GATHER=False, PDL=True, ONE_PLUS=True, HEADS=16, N=256,
-                  VEC=True, HALVES=True, STATS=False, EARLY=False)
+                  VEC=True, HALVES=True, STATS=False)
     _assert_pdl(_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, consts, ("x_ptr",), 4, 1).asm["ptx"])
     sig = {"qkv_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
            "pos_ptr": "*i32", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "seq_len": "i32", "eps": "fp32",
@@ -83,7 +83,7 @@ def test_the_output_gate_compiles_with_pdl():
     without flushing subnormal quotients (swiglu.sigmoid_f32)."""
     sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32",
            **{f"stride_{t}{d}": "i32" for t in "xg" for d in "bth"}}
-    consts = dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True, EARLY=False)
+    consts = dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True)
     ptx = _aot_compile(swiglu._sigmoid_gate_mul_kernel, sig, consts, ("x_ptr", "g_ptr", "out_ptr"), 1, 1).asm["ptx"]
     _assert_pdl(ptx)
     assert "div.rn.f32" in ptx and "div.rn.ftz" not in ptx
@@ -100,68 +100,30 @@ def test_pdl_only_for_decode_sized_launches(monkeypatch):
 
 
 @needs_compiler
-@pytest.mark.parametrize("early", [False, True])
-def test_the_gated_norm_can_launch_its_dependents_before_its_wait(early):
-    """gdn.GATED_NORM_EARLY: the trigger before the wait (the out-projection's programs may then
-    start while the GDN step runs), or after it as the other small kernels do."""
+def test_the_small_kernels_trigger_the_next_after_their_wait():
+    """pdl.start: the residual norms, the output gate and the gated norm wait for the kernel before,
+    then let the next be scheduled (the other order was measured slower: PERF_LOG, session 26)."""
     from fqkernels import gdn
 
-    sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "inv_n": "fp32",
-           "eps": "fp32", "z_heads": "i32", "stride_z": "i32"}
-    consts = dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True, EARLY=early)
-    ptx = _aot_compile(gdn._gated_rmsnorm_kernel, sig, consts, ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]
-    _assert_pdl(ptx)
-    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    assert (trigger < wait) == early
-
-
-@needs_compiler
-def test_a_whole_slice_prefetch_compiles():
-    """gemv.linear(prefetch_all=True) at the Qwen3.5-4B out-projection's one-row config: every one
-    of a program's 8 x 64 lines (4096 columns of bf16) asked of L2 before the wait."""
-    n, k = 2560, 4096
-    cfg = gemv.select_config(n, k, False, 1)
-    blocks = k // cfg.block_k
-    lines = gemv._prefetch_lines(cfg.block_k, blocks, True)
-    assert lines * 64 == k and gemv._prefetch_lines(cfg.block_k, blocks, False) * 64 == cfg.block_k
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
-           "up_offset": "i32", "ws_split_stride": "i32", "ws_cols": "i32"}
-    consts = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
-                  BLOCKS_PER_SPLIT=blocks, EVEN_N=True, EVEN_K=True, PARTIALS=False, SILU=False, INTERPRETED=False,
-                  PDL=True, PREFETCH_LINES=lines, e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0,
-                  e_sc=0, EPI=False, EPI_CONV=0, EPI_GATE_COL=0, EPI_HV=1)
-    kernel = gemv._gemv_fma_kernel if cfg.mode == "fma" else gemv._gemv_dot_kernel
-    if cfg.mode == "fma":      # no skipped columns, the wait before the loads (tests/kernels/test_gemv.py FMA_OFF)
-        consts.update(SKIP_FROM=0, SKIP_BLOCKS=0, WAIT_LAST=False)
-    ptx = _aot_compile(kernel, sig, consts, ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N"), cfg.num_warps,
-                       cfg.num_stages).asm["ptx"]
-    _assert_pdl(ptx)
-    before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-    # 512 lines over 128 threads: 4 each, unrolled
-    assert before_wait.count("prefetch.global.L2") * 32 * cfg.num_warps >= cfg.block_n * lines
-
-
-@needs_compiler
-def test_the_small_kernels_can_launch_their_dependents_first():
-    """pdl.EARLY (FASTQWEN_PDL_EARLY=1): the residual norm and the output gate trigger the next
-    kernel before their wait; off, after it."""
     base = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
             "table_ptr": "*bf16"}
     strides = {"stride_x": "i32", "stride_h": "i32", "stride_r": "i32", "stride_o": "i32", "stride_split": "i32",
                "stride_t": "i32"}
     gate_sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32",
                 **{f"stride_{t}{d}": "i32" for t in "xg" for d in "bth"}}
-    for early in (False, True):
-        flags = dict(HAS_RESIDUAL=True, SPLITS=2, BLOCK=4096, GATHER=False, PDL=True, ONE_PLUS=False, HEADS=1,
-                     EARLY=early)
-        sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
-        ptxs = [_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, dict(flags, N=2560, VEC=True, HALVES=True,
-                                                                            STATS=False), ("x_ptr",), 4, 1).asm["ptx"],
-                _aot_compile(rmsnorm._rmsnorm_kernel, {**base, "N": "i32", "eps": "fp32", **strides}, flags,
-                             ("x_ptr",), 4, 1).asm["ptx"],
-                _aot_compile(swiglu._sigmoid_gate_mul_kernel, gate_sig,
-                             dict(D=256, BLOCK_D=256, INTERPRETED=False, PDL=True, EARLY=early),
-                             ("x_ptr", "g_ptr", "out_ptr"), 1, 1).asm["ptx"]]
-        for ptx in ptxs:
-            _assert_pdl(ptx)
-            assert (ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == early
+    flags = dict(HAS_RESIDUAL=True, SPLITS=2, BLOCK=4096, GATHER=False, PDL=True, ONE_PLUS=False, HEADS=1)
+    sig = {**base, "stats_ptr": "*fp32", "inv_n": "fp32", "eps": "fp32", **strides}
+    gated_sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32",
+                 "inv_n": "fp32", "eps": "fp32", "z_heads": "i32", "stride_z": "i32"}
+    ptxs = [_aot_compile(rmsnorm._rmsnorm_torch_order_kernel, sig, dict(flags, N=2560, VEC=True, HALVES=True,
+                                                                        STATS=False), ("x_ptr",), 4, 1).asm["ptx"],
+            _aot_compile(rmsnorm._rmsnorm_kernel, {**base, "N": "i32", "eps": "fp32", **strides}, flags,
+                         ("x_ptr",), 4, 1).asm["ptx"],
+            _aot_compile(swiglu._sigmoid_gate_mul_kernel, gate_sig, dict(D=256, BLOCK_D=256, INTERPRETED=False,
+                                                                         PDL=True), ("x_ptr", "g_ptr", "out_ptr"),
+                         1, 1).asm["ptx"],
+            _aot_compile(gdn._gated_rmsnorm_kernel, gated_sig, dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True),
+                         ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]]
+    for ptx in ptxs:
+        _assert_pdl(ptx)
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
