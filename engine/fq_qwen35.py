@@ -75,11 +75,6 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
-# FASTQWEN_GDN_Z_APART=1: at batch 1, in_proj's z columns (the gated norm's gates, which the rule's
-# step does not read) as a product of their own launched after the step and run beside it
-# (gemv.linear's wait_last), instead of inside in_proj's product before it: the same bits. Off
-# until measured. Read at each call.
-Z_APART = os.environ.get("FASTQWEN_GDN_Z_APART", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -794,12 +789,10 @@ class Qwen35Model:
         # the conv and gates in the product's epilogue at batch 1: measured 25 us a step faster there,
         # and slower at batch 4 and 16 (the 4B's tensor-core tiles; PERF_LOG, session 13)
         config = self.ops.gemv_config(1, w_in) if FUSE_IN_PROJ and B == 1 else None
-        vd = c.linear_v_heads * c.linear_v_dim
         if config is not None and config.split_k == 1:
-            x = h[:, 0].contiguous()
-            mixed, z, beta, g = gdn.in_proj_conv_gates_step(x, w_in, conv_state, conv_w, self.w[p + "A_log"],
-                                                            self.w[p + "dt_bias"], vd, config,
-                                                            z_apart=Z_APART and config.mode == "fma")
+            mixed, z, beta, g = gdn.in_proj_conv_gates_step(h[:, 0].contiguous(), w_in, conv_state, conv_w,
+                                                            self.w[p + "A_log"], self.w[p + "dt_bias"],
+                                                            c.linear_v_heads * c.linear_v_dim, config)
         else:
             mixed, z, b, a = self._in_proj(p, h[:, 0])      # column slices of one product: mixed [B, conv_dim]
             mixed, g, beta = gdn.conv_gates_step(mixed, conv_state, conv_w, a, b, self.w[p + "A_log"],
@@ -812,8 +805,6 @@ class Qwen35Model:
                                           self.rows[slot].narrow(0, B), tile=self.decode_tile)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
-        if z is None:   # Z_APART: z's product, run beside the step (it reads the step's input, not its output)
-            z = self.ops._gemv.linear(x, w_in[c.conv_dim:c.conv_dim + vd], config=config, wait_last=True)
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
             o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
         else:

@@ -12,8 +12,8 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
-step walks the same rows): ARMS below (exact decode on or off, in_proj's z apart and beside the
-step); an arm with z apart first has its greedy tokens compared with its base arm's.
+step walks the same rows): ARMS below (exact decode on or off; the knobs measured this way in
+sessions 26-27 were removed as they lost, PERF_LOG).
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -40,15 +40,15 @@ from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode, fq_qwen35.Z_APART)
-ARMS = {"exact": (True, False), "fast": (False, False), "exact_zapart": (True, True), "fast_zapart": (False, True)}
+# --arms: name -> (exact GDN decode,); a knob under test adds its module flag here and in _settings
+ARMS = {"exact": (True,), "fast": (False,)}
 
 
 def _settings(model, values=None):
     """The arms' settings now, after setting them to `values` when given."""
-    now = (model.exact_decode, fq_qwen35.Z_APART)
+    now = (model.exact_decode,)
     if values is not None:
-        model.exact_decode, fq_qwen35.Z_APART = values
+        (model.exact_decode,) = values
     return now
 
 
@@ -83,30 +83,6 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
     finally:
         _settings(model, saved)
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
-
-
-def _arm_bits(model, arm: str, b: int, p: int, dev) -> dict:
-    """An arm's greedy tokens over 24 graphed decode steps after a prompt pass against its base arm's
-    (the same settings with the last one off): equal is what a same-bits knob claims."""
-    base = ARMS[arm][:1] + (False,)
-    seq = torch.randint(0, model.cfg.vocab_size, (b, p), generator=torch.Generator().manual_seed(11)).to(dev)
-    saved = _settings(model)
-    toks = {}
-    try:
-        for name, values in (("base", base), ("arm", ARMS[arm])):
-            _settings(model, values)
-            model.allocate_cache(b, p + 32)
-            with torch.inference_mode():
-                runner = DecodeRunner(model, b, use_graph=True)
-                runner.start(model.prefill(seq), p)
-                out = []
-                for _ in range(24):
-                    runner.step()
-                    out.append(runner.tokens.clone())
-            toks[name] = torch.stack(out)
-    finally:
-        _settings(model, saved)
-    return {"tokens_equal": bool(torch.equal(toks["base"], toks["arm"]))}
 
 
 def _step(report: dict, name: str, fn):
@@ -261,7 +237,6 @@ def main() -> None:
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
                 res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
             if arms:
-                res["bits"] = {a: _arm_bits(model, a, b, p, dev) for a in arms if ARMS[a][1]}
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res
 

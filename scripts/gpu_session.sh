@@ -101,7 +101,7 @@
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
 #   q35-step      q35-check's timings alone (--timing-only): the decode step's graphed step times
 #   q35-step-arms the graphed step under several settings in one process, interleaved (gpu_q35_check.py --arms;
-#                 Q35_ARMS, default exact,exact_zapart,fast,fast_zapart; Q35_ARMS_SHAPES,
+#                 Q35_ARMS, default exact,fast; Q35_ARMS_SHAPES,
 #                 default the public set; Q35_ARMS_ROUNDS, default 3; Q35_ARMS_PROFILE, shapes BxP whose eager
 #                 step is profiled kernel by kernel with the process's own settings, e.g. 1x512)
 #   q35-gemv-ab   the decode step's time with the GEMV table and with other configs, one process an arm
@@ -306,12 +306,12 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                  q35_ckpt
                  timeout "${Q35_ARMS_TIMEOUT_S:-300}" python3 scripts/gpu_q35_check.py --model /tmp/q35_4b --timing-only \
                    --shapes "${Q35_ARMS_SHAPES:-1x512x32,4x2048x32,16x512x128}" \
-                   --arms "${Q35_ARMS:-exact,exact_zapart,fast,fast_zapart}" \
+                   --arms "${Q35_ARMS:-exact,fast}" \
                    --rounds "${Q35_ARMS_ROUNDS:-3}" ${Q35_ARMS_PROFILE:+--profile "$Q35_ARMS_PROFILE"} \
                    --out "$OUT/q35_step_arms.json" > "$OUT/q35_step_arms.log" 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step_arms.json'))
 for k, v in d.items():
-    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: r['median_ms'] for a, r in v.get('arms', {}).items()}, v.get('bits', ''), v.get('error', '')[-300:])" ;;
+    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: r['median_ms'] for a, r in v.get('arms', {}).items()}, v.get('error', '')[-300:])" ;;
     q35-gemv-ab) # the decode step with the GEMV table as committed and with each arm's configs, one process
                  # an arm, in this call (arms and shapes: the header)
                  q35_ckpt

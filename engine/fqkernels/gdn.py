@@ -438,16 +438,13 @@ def in_proj_epilogue(acc, rows, cols, M, N, out_ptr, g_ptr, conv_state_ptr, stri
 
 
 def in_proj_conv_gates_step(h: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor,
-                            a_log: torch.Tensor, dt_bias: torch.Tensor, value_dim: int, config=None,
-                            z_apart: bool = False):
+                            a_log: torch.Tensor, dt_bias: torch.Tensor, value_dim: int, config=None):
     """A decode step's in_proj product with the conv and gates in its epilogue (one kernel in place
     of gemv.linear then conv_gates_step, the same bits): h [B, K] bf16; w [C + Hv Dv + 2 Hv, K] the
     packed in_proj (qkv | z | b | a); conv_state [B, C, W] bf16 (updated in place), conv_w [C, W];
     a_log, dt_bias [Hv]; value_dim = Hv Dv. Returns (x [B, C], z [B, Hv Dv], beta [B, Hv], all bf16
     column slices of one [B, N] row, and g [B, Hv] fp32 contiguous). config: gemv's (None: its
-    table); it must have split_k 1 (ValueError otherwise). z_apart (an fma config): z's columns
-    are not computed, z comes back None (the caller's product of w's z rows gives z's bits:
-    gemv.linear(h, w[C:C + value_dim], config=config))."""
+    table); it must have split_k 1 (ValueError otherwise)."""
     from fqkernels import gemv
 
     B = h.shape[0]
@@ -466,9 +463,9 @@ def in_proj_conv_gates_step(h: torch.Tensor, w: torch.Tensor, conv_state: torch.
     epilogue = dict(g_ptr=g, conv_state_ptr=conv_state, conv_w_ptr=conv_w.contiguous(), a_log_ptr=a_log,
                     dt_bias_ptr=dt_bias, stride_sb=conv_state.stride(0), stride_sc=conv_state.stride(1),
                     CONV_DIM=C, GATE_COL=C + value_dim, HV=Hv)
-    out = gemv.linear_epilogue(h, w, epilogue, config=config, skip_cols=(C, C + value_dim) if z_apart else None)
+    out = gemv.linear_epilogue(h, w, epilogue, config=config)
     x, z, beta, _ = torch.split(out, [C, value_dim, Hv, Hv], dim=-1)
-    return x, None if z_apart else z, beta, g
+    return x, z, beta, g
 
 
 @triton.jit

@@ -39,9 +39,8 @@ is a function of the shapes alone, never of the device, so an H100 and an H200 r
 the same code (given the same Triton version).
 
 Dependent launch. Where Triton can launch with PDL (fqkernels/pdl.py), each program
-prefetches its first weight block into L2,
-waits for the previous kernel, and lets the next one be scheduled after its main loop;
-the arithmetic is unchanged.
+prefetches its first weight block into L2, waits for the previous kernel, and lets the next
+one be scheduled after its main loop; the arithmetic is unchanged.
 
 Epilogue. `linear_epilogue` runs the same product with the GDN decode step's conv and gates
 applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen3.5 step at
@@ -347,8 +346,8 @@ def _program_coords(M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
 def _prefetch_first_block(w_ptr, cols, k_lo, up_offset, K: tl.constexpr, SILU: tl.constexpr,
                           PDL: tl.constexpr, LINES: tl.constexpr):
     """L2 prefetch of the first LINES 128-byte lines of each of this program's weight rows from
-    its K chunk's start (its first block), before the wait
-    for the previous kernel: weights are constant, so this may overlap that kernel."""
+    its K chunk's start (its first block), before the wait for the previous kernel: weights are
+    constant, so this may overlap that kernel."""
     if PDL:
         k = tl.minimum(k_lo + tl.arange(0, LINES) * 64, K - 1)
         lines = w_ptr + cols.to(tl.int64)[:, None] * K + k[None, :]
@@ -480,14 +479,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                      PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
                      e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
                      EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1, SKIP_FROM: tl.constexpr = 0, SKIP_BLOCKS: tl.constexpr = 0,
-                     WAIT_LAST: tl.constexpr = False):
+                     EPI_HV: tl.constexpr = 1):
     """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
-
-    SKIP_BLOCKS: the column blocks [SKIP_FROM, SKIP_FROM + SKIP_BLOCKS) are not computed (the grid
-    has that many programs fewer a row tile and chunk; linear_epilogue's skip). WAIT_LAST (PDL):
-    x is older than the kernel before this one, so the program reads it at once and waits for that
-    kernel only before it ends (linear's wait_last).
 
     Each weight block is loaded once into registers and multiplied by every row of
     the tile. Each row keeps a [BLOCK_N, BLOCK_K] fp32 accumulator that only takes
@@ -499,8 +492,6 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     layout, and so the summation tree, depend on BLOCK_M.
     """
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
-    if SKIP_BLOCKS:
-        pid_n = tl.where(pid_n >= SKIP_FROM, pid_n + SKIP_BLOCKS, pid_n)
     m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -511,8 +502,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
     if EPI:   # one row a program (BLOCK_M 1): the GDN epilogue's other inputs, as in _gemv_dot_kernel
         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
             m0, offs_n, M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL, EPI_HV)
-    if not WAIT_LAST:
-        pdl.wait(PDL)  # x is the previous kernel's output
+    pdl.wait(PDL)  # x is the previous kernel's output
     # Row pointers, clamped to the last real row (computed, never stored).
     x0 = x_ptr + tl.minimum(m0, M - 1) * K
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1) * K
@@ -536,8 +526,6 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
         if SILU:
             accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
                                                    EVEN_K, BLOCK_M)
-    if WAIT_LAST:   # this grid completes only after the kernel before it
-        pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     if EPI:
         in_proj_epilogue(tl.sum(acc0, axis=1), m0, offs_n, M, N, out_ptr, e_g, e_state, e_sb, e_sc,
@@ -631,8 +619,7 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None,
-            skip_cols: tuple | None = None, wait_last: bool = False) -> torch.Tensor:
+            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix(w_name, w)
     m, k = x.shape
@@ -671,27 +658,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     if epilogue is not None and (write_partials or silu or (config.mode == "fma" and config.block_m != 1)):
         raise ValueError(f"an epilogue needs one K chunk a program, no SiLU and (fma) one row a program; "
                          f"config {config} gives {splits} chunks of K={k}")
-    extra_flags = {}
-    if skip_cols is not None or wait_last:
-        if config.mode != "fma":
-            raise ValueError(f"skip_cols and wait_last need the fma kernel, got config {config}")
-        extra_flags["WAIT_LAST"] = bool(wait_last)
-    skipped = 0
-    if skip_cols is not None:
-        lo, hi = skip_cols
-        if not (0 <= lo < hi <= n) or lo % config.block_n or (hi % config.block_n and hi != n):
-            raise ValueError(f"skip_cols {skip_cols} must be whole blocks of {config.block_n} columns within {n}")
-        skipped = triton.cdiv(hi, config.block_n) - lo // config.block_n
-        extra_flags.update(SKIP_FROM=lo // config.block_n, SKIP_BLOCKS=skipped)
     if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
     else:
         ws, ws_split_stride = out, 0   # unused: the kernel writes bf16 straight to out
-    grid = (triton.cdiv(m, config.block_m) * splits * (triton.cdiv(n, config.block_n) - skipped),)
+    grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
     use_pdl, pdl_launch = pdl.for_rows(m)
     if config.mode == "fma":
-        kernel, extra = _gemv_fma_kernel, extra_flags
+        kernel, extra = _gemv_fma_kernel, {}
     else:
         kernel, extra = _gemv_dot_kernel, {"SWAP": config.mode == "dot_t"}
     kernel[grid](
@@ -716,18 +691,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           config: GemvConfig | None = None, wait_last: bool = False) -> torch.Tensor:
+           config: GemvConfig | None = None) -> torch.Tensor:
     """out[M, N] = bf16(x @ w.T) with fp32 accumulation; x [M, K] bf16, w [N, K] bf16.
 
     Deterministic and independent of M row by row (see the module docstring).
     `out` ([M, N] bf16 contiguous) is written in place and returned; `config`
     overrides the table (select_config).
-    wait_last (fma configs, with PDL): x is not the kernel before's output but older, so the
-    product runs beside that kernel and waits for it only before it ends (a later kernel that
-    waits for this one then also finds that one complete); the sums are the same.
     Raises ValueError naming a bad argument.
     """
-    return _launch(x, w, out, config, silu=False, w_name="w", wait_last=wait_last)
+    return _launch(x, w, out, config, silu=False, w_name="w")
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -755,14 +727,11 @@ def _epilogue_args(epilogue: dict | None) -> dict:
     return {"EPI": True, **{_EPILOGUE_ARGS[name]: value for name, value in epilogue.items()}}
 
 
-def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: GemvConfig | None = None,
-                    skip_cols: tuple | None = None) -> torch.Tensor:
+def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: GemvConfig | None = None) -> torch.Tensor:
     """`linear` with the GDN decode step's conv and gates applied to the product in the same
     kernel (gdn.in_proj_epilogue, whose arguments `epilogue` names; gdn.in_proj_conv_gates_step
-    builds them). The same sums as `linear` with the same config; it needs split_k 1.
-    skip_cols (lo, hi), whole column blocks (fma configs): those output columns are not computed
-    (left as they were in the returned tensor)."""
-    return _launch(x, w, None, config, silu=False, w_name="w", epilogue=epilogue, skip_cols=skip_cols)
+    builds them). The same sums as `linear` with the same config; it needs split_k 1."""
+    return _launch(x, w, None, config, silu=False, w_name="w", epilogue=epilogue)
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,

@@ -146,39 +146,6 @@ def test_in_proj_epilogue_is_the_product_then_conv_gates(B, mode):
         gdn.in_proj_conv_gates_step(h, w[:-1], st_f, conv_w, a_log, dt_bias, Hv * Dv, config)
 
 
-@pytest.mark.parametrize("B", [1, 2])
-def test_in_proj_with_z_apart_is_the_one_product(B):
-    """z_apart: the epilogue's product without z's columns, then z as a product of its own (gemv.linear
-    of in_proj's z rows with the same config, run beside the next kernel: wait_last) give the one
-    product's outputs, g and conv state bit for bit; a config the skip cannot take is refused."""
-    from fqkernels import gemv
-
-    C, Hv, Dv, K, W = 72, 4, 16, 96, 4
-    N = C + Hv * Dv + 2 * Hv
-    config = gemv.GemvConfig(block_n=8, block_k=32, mode="fma", block_m=1)
-    g_ = torch.Generator().manual_seed(10 + B)
-    w = (torch.randn(N, K, generator=g_) * 0.2).bfloat16().to(DEV)
-    conv_w = (torch.randn(C, W, generator=g_) * 0.5).bfloat16().to(DEV)
-    a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16().to(DEV)
-    dt_bias = (torch.rand(Hv, generator=g_) * 2).bfloat16().to(DEV)
-    st_one = torch.randn(B, C, W, generator=g_).bfloat16().to(DEV)
-    st_apart = st_one.clone()
-    for _ in range(3):
-        h = torch.randn(B, K, generator=g_).bfloat16().to(DEV)
-        want = gdn.in_proj_conv_gates_step(h, w, st_one, conv_w, a_log, dt_bias, Hv * Dv, config)
-        x, z, beta, g = gdn.in_proj_conv_gates_step(h, w, st_apart, conv_w, a_log, dt_bias, Hv * Dv, config,
-                                                    z_apart=True)
-        assert z is None
-        z = gemv.linear(h, w[C:C + Hv * Dv], config=config, wait_last=True)
-        for got, exp in zip((x, z, beta, g, st_apart), (*want, st_one)):
-            assert torch.equal(got.cpu(), exp.cpu())
-    with pytest.raises(ValueError, match="need the fma kernel"):
-        gdn.in_proj_conv_gates_step(h, w, st_apart, conv_w, a_log, dt_bias, Hv * Dv,
-                                    gemv.GemvConfig(block_n=32, block_k=32, mode="dot_t"), z_apart=True)
-    with pytest.raises(ValueError, match="whole blocks"):
-        gemv.linear_epilogue(h, w, {}, config=config, skip_cols=(4, 12))
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_prompt_gates_are_the_reference(packed):
     """gdn.gates (a prompt's gates, one kernel) against gates_reference: on a GPU bit for bit

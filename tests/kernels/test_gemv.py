@@ -363,8 +363,6 @@ EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0
 EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
            "e_sb": "i32", "e_sc": "i32"}
 EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32)
-# The fma kernel's skipped columns and late wait off, as a plain launch binds them
-FMA_OFF = dict(SKIP_FROM=0, SKIP_BLOCKS=0, WAIT_LAST=False)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -385,7 +383,6 @@ def test_kernels_compile_for_sm90(name, mode, silu):
                      PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_OFF)
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
-        constants.update(FMA_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, mode == "dot_t"
     compiled = _aot_compile(kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps, cfg.num_stages)
@@ -420,7 +417,6 @@ def test_the_gdn_epilogue_compiles_for_sm90(rows):
                      SILU=False, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_ON)
     if cfg.mode == "fma":
         kernel = gemv._gemv_fma_kernel
-        constants.update(FMA_OFF)
     else:
         kernel, constants["SWAP"] = gemv._gemv_dot_kernel, cfg.mode == "dot_t"
     compiled = _aot_compile(kernel, dict(MAIN_SIG, **EPI_SIG), constants, MAIN_ALIGNED + ("e_g", "e_state", "e_w"),
@@ -685,22 +681,3 @@ def test_swapped_dot_compiles_for_sm90(name, silu):
     ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     assert "mma" in ptx
-
-
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-def test_wait_last_and_skipped_columns_compile_for_sm90():
-    """linear's wait_last: the PDL wait after every load of the product (it reads nothing the kernel
-    before writes), and the epilogue's skipped column blocks (in_proj's z apart), at the 4B's one-row
-    configs, compile on this Triton."""
-    k = 2560
-    cfg = select_config(12352, k, False, 1)
-    base = dict(K=k, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, BLOCKS_PER_SPLIT=k // cfg.block_k,
-                EVEN_N=True, EVEN_K=True, PARTIALS=False, SILU=False, INTERPRETED=False, PDL=True,
-                PREFETCH_LINES=max(1, cfg.block_k // 64))
-    ptx = _aot_compile(gemv._gemv_fma_kernel, MAIN_SIG, dict(base, **dict(FMA_OFF, WAIT_LAST=True), **EPI_OFF),
-                       MAIN_ALIGNED,
-                       cfg.num_warps, cfg.num_stages).asm["ptx"]
-    assert ptx.rindex("ld.global") < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
-    _aot_compile(gemv._gemv_fma_kernel, dict(MAIN_SIG, **EPI_SIG),
-                 dict(base, **dict(FMA_OFF, SKIP_FROM=1024, SKIP_BLOCKS=512), **EPI_ON),
-                 MAIN_ALIGNED + ("e_g", "e_state", "e_w"), cfg.num_warps, cfg.num_stages)

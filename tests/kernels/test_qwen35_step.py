@@ -137,37 +137,6 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
     assert (state_got - state_ref).abs().max().item() <= 0.05 * state_ref.abs().max().item()
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["recurrent", "exact"])
-def test_z_apart_gives_the_same_bits(tiny, monkeypatch, spy_launches, exact):
-    """Z_APART: at one row in_proj's z columns as a product of their own after the GDN step (gemv.linear's
-    wait_last) instead of inside in_proj's: the decode logits and states the same bits, one more
-    product launch a GDN layer. The tiny's in_proj at one row on an fma config, as the 4B's table has it
-    (the default config for an untabled shape is a tl.dot one, which keeps z inside)."""
-    from fqkernels import gemv
-
-    cfg, w = tiny
-    seq = torch.randint(0, cfg.vocab_size, (1, S + N), generator=torch.Generator().manual_seed(7)).to(DEV)
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
-    w_in = next(t for name, t in model.w.items() if name.endswith("linear_attn.in_proj.weight"))
-    monkeypatch.setitem(gemv.LINEAR_CONFIGS, tuple(w_in.shape),
-                        ((1, gemv.GemvConfig(block_n=8, block_k=64, mode="fma", block_m=1)),))
-    gemv.select_config.cache_clear()
-    runs = {}
-    try:
-        for apart in (False, True):
-            monkeypatch.setattr(fq_qwen35, "Z_APART", apart)
-            model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton", exact_decode=exact)
-            _all_products_on_the_gemv(model, 1)
-            calls = spy_launches(gemv, "_gemv_fma_kernel")
-            runs[apart] = (_forced(model, seq, 3), len(calls))
-    finally:
-        gemv.select_config.cache_clear()     # the tables' own entries again
-    for got, want in zip(runs[True][0], runs[False][0]):
-        assert torch.equal(got, want)
-    gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
-    assert runs[True][1] - runs[False][1] == 2 * gdn_layers      # z's own product in each of 2 decode steps
-
-
 @pytest.mark.parametrize("on_gemv", [False, True], ids=["cublas", "gemv"])
 def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
     """The triton backend's q | k | v (one packed matrix): in decode one product whose column
