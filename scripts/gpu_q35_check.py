@@ -48,7 +48,7 @@ def _settings(model, values=None):
     """The arms' settings now, after setting them to `values` when given."""
     now = (model.exact_decode,)
     if values is not None:
-        (model.exact_decode,) = values
+        model.exact_decode = values[0]
     return now
 
 
