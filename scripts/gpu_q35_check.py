@@ -40,16 +40,8 @@ from fqkernels import gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> (exact GDN decode,); a knob under test adds its module flag here and in _settings
-ARMS = {"exact": (True,), "fast": (False,)}
-
-
-def _settings(model, values=None):
-    """The arms' settings now, after setting them to `values` when given."""
-    now = (model.exact_decode,)
-    if values is not None:
-        model.exact_decode = values[0]
-    return now
+# --arms: name -> exact GDN decode on or off (a knob under test adds its arms and its setting in _time_arms)
+ARMS = {"exact": True, "fast": False}
 
 
 def _graphed_step_ms(model, ids, steps: int) -> float:
@@ -71,17 +63,17 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
     """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
     settings, the arms interleaved round by round, each from its own prompt pass."""
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
-    saved = _settings(model)
+    saved = model.exact_decode
     times: dict = {a: [] for a in arms}
     try:
         for _ in range(rounds):
             for arm in arms:
-                _settings(model, ARMS[arm])
+                model.exact_decode = ARMS[arm]
                 model.allocate_cache(b, p + steps + 8)
                 with torch.inference_mode():
                     times[arm].append(round(_graphed_step_ms(model, ids, steps), 4))
     finally:
-        _settings(model, saved)
+        model.exact_decode = saved
     return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
 
 
