@@ -75,6 +75,14 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
+# With exact decode, the gated norm in the step's own program where a program holds a whole head
+# (gdn_exact_step.fused_step's norm; the same bits), one kernel a GDN layer fewer; 0 for the
+# separate gated norm kernel (an A/B)
+STEP_NORM = os.environ.get("FASTQWEN_GDN_STEP_NORM", "1") != "0"
+# The attention's output gate in the decode attention's merge of its splits (decode_attention's gate:
+# sigmoid_gate_mul's bits, one kernel a layer fewer) where the decode step's attention runs on the
+# kernels; FASTQWEN_ATTN_GATE_IN_COMBINE=1 (off until measured)
+ATTN_GATE_IN_COMBINE = os.environ.get("FASTQWEN_ATTN_GATE_IN_COMBINE", "0") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -638,6 +646,9 @@ class Qwen35Model:
                 q, k, v, gate = self._qkv_gate(i, h, None, None, rope_k=False, positions=positions)
                 rope_store_kv(k[:, :, 0], v[:, :, 0], self.cos, self.sin, positions, kc, vc, **table)
                 q = q[:, :, 0]
+            if ATTN_GATE_IN_COMBINE:    # attn * sigmoid(gate) from the attention itself
+                attn = decode_attention(q, kc, vc, lengths, self.scale, gate=gate[:, 0], **table)
+                return self.ops.linear(attn.view(B, 1, -1), self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
             attn = decode_attention(q, kc, vc, lengths, self.scale, **table)   # [B, H, D], lengths on device
             return self._attention_out(i, attn.unsqueeze(1), gate)
         q, k, v, gate = self._qkv_gate(i, h, cos, sin)
@@ -800,9 +811,15 @@ class Qwen35Model:
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
+        rows = self.rows[slot].narrow(0, B) if self.exact_decode else None
+        if self.exact_decode and STEP_NORM and c.linear_v_dim == rows.block_v == 128:
+            # the gated norm in the step's own program (a program a head; the gated norm kernel's bits)
+            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], rows,
+                                          tile=self.decode_tile, norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps))
+            return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
         if self.exact_decode:
-            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B],
-                                          self.rows[slot].narrow(0, B), tile=self.decode_tile)
+            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], rows,
+                                          tile=self.decode_tile)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
         if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place

@@ -622,10 +622,13 @@ def _gdn_decode_step(batch: int) -> None:
     # decode runner's int32 positions, a cache's chunk rows
     from fqkernels import gdn_exact_step
 
-    for form in gdn_exact_step.FORMS:
-        gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g,
-                                  beta, torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
-                                  gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), form=form)
+    norm = (z, per_head.new_empty(128), 1e-6)          # the gated norm in the step, as the model runs it
+    for form, step_norm, prefetch in [(f, n, "0") for f in gdn_exact_step.FORMS for n in (None, norm)] + [
+            ("merged", norm, "l1"), ("merged", norm, "l2")]:
+        gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
+                                  g, beta, torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
+                                  gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), form=form, norm=step_norm,
+                                  prefetch=prefetch)
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
@@ -731,6 +734,15 @@ def _qwen35_attention(batch: int) -> None:
     qp = torch.empty((batch, 512, 8192), dtype=torch.bfloat16, device=CUDA)
     sigmoid_gate_mul(torch.empty((batch, 16, 512, 256), dtype=torch.bfloat16, device=CUDA).transpose(1, 2),
                      qp.view(batch, 512, 16, 512)[..., 256:])
+    # the gate in the attention's merge (FASTQWEN_ATTN_GATE_IN_COMBINE), in the merge kernel or in the
+    # last split program (FASTQWEN_ATTN_COMBINE=last, also without the gate), as the decode step runs them
+    from fqkernels.decode_attention import decode_attention
+
+    q = torch.empty((batch, 16, 256), dtype=torch.bfloat16, device=CUDA)
+    kv = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
+    gate = qkv[:, :8192].view(batch, 16, 512)[..., 256:]
+    for kw in ({"gate": gate}, {"gate": gate, "combine": "last"}, {"combine": "last"}):
+        decode_attention(q, kv, kv, torch.empty(batch, dtype=torch.int32, device=CUDA), 256 ** -0.5, **kw)
 
 
 def _paged_kv(batch: int) -> None:

@@ -12,8 +12,8 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
-step walks the same rows): ARMS below (exact decode on or off; the knobs measured this way in
-sessions 26-27 were removed as they lost, PERF_LOG).
+step walks the same rows): ARMS below (exact decode on or off, and the knobs under test; those
+measured this way in sessions 26-27 were removed as they lost, PERF_LOG).
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -36,16 +36,35 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
-from fqkernels import gemv  # noqa: E402
+from fqkernels import decode_attention, gdn_exact_step, gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> exact GDN decode on or off (a knob under test adds its arms and its setting in _time_arms)
-ARMS = {"exact": True, "fast": False}
+# --arms: name -> the settings it changes from BASE: "exact" (exact GDN decode), and the knobs under
+# test: fq_qwen35.STEP_NORM (the gated norm in the exact step's program), gdn_exact_step.PREFETCH
+# (the step's lines asked of a cache first), fq_qwen35.ATTN_GATE_IN_COMBINE (the output gate in the
+# attention's merge), decode_attention.COMBINE (where the merge runs)
+BASE = {"exact": True, "STEP_NORM": True, "PREFETCH": "0", "GATE": False, "COMBINE": "kernel"}
+ARMS = {"exact": {}, "exact_norm_apart": {"STEP_NORM": False}, "exact_pf_l2": {"PREFETCH": "l2"},
+        "exact_pf_l1": {"PREFETCH": "l1"}, "exact_gate": {"GATE": True},
+        "exact_gate_last": {"GATE": True, "COMBINE": "last"}, "fast": {"exact": False}}
 
 
-def _graphed_step_ms(model, ids, steps: int) -> float:
-    """Milliseconds a step of the graphed decode after a prompt pass over ids (3 steps' warm-up)."""
+def _settings(model) -> dict:
+    return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
+            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "COMBINE": decode_attention.COMBINE}
+
+
+def _apply(model, settings: dict) -> None:
+    model.exact_decode = settings["exact"]
+    fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
+    fq_qwen35.ATTN_GATE_IN_COMBINE, decode_attention.COMBINE = settings["GATE"], settings["COMBINE"]
+
+
+def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:
+    """Milliseconds a step of the graphed decode after a prompt pass over ids (3 steps' warm-up);
+    with `tokens`, the greedy tokens of 4 more steps after the timed ones appended to it (each
+    step's tokens are the next one's inputs: a difference at any step carries on)."""
     b, p = ids.shape
     runner = DecodeRunner(model, b, use_graph=True)
     runner.start(model.prefill(ids), p)
@@ -56,25 +75,37 @@ def _graphed_step_ms(model, ids, steps: int) -> float:
     for _ in range(steps):
         runner.step()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    for _ in range(4 if tokens is not None else 0):
+        runner.step()
+        tokens.append(runner.tokens.clone())
+    return ms
 
 
 def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
-    """{arm: {"ms": [one figure a round], "median_ms"}}: the graphed step's time under each arm's
-    settings, the arms interleaved round by round, each from its own prompt pass."""
+    """{arm: {"ms": [one figure a round], "median_ms", "tokens_as": arm}}: the graphed step's time
+    under each arm's settings, the arms interleaved round by round, each from its own prompt pass;
+    tokens_as: the first arm with the same exact-decode setting whose greedy tokens (first round,
+    the steps after the timed ones) are equal to this arm's (itself if none)."""
     ids = torch.randint(0, model.cfg.vocab_size, (b, p), device=dev)
-    saved = model.exact_decode
+    saved = _settings(model)
     times: dict = {a: [] for a in arms}
+    toks: dict = {}
     try:
-        for _ in range(rounds):
+        for r in range(rounds):
             for arm in arms:
-                model.exact_decode = ARMS[arm]
+                _apply(model, {**BASE, **ARMS[arm]})
                 model.allocate_cache(b, p + steps + 8)
+                seen = [] if r == 0 else None
                 with torch.inference_mode():
-                    times[arm].append(round(_graphed_step_ms(model, ids, steps), 4))
+                    times[arm].append(round(_graphed_step_ms(model, ids, steps, seen), 4))
+                if seen is not None:
+                    toks[arm] = torch.stack(seen).cpu()
     finally:
-        model.exact_decode = saved
-    return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2]} for a, t in times.items()}
+        _apply(model, saved)
+    exact = {a: {**BASE, **ARMS[a]}["exact"] for a in arms}
+    same = {a: next((o for o in arms if exact[o] == exact[a] and torch.equal(toks[o], toks[a])), a) for a in arms}
+    return {a: {"ms": t, "median_ms": sorted(t)[len(t) // 2], "tokens_as": same[a]} for a, t in times.items()}
 
 
 def _step(report: dict, name: str, fn):

@@ -311,7 +311,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                    --out "$OUT/q35_step_arms.json" > "$OUT/q35_step_arms.log" 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step_arms.json'))
 for k, v in d.items():
-    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: r['median_ms'] for a, r in v.get('arms', {}).items()}, v.get('error', '')[-300:])" ;;
+    if k.startswith('timing'): print(k, v.get('graph_step_ms'), {a: (r['median_ms'], r.get('tokens_as')) for a, r in v.get('arms', {}).items()}, v.get('error', '')[-300:])" ;;
     q35-gemv-ab) # the decode step with the GEMV table as committed and with each arm's configs, one process
                  # an arm, in this call (arms and shapes: the header)
                  q35_ckpt

@@ -64,6 +64,7 @@ import triton.language as tl
 
 from fqkernels import pdl
 from fqkernels.rmsnorm import _seq16
+from fqkernels.swiglu import sigmoid_f32, sigmoid_gate_mul
 
 __all__ = [
     "DecodeAttentionPlan",
@@ -103,6 +104,11 @@ _FA2_BLOCK_G = 64
 # (~4 per SM: one program alone keeps too few bytes in flight), with up to 64 splits
 # paying at B=1 from 8K context; at B=16 one split ran 1.2-1.7x slower than four.
 _TARGET_PROGRAMS = 512
+# Where the split partials are merged (decode_attention's combine): "kernel", a second kernel (a
+# program a query row), or "last": the split program that finishes its KV head's last (an arrival
+# count) merges that head's query rows itself, the same merge, one kernel a call fewer
+# (FASTQWEN_ATTN_COMBINE; "kernel" until measured)
+COMBINE = os.environ.get("FASTQWEN_ATTN_COMBINE", "kernel")
 _MAX_SPLITS = 64
 
 # Where the reference's own decode runs unsplit. Flash attention's split heuristic
@@ -262,6 +268,11 @@ def _split_kernel(
     PAGE: tl.constexpr = 1,  # positions a page (a multiple of BLOCK_N); unused without PAGED
     PAGE_IDS: tl.constexpr = 0,  # PAGED: 0 loads each tile's page index in the key loop; n > 0 loads
     # the n (a power of two) from the split's first page on once, before it (_split_page_ids)
+    count_ptr=None,  # COMBINE_LAST: a KV head's arrival count (int32 [B * KVH], zero between calls)
+    gate_ptr=None, stride_gb=0, stride_gh=0,  # GATE: the output gate [B, H, D] bf16 (unit stride on D)
+    COMBINE_LAST: tl.constexpr = False,  # the last split program of a KV head merges its rows (_combine_row)
+    GATE: tl.constexpr = False,  # the merged rows times bf16(sigmoid(gate)) (swiglu.sigmoid_gate_mul's bits)
+    SPLITS_P2: tl.constexpr = 1, D_CHUNK: tl.constexpr = 16, INTERPRETED: tl.constexpr = False,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -375,6 +386,22 @@ def _split_kernel(
             tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(m_ptr + row, m_i, mask=row_ok)
             tl.store(l_ptr + row, l_i, mask=row_ok)
+            if COMBINE_LAST:
+                # every thread's partials stored before the count (one atomic a program, acq_rel at
+                # GPU scope); the program that brings it to NUM_SPLITS has all of them to merge,
+                # read past L1 (another multiprocessor wrote them), and sets it back to zero
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + pid_bk, 1, sem="acq_rel")
+                if arrived == NUM_SPLITS - 1:
+                    for g in tl.static_range(G):
+                        o_row = out_ptr + b.to(tl.int64) * stride_ob + (h0 + g) * stride_oh
+                        if GATE:
+                            g_row = gate_ptr + b.to(tl.int64) * stride_gb + (h0 + g) * stride_gh
+                        else:
+                            g_row = o_row     # not read
+                        _combine_row(acc_ptr, m_ptr, l_ptr, o_row, g_row, b * KVH * G + h0 + g, length, SPLIT_LEN,
+                                     NUM_SPLITS, SPLITS_P2, D, D_CHUNK, GATE, ".cg", INTERPRETED)
+                    tl.atomic_xchg(count_ptr + pid_bk, 0)
 
 
 @triton.jit
@@ -465,6 +492,7 @@ def _combine_kernel(
     H: tl.constexpr, CAPACITY, SPLIT_LEN,
     NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
+    gate_ptr=None, stride_gb=0, stride_gh=0, GATE: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # one (b, h) row
     b = pid // H
@@ -473,14 +501,29 @@ def _combine_kernel(
     pdl.launch_dependents(PDL)
     length = tl.load(lengths_ptr + b)
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
+    o_row = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    if GATE:
+        g_row = gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh
+    else:
+        g_row = o_row     # not read
+    _combine_row(acc_ptr, m_ptr, l_ptr, o_row, g_row, pid, length, SPLIT_LEN, NUM_SPLITS, SPLITS_P2, D, D_CHUNK,
+                 GATE, "", INTERPRETED)
+
+
+@triton.jit
+def _combine_row(acc_ptr, m_ptr, l_ptr, o_ptr, g_ptr, pid, length, SPLIT_LEN, NUM_SPLITS, SPLITS_P2: tl.constexpr,
+                 D: tl.constexpr, D_CHUNK: tl.constexpr, GATE: tl.constexpr, CACHE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """Query row pid's merge of its splits' partials into o_ptr [D] (bf16); with GATE times
+    bf16(sigmoid(g_ptr [D])), rounded once more (swiglu.sigmoid_gate_mul's arithmetic). CACHE: the
+    partials' loads' cache modifier."""
     # Only splits that start below the length hold data; skip reading the others.
     active = tl.cdiv(length, SPLIT_LEN)
-
     offs_s = tl.arange(0, SPLITS_P2)
     s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
     row = pid.to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=0)
     # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
     # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
@@ -488,25 +531,28 @@ def _combine_kernel(
     w = tl.exp2(m - m_max)
     l_sum = tl.sum(w * l, axis=0)
     denom = tl.where(l_sum > 0.0, l_sum, 1.0)
-    o_ptr = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
     # D in chunks so the [splits, D_CHUNK] fp32 tile stays in registers.
     for d0 in tl.static_range(0, D, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
-        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        o = tl.sum(w[:, None] * acc, axis=0) / denom
-        tl.store(o_ptr + offs_d, o.to(tl.bfloat16))
+        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0,
+                      cache_modifier=CACHE)
+        o = (tl.sum(w[:, None] * acc, axis=0) / denom).to(tl.bfloat16)
+        if GATE:
+            gate = sigmoid_f32(tl.load(g_ptr + offs_d).to(tl.float32), INTERPRETED).to(tl.bfloat16)
+            o = (o.to(tl.float32) * gate.to(tl.float32)).to(tl.bfloat16)
+        tl.store(o_ptr + offs_d, o)
 
 
 # One workspace per shape and device, allocated on first use (the warmup call) and
 # reused by every later call, so a CUDA graph capture allocates nothing and every
 # replay writes the same memory. Calls that share a key must not run concurrently
 # on different streams.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(
     batch: int, heads: int, capacity: int, head_dim: int, splits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     key = (batch, heads, capacity, head_dim, splits, str(device))
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -518,7 +564,8 @@ def _workspace(
         acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
         l = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
-        ws = (acc, m, l)
+        count = torch.zeros((batch * heads,), dtype=torch.int32, device=device)     # the "last" merge's counts
+        ws = (acc, m, l, count)
         _WORKSPACES[key] = ws
     return ws
 
@@ -636,6 +683,8 @@ def decode_attention(
     plan: DecodeAttentionPlan | None = None,
     window: int | None = None,
     block_table: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    combine: str | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions
     (the last `window` of them when a window is given).
@@ -680,10 +729,24 @@ def decode_attention(
     decode_attention_plan(..., page_ids="split") loads a split's indices once, before its key
     loop (ValueError where a split spans more than 256 pages); "tile", the default, in it.
 
+    gate: an output gate [B, H, D] bf16 (unit stride on D; e.g. a view of a packed product's
+    columns): the result is then out * bf16(sigmoid(gate)) rounded to bf16, swiglu.sigmoid_gate_mul's
+    bits, merged into the combine where the plan has several splits (one kernel fewer); with one
+    split that kernel runs after, and its result (not `out`) is returned.
+
+    combine: where several splits' partials are merged, "kernel" or "last" (COMBINE, the
+    module's note; None: COMBINE). The same merge either way (the same bits).
+
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
     """
+    combine = COMBINE if combine is None else combine
+    if combine not in ("kernel", "last"):
+        raise ValueError(f"decode_attention: combine must be 'kernel' or 'last', got {combine!r}")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != torch.bfloat16 or gate.stride(-1) != 1):
+        raise ValueError(f"decode_attention: gate must be bfloat16 {tuple(q.shape)} with unit stride on its last "
+                         f"dim, got {gate.dtype} {tuple(gate.shape)} with strides {gate.stride()}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"decode_attention: num_splits must be a positive int or None, got {num_splits!r}")
     _check_window(window)
@@ -722,9 +785,12 @@ def decode_attention(
     qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 else float(scale)) * _LOG2E
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
-        acc_ws, m_ws, l_ws = out, out, out
+        acc_ws, m_ws, l_ws, count_ws = out, out, out, out
     else:
-        acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+        acc_ws, m_ws, l_ws, count_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
+    last = combine == "last" and not direct
+    gated = gate is not None and not direct
+    gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     splits_p2 = triton.next_power_of_2(plan.num_splits)
     # The merge holds a [splits, D_CHUNK] fp32 tile in registers: at most 4K elements
     # (32 a thread at 4 warps), so 64 splits x D=256 merges in four chunks.
@@ -749,15 +815,22 @@ def decode_attention(
         FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1, PAGE_IDS=page_ids,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
+        **({"count_ptr": count_ws, "gate_ptr": gate_args[0], "stride_gb": gate_args[1], "stride_gh": gate_args[2],
+            "COMBINE_LAST": True, "GATE": gated, "SPLITS_P2": splits_p2, "D_CHUNK": d_chunk,
+            "INTERPRETED": _INTERPRETED} if last else {}),
     )
-    if not direct:
+    if not direct and not last:
         _combine_kernel[(batch * heads,)](
             acc_ws, m_ws, l_ws, lengths, out,
             out.stride(0), out.stride(1),
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
             NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
             num_warps=4, PDL=use_pdl, **pdl_launch,
+            **({"gate_ptr": gate_args[0], "stride_gb": gate_args[1], "stride_gh": gate_args[2], "GATE": True,
+                "INTERPRETED": _INTERPRETED} if gated else {}),
         )
+    if gate is not None and direct:
+        return sigmoid_gate_mul(out.unsqueeze(1), gate.unsqueeze(1)).view(batch, heads, head_dim)
     return out
 
 
@@ -874,3 +947,6 @@ def _gather_pages(
         full[rows.to(cache.device), :, cols.to(cache.device)] = cache[index.to(cache.device)]
         gathered.append(full.view(batch, kv_heads, width * page, head_dim))
     return gathered[0], gathered[1]
+
+
+_INTERPRETED = type(_combine_kernel).__name__ == "InterpretedFunction"

@@ -598,30 +598,51 @@ def _lane_sum_rows(acc, ROWS: tl.constexpr, HALVES: tl.constexpr):
 
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, stride_z, D: tl.constexpr,
-                          ROWS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per ROWS rows of D = 128 values: each row's mean of squares summed in torch's
-    own order for one 128-wide block (fqkernels/rmsnorm.py: lane t's four accumulators, then the
-    lane tree), y = bf16(x * rsqrt(mean + eps)), bf16(w * y), times silu(z) in fp32, rounded once.
-    Row r's z is head r % z_heads of z's row r // z_heads (rows stride_z apart). The rows are one
-    [ROWS, D] tile, so a program's loads are all in flight at once (a prompt's 8,192 tokens are
-    262,144 rows of the 4B's heads)."""
+                          ROWS: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False,
+                          INTERPRETED: tl.constexpr = False):
+    """One program per ROWS rows of D = 128 values (gated_norm_rows). Row r's z is head r % z_heads
+    of z's row r // z_heads (rows stride_z apart). The rows are one [ROWS, D] tile, so a program's
+    loads are all in flight at once (a prompt's 8,192 tokens are 262,144 rows of the 4B's heads)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = (rows < R)[:, None]
     offs = tl.arange(0, D)[None, :]
     pdl.start(PDL)  # x and z are earlier kernels' outputs
-    x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0).to(tl.float32)
-    sq = x * x
+    x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0)
+    z = tl.load(z_ptr + (rows // z_heads)[:, None] * stride_z + (rows % z_heads)[:, None] * D + offs, mask=ok,
+                other=0.0)
+    w = tl.load(w_ptr + offs)
+    tl.store(out_ptr + rows[:, None] * D + offs, gated_norm_rows(x, z, w, inv_n, eps, VEC, HALVES, INTERPRETED),
+             mask=ok)
+
+
+@triton.jit
+def gated_norm_rows(x, z, w, inv_n, eps, VEC: tl.constexpr, HALVES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gated norm of rows x [ROWS, D] (bf16, D = 128) with their gates z [ROWS, D] (bf16) and
+    weight w [1, D] (bf16): each row's mean of squares summed in torch's own order for one 128-wide block
+    (fqkernels/rmsnorm.py: lane t's four accumulators, then the lane tree), y = bf16(x * rsqrt(mean
+    + eps)), bf16(w * y), times silu(z) in fp32, rounded once. The squares and the mean's product
+    by 1/D are each one rounding (mul.rn) whatever the caller's fp fusion, so a kernel compiled
+    with fusion (the exact GDN step's, which ends with this) has the gated norm kernel's bits."""
+    ROWS: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    xf = x.to(tl.float32)
+    if INTERPRETED:
+        sq = xf * xf
+    else:
+        sq = libdevice.mul_rn(xf, xf)
     if VEC:
         lanes = tl.reshape(sq, (ROWS, 32, 4))
     else:
         lanes = tl.permute(tl.reshape(sq, (ROWS, 4, 32)), (0, 2, 1))
-    mean = _lane_sum_rows(lanes, ROWS, HALVES) * inv_n
-    y = (x * tl.rsqrt(mean + eps)[:, None]).to(tl.bfloat16)
-    wy = (tl.load(w_ptr + offs).to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
-    z = tl.load(z_ptr + (rows // z_heads)[:, None] * stride_z + (rows % z_heads)[:, None] * D + offs, mask=ok,
-                other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * D + offs, (wy.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(tl.bfloat16),
-             mask=ok)
+    total = _lane_sum_rows(lanes, ROWS, HALVES)
+    if INTERPRETED:
+        mean = total * inv_n
+    else:
+        mean = libdevice.mul_rn(total, inv_n)
+    y = (xf * tl.rsqrt(mean + eps)[:, None]).to(tl.bfloat16)
+    wy = (w.to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
+    zf = z.to(tl.float32)
+    return (wy.to(tl.float32) * (zf / (1.0 + tl.exp(-zf)))).to(tl.bfloat16)
 
 
 # Rows a program of gated_rmsnorm takes, and its warps, by the launch's row count (decode: one
@@ -655,7 +676,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float 
     use_pdl, pdl_launch = pdl.for_rows(z.shape[0])
     _gated_rmsnorm_kernel[(triton.cdiv(R, rows),)](x, z, w, out, R, _inverse(D), eps, z.shape[1] // D, z.stride(0),
                                                    D=D, ROWS=rows, VEC=vec, HALVES=halves, PDL=use_pdl,
-                                                   num_warps=warps, enable_fp_fusion=False, **pdl_launch)
+                                                   INTERPRETED=_INTERPRETED, num_warps=warps, enable_fp_fusion=False,
+                                                   **pdl_launch)
     return out
 
 

@@ -60,6 +60,7 @@ from triton.language.extra import libdevice
 
 from fqkernels import gdn, pdl
 from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
+from fqkernels.rmsnorm import _inverse, torch_order
 from fqkernels.swiglu import exp_f32
 
 C = gdn.CHUNK
@@ -95,9 +96,20 @@ PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 # 32x16, the fused form (capped) 16x16, which has no spills at the cap (ptxas). Measured (session
 # 26): 16x16 took the B = 16 step from 31.64 to 30.66 us (row 63 138 -> 96) and the merged form's
 # B = 1 / 4 from 8.73 / 9.26 to 10.41 / 10.69.
+# the lines a program reads first asked of a cache (FASTQWEN_GDN_STEP_PREFETCH: "0" none, the
+# default; "l2" or "l1"): the state's columns and the head's keys before PDL's wait (the previous
+# kernel, in_proj, never writes them: the wait is for q, k, v and the gates), the chunk's rows
+# before t after it. Session 24 measured "l2" slower by ~0.5 us in the step probe, whose 64 steps
+# of one layer keep all of it in L2; in the model's step 8 GB of weights pass through L2 between
+# a layer's steps, so each of the step's trips waits on HBM there (measured by q35-step-arms)
+PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0")
+PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
 _CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
 CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
+# 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
+# offsets clamped to its last float)
+_LINES_SCR = tl.constexpr(32)
 
 
 def step_form() -> str:
@@ -112,7 +124,7 @@ def step_form() -> str:
     closing = ("the close 32x16 merged, 16x16 fused" if CLOSE == "auto"
                else f"the close {CLOSE[0]}x{CLOSE[1]}")
     return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
-            + (", PDL" if PDL and pdl.ENABLED else ""))
+            + (", PDL" if PDL and pdl.ENABLED else "") + (f", {PREFETCH} prefetch" if PREFETCH != "0" else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -414,7 +426,7 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE):
+               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -430,10 +442,16 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     kernel's register cap (0: none; "auto": grid_plan's); use_pdl: launch with programmatic
     dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits); close: the
     close's (state rows a block, chunk rows a dot), powers of two from 16 to Dk and to 64, or "auto"
-    (close_blocks' for the form) (the same bits). Returns o [B, Hv, Dv] bf16."""
+    (close_blocks' for the form) (the same bits); norm: None, or (z, weight, eps) for the gated norm
+    of each output row in the step's own program (gdn.gated_norm_rows, the gated norm kernel's bits:
+    gdn.gated_rmsnorm(o, z, weight, eps)), z [B, Hv * Dv] bf16 (any row stride, unit last), weight
+    [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
+    "l2" (None: PREFETCH as it is at the call; nothing on the CPU; the same bits). Returns o [B, Hv,
+    Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
+    prefetch = PREFETCH if prefetch is None else prefetch
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
     close = close_blocks(form, close)
@@ -443,22 +461,36 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
             or not (isinstance(maxnreg, int) and maxnreg >= 0)
             or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
-            or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C):
+            or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C
+            or (norm is not None and not _norm_fits(norm, B, Hv, Dv, bv)) or prefetch not in PREFETCH_LEVELS):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
-                         f"close {close!r} (Dk a power of two >= 32; the block a multiple of 16 dividing Dv; "
+                         f"close {close!r}, norm {_norm_shapes(norm)}, prefetch {prefetch!r} (Dk a power of two "
+                         f">= 32; the block a "
+                         f"multiple of 16 dividing Dv; "
                          f"unroll a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" "
-                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64, or \"auto\")")
+                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64, or \"auto\"; "
+                         f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
+                         f"{sorted(PREFETCH_LEVELS)})")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
                   LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
+                  PF=PREFETCH_LEVELS[prefetch] if v.is_cuda else 0,
                   num_stages=1)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
+    if norm is not None:
+        z, nw, eps = norm
+        vec, halves, _ = torch_order(Dv, v.device)
+        norm_args = (z, z.stride(0), nw, _inverse(Dv), eps)
+        consts.update(NORM=True, VEC=vec, HALVES=halves)
+    else:
+        norm_args = (out, 0, out, 1.0, 1.0)        # not read
+        consts.update(NORM=False, VEC=False, HALVES=False)
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
-            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5)
+            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args)
     if form == "merged":
         _merged_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PDL=use_pdl,
                                                 num_warps=num_warps, **consts, **pdl_launch, **caps)
@@ -467,6 +499,16 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                                                PDL=use_pdl, num_warps=num_warps,
                                                **consts, **pdl_launch, **caps)
     return out
+
+
+def _norm_fits(norm, B: int, Hv: int, Dv: int, bv: int) -> bool:
+    z, nw, _ = norm
+    return (bv == Dv == 128 and z.dim() == 2 and tuple(z.shape) == (B, Hv * Dv) and z.stride(1) == 1
+            and tuple(nw.shape) == (Dv,) and z.dtype == nw.dtype == torch.bfloat16)
+
+
+def _norm_shapes(norm) -> str:
+    return "none" if norm is None else f"z {tuple(norm[0].shape)} {norm[0].dtype}, weight {tuple(norm[1].shape)}"
 
 
 # ------------------------------------------------------------------ the step's kernels
@@ -600,12 +642,12 @@ def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: 
 
 
 @triton.jit
-def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
+def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, stride_vb, stride_vh,
                   stride_betab, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                   CH: tl.constexpr, NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """A sequence-head's BV value columns dv, after its head part: u's solve, v_new = u - w S_c,
-    (q e^gamma) S_c + the attention over the new values (row t's output, stored), row t of u and
-    v_new. Returns v_new."""
+    (q e^gamma) S_c + the attention over the new values (row t's output), row t of u and v_new
+    stored. Returns (v_new, the output's fp32 row)."""
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xu = _solve_row(vb, x_buf + bh * CH * (DV + DK), dv, scr + 5 * DK, t, DV + DK, BV, NB, U, INTERPRETED)
@@ -627,10 +669,9 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, 
             vn = tl.where(j == t, v_new, tl.load(vn_buf + (bh * CH + j) * DV + dv, mask=j < t, other=0.0))
             a_j = tl.load(scr + 5 * DK + CH + j, mask=j <= t, other=0.0)
             acc_i = tl.where(j <= t, tl.fma(a_j, vn, acc_i), acc_i)
-    tl.store(o_ptr + bh * DV + dv, _add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16))
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-    return v_new
+    return v_new, _add_rn(acc_q, acc_i, INTERPRETED)
 
 
 @triton.jit
@@ -659,40 +700,78 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
 
 
 @triton.jit
-def _program_start(pos_ptr, s_ptr, scr_ptr, SCR: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
+def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_buf, vn_buf, SCR: tl.constexpr,
+                   HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
+                   NORM: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     """A step program's place (both forms): its sequence-head bh, column block cb, sequence b, row t
-    in its chunk, scratch, value columns dv and their state columns; PDL's wait before its first
-    load (q, k, v and the gates are the previous kernel's; the positions maybe an earlier one's)."""
+    in its chunk, scratch, value columns dv and their state columns, and with NORM the gated norm's
+    z and weight for them (else zeros); PDL's wait before its first load (q, k, v, z and the gates
+    are the previous kernel's; the positions maybe an earlier one's). PF: a cache level to ask
+    first for the lines the program reads (pdl.prefetch): the state's columns and the head's keys
+    before the wait (no kernel of the step writes them but this one), the chunk's rows before t
+    after it."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
+    if PF != 0:
+        pdl.prefetch(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
+                     + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
+        pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
+        # the program's scratch too: its vectors are stored, then read back as scalars (with its lines in
+        # L1 a read after the store may hit there)
+        pdl.prefetch(scr_ptr + (bh * (DV // 16) + cb) * SCR + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    if PF != 0:
+        live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)     # rows at or past t: row 0's lines again
+        pdl.prefetch(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32, PF)
+        pdl.prefetch(vn_buf + (bh * CH + live)[:, None] * DV + cb * BV + tl.arange(0, (BV + 31) // 32)[None, :] * 32,
+                     PF)
     dv = cb * BV + tl.arange(0, BV)
-    return bh, cb, b, t, scr_ptr + (bh * (DV // 16) + cb) * SCR, dv, s_ptr + bh * DK * DV + dv
+    z = tl.zeros([BV], dtype=tl.bfloat16)
+    nw = tl.zeros([BV], dtype=tl.bfloat16)
+    if NORM:
+        z = tl.load(z_ptr + b * stride_zb + (bh % HV) * DV + dv)
+        nw = tl.load(nw_ptr + dv)
+    return bh, cb, b, t, scr_ptr + (bh * (DV // 16) + cb) * SCR, dv, s_ptr + bh * DK * DV + dv, z, nw
+
+
+@triton.jit
+def _store_out(o_ptr, bh, dv, o, z, nw, inv_n, eps, DV: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
+               VEC: tl.constexpr, HALVES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Row t's output (fp32 sums) rounded to bf16, with NORM through the gated norm (the program
+    holds the whole head: BV = DV), stored."""
+    o = o.to(tl.bfloat16)
+    if NORM:
+        o = tl.reshape(gdn.gated_norm_rows(tl.reshape(o, (1, BV)), tl.reshape(z, (1, BV)), tl.reshape(nw, (1, BV)),
+                                           inv_n, eps, VEC, HALVES, INTERPRETED), (BV,))
+    tl.store(o_ptr + bh * DV + dv, o)
 
 
 @triton.jit
 def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
+                       z_ptr, stride_zb, nw_ptr, inv_n, eps,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                       RB: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr = False):
+                       RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
+                       HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row."""
-    bh, cb, b, t, scr, dv, s_rows = _program_start(pos_ptr, s_ptr, scr_ptr, SCR, HV, DK, DV, BV, CH, PDL)
+    bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
+                                                          x_buf, vn_buf, SCR, HV, DK, DV, BV, CH, NORM, PF, PDL)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
     xw = _solve_row(_mul_rn(kb, e_t, INTERPRETED), x_buf + bh * CH * (DV + DK) + DV, tl.arange(0, DK),
                     scr + 5 * DK, t, DV + DK, DK, NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
-    v_new = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, o_ptr, b, bh, t, dv, stride_vb, stride_vh,
-                          stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
+    v_new, o = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, stride_vb, stride_vh,
+                             stride_betab, HV, DK, DV, BV, CH, NB, U, INTERPRETED)
+    _store_out(o_ptr, bh, dv, o, z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES, INTERPRETED)
     if t == CH - 1:
         _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, RB, KB, INTERPRETED)
 
@@ -700,15 +779,18 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
 @triton.jit
 def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                         scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
+                        z_ptr, stride_zb, nw_ptr, inv_n, eps,
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
-                        RB: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr = False):
+                        RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
+                        HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
     state's rows this program just read (cache hits); the close at the chunk's last row."""
-    bh, cb, b, t, scr, dv, s_rows = _program_start(pos_ptr, s_ptr, scr_ptr, SCR, HV, DK, DV, BV, CH, PDL)
+    bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
+                                                          x_buf, vn_buf, SCR, HV, DK, DV, BV, CH, NORM, PF, PDL)
     dk = tl.arange(0, DK)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
@@ -726,7 +808,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
             acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), tl.load(s_rows + i * DV), acc_w2)
     v_new = _sub_rn(xu, acc_w2, INTERPRETED)
     acc_i = tl.fma(tl.load(scr + 5 * DK + CH + t), v_new, acc_i)     # the attention's last term: row t itself
-    tl.store(o_ptr + bh * DV + dv, _add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16))
+    _store_out(o_ptr, bh, dv, _add_rn(acc_q, acc_i, INTERPRETED), z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES,
+               INTERPRETED)
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
     if t == CH - 1:

@@ -87,3 +87,14 @@ def prefetch_l2(ptrs, ON: tl.constexpr):
     if ON:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch(ptrs, LEVEL: tl.constexpr):
+    """Ask the cache LEVEL (1: this multiprocessor's L1, 2: L2; 0: nothing) for the 128-byte line at
+    each pointer of `ptrs` (any shape); no data returned."""
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    if LEVEL == 2:
+        prefetch_l2(ptrs, True)

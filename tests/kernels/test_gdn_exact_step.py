@@ -108,6 +108,30 @@ def test_fused_step_at_different_rows_and_wrong_shapes(form):
         step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], idx[:, 0], S[:, :1].contiguous(), rows)
 
 
+@pytest.mark.parametrize("form", step.FORMS)
+def test_the_gated_norm_in_the_step_is_the_gated_norm_kernels(form):
+    """norm=(z, weight, eps): each output row through the gated norm in the step's own program, the
+    gated norm kernel's bits over the step's plain output (z a column slice of wider rows, as
+    in_proj's); a block narrower than the head is refused by name."""
+    D, Hk, Hv, B, n = 128, 1, 2, 2, 3
+    q, k, v, g, beta, state = _sequence(B, n, Hk, Hv, D, seed=9)
+    g_ = torch.Generator().manual_seed(10)
+    z = (torch.randn(B, Hv * D + 96, generator=g_) * 2).bfloat16().to(DEV)[:, 32:32 + Hv * D]
+    w = (1.0 + 0.3 * torch.randn(D, generator=g_)).bfloat16().to(DEV)
+    pos0 = torch.tensor([0, 5], dtype=torch.int64, device=DEV)
+    outs = {}
+    for normed in (False, True):
+        rows, S = step.ChunkRows(B, Hv, D, D, DEV, block_v=D), state.clone()
+        kw = {"norm": (z, w, 1e-6)} if normed else {}
+        outs[normed] = _fused_steps(q, k, v, g, beta, S, rows, pos0, n, tile=64, form=form, **kw)
+    want = torch.stack([gdn.gated_rmsnorm(outs[False][:, i].reshape(-1, D), z, w, 1e-6).reshape(B, Hv, D)
+                        for i in range(n)], 1)
+    _same(outs[True], want, "the normed rows")
+    rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=64)
+    with pytest.raises(ValueError, match="norm"):
+        step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pos0, state.clone(), rows, norm=(z, w, 1e-6))
+
+
 @pytest.mark.parametrize("order", sorted(step.SUM_ORDERS))
 def test_the_replicas_compute_torchs_functions(order):
     """The l2 norm's and the cumulative sum's replicas: torch's function (each sum order is a
