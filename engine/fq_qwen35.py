@@ -76,13 +76,15 @@ FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
 # step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
 EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 # With exact decode, the gated norm in the step's own program where a program holds a whole head
-# (gdn_exact_step.fused_step's norm; the same bits), one kernel a GDN layer fewer; 0 for the
-# separate gated norm kernel (an A/B)
-STEP_NORM = os.environ.get("FASTQWEN_GDN_STEP_NORM", "1") != "0"
+# (gdn_exact_step.fused_step's norm; the same bits), one kernel a GDN layer fewer
+# (FASTQWEN_GDN_STEP_NORM: "1", "0" for the separate gated norm kernel, or "auto", the default:
+# gdn_exact_step.norm_in_step's, in the step where its grid takes the fused form)
+STEP_NORM = os.environ.get("FASTQWEN_GDN_STEP_NORM", "auto")
 # The attention's output gate in the decode attention's merge of its splits (decode_attention's gate:
 # sigmoid_gate_mul's bits, one kernel a layer fewer) where the decode step's attention runs on the
-# kernels; FASTQWEN_ATTN_GATE_IN_COMBINE=1 (off until measured)
-ATTN_GATE_IN_COMBINE = os.environ.get("FASTQWEN_ATTN_GATE_IN_COMBINE", "0") == "1"
+# kernels (FASTQWEN_ATTN_GATE_IN_COMBINE=0: the separate gate kernel). Session 28: the B = 1 / 4 / 16
+# step -7 / -32 / -5 us, the greedy tokens the same
+ATTN_GATE_IN_COMBINE = os.environ.get("FASTQWEN_ATTN_GATE_IN_COMBINE", "1") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -812,7 +814,8 @@ class Qwen35Model:
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
         rows = self.rows[slot].narrow(0, B) if self.exact_decode else None
-        if self.exact_decode and STEP_NORM and c.linear_v_dim == rows.block_v == 128:
+        if self.exact_decode and c.linear_v_dim == rows.block_v == 128 and (STEP_NORM == "1" or (
+                STEP_NORM == "auto" and gdn_exact_step.norm_in_step(B, c.linear_v_heads, 128, 128, h.device))):
             # the gated norm in the step's own program (a program a head; the gated norm kernel's bits)
             o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], rows,
                                           tile=self.decode_tile, norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps))

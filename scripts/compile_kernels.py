@@ -623,8 +623,8 @@ def _gdn_decode_step(batch: int) -> None:
     from fqkernels import gdn_exact_step
 
     norm = (z, per_head.new_empty(128), 1e-6)          # the gated norm in the step, as the model runs it
-    for form, step_norm, prefetch in [(f, n, "0") for f in gdn_exact_step.FORMS for n in (None, norm)] + [
-            ("merged", norm, "l1"), ("merged", norm, "l2")]:
+    for form, step_norm, prefetch in [(f, n, p) for f in gdn_exact_step.FORMS for n in (None, norm)
+                                      for p in ("0", "l2")] + [("merged", norm, "l1")]:
         gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
                                   g, beta, torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
                                   gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), form=form, norm=step_norm,
@@ -734,15 +734,13 @@ def _qwen35_attention(batch: int) -> None:
     qp = torch.empty((batch, 512, 8192), dtype=torch.bfloat16, device=CUDA)
     sigmoid_gate_mul(torch.empty((batch, 16, 512, 256), dtype=torch.bfloat16, device=CUDA).transpose(1, 2),
                      qp.view(batch, 512, 16, 512)[..., 256:])
-    # the gate in the attention's merge (FASTQWEN_ATTN_GATE_IN_COMBINE), in the merge kernel or in the
-    # last split program (FASTQWEN_ATTN_COMBINE=last, also without the gate), as the decode step runs them
+    # the gate in the attention's merge (FASTQWEN_ATTN_GATE_IN_COMBINE), as the decode step runs it
     from fqkernels.decode_attention import decode_attention
 
     q = torch.empty((batch, 16, 256), dtype=torch.bfloat16, device=CUDA)
     kv = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
-    gate = qkv[:, :8192].view(batch, 16, 512)[..., 256:]
-    for kw in ({"gate": gate}, {"gate": gate, "combine": "last"}, {"combine": "last"}):
-        decode_attention(q, kv, kv, torch.empty(batch, dtype=torch.int32, device=CUDA), 256 ** -0.5, **kw)
+    decode_attention(q, kv, kv, torch.empty(batch, dtype=torch.int32, device=CUDA), 256 ** -0.5,
+                     gate=qkv[:, :8192].view(batch, 16, 512)[..., 256:])
 
 
 def _paged_kv(batch: int) -> None:

@@ -36,29 +36,29 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
-from fqkernels import decode_attention, gdn_exact_step, gemv  # noqa: E402
+from fqkernels import gdn_exact_step, gemv  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
-# --arms: name -> the settings it changes from BASE: "exact" (exact GDN decode), and the knobs under
-# test: fq_qwen35.STEP_NORM (the gated norm in the exact step's program), gdn_exact_step.PREFETCH
-# (the step's lines asked of a cache first), fq_qwen35.ATTN_GATE_IN_COMBINE (the output gate in the
-# attention's merge), decode_attention.COMBINE (where the merge runs)
-BASE = {"exact": True, "STEP_NORM": True, "PREFETCH": "0", "GATE": False, "COMBINE": "kernel"}
-ARMS = {"exact": {}, "exact_norm_apart": {"STEP_NORM": False}, "exact_pf_l2": {"PREFETCH": "l2"},
-        "exact_pf_l1": {"PREFETCH": "l1"}, "exact_gate": {"GATE": True},
-        "exact_gate_last": {"GATE": True, "COMBINE": "last"}, "fast": {"exact": False}}
+# --arms: name -> the settings it changes from BASE (the defaults): "exact" (exact GDN decode), and
+# the knobs: fq_qwen35.STEP_NORM (the gated norm in the exact step's program: "1", "0", "auto"),
+# gdn_exact_step.PREFETCH (the step's lines asked of a cache first), fq_qwen35.ATTN_GATE_IN_COMBINE
+# (the output gate in the attention's merge)
+BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": True}
+ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
+        "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate_apart": {"GATE": False},
+        "fast": {"exact": False}, "fast_gate_apart": {"exact": False, "GATE": False}}
 
 
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
-            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "COMBINE": decode_attention.COMBINE}
+            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE}
 
 
 def _apply(model, settings: dict) -> None:
     model.exact_decode = settings["exact"]
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
-    fq_qwen35.ATTN_GATE_IN_COMBINE, decode_attention.COMBINE = settings["GATE"], settings["COMBINE"]
+    fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
 
 
 def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:

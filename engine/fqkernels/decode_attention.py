@@ -104,11 +104,6 @@ _FA2_BLOCK_G = 64
 # (~4 per SM: one program alone keeps too few bytes in flight), with up to 64 splits
 # paying at B=1 from 8K context; at B=16 one split ran 1.2-1.7x slower than four.
 _TARGET_PROGRAMS = 512
-# Where the split partials are merged (decode_attention's combine): "kernel", a second kernel (a
-# program a query row), or "last": the split program that finishes its KV head's last (an arrival
-# count) merges that head's query rows itself, the same merge, one kernel a call fewer
-# (FASTQWEN_ATTN_COMBINE; "kernel" until measured)
-COMBINE = os.environ.get("FASTQWEN_ATTN_COMBINE", "kernel")
 _MAX_SPLITS = 64
 
 # Where the reference's own decode runs unsplit. Flash attention's split heuristic
@@ -268,11 +263,6 @@ def _split_kernel(
     PAGE: tl.constexpr = 1,  # positions a page (a multiple of BLOCK_N); unused without PAGED
     PAGE_IDS: tl.constexpr = 0,  # PAGED: 0 loads each tile's page index in the key loop; n > 0 loads
     # the n (a power of two) from the split's first page on once, before it (_split_page_ids)
-    count_ptr=None,  # COMBINE_LAST: a KV head's arrival count (int32 [B * KVH], zero between calls)
-    gate_ptr=None, stride_gb=0, stride_gh=0,  # GATE: the output gate [B, H, D] bf16 (unit stride on D)
-    COMBINE_LAST: tl.constexpr = False,  # the last split program of a KV head merges its rows (_combine_row)
-    GATE: tl.constexpr = False,  # the merged rows times bf16(sigmoid(gate)) (swiglu.sigmoid_gate_mul's bits)
-    SPLITS_P2: tl.constexpr = 1, D_CHUNK: tl.constexpr = 16, INTERPRETED: tl.constexpr = False,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -386,22 +376,6 @@ def _split_kernel(
             tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(m_ptr + row, m_i, mask=row_ok)
             tl.store(l_ptr + row, l_i, mask=row_ok)
-            if COMBINE_LAST:
-                # every thread's partials stored before the count (one atomic a program, acq_rel at
-                # GPU scope); the program that brings it to NUM_SPLITS has all of them to merge,
-                # read past L1 (another multiprocessor wrote them), and sets it back to zero
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + pid_bk, 1, sem="acq_rel")
-                if arrived == NUM_SPLITS - 1:
-                    for g in tl.static_range(G):
-                        o_row = out_ptr + b.to(tl.int64) * stride_ob + (h0 + g) * stride_oh
-                        if GATE:
-                            g_row = gate_ptr + b.to(tl.int64) * stride_gb + (h0 + g) * stride_gh
-                        else:
-                            g_row = o_row     # not read
-                        _combine_row(acc_ptr, m_ptr, l_ptr, o_row, g_row, b * KVH * G + h0 + g, length, SPLIT_LEN,
-                                     NUM_SPLITS, SPLITS_P2, D, D_CHUNK, GATE, ".cg", INTERPRETED)
-                    tl.atomic_xchg(count_ptr + pid_bk, 0)
 
 
 @triton.jit
@@ -507,23 +481,23 @@ def _combine_kernel(
     else:
         g_row = o_row     # not read
     _combine_row(acc_ptr, m_ptr, l_ptr, o_row, g_row, pid, length, SPLIT_LEN, NUM_SPLITS, SPLITS_P2, D, D_CHUNK,
-                 GATE, "", INTERPRETED)
+                 GATE, INTERPRETED)
 
 
 @triton.jit
 def _combine_row(acc_ptr, m_ptr, l_ptr, o_ptr, g_ptr, pid, length, SPLIT_LEN, NUM_SPLITS, SPLITS_P2: tl.constexpr,
-                 D: tl.constexpr, D_CHUNK: tl.constexpr, GATE: tl.constexpr, CACHE: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 D: tl.constexpr, D_CHUNK: tl.constexpr, GATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Query row pid's merge of its splits' partials into o_ptr [D] (bf16); with GATE times
-    bf16(sigmoid(g_ptr [D])), rounded once more (swiglu.sigmoid_gate_mul's arithmetic). CACHE: the
-    partials' loads' cache modifier."""
+    bf16(sigmoid(g_ptr [D])), rounded once more (swiglu.sigmoid_gate_mul's arithmetic). (The merge
+    done by the last split program to finish, an arrival count in place of this kernel, was
+    measured slower at B = 1, 4 and 16: +47 / +32 / +21 us a Qwen3.5 step; session 28.)"""
     # Only splits that start below the length hold data; skip reading the others.
     active = tl.cdiv(length, SPLIT_LEN)
     offs_s = tl.arange(0, SPLITS_P2)
     s_ok = (offs_s < NUM_SPLITS) & (offs_s < active)
     row = pid.to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     # An empty split (m = -inf) weighs exp2(-inf) = 0. With no active split at all
     # m_max is -inf too; shift by 0 then, since -inf - -inf would be NaN.
@@ -534,8 +508,7 @@ def _combine_row(acc_ptr, m_ptr, l_ptr, o_ptr, g_ptr, pid, length, SPLIT_LEN, NU
     # D in chunks so the [splits, D_CHUNK] fp32 tile stays in registers.
     for d0 in tl.static_range(0, D, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
-        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0,
-                      cache_modifier=CACHE)
+        acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         o = (tl.sum(w[:, None] * acc, axis=0) / denom).to(tl.bfloat16)
         if GATE:
             gate = sigmoid_f32(tl.load(g_ptr + offs_d).to(tl.float32), INTERPRETED).to(tl.bfloat16)
@@ -547,12 +520,12 @@ def _combine_row(acc_ptr, m_ptr, l_ptr, o_ptr, g_ptr, pid, length, SPLIT_LEN, NU
 # reused by every later call, so a CUDA graph capture allocates nothing and every
 # replay writes the same memory. Calls that share a key must not run concurrently
 # on different streams.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(
     batch: int, heads: int, capacity: int, head_dim: int, splits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     key = (batch, heads, capacity, head_dim, splits, str(device))
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -564,8 +537,7 @@ def _workspace(
         acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
         l = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
-        count = torch.zeros((batch * heads,), dtype=torch.int32, device=device)     # the "last" merge's counts
-        ws = (acc, m, l, count)
+        ws = (acc, m, l)
         _WORKSPACES[key] = ws
     return ws
 
@@ -684,7 +656,6 @@ def decode_attention(
     window: int | None = None,
     block_table: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
-    combine: str | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions
     (the last `window` of them when a window is given).
@@ -734,16 +705,10 @@ def decode_attention(
     bits, merged into the combine where the plan has several splits (one kernel fewer); with one
     split that kernel runs after, and its result (not `out`) is returned.
 
-    combine: where several splits' partials are merged, "kernel" or "last" (COMBINE, the
-    module's note; None: COMBINE). The same merge either way (the same bits).
-
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
     """
-    combine = COMBINE if combine is None else combine
-    if combine not in ("kernel", "last"):
-        raise ValueError(f"decode_attention: combine must be 'kernel' or 'last', got {combine!r}")
     if gate is not None and (gate.shape != q.shape or gate.dtype != torch.bfloat16 or gate.stride(-1) != 1):
         raise ValueError(f"decode_attention: gate must be bfloat16 {tuple(q.shape)} with unit stride on its last "
                          f"dim, got {gate.dtype} {tuple(gate.shape)} with strides {gate.stride()}")
@@ -785,10 +750,9 @@ def decode_attention(
     qk_scale = (float(torch.tensor(scale, dtype=torch.float32)) if fa2 else float(scale)) * _LOG2E
     if direct:
         # Unused pointer arguments: any tensor on the device will do.
-        acc_ws, m_ws, l_ws, count_ws = out, out, out, out
+        acc_ws, m_ws, l_ws = out, out, out
     else:
-        acc_ws, m_ws, l_ws, count_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
-    last = combine == "last" and not direct
+        acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
     gated = gate is not None and not direct
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     splits_p2 = triton.next_power_of_2(plan.num_splits)
@@ -815,11 +779,8 @@ def decode_attention(
         FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1, PAGE_IDS=page_ids,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
-        **({"count_ptr": count_ws, "gate_ptr": gate_args[0], "stride_gb": gate_args[1], "stride_gh": gate_args[2],
-            "COMBINE_LAST": True, "GATE": gated, "SPLITS_P2": splits_p2, "D_CHUNK": d_chunk,
-            "INTERPRETED": _INTERPRETED} if last else {}),
     )
-    if not direct and not last:
+    if not direct:
         _combine_kernel[(batch * heads,)](
             acc_ws, m_ws, l_ws, lengths, out,
             out.stride(0), out.stride(1),

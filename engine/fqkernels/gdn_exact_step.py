@@ -96,13 +96,15 @@ PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 # 32x16, the fused form (capped) 16x16, which has no spills at the cap (ptxas). Measured (session
 # 26): 16x16 took the B = 16 step from 31.64 to 30.66 us (row 63 138 -> 96) and the merged form's
 # B = 1 / 4 from 8.73 / 9.26 to 10.41 / 10.69.
-# the lines a program reads first asked of a cache (FASTQWEN_GDN_STEP_PREFETCH: "0" none, the
-# default; "l2" or "l1"): the state's columns and the head's keys before PDL's wait (the previous
-# kernel, in_proj, never writes them: the wait is for q, k, v and the gates), the chunk's rows
-# before t after it. Session 24 measured "l2" slower by ~0.5 us in the step probe, whose 64 steps
-# of one layer keep all of it in L2; in the model's step 8 GB of weights pass through L2 between
-# a layer's steps, so each of the step's trips waits on HBM there (measured by q35-step-arms)
-PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "0")
+# the lines a program reads first asked of a cache (FASTQWEN_GDN_STEP_PREFETCH: "0" none, "l2" or
+# "l1"): the state's columns, the head's keys and decays and the program's scratch before PDL's wait
+# (the previous kernel, in_proj, never writes them: the wait is for q, k, v and the gates), the
+# chunk's rows before t after it. Session 24 measured "l2" slower by ~0.5 us in the step probe,
+# whose 64 steps of one layer keep all of it in L2; in the model's step 8 GB of weights pass
+# through L2 between a layer's steps, and there "l2" took the B = 1 step from 2.801 to 2.745 ms
+# (-2.3 us a GDN layer; "l1" the same; session 28). "auto" (the default): "l2" in the merged form
+# (grids in one wave), none in the fused form (B = 16's grid: not yet measured there)
+PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
 PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
 _CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
 CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
@@ -124,7 +126,8 @@ def step_form() -> str:
     closing = ("the close 32x16 merged, 16x16 fused" if CLOSE == "auto"
                else f"the close {CLOSE[0]}x{CLOSE[1]}")
     return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
-            + (", PDL" if PDL and pdl.ENABLED else "") + (f", {PREFETCH} prefetch" if PREFETCH != "0" else ""))
+            + (", PDL" if PDL and pdl.ENABLED else "")
+            + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -135,6 +138,13 @@ def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
     wide = device.type == "cuda" and programs > 2 * gdn._sm_count(device)
     form = ("fused" if wide else "merged") if form == "auto" else form
     return form, (AUTO_CAP if wide else 0) if maxnreg == "auto" else maxnreg
+
+
+def norm_in_step(B: int, Hv: int, Dv: int, block_v: int, device: torch.device) -> bool:
+    """Whether the gated norm runs in the step's program for these rows (fq_qwen35's STEP_NORM "auto"):
+    where the grid picks the fused form (B = 16 on the H200: 3.696 -> 3.590 ms a decode step), not
+    the merged one (B = 1: 2.776 -> 2.801 ms, B = 4 the same; session 28)."""
+    return grid_plan(FORM, MAXNREG, B * Hv * max(Dv // block_v, 1), device)[0] == "fused"
 
 
 def close_blocks(form: str, close) -> tuple:
@@ -446,8 +456,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     of each output row in the step's own program (gdn.gated_norm_rows, the gated norm kernel's bits:
     gdn.gated_rmsnorm(o, z, weight, eps)), z [B, Hv * Dv] bf16 (any row stride, unit last), weight
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
-    "l2" (None: PREFETCH as it is at the call; nothing on the CPU; the same bits). Returns o [B, Hv,
-    Dv] bf16, normed with norm."""
+    "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
+    nothing on the CPU; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -462,7 +472,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or not (isinstance(maxnreg, int) and maxnreg >= 0)
             or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
             or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C
-            or (norm is not None and not _norm_fits(norm, B, Hv, Dv, bv)) or prefetch not in PREFETCH_LEVELS):
+            or (norm is not None and not _norm_fits(norm, B, Hv, Dv, bv))
+            or prefetch not in (*PREFETCH_LEVELS, "auto")):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
@@ -472,15 +483,17 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                          f"unroll a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" "
                          f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
-                         f"{sorted(PREFETCH_LEVELS)})")
+                         f"{sorted(PREFETCH_LEVELS)} or \"auto\")")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
                   LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
-                  PF=PREFETCH_LEVELS[prefetch] if v.is_cuda else 0,
                   num_stages=1)
+    if prefetch == "auto":
+        prefetch = "l2" if form == "merged" else "0"
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
+    consts["PF"] = PREFETCH_LEVELS[prefetch] if v.is_cuda else 0
     if norm is not None:
         z, nw, eps = norm
         vec, halves, _ = torch_order(Dv, v.device)
@@ -700,16 +713,16 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
 
 
 @triton.jit
-def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_buf, vn_buf, SCR: tl.constexpr,
+def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_buf, vn_buf, g_buf, SCR: tl.constexpr,
                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
                    NORM: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     """A step program's place (both forms): its sequence-head bh, column block cb, sequence b, row t
     in its chunk, scratch, value columns dv and their state columns, and with NORM the gated norm's
     z and weight for them (else zeros); PDL's wait before its first load (q, k, v, z and the gates
     are the previous kernel's; the positions maybe an earlier one's). PF: a cache level to ask
-    first for the lines the program reads (pdl.prefetch): the state's columns and the head's keys
-    before the wait (no kernel of the step writes them but this one), the chunk's rows before t
-    after it."""
+    first for the lines the program reads (pdl.prefetch): the state's columns, the head's keys and
+    decays and the scratch before the wait (no kernel of the step writes them but this one), the
+    chunk's rows before t after it."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
@@ -717,6 +730,7 @@ def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_
         pdl.prefetch(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
                      + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
         pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
+        pdl.prefetch(g_buf + bh * CH + tl.arange(0, CH // 32) * 32, PF)
         # the program's scratch too: its vectors are stored, then read back as scalars (with its lines in
         # L1 a read after the store may hit there)
         pdl.prefetch(scr_ptr + (bh * (DV // 16) + cb) * SCR + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
@@ -762,7 +776,8 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
-                                                          x_buf, vn_buf, SCR, HV, DK, DV, BV, CH, NORM, PF, PDL)
+                                                          x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
+                                                          PDL)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
@@ -790,7 +805,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
     state's rows this program just read (cache hits); the close at the chunk's last row."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
-                                                          x_buf, vn_buf, SCR, HV, DK, DV, BV, CH, NORM, PF, PDL)
+                                                          x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
+                                                          PDL)
     dk = tl.arange(0, DK)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,

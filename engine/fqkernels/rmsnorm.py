@@ -143,6 +143,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)     # a weight: no kernel writes it, so before the wait
     pdl.start(PDL)
     src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
@@ -150,7 +151,6 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, _scaled(xf, tl.rsqrt(var + eps), w, ONE_PLUS), mask=mask)
 
 
@@ -235,11 +235,14 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     STATS: the row's mean of squares also goes to stats_ptr[row] (fp32; for the tests).
     HEADS > 1 (no residual, no gather): rows of heads, as in _rmsnorm_kernel."""
     row = tl.program_id(0)
-    pdl.start(PDL)
-    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     NB: tl.constexpr = (BLOCK + 127) // 128
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < N
+    # the weight before the wait (no kernel writes it): its HBM round trip under the previous
+    # kernel's tail, not after this row's sums
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    pdl.start(PDL)
+    src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
     xf = x.to(tl.float32)
     cols = _column_sums(tl.permute(xf * xf, (1, 0)), NB)
@@ -253,7 +256,6 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     inv = tl.rsqrt(mean + eps)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, _scaled(xf, inv, w, ONE_PLUS), mask=mask)
 
 

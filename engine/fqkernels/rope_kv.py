@@ -51,18 +51,19 @@ def _qk_norm_rope_store_kernel(
     t = tl.program_id(0)
     head = tl.program_id(1)
     b = t // seq_len
-    pdl.wait(PDL)  # qkv and the positions come from earlier kernels
-    pdl.launch_dependents(PDL)
-    p = tl.load(pos_ptr + b) + t % seq_len
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, D)
     rot = (offs + HALF) % D
+    is_q = head < H
+    # the norms' weights before the wait (no kernel writes them): their HBM round trip under the product's tail
+    w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
+    wr = tl.where(is_q, tl.load(qn_ptr + rot), tl.load(kn_ptr + rot)).to(tl.float32)
+    pdl.wait(PDL)  # qkv and the positions come from earlier kernels
+    pdl.launch_dependents(PDL)
+    p = tl.load(pos_ptr + b) + t % seq_len
     row = qkv_ptr + t * stride_qkv + head * D  # k heads follow q heads in the packed row
     x = tl.load(row + offs).to(tl.float32)
     xr = tl.load(row + rot).to(tl.float32)
-    is_q = head < H
-    w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
-    wr = tl.where(is_q, tl.load(qn_ptr + rot), tl.load(kn_ptr + rot)).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     n = _round_bf16(_round_bf16(x * inv) * w)
     nr = _round_bf16(_round_bf16(xr * inv) * wr)
@@ -353,17 +354,27 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
     arithmetic, so the same bits)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
+    is_q = head < H
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    rot = offs < R
+    half = R // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    if is_q:
+        w_ptr = qn_ptr
+    else:
+        w_ptr = kn_ptr
+    # the norm's weight before the wait (no kernel writes it): its HBM round trip under the product's tail
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    w_partner = tl.load(w_ptr + partner, mask=rot, other=0.0)
     pdl.wait(PDL)  # the packed row and the positions come from earlier kernels
     pdl.launch_dependents(PDL)
     p = tl.load(pos_ptr + b).to(tl.int64)
-    is_q = head < H
     row = qkv_ptr + b.to(tl.int64) * stride_row
     if is_q:
         src = row + head * (2 * D)
     else:
         src = row + 2 * H * D + (head - H) * D
-    offs = tl.arange(0, BLOCK)
-    ok = offs < D
     xf = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
     NB: tl.constexpr = BLOCK // 128
     cols = _column_sums(tl.permute(tl.reshape(xf * xf, (NB, 128)), (1, 0)), NB)
@@ -372,16 +383,8 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
     else:
         lanes = tl.permute(tl.reshape(cols, (4, 32)), (1, 0))
     inv = tl.rsqrt(_lane_sum(lanes, HALVES) * inv_n + eps)
-    if is_q:
-        w_ptr = qn_ptr
-    else:
-        w_ptr = kn_ptr
-    n = _scaled(xf, inv, tl.load(w_ptr + offs, mask=ok, other=0.0), True).to(tl.float32)
-    rot = offs < R
-    half = R // 2
-    partner = tl.where(offs < half, offs + half, offs - half)
-    y = _scaled(tl.load(src + partner, mask=rot, other=0.0).to(tl.float32), inv,
-                tl.load(w_ptr + partner, mask=rot, other=0.0), True).to(tl.float32)
+    n = _scaled(xf, inv, w, True).to(tl.float32)
+    y = _scaled(tl.load(src + partner, mask=rot, other=0.0).to(tl.float32), inv, w_partner, True).to(tl.float32)
     y = tl.where(offs < half, -y, y)                                   # rotate_half over the first R dims
     c = tl.load(cos_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)

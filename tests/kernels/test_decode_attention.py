@@ -524,31 +524,26 @@ def _gate_for(q: torch.Tensor, seed: int) -> torch.Tensor:
     return wide[..., D:]
 
 
-def _merge_forms_agree(q, k, v, lengths_t, scale, num_splits, window=None):
-    """combine "last" against "kernel", and the gate in the merge against swiglu's gate kernel
-    after it: the same bits (the same merge, the same gate arithmetic)."""
+def _gate_in_merge_agrees(q, k, v, lengths_t, scale, num_splits, window=None):
+    """The gate in the merge against swiglu's gate kernel after the attention: the same bits (the
+    same gate arithmetic on the same merged rows)."""
     from fqkernels.swiglu import sigmoid_gate_mul
 
     kw = dict(num_splits=num_splits, window=window)
-    plain = decode_attention(q, k, v, lengths_t, scale, combine="kernel", **kw)
-    assert torch.equal(decode_attention(q, k, v, lengths_t, scale, combine="last", **kw), plain)
+    plain = decode_attention(q, k, v, lengths_t, scale, **kw)
     gate = _gate_for(q, seed=int(lengths_t.sum()))
     want = sigmoid_gate_mul(plain.unsqueeze(1), gate.unsqueeze(1)).view(q.shape)
-    for combine in ("kernel", "last"):
-        got = decode_attention(q, k, v, lengths_t, scale, gate=gate, combine=combine, **kw)
-        assert torch.equal(got, want), f"gate in the merge ({combine}) differs from the gate kernel"
+    assert torch.equal(decode_attention(q, k, v, lengths_t, scale, gate=gate, **kw), want)
     return plain
 
 
 @needs_interpreter
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,capacity,lengths,num_splits,scale",
                          [_INTERPRETED_CASES[i] for i in (0, 1, 5, 7)])
-def test_merge_forms_and_gate_interpreted(interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths,
-                                          num_splits, scale):
+def test_gate_in_merge_interpreted(interpreter_fixes, batch, heads, kv_heads, head_dim, capacity, lengths, num_splits,
+                                   scale):
     q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=12)
-    _merge_forms_agree(q, k, v, lengths_t, scale, num_splits)
-    with pytest.raises(ValueError, match="combine"):
-        decode_attention(q, k, v, lengths_t, scale, combine="first")
+    _gate_in_merge_agrees(q, k, v, lengths_t, scale, num_splits)
     with pytest.raises(ValueError, match="gate"):
         decode_attention(q, k, v, lengths_t, scale, gate=q[..., :16])
 
@@ -827,20 +822,19 @@ def test_cuda_graph_replay_with_changing_lengths_gpu():
 @needs_cuda
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (32, 8, 128)])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_merge_forms_and_gate_gpu(batch, heads, kv_heads, head_dim):
-    """The Qwen3.5 and Qwen3 decode heads: the merge in the last split program and the gate in the
-    merge give the separate kernels' bits; a graph of the "last" merge replayed with other lengths
-    (its arrival counts back at zero after every call) gives the eager bits."""
+def test_gate_in_merge_gpu(batch, heads, kv_heads, head_dim):
+    """The Qwen3.5 and Qwen3 decode heads: the gate in the merge gives the separate gate kernel's
+    bits; a graph of it replayed with other lengths gives the eager bits."""
     capacity = 2048
     for i, lengths in enumerate(_length_patterns(batch, capacity)):
         q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=260 + i)
-        _merge_forms_agree(q, k, v, lengths_t, head_dim**-0.5, None)
-        _merge_forms_agree(q, k, v, lengths_t, head_dim**-0.5, None, window=700)
+        _gate_in_merge_agrees(q, k, v, lengths_t, head_dim**-0.5, None)
+        _gate_in_merge_agrees(q, k, v, lengths_t, head_dim**-0.5, None, window=700)
     gate = _gate_for(q, seed=5)
-    out = decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate, combine="last")
+    out = decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate, combine="last")
+        out = decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate)
     for lengths in ([1] * batch, [capacity] * batch, _length_patterns(batch, capacity)[-1]):
         lengths_t.copy_(torch.tensor(lengths, dtype=torch.int32))
         for _ in range(2):
