@@ -44,10 +44,10 @@ from bench_gdn import kernel_table  # noqa: E402
 # the knobs: fq_qwen35.STEP_NORM (the gated norm in the exact step's program: "1", "0", "auto"),
 # gdn_exact_step.PREFETCH (the step's lines asked of a cache first), fq_qwen35.ATTN_GATE_IN_COMBINE
 # (the output gate in the attention's merge)
-BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": True}
+BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
-        "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate_apart": {"GATE": False},
-        "fast": {"exact": False}, "fast_gate_apart": {"exact": False, "GATE": False}}
+        "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
+        "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True}}
 
 
 def _settings(model) -> dict:
