@@ -830,6 +830,9 @@ def test_gate_in_merge_gpu(batch, heads, kv_heads, head_dim):
         q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cuda", seed=260 + i)
         _gate_in_merge_agrees(q, k, v, lengths_t, head_dim**-0.5, None)
         _gate_in_merge_agrees(q, k, v, lengths_t, head_dim**-0.5, None, window=700)
+    # the replays' lengths go up to the capacity: a cache with every position filled (the loop's
+    # last one holds NaN past its lengths, which any longer length would read)
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, [capacity] * batch, "cuda", seed=270)
     gate = _gate_for(q, seed=5)
     out = decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate)
     graph = torch.cuda.CUDAGraph()
