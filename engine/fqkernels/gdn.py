@@ -606,11 +606,14 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, inv_n, eps, z_heads, 
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = (rows < R)[:, None]
     offs = tl.arange(0, D)[None, :]
-    w = tl.load(w_ptr + offs)      # a weight: no kernel writes it, so its HBM trip before the wait
+    if PDL:    # a decode step's: the weight (no kernel writes it) before the wait, its HBM trip under the last kernel
+        w = tl.load(w_ptr + offs)
     pdl.start(PDL)  # x and z are earlier kernels' outputs
     x = tl.load(x_ptr + rows[:, None] * D + offs, mask=ok, other=0.0)
     z = tl.load(z_ptr + (rows // z_heads)[:, None] * stride_z + (rows % z_heads)[:, None] * D + offs, mask=ok,
                 other=0.0)
+    if not PDL:
+        w = tl.load(w_ptr + offs)
     tl.store(out_ptr + rows[:, None] * D + offs, gated_norm_rows(x, z, w, inv_n, eps, VEC, HALVES, INTERPRETED),
              mask=ok)
 

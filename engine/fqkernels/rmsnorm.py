@@ -143,7 +143,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)     # a weight: no kernel writes it, so before the wait
+    if PDL:    # a decode step's: the weight (no kernel writes it) before the wait, under the last kernel's tail
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     pdl.start(PDL)
     src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
@@ -151,6 +152,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
+    if not PDL:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, _scaled(xf, tl.rsqrt(var + eps), w, ONE_PLUS), mask=mask)
 
 
@@ -238,9 +241,11 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     NB: tl.constexpr = (BLOCK + 127) // 128
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < N
-    # the weight before the wait (no kernel writes it): its HBM round trip under the previous
-    # kernel's tail, not after this row's sums
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    # a decode step's launch (PDL) loads the weight before the wait (no kernel writes it): its HBM
+    # round trip under the previous kernel's tail, not after this row's sums (session 28: with the
+    # gated norm's and the prologues', -40 to -75 us a Qwen3.5 step); a prompt's, after the sums
+    if PDL:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     pdl.start(PDL)
     src = _row_source(row, x_ptr, ids_ptr, table_ptr, stride_x, stride_h, stride_t, GATHER, HEADS)
     x = _row_values(src, r_ptr + row * stride_r, stride_split, offs, mask, HAS_RESIDUAL, SPLITS)
@@ -256,6 +261,8 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     inv = tl.rsqrt(mean + eps)
     if GATHER or HAS_RESIDUAL:
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    if not PDL:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, _scaled(xf, inv, w, ONE_PLUS), mask=mask)
 
 
