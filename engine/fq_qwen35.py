@@ -42,7 +42,8 @@ state [B, conv_dim, 4] (the last 4 inputs of the conv) and the recurrent state
 With exact GDN decode (EXACT_DECODE, opt-in) a GDN layer's decode step is the full forward's
 row of the chunked rule (fqkernels/gdn_exact_step.py): its recurrent state in the cache is then
 the state at the start of the chunk the row's position is in, kept beside the chunk's rows so far
-(self.rows), and a prompt pass runs its positions outside whole chunks through that step.
+(self.rows), and a prompt pass runs its positions outside whole chunks through that step; the
+step's program does the gated norm too where its grid takes the fused form (STEP_NORM).
 State snapshots (allocate_snapshots): a sequence's conv and recurrent states after a given
 position, taken by a prompt pass where that position is one of the rule's chunk boundaries
 (the chunked kernels' and reference's starting state of that chunk: no pass of its own), and
