@@ -44,9 +44,11 @@ def test_attention_kernels_compile_with_pdl():
         _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
                     .asm["ptx"])
     sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
-           "stride_ob": "i32", "stride_oh": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
-    consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True)
-    _assert_pdl(_aot_compile(decode_attention._combine_kernel, sig, consts, ("acc_ptr",), 4, 1).asm["ptx"])
+           "stride_ob": "i32", "stride_oh": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32",
+           "gate_ptr": "*bf16", "stride_gb": "i32", "stride_gh": "i32"}
+    for gate in (False, True):    # the merge alone, and with Qwen3.5's output gate in it
+        consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True, GATE=gate, INTERPRETED=False)
+        _assert_pdl(_aot_compile(decode_attention._combine_kernel, sig, consts, ("acc_ptr",), 4, 1).asm["ptx"])
 
 
 @needs_compiler
@@ -122,7 +124,8 @@ def test_the_small_kernels_trigger_the_next_after_their_wait():
             _aot_compile(swiglu._sigmoid_gate_mul_kernel, gate_sig, dict(D=256, BLOCK_D=256, INTERPRETED=False,
                                                                          PDL=True), ("x_ptr", "g_ptr", "out_ptr"),
                          1, 1).asm["ptx"],
-            _aot_compile(gdn._gated_rmsnorm_kernel, gated_sig, dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True),
+            _aot_compile(gdn._gated_rmsnorm_kernel, gated_sig, dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True,
+                                                                    INTERPRETED=False),
                          ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]]
     for ptx in ptxs:
         _assert_pdl(ptx)
