@@ -96,18 +96,19 @@ PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
 # 32x16, the fused form (capped) 16x16, which has no spills at the cap (ptxas). Measured (session
 # 26): 16x16 took the B = 16 step from 31.64 to 30.66 us (row 63 138 -> 96) and the merged form's
 # B = 1 / 4 from 8.73 / 9.26 to 10.41 / 10.69.
+_CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
+CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 # the lines a program reads first asked of a cache (FASTQWEN_GDN_STEP_PREFETCH: "0" none, "l2" or
 # "l1"): the state's columns, the head's keys and decays and the program's scratch before PDL's wait
 # (the previous kernel, in_proj, never writes them: the wait is for q, k, v and the gates), the
 # chunk's rows before t after it. Session 24 measured "l2" slower by ~0.5 us in the step probe,
 # whose 64 steps of one layer keep all of it in L2; in the model's step 8 GB of weights pass
 # through L2 between a layer's steps, and there "l2" took the B = 1 step from 2.801 to 2.745 ms
-# (-2.3 us a GDN layer; "l1" the same; session 28). "auto" (the default): "l2" in the merged form
-# (grids in one wave), none in the fused form (B = 16's grid: not yet measured there)
+# (-2.3 us a GDN layer; "l1" the same) and the B = 16 step, in the fused form, from 3.515 to 3.664
+# (its 512 programs ask for ~100 MB at once; session 28). "auto" (the default): "l2" in the merged
+# form (grids in one wave), none in the fused form
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
 PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
-_CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
-CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 # 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
 # offsets clamped to its last float)
@@ -478,10 +479,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
                          f"close {close!r}, norm {_norm_shapes(norm)}, prefetch {prefetch!r} (Dk a power of two "
-                         f">= 32; the block a "
-                         f"multiple of 16 dividing Dv; "
-                         f"unroll a power of two from 8 to Dk; form one of {FORMS} or \"auto\"; the cap \"auto\" "
-                         f"or registers >= 0; the close's blocks powers of two from 16 to Dk and 64, or \"auto\"; "
+                         f">= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; "
+                         f"form one of {FORMS} or \"auto\"; the cap \"auto\" or registers >= 0; the close's blocks "
+                         f"powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
                          f"{sorted(PREFETCH_LEVELS)} or \"auto\")")
     q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
