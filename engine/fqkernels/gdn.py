@@ -571,6 +571,39 @@ def conv_gates_step_reference(mixed, conv_state, conv_w, a, b, a_log, dt_bias):
     return x[:, :, 0], g, beta
 
 
+# Roundings written in PTX, each on its own whatever the kernel's fp fusion (gated_norm_rows here;
+# gdn_exact's and gdn_exact_step's ordered chains)
+@triton.jit
+def _mul_rn(a, b, INTERPRETED: tl.constexpr):
+    """a * b rounded on its own: never contracted with a following add into an FMA (PTX mul.rn)."""
+    if INTERPRETED:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rn(a, b, INTERPRETED: tl.constexpr):
+    """a + b as its own rounding: Triton folds dot(x, y) + c into dot(x, y, c), a chain that
+    starts from c instead of zero (other bits); an add written in PTX is not folded."""
+    if INTERPRETED:
+        return a + b
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _sub_rn(a, b, INTERPRETED: tl.constexpr):
+    """a - b as its own rounding (_add_rn's reason)."""
+    if INTERPRETED:
+        return a - b
+    else:
+        return tl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
 @triton.jit
 def _lane_sum_rows(acc, ROWS: tl.constexpr, HALVES: tl.constexpr):
     """rmsnorm._lane_sum for ROWS rows at once: acc [ROWS, 32 lanes, 4]. Each lane's
@@ -629,19 +662,12 @@ def gated_norm_rows(x, z, w, inv_n, eps, VEC: tl.constexpr, HALVES: tl.constexpr
     ROWS: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     xf = x.to(tl.float32)
-    if INTERPRETED:
-        sq = xf * xf
-    else:
-        sq = libdevice.mul_rn(xf, xf)
+    sq = _mul_rn(xf, xf, INTERPRETED)
     if VEC:
         lanes = tl.reshape(sq, (ROWS, 32, 4))
     else:
         lanes = tl.permute(tl.reshape(sq, (ROWS, 4, 32)), (0, 2, 1))
-    total = _lane_sum_rows(lanes, ROWS, HALVES)
-    if INTERPRETED:
-        mean = total * inv_n
-    else:
-        mean = libdevice.mul_rn(total, inv_n)
+    mean = _mul_rn(_lane_sum_rows(lanes, ROWS, HALVES), inv_n, INTERPRETED)
     y = (xf * tl.rsqrt(mean + eps)[:, None]).to(tl.bfloat16)
     wy = (w.to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
     zf = z.to(tl.float32)

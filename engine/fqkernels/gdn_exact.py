@@ -41,43 +41,13 @@ import triton
 import triton.language as tl
 
 from fqkernels import gdn
+from fqkernels.gdn import _add_rn, _mul_rn, _sub_rn
 from fqkernels.swiglu import exp_f32
 
 SOLVE_BLOCK = 8     # cuBLAS's row block in the batched solve of a 64 x 64 system (session 19)
 # torch solves at most this many systems of 64 or more rows one cuBLAS call each (non-batched,
 # other bits: session 19's trsm-bits); the exact rule then makes that same call
 LOOPED_SOLVES = 8
-
-
-@triton.jit
-def _mul_rn(a, b, INTERPRETED: tl.constexpr):
-    """a * b rounded on its own: never contracted with a following add into an FMA (PTX mul.rn)."""
-    if INTERPRETED:
-        return a * b
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _add_rn(a, b, INTERPRETED: tl.constexpr):
-    """a + b as its own rounding: Triton folds dot(x, y) + c into dot(x, y, c), a chain that
-    starts from c instead of zero (other bits); an add written in PTX is not folded."""
-    if INTERPRETED:
-        return a + b
-    else:
-        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _sub_rn(a, b, INTERPRETED: tl.constexpr):
-    """a - b as its own rounding (_add_rn's reason)."""
-    if INTERPRETED:
-        return a - b
-    else:
-        return tl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
 
 
 @triton.jit

@@ -59,7 +59,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fqkernels import gdn, pdl
-from fqkernels.gdn_exact import _add_rn, _mul_rn, _row, _sub_rn
+from fqkernels.gdn import _add_rn, _mul_rn, _sub_rn
+from fqkernels.gdn_exact import _row
 from fqkernels.rmsnorm import _inverse, torch_order
 from fqkernels.swiglu import exp_f32
 
