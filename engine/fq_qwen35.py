@@ -816,23 +816,23 @@ class Qwen35Model:
         kd = c.linear_k_heads * c.linear_k_dim
         q, k, v = torch.split(mixed, [kd, kd, c.linear_v_heads * c.linear_v_dim], dim=-1)
         q, k, v = q.reshape(B, -1, c.linear_k_dim), k.reshape(B, -1, c.linear_k_dim), v.reshape(B, -1, c.linear_v_dim)
-        rows = self.rows[slot].narrow(0, B) if self.exact_decode else None
-        if self.exact_decode and c.linear_v_dim == rows.block_v == 128 and (STEP_NORM == "1" or (
-                STEP_NORM == "auto" and gdn_exact_step.norm_in_step(B, c.linear_v_heads, 128, 128, h.device))):
-            # the gated norm in the step's own program (a program a head; the gated norm kernel's bits)
-            o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], rows,
-                                          tile=self.decode_tile, norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps))
-            return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+        step_norm = False
         if self.exact_decode:
+            rows = self.rows[slot].narrow(0, B)
+            # the gated norm in the step's own program (a program a head; the gated norm kernel's bits)
+            step_norm = c.linear_v_dim == rows.block_v == 128 and (STEP_NORM == "1" or (
+                STEP_NORM == "auto" and gdn_exact_step.norm_in_step(B, c.linear_v_heads, 128, 128, h.device)))
             o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, self.state[slot, :B], rows,
-                                          tile=self.decode_tile)
+                                          tile=self.decode_tile,
+                                          norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps) if step_norm else None)
         else:
             o = gdn.decode_step(q, k, v, g, beta, self.state[slot, :B])
-        if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
-            o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
-        else:
-            o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
-                                            self.w[p + "norm.weight"], c.rms_norm_eps)
+        if not step_norm:
+            if c.linear_v_dim == 128:        # the kernel's width; it reads z's heads in place
+                o = gdn.gated_rmsnorm(o.reshape(-1, 128), z, self.w[p + "norm.weight"], c.rms_norm_eps)
+            else:
+                o = gdn.gated_rmsnorm_reference(o.reshape(-1, c.linear_v_dim), z.reshape(-1, c.linear_v_dim),
+                                                self.w[p + "norm.weight"], c.rms_norm_eps)
         return self.ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
 

@@ -754,7 +754,6 @@ def decode_attention(
     else:
         acc_ws, m_ws, l_ws = _workspace(batch, heads, capacity, head_dim, plan.num_splits, q.device)
     gated = gate is not None and not direct
-    gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     splits_p2 = triton.next_power_of_2(plan.num_splits)
     # The merge holds a [splits, D_CHUNK] fp32 tile in registers: at most 4K elements
     # (32 a thread at 4 warps), so 64 splits x D=256 merges in four chunks.
@@ -787,7 +786,7 @@ def decode_attention(
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
             NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
             num_warps=4, PDL=use_pdl, **pdl_launch,
-            **({"gate_ptr": gate_args[0], "stride_gb": gate_args[1], "stride_gh": gate_args[2], "GATE": True,
+            **({"gate_ptr": gate, "stride_gb": gate.stride(0), "stride_gh": gate.stride(1), "GATE": True,
                 "INTERPRETED": _INTERPRETED} if gated else {}),
         )
     if gate is not None and direct:
