@@ -582,7 +582,59 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         run(batch)
                     except Exception as exc:
                         problems.append(f"{name}: {type(exc).__name__}: {exc}")
+        # the early reads before PDL's wait (pdl.EARLY, gdn_exact_step.EARLY: knobs, off by default) as a
+        # decode step launches them, with PDL
+        if True in pdl_modes:
+            recorder.pdl = True
+            with pdl_forced(True), recording(recorder, target):
+                for batch in (1, 4, 16):
+                    name = recorder.scenario = f"{EXTRA}early reads (attention, prologues, exact GDN step), B={batch}"
+                    try:
+                        _early_reads(batch)
+                    except Exception as exc:
+                        problems.append(f"{name}: {type(exc).__name__}: {exc}")
+            recorder.pdl = False
     return list(recorder.specs.values()), problems
+
+
+def _early_reads(batch: int) -> None:
+    """The decode attention (split and direct, gated at Qwen3.5's heads), both attention prologues and
+    the exact GDN step with their reads before PDL's wait."""
+    from fqkernels import gdn_exact_step
+    from fqkernels.decode_attention import decode_attention
+    from fqkernels.rope_kv import qk_norm_partial_rope_store, qk_norm_rope_store
+
+    positions = torch.empty(batch, dtype=torch.int32, device=CUDA)
+    for heads, kv_heads, dim in ((32, 8, 128), (16, 4, 256)):
+        q = torch.empty((batch, heads, dim), dtype=torch.bfloat16, device=CUDA)
+        kv = torch.empty((batch, kv_heads, 1024, dim), dtype=torch.bfloat16, device=CUDA)
+        gate = None
+        if dim == 256:
+            gate = torch.empty((batch, heads, 2 * dim), dtype=torch.bfloat16, device=CUDA)[..., dim:]
+        for splits in (None, 1):
+            decode_attention(q, kv, kv, positions, dim ** -0.5, num_splits=splits, gate=gate, early=True)
+    norm = torch.empty(128, dtype=torch.bfloat16, device=CUDA)
+    cos = torch.empty((4096, 128), dtype=torch.bfloat16, device=CUDA)
+    cache = torch.empty((batch, 8, 1024, 128), dtype=torch.bfloat16, device=CUDA)
+    qk_norm_rope_store(torch.empty((batch, 48 * 128), dtype=torch.bfloat16, device=CUDA), norm, norm, cos, cos,
+                       positions, 1, cache, cache, 1e-6, 32, 8, early=True)
+    norm = torch.empty(256, dtype=torch.bfloat16, device=CUDA)
+    table = torch.empty((4096, 64), dtype=torch.bfloat16, device=CUDA)
+    cache = torch.empty((batch, 4, 1024, 256), dtype=torch.bfloat16, device=CUDA)
+    qk_norm_partial_rope_store(torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA), norm, norm, table,
+                               table, positions, cache, cache, 1e-6, 16, 4, early=True)
+    packed = torch.empty((batch, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
+    x, z = packed[:, :8192], packed[:, 8192:8192 + 4096]
+    q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
+    g = torch.empty((batch, 32), dtype=torch.float32, device=CUDA)
+    beta = packed[:, 8192 + 4096:8192 + 4096 + 32]
+    state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
+    norm = (z, torch.empty(128, dtype=torch.bfloat16, device=CUDA), 1e-6)
+    for form in gdn_exact_step.FORMS:
+        for prefetch in ("0", "l2"):
+            gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
+                                      g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
+                                      form=form, norm=norm, prefetch=prefetch, early=True)
 
 
 def _gdn_decode_step(batch: int) -> None:

@@ -8,7 +8,11 @@
 3. speed: TTFT/TPOT of `generate` as the host sees it, and the pure GPU time of
    one graphed decode step, next to the bandwidth floor.
 
-Usage: python scripts/gpu_check.py --model DIR [--out FILE] [--shapes 1x512x64,4x2048x32]
+4. with --early-arms R: the graphed step's time with the attention's early reads off and on
+   (fqkernels.pdl.EARLY), interleaved over R rounds, each from its own prompt pass, and whether
+   both arms' greedy tokens agree.
+
+Usage: python scripts/gpu_check.py --model DIR [--out FILE] [--shapes 1x512x64,4x2048x32] [--early-arms 3]
 """
 import argparse
 import json
@@ -119,12 +123,58 @@ def speed(eng, shape, reps=3):
             "graph_step_GBps": (w_bytes + kv_bytes) / (step_ms * 1e-3) / 1e9}
 
 
+def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
+    """The graphed decode step's milliseconds with pdl.EARLY off and on (a fresh runner and capture
+    per arm and round, after its own prompt pass over the same prompts), interleaved; the greedy
+    tokens of 4 steps after the timed ones (first round) compared between the arms."""
+    from fq_decode import DecodeRunner
+    from fqkernels import pdl
+
+    B, S, _ = shape
+    model = eng.model
+    eng._prepare(B, S + steps + 8)
+    ids = torch.randint(0, eng.cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(11)).to(eng.device)
+    saved = pdl.EARLY
+    times: dict = {"off": [], "on": []}
+    toks: dict = {}
+    try:
+        for r in range(rounds):
+            for arm in ("off", "on"):
+                pdl.EARLY = arm == "on"
+                with torch.inference_mode():
+                    runner = DecodeRunner(model, B, use_graph=eng.use_graphs)
+                    runner.start(model.prefill(ids), S)
+                    for _ in range(3):
+                        runner.step()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(steps):
+                        runner.step()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times[arm].append(round(start.elapsed_time(end) / steps, 4))
+                    if r == 0:
+                        seen = []
+                        for _ in range(4):
+                            runner.step()
+                            seen.append(runner.tokens.clone())
+                        toks[arm] = torch.stack(seen).cpu()
+                del runner
+    finally:
+        pdl.EARLY = saved
+        eng._drop_graphs()     # the engine's own runner is captured again on its next use
+    med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
+    return {"shape": list(shape), "ms": times, "median_ms": med, "on_minus_off_us": round((med["on"] - med["off"]) * 1e3, 1),
+            "tokens_equal": bool(torch.equal(toks["off"], toks["on"]))}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     ap.add_argument("--fidelity", default="1x512x64,4x2048x32,16x512x64")
     ap.add_argument("--speed", default="1x512x64,1x2048x64,4x2048x32,16x512x128,4x1024x128")
+    ap.add_argument("--early-arms", type=int, default=0, help="rounds of the early-reads A/B at each --speed shape")
     args = ap.parse_args()
     parse = lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x]  # noqa: E731
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -141,12 +191,18 @@ def main():
         r["wall_s"] = time.perf_counter() - t0
         report["speed"].append(r)
         print(json.dumps(r), flush=True)
-    from transformers import Qwen3ForCausalLM
-
-    from fastqwen.numerics import pin_reference_numerics
-    pin_reference_numerics()  # the platform's reference: flash attention, not cuDNN's
-    native = Qwen3ForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+        if args.early_arms:
+            a = early_arms(eng, shape, args.early_arms)
+            report.setdefault("early_arms", []).append(a)
+            print(json.dumps(a), flush=True)
     report["fidelity"] = []
+    if parse(args.fidelity):
+        from transformers import Qwen3ForCausalLM
+
+        from fastqwen.numerics import pin_reference_numerics
+        pin_reference_numerics()  # the platform's reference: flash attention, not cuDNN's
+        native = Qwen3ForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16,
+                                                  attn_implementation="sdpa").cuda().eval()
     for i, shape in enumerate(parse(args.fidelity)):
         r = fidelity(eng, native, shape, seed=100 + i)
         report["fidelity"].append(r)

@@ -36,29 +36,38 @@ sys.path.insert(0, os.path.join(REPO, "engine"))
 
 import fq_qwen35  # noqa: E402
 from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
-from fqkernels import gdn_exact_step, gemv  # noqa: E402
+from fqkernels import gdn_exact_step, gemv, pdl  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
 
 # --arms: name -> the settings it changes from BASE (the defaults): "exact" (exact GDN decode), and
 # the knobs: fq_qwen35.STEP_NORM (the gated norm in the exact step's program: "1", "0", "auto"),
 # gdn_exact_step.PREFETCH (the step's lines asked of a cache first), fq_qwen35.ATTN_GATE_IN_COMBINE
-# (the output gate in the attention's merge)
-BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False}
+# (the output gate in the attention's merge), pdl.EARLY (the attention's decode kernels read the
+# positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
+# gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
+# rows there)
+BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False, "EARLY": pdl.EARLY,
+        "STEP_EARLY": gdn_exact_step.EARLY}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
-        "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True}}
+        "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},
+        "exact_early": {"EARLY": True, "STEP_EARLY": True},
+        "exact_early_gate": {"EARLY": True, "STEP_EARLY": True, "GATE": True},
+        "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
+        "fast_early": {"exact": False, "EARLY": True}}
 
 
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
-            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE}
+            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY}
 
 
 def _apply(model, settings: dict) -> None:
     model.exact_decode = settings["exact"]
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
+    pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
 
 
 def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:

@@ -18,6 +18,8 @@
 #   profile       per-kernel device time of a decode step and a prefill
 #   attn-probe    decode attention variants: bits against the full forward, and speed
 #   kernels-attn  the decode-attention GPU tests alone
+#   kernels-early the GPU tests of the reads before PDL's wait (attention, prologues, the exact step's early
+#                 cases) and of the gate in the attention's merge (EARLY_TESTS_TIMEOUT_S, default 420)
 #   check         engine speed, fidelity against native, graph == eager
 #   opswap        which op moves the logits (tiny and 4B)
 #   judge-tiny    the judge's embedded default workloads on the tiny checkpoint, official
@@ -104,6 +106,9 @@
 #                 Q35_ARMS, default exact,fast; Q35_ARMS_SHAPES,
 #                 default the public set; Q35_ARMS_ROUNDS, default 3; Q35_ARMS_PROFILE, shapes BxP whose eager
 #                 step is profiled kernel by kernel with the process's own settings, e.g. 1x512)
+#   q3-early-arms Qwen3-4B (/tmp/q4b): the graphed step with the attention's early reads (fqkernels.pdl.EARLY) off
+#                 and on, interleaved (gpu_check.py --early-arms; Q3_ARMS_SHAPES, default the public set;
+#                 Q3_ARMS_ROUNDS, default 3)
 #   q35-gemv-ab   the decode step's time with the GEMV table and with other configs, one process an arm
 #                 (gpu_q35_check.py --gemv): Q35_AB_ARMS (default "table in_proj_n16 session13"; also rows4,
 #                 the 2-4 row candidates), Q35_AB_SHAPES (default 1x512x32)
@@ -197,6 +202,12 @@ for stage in "${stages[@]}"; do
              grep -q failed "$OUT/pytest_gpu.log" && export FASTQWEN_NO_PDL=1 && echo "PDL OFF" ;;
     speed-nopdl) FASTQWEN_NO_PDL=1 timeout 150 python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
                    --speed 1x512x64,4x2048x32,16x512x128 --out "$OUT/gpu_check_nopdl.json" 2>&1 | grep -v Warn | tail -4 ;;
+    q3-early-arms) # Qwen3-4B: the graphed step with the attention's early reads off and on (pdl.EARLY), interleaved
+                 timeout "${Q3_ARMS_TIMEOUT_S:-240}" python3 scripts/gpu_check.py --model /tmp/q4b --fidelity "" \
+                   --speed "${Q3_ARMS_SHAPES:-1x512x64,4x2048x32,16x512x128}" --early-arms "${Q3_ARMS_ROUNDS:-3}" \
+                   --out "$OUT/gpu_check_early.json" > "$OUT/gpu_check_early.log" 2>&1
+                 python3 -c "import json; d = json.load(open('$OUT/gpu_check_early.json'))
+for a in d.get('early_arms', []): print(a['shape'], a['median_ms'], a['on_minus_off_us'], 'tokens_equal', a['tokens_equal'])" ;;
     bench) timeout 100 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 70 2>&1 | tail -25
            timeout 80 python3 scripts/bench_decode_attention.py --out "$OUT/bench_decode_attention.json" 2>&1 | tail -16 ;;
     bench-gemv) timeout 200 python3 scripts/bench_gemv.py --out "$OUT/bench_gemv.json" --budget-s 150 \
@@ -390,6 +401,12 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                  --out "$OUT/rule_bits_$shape.json" 2>&1 | grep -v Warn | tail -30; done ;;
     kernels-gdn-exact) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact.py 2>&1 \
                          | grep -v "^    \|^  File\|^E    +" | tail -40 | tee "$OUT/pytest_gdn_exact.log" ;;
+    kernels-early) # the GPU tests of the reads before PDL's wait (pdl.EARLY, gdn_exact_step.EARLY) and the gate in the merge
+                   timeout "${EARLY_TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -rf --tb=short -m gpu \
+                     tests/kernels/test_decode_attention.py tests/kernels/test_norm_rope_swiglu.py \
+                     tests/kernels/test_paged_kv_writes.py tests/kernels/test_gdn_exact_step.py \
+                     -k "early or gate_in_merge or qk_norm_rope_store or qwen35_prologue or extra10 or extra11 or extra12" \
+                     2>&1 | tail -12 | tee "$OUT/pytest_early.log" ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
     exact-step) timeout 420 python3 scripts/gpu_exact_step.py --batches "${EXACT_STEP_BATCHES:-1,4,16}" \

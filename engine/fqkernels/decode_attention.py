@@ -97,6 +97,11 @@ _LOG2E = 1.4426950408889634
 FA2 = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
 _FA2_BLOCK_G = 64
 
+# With early reads (decode_attention(early=...), pdl.EARLY): the tiles of a split's walk whose K/V
+# lines are asked of L2 before PDL's wait (the key loop's pipeline, 3 stages, loads the first
+# two together; the later tiles' loads are issued while those compute)
+EARLY_TILES = 2
+
 # The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
 # ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
 # H200 with this kernel (4B shape, CUDA graph, KV streamed from HBM), the best split
@@ -243,6 +248,27 @@ def _split_page_span(plan: DecodeAttentionPlan, capacity: int, page: int) -> int
 
 
 @triton.jit
+def _prefetch_walk_l2(k_base, v_base, lo, hi, stride_kn, stride_vn, NEWEST_FIRST: tl.constexpr, D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """Ask L2 for every 128-byte line of the K and V rows of the first TILES tiles the key loop over
+    [lo, hi) walks (newest first, or from lo), bf16 rows of D values; a tile's rows past hi ask for
+    row hi - 1's again, tiles outside [lo, hi) for nothing. No data returned."""
+    LINES: tl.constexpr = (D + 63) // 64
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, LINES) * 64
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    for i in tl.static_range(TILES):
+        if i < n_tiles:
+            if NEWEST_FIRST:
+                start = lo + (n_tiles - 1 - i) * BLOCK_N
+            else:
+                start = lo + i * BLOCK_N
+            rows = tl.minimum(start + offs_n, hi - 1).to(tl.int64)
+            pdl.prefetch_l2(k_base + rows[:, None] * stride_kn + offs_l[None, :], True)
+            pdl.prefetch_l2(v_base + rows[:, None] * stride_vn + offs_l[None, :], True)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr,
     table_ptr,  # the paged form's block table [B, W] int32 (None without PAGED)
@@ -263,13 +289,17 @@ def _split_kernel(
     PAGE: tl.constexpr = 1,  # positions a page (a multiple of BLOCK_N); unused without PAGED
     PAGE_IDS: tl.constexpr = 0,  # PAGED: 0 loads each tile's page index in the key loop; n > 0 loads
     # the n (a power of two) from the split's first page on once, before it (_split_page_ids)
+    EARLY: tl.constexpr = False,  # the length read before PDL's wait (pdl.EARLY's note)
+    PREFETCH: tl.constexpr = 0,  # with EARLY: the K/V lines of the walk's first PREFETCH tiles asked of L2
+    # before the wait (unpaged; 0: none)
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bk // KVH
     kvh = pid_bk % KVH
     h0 = kvh * G  # first query head of this KV head's group
-    pdl.wait(PDL)  # q, the new K/V and the lengths come from earlier kernels
+    if not EARLY:
+        pdl.wait(PDL)  # q, the new K/V and the lengths come from earlier kernels
 
     # Clamp on the device: a length outside [0, C] must not read outside the cache.
     length = tl.load(lengths_ptr + b)
@@ -286,6 +316,12 @@ def _split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_g < G
 
+    if EARLY:
+        if PREFETCH > 0:
+            _prefetch_walk_l2(k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh,
+                              v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh,
+                              lo, hi, stride_kn, stride_vn, FLASH_ORDER, D, BLOCK_N, PREFETCH)
+        pdl.wait(PDL)  # q and the new K/V come from earlier kernels
     # int64 bases: b * stride_kb exceeds int32 for large batch x capacity.
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h0 * stride_qh
     q = tl.load(q_base + offs_g[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -467,14 +503,19 @@ def _combine_kernel(
     NUM_SPLITS, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
     gate_ptr=None, stride_gb=0, stride_gh=0, GATE: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
+    EARLY: tl.constexpr = False,  # the length read before PDL's wait (pdl.EARLY's note)
 ):
     pid = tl.program_id(0)  # one (b, h) row
     b = pid // H
     h = pid % H
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
+    if not EARLY:
+        pdl.wait(PDL)
+        pdl.launch_dependents(PDL)
     length = tl.load(lengths_ptr + b)
     length = tl.minimum(tl.maximum(length, 0), CAPACITY)
+    if EARLY:
+        pdl.wait(PDL)  # the partials are the split kernel's
+        pdl.launch_dependents(PDL)
     o_row = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
     if GATE:
         g_row = gate_ptr + b.to(tl.int64) * stride_gb + h * stride_gh
@@ -656,6 +697,7 @@ def decode_attention(
     window: int | None = None,
     block_table: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions
     (the last `window` of them when a window is given).
@@ -704,6 +746,11 @@ def decode_attention(
     columns): the result is then out * bf16(sigmoid(gate)) rounded to bf16, swiglu.sigmoid_gate_mul's
     bits, merged into the combine where the plan has several splits (one kernel fewer); with one
     split that kernel runs after, and its result (not `out`) is returned.
+
+    early: the kernels read lengths before PDL's wait, and the split kernel asks L2 for the K/V
+    lines of its walk's first EARLY_TILES tiles there (unpaged, on a GPU): only where no kernel
+    launched with PDL just before writes lengths (pdl.EARLY's note: a decode step's). None:
+    pdl.EARLY. Same bits.
 
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
@@ -760,6 +807,10 @@ def decode_attention(
     d_chunk = max(16, min(head_dim, 4096 // splits_p2))
 
     use_pdl, pdl_launch = pdl.for_rows(batch)
+    early_split, early_combine = {}, {}
+    if pdl.early(early):
+        early_split = {"EARLY": True, "PREFETCH": EARLY_TILES if q.is_cuda and not paged else 0}
+        early_combine = {"EARLY": True}
     _split_kernel[(batch * kv_heads, plan.num_splits)](
         q, k_cache, v_cache, lengths,
         block_table,  # None (a constexpr) when unpaged: the unpaged kernel is the same as without the argument
@@ -777,7 +828,7 @@ def decode_attention(
         DIRECT=direct, FLASH_ORDER=bool(flash_order), PDL=use_pdl,
         FA2_PATH=fa2, PAGED=paged, PAGE=rows if paged else 1, PAGE_IDS=page_ids,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **({"enable_fp_fusion": False} if fa2 else {}), **pdl_launch,
+        **({"enable_fp_fusion": False} if fa2 else {}), **early_split, **pdl_launch,
     )
     if not direct:
         _combine_kernel[(batch * heads,)](
@@ -785,7 +836,7 @@ def decode_attention(
             out.stride(0), out.stride(1),
             H=heads, CAPACITY=capacity, SPLIT_LEN=plan.split_len,
             NUM_SPLITS=plan.num_splits, SPLITS_P2=splits_p2, D=head_dim, D_CHUNK=d_chunk,
-            num_warps=4, PDL=use_pdl, **pdl_launch,
+            num_warps=4, PDL=use_pdl, **early_combine, **pdl_launch,
             **({"gate_ptr": gate, "stride_gb": gate.stride(0), "stride_gh": gate.stride(1), "GATE": True,
                 "INTERPRETED": _INTERPRETED} if gated else {}),
         )

@@ -110,6 +110,9 @@ CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 # form (grids in one wave), none in the fused form
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
 PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
+# the position read before PDL's wait, so the chunk's rows before t are asked for there too (with a
+# prefetch level; FASTQWEN_GDN_STEP_EARLY=1, off until measured; pdl.EARLY's note says why it is valid)
+EARLY = os.environ.get("FASTQWEN_GDN_STEP_EARLY", "0") == "1"
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 # 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
 # offsets clamped to its last float)
@@ -129,7 +132,8 @@ def step_form() -> str:
                else f"the close {CLOSE[0]}x{CLOSE[1]}")
     return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
             + (", PDL" if PDL and pdl.ENABLED else "")
-            + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else ""))
+            + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
+            + (", the position read before the wait" if EARLY else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -438,7 +442,8 @@ FORMS = ("fused", "merged")
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None):
+               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None,
+               early: bool | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -459,7 +464,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     gdn.gated_rmsnorm(o, z, weight, eps)), z [B, Hv * Dv] bf16 (any row stride, unit last), weight
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
-    nothing on the CPU; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
+    nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
+    asked for there (None: EARLY at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with
+    norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -495,6 +502,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     consts["PF"] = PREFETCH_LEVELS[prefetch] if v.is_cuda else 0
+    if EARLY if early is None else early:
+        consts["EARLY"] = True
     if norm is not None:
         z, nw, eps = norm
         vec, halves, _ = torch_order(Dv, v.device)
@@ -714,19 +723,33 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
 
 
 @triton.jit
+def _prefetch_rows(x_buf, vn_buf, bh, cb, t, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                   CH: tl.constexpr, PF: tl.constexpr):
+    """The chunk's rows before t (X's, and VN's columns of block cb) asked of cache level PF."""
+    live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)     # rows at or past t: row 0's lines again
+    pdl.prefetch(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32, PF)
+    pdl.prefetch(vn_buf + (bh * CH + live)[:, None] * DV + cb * BV + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
+
+
+@triton.jit
 def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_buf, vn_buf, g_buf, SCR: tl.constexpr,
                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
-                   NORM: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+                   NORM: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """A step program's place (both forms): its sequence-head bh, column block cb, sequence b, row t
     in its chunk, scratch, value columns dv and their state columns, and with NORM the gated norm's
     z and weight for them (else zeros); PDL's wait before its first load (q, k, v, z and the gates
     are the previous kernel's; the positions maybe an earlier one's). PF: a cache level to ask
     first for the lines the program reads (pdl.prefetch): the state's columns, the head's keys and
     decays and the scratch before the wait (no kernel of the step writes them but this one), the
-    chunk's rows before t after it."""
+    chunk's rows before t after it; EARLY: the position read, and (L2 only: an L1 line asked for
+    before the wait could be one the previous kernel writes, e.g. run_rows' previous step) the
+    chunk's rows before t asked for, before the wait too (pdl.EARLY's note: no kernel of the step
+    writes the positions)."""
     bh = tl.program_id(0)
     cb = tl.program_id(1)
     b = bh // HV
+    if EARLY:
+        t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
     if PF != 0:
         pdl.prefetch(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
                      + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
@@ -735,14 +758,14 @@ def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_
         # the program's scratch too: its vectors are stored, then read back as scalars (with its lines in
         # L1 a read after the store may hit there)
         pdl.prefetch(scr_ptr + (bh * (DV // 16) + cb) * SCR + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
+        if EARLY and PF == 2:
+            _prefetch_rows(x_buf, vn_buf, bh, cb, t, DK, DV, BV, CH, PF)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
-    if PF != 0:
-        live = tl.where(tl.arange(0, CH) < t, tl.arange(0, CH), 0)     # rows at or past t: row 0's lines again
-        pdl.prefetch(x_buf + (bh * CH + live)[:, None] * (DV + DK) + tl.arange(0, (DV + DK) // 32)[None, :] * 32, PF)
-        pdl.prefetch(vn_buf + (bh * CH + live)[:, None] * DV + cb * BV + tl.arange(0, (BV + 31) // 32)[None, :] * 32,
-                     PF)
+    if not EARLY:
+        t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
+    if PF != 0 and not (EARLY and PF == 2):
+        _prefetch_rows(x_buf, vn_buf, bh, cb, t, DK, DV, BV, CH, PF)
     dv = cb * BV + tl.arange(0, BV)
     z = tl.zeros([BV], dtype=tl.bfloat16)
     nw = tl.zeros([BV], dtype=tl.bfloat16)
@@ -772,13 +795,14 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                        RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                       HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                       HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
+                       EARLY: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
     columns; the close at the chunk's last row."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
-                                                          PDL)
+                                                          PDL, EARLY)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
@@ -800,14 +824,15 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                        HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                        HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
+                        EARLY: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
     state's rows this program just read (cache hits); the close at the chunk's last row."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
-                                                          PDL)
+                                                          PDL, EARLY)
     dk = tl.arange(0, DK)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,

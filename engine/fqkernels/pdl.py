@@ -16,6 +16,15 @@ Launching with PDL needs Triton's `launch_pdl` launch option (Triton 3.4+; our
 GPU's 3.6) and an sm_90+ GPU. Where it is missing (the platform's Triton 3.1, the
 CPU interpreter) the kernels compile without the instructions and launch as
 before: same results, no overlap. FASTQWEN_NO_PDL=1 turns it off.
+
+Early reads (EARLY, FASTQWEN_PDL_EARLY=1; off until measured): the attention's decode kernels
+read the step's positions and lengths before the wait (and the RoPE tables' rows at them, and
+ask L2 for the cached K/V lines a program will read), so their loads no longer wait for the
+previous kernel. Valid because no kernel of a decode step writes positions or lengths: they are
+advanced between steps by a kernel launched without PDL (DecodeRunner's add, LogitsStep's) or
+copied in from the host, and such a kernel lets its dependents start only once it has completed.
+The K/V lines are only prefetched (no data comes back before the wait), so the new position's
+row, which the kernel just before writes, is read after it as always. Same bits either way.
 """
 from __future__ import annotations
 
@@ -24,8 +33,8 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "for_rows", "wait", "launch_dependents", "start",
-           "prefetch_l2"]
+__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "for_rows", "early", "wait", "launch_dependents",
+           "start", "prefetch_l2", "prefetch"]
 
 
 def _enabled() -> bool:
@@ -50,6 +59,16 @@ LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
 # many-program grid then sat resident in its wait beside the GEMM's later waves:
 # TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
 MAX_ROWS = 64
+
+
+# The attention's decode kernels' early reads (module note); read at each launch, so a script may
+# set it between launches (a kernel compiled for each setting).
+EARLY: bool = os.environ.get("FASTQWEN_PDL_EARLY", "0") == "1"
+
+
+def early(flag: bool | None) -> bool:
+    """A launch's EARLY constexpr: `flag`, or the module's EARLY where it is None."""
+    return EARLY if flag is None else bool(flag)
 
 
 def for_rows(rows: int) -> tuple[bool, dict]:

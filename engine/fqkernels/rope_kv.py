@@ -39,6 +39,16 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _position_rows(pos_ptr, b, offset, cos_ptr, sin_ptr, stride_c, offs, mask):
+    """Sequence b's position plus `offset` (int64), and the cos and sin tables' rows there at offs
+    (fp32; zeros outside mask)."""
+    p = (tl.load(pos_ptr + b) + offset).to(tl.int64)
+    c = tl.load(cos_ptr + p * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + p * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+    return p, c, s
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
     q_ptr, kc_ptr, vc_ptr,
@@ -47,6 +57,7 @@ def _qk_norm_rope_store_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
     table_ptr=None, stride_tb=None, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
+    EARLY: tl.constexpr = False,  # the position and its cos/sin rows read before PDL's wait (pdl.EARLY's note)
 ):
     t = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,9 +69,12 @@ def _qk_norm_rope_store_kernel(
     # the norms' weights before the wait (no kernel writes them): their HBM round trip under the product's tail
     w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
     wr = tl.where(is_q, tl.load(qn_ptr + rot), tl.load(kn_ptr + rot)).to(tl.float32)
+    if EARLY:
+        p, c, s = _position_rows(pos_ptr, b, t % seq_len, cos_ptr, sin_ptr, D, offs, offs < D)
     pdl.wait(PDL)  # qkv and the positions come from earlier kernels
     pdl.launch_dependents(PDL)
-    p = tl.load(pos_ptr + b) + t % seq_len
+    if not EARLY:
+        p, c, s = _position_rows(pos_ptr, b, t % seq_len, cos_ptr, sin_ptr, D, offs, offs < D)
     row = qkv_ptr + t * stride_qkv + head * D  # k heads follow q heads in the packed row
     x = tl.load(row + offs).to(tl.float32)
     xr = tl.load(row + rot).to(tl.float32)
@@ -68,8 +82,6 @@ def _qk_norm_rope_store_kernel(
     n = _round_bf16(_round_bf16(x * inv) * w)
     nr = _round_bf16(_round_bf16(xr * inv) * wr)
     nr = tl.where(offs < HALF, -nr, nr)
-    c = tl.load(cos_ptr + p * D + offs).to(tl.float32)
-    s = tl.load(sin_ptr + p * D + offs).to(tl.float32)
     out = (_round_bf16(n * c) + _round_bf16(nr * s)).to(tl.bfloat16)
     if is_q:
         tl.store(q_ptr + t * stride_qt + head * stride_qh + offs, out)
@@ -110,12 +122,15 @@ def _check_block_table(fn: str, block_table, sequences: int, k_cache, v_cache) -
 
 def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
                        k_cache, v_cache, eps: float, num_heads: int, num_kv_heads: int,
-                       q_out: torch.Tensor = None, *, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                       q_out: torch.Tensor = None, *, block_table: torch.Tensor | None = None,
+                       early: bool | None = None) -> torch.Tensor:
     """Normalize + rotate Q and K of `qkv` [T, (H+2KVH)*D], write K/V to the caches; return Q [T, H, D].
 
     With block_table (int32 [B, W], contiguous, on the caches' device) the caches are page pools
     [P, KVH, PAGE, D] and position p of sequence b goes to k_cache[block_table[b, p // PAGE], :, p % PAGE];
-    positions below W * PAGE and page ids below P are the caller's to ensure (as C is, unpaged)."""
+    positions below W * PAGE and page ids below P are the caller's to ensure (as C is, unpaged).
+    early: the positions and their cos/sin rows read before PDL's wait, only where no kernel launched
+    with PDL just before writes the positions (pdl.EARLY's note); None: pdl.EARLY. Same bits."""
     D = k_cache.shape[-1]
     T = qkv.shape[0]
     for name, t in (("qkv", qkv), ("q_norm", q_norm), ("k_norm", k_norm), ("cos", cos), ("sin", sin),
@@ -147,7 +162,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
-        PDL=use_pdl, **paged, **pdl_launch,
+        PDL=use_pdl, **paged, **({"EARLY": True} if pdl.early(early) else {}), **pdl_launch,
     )
     return q_out
 
@@ -344,7 +359,8 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
                                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                                        BLOCK: tl.constexpr, VEC: tl.constexpr, HALVES: tl.constexpr,
                                        PDL: tl.constexpr = False, table_ptr=None, stride_tb=None,
-                                       PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1):
+                                       PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
+                                       EARLY: tl.constexpr = False):
     """Program (sequence b, head): a decode step's query head (head < H) or key head of the packed
     q | k | v row (per query head [query | gate], then the keys, then the values), its (1 + w)
     norm with the mean of squares in torch's order (rmsnorm's torch-order kernel, the same adds),
@@ -367,9 +383,13 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
     # the norm's weight before the wait (no kernel writes it): its HBM round trip under the product's tail
     w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     w_partner = tl.load(w_ptr + partner, mask=rot, other=0.0)
+    # EARLY: the position and its cos/sin rows before the wait (pdl.EARLY's note)
+    if EARLY:
+        p, c, s = _position_rows(pos_ptr, b, 0, cos_ptr, sin_ptr, stride_c, offs, rot)
     pdl.wait(PDL)  # the packed row and the positions come from earlier kernels
     pdl.launch_dependents(PDL)
-    p = tl.load(pos_ptr + b).to(tl.int64)
+    if not EARLY:
+        p, c, s = _position_rows(pos_ptr, b, 0, cos_ptr, sin_ptr, stride_c, offs, rot)
     row = qkv_ptr + b.to(tl.int64) * stride_row
     if is_q:
         src = row + head * (2 * D)
@@ -386,8 +406,6 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
     n = _scaled(xf, inv, w, True).to(tl.float32)
     y = _scaled(tl.load(src + partner, mask=rot, other=0.0).to(tl.float32), inv, w_partner, True).to(tl.float32)
     y = tl.where(offs < half, -y, y)                                   # rotate_half over the first R dims
-    c = tl.load(cos_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + p * stride_c + offs, mask=rot, other=0.0).to(tl.float32)
     out = tl.where(rot, _round_bf16(_round_bf16(n * c) + _round_bf16(y * s)), n).to(tl.bfloat16)
     if is_q:
         tl.store(q_ptr + (b * H + head) * D + offs, out, mask=ok)
@@ -405,7 +423,8 @@ def _qk_norm_partial_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr
 def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, *,
-                               block_table: torch.Tensor | None = None) -> torch.Tensor | None:
+                               block_table: torch.Tensor | None = None,
+                               early: bool | None = None) -> torch.Tensor | None:
     """Qwen3.5's decode-step attention prologue in one kernel: qkv [B, (2H + 2KVH) D] bf16 (the packed
     q | k | v product's rows; per query head [query | gate]), q_norm, k_norm [D] (the (1 + w)
     norms' weights), cos, sin the [length, R] bf16 tables, positions [B] int on the device, the
@@ -413,7 +432,8 @@ def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
     [B, H, D] (normed and rotated); the keys (normed and rotated) and the values go into the
     caches at the positions. The bits of rmsnorm(one_plus) on each head, then partial_rope /
     rope_store_kv (GPU tests). None when this torch's order of the norm's mean at width D is one
-    the kernel does not implement (the caller then runs the separate kernels)."""
+    the kernel does not implement (the caller then runs the separate kernels). early: the positions
+    and their cos/sin rows read before PDL's wait (pdl.EARLY's note; None: pdl.EARLY). Same bits."""
     from fqkernels.rmsnorm import _inverse, torch_order_launch
 
     B = qkv.shape[0]
@@ -441,5 +461,6 @@ def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
     _qk_norm_partial_rope_store_kernel[(B, H + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, q, k_cache, v_cache, _inverse(D), eps, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, KVH=KVH, D=D, R=R, BLOCK=max(128, D), VEC=vec,
-        HALVES=halves, PDL=use_pdl, num_warps=1 if D <= 128 else 2, enable_fp_fusion=False, **paged, **pdl_launch)
+        HALVES=halves, PDL=use_pdl, num_warps=1 if D <= 128 else 2, enable_fp_fusion=False, **paged,
+        **({"EARLY": True} if pdl.early(early) else {}), **pdl_launch)
     return q

@@ -549,6 +549,23 @@ def test_gate_in_merge_interpreted(interpreter_fixes, batch, heads, kv_heads, he
 
 
 @needs_interpreter
+@pytest.mark.parametrize("flash_order", [True, False], ids=["newest-first", "oldest-first"])
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,capacity,lengths,num_splits,scale",
+                         [_INTERPRETED_CASES[i] for i in (0, 1, 5, 6, 7)])
+def test_early_reads_give_the_same_bits_interpreted(interpreter_fixes, batch, heads, kv_heads, head_dim, capacity,
+                                                    lengths, num_splits, scale, flash_order):
+    """early=True (the lengths read before PDL's wait; no prefetch off the GPU): the same output as
+    without, gated too."""
+    q, k, v, lengths_t = _make_inputs(batch, heads, kv_heads, capacity, head_dim, lengths, "cpu", seed=14)
+    kw = dict(num_splits=num_splits, flash_order=flash_order)
+    assert torch.equal(decode_attention(q, k, v, lengths_t, scale, early=True, **kw),
+                       decode_attention(q, k, v, lengths_t, scale, early=False, **kw))
+    gate = _gate_for(q, seed=3)
+    assert torch.equal(decode_attention(q, k, v, lengths_t, scale, gate=gate, early=True, **kw),
+                       decode_attention(q, k, v, lengths_t, scale, gate=gate, early=False, **kw))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("lengths,window", [([300, 1, 64], None), ([65, 128, 0], None), ([300, 200, 77], 100)])
 def test_fa2_path_matches_reference_interpreted(interpreter_fixes, monkeypatch, lengths, window):
     """The FA2 path (one split, head_dim 128: flash's arithmetic) computes attention: within the
@@ -844,6 +861,67 @@ def test_gate_in_merge_gpu(batch, heads, kv_heads, head_dim):
             graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, decode_attention(q, k, v, lengths_t, head_dim**-0.5, gate=gate)), lengths
+
+
+def _graphed_attention_step(family: str, batch: int, early: bool, steps: int, seed: int) -> list[torch.Tensor]:
+    """A decode step's attention as the engines run it, captured as a CUDA graph and replayed
+    `steps` times: the prologue kernel (norms, RoPE, the new key and value into the caches at the
+    positions; PDL) right before decode_attention (PDL), then the positions and lengths advanced by
+    one torch add, as DecodeRunner does. Returns each replay's output (cloned)."""
+    from fqkernels.rope_kv import qk_norm_partial_rope_store, qk_norm_rope_store, rope_tables
+
+    heads, kv_heads, head_dim = (16, 4, 256) if family == "qwen35" else (32, 8, 128)
+    capacity, start = 1024, 300
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape: torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    width = (2 * heads + 2 * kv_heads) * head_dim if family == "qwen35" else (heads + 2 * kv_heads) * head_dim
+    qkv = rnd(batch, width)
+    q_norm, k_norm = 1 + 0.1 * rnd(head_dim), 1 + 0.1 * rnd(head_dim)
+    kc, vc = rnd(batch, kv_heads, capacity, head_dim), rnd(batch, kv_heads, capacity, head_dim)
+    cos, sin = rope_tables(64 if family == "qwen35" else head_dim, 10000.0, capacity, torch.device("cuda"))
+    pos_len = torch.tensor([[start + 7 * i for i in range(batch)]] * 2, dtype=torch.int32, device="cuda")
+    pos_len[1] += 1
+    positions, lengths = pos_len[0], pos_len[1]
+    scale = head_dim ** -0.5
+
+    def run():
+        if family == "qwen35":
+            q = qk_norm_partial_rope_store(qkv, q_norm, k_norm, cos, sin, positions, kc, vc, 1e-6, heads, kv_heads,
+                                           early=early)
+            gate = qkv[:, :2 * heads * head_dim].view(batch, heads, 2 * head_dim)[..., head_dim:]
+            out = decode_attention(q, kc, vc, lengths, scale, gate=gate, early=early)
+        else:
+            q = qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, 1, kc, vc, 1e-6, heads, kv_heads,
+                                   early=early)
+            out = decode_attention(q, kc, vc, lengths, scale, early=early)
+        pos_len.add_(1)
+        return out
+
+    run()      # compile, workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    outs = []
+    for _ in range(steps):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen35", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_early_reads_in_a_graphed_step_gpu(family, batch):
+    """pdl.EARLY's reads (the positions, lengths and RoPE rows before PDL's wait, the first K/V
+    tiles asked of L2 there) in a graphed step whose prologue writes the new position's key and
+    value right before the attention reads them: every replay's output equals the step's without."""
+    plain = _graphed_attention_step(family, batch, False, 6, seed=31)
+    early = _graphed_attention_step(family, batch, True, 6, seed=31)
+    for i, (a, b) in enumerate(zip(plain, early)):
+        assert torch.equal(a, b), f"replay {i}: {(a != b).float().mean().item():.3%} of elements differ"
 
 
 @pytest.mark.gpu

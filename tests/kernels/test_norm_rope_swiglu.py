@@ -221,7 +221,10 @@ def test_add_rmsnorm_partials_bad_shape_names_partials():
 
 @pytest.mark.parametrize("B,S,H,KVH,D", [(1, 1, 32, 8, 128), (16, 1, 32, 8, 128), (2, 37, 32, 8, 128),
                                          (3, 5, 16, 8, 128), (2, 9, 4, 2, 64)])
-def test_qk_norm_rope_store(B, S, H, KVH, D):
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_qk_norm_rope_store(B, S, H, KVH, D, early):
+    """early: the positions and their RoPE rows read before PDL's wait (the bits of the plain
+    launch, checked beside the reference)."""
     cap = 4096
     cos, sin = rope_tables(D, 5e6, cap, DEV)
     qkv = (torch.randn(B * S, (H + 2 * KVH) * D, device=DEV) * 3).bfloat16()
@@ -231,7 +234,13 @@ def test_qk_norm_rope_store(B, S, H, KVH, D):
     full_k = torch.full((2, B, KVH, cap, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     full_v = full_k.clone()
     ref_k, ref_v = full_k.clone(), full_v.clone()
-    q = qk_norm_rope_store(qkv, qn, kn, cos, sin, start, S, full_k[1], full_v[1], 1e-6, H, KVH)
+    q = qk_norm_rope_store(qkv, qn, kn, cos, sin, start, S, full_k[1], full_v[1], 1e-6, H, KVH, early=early)
+    if early:
+        plain_k, plain_v = full_k.clone().fill_(float("nan")), full_v.clone().fill_(float("nan"))
+        plain_q = qk_norm_rope_store(qkv, qn, kn, cos, sin, start, S, plain_k[1], plain_v[1], 1e-6, H, KVH,
+                                     early=False)
+        assert torch.equal(q, plain_q)
+        assert torch.equal(full_k.nan_to_num(0), plain_k.nan_to_num(0))
     ref_q = qk_norm_rope_store_reference(qkv, qn, kn, cos, sin, start, S, ref_k[1], ref_v[1], 1e-6, H, KVH)
     # RoPE's sum of two rounded products can cancel: a one-ulp difference in a
     # product (from the norm's reduction order) is then many ulps of the sum, so

@@ -354,12 +354,14 @@ def test_bad_paged_caches_are_named():
 @pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
 @pytest.mark.parametrize("B,H,KVH,D,R,page", [(3, 4, 2, 256, 64, None), (2, 4, 2, 256, 64, 16),
                                               (5, 2, 1, 64, 16, None), (1, 16, 4, 256, 64, 64)])
-def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding, B, H, KVH, D, R, page):
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding, B, H, KVH, D, R, page, early):
     """Qwen3.5's decode prologue in one kernel (rope_kv.qk_norm_partial_rope_store): each head's
     (1 + w) norm, its partial RoPE at the sequence's position, the key and value into the
     caches (rows, or pages through a block table), the same bits as the separate kernels the
     model ran before (rmsnorm with one_plus on the q and k heads read in place, partial_rope at
-    the positions, rope_store_kv), every other cache entry untouched."""
+    the positions, rope_store_kv), every other cache entry untouched; early: the position and its
+    RoPE rows read before PDL's wait, the same bits."""
     from fqkernels.rmsnorm import rmsnorm
     from fqkernels.rope_kv import partial_rope, qk_norm_partial_rope_store
 
@@ -379,7 +381,7 @@ def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding
     rope_store_kv(rmsnorm(k_heads, kn, 1e-6, one_plus=True), v_heads, cos, sin, pos, *want)
     if page is None:
         got = [c.clone() for c in caches]
-        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *got, 1e-6, H, KVH)
+        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *got, 1e-6, H, KVH, early=early)
     else:   # the same contents in pages of a shuffled table, gathered back to compare
         width = C // page
         perm = torch.randperm(B * width, generator=g_).int()
@@ -387,7 +389,8 @@ def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding
         pools = [torch.empty(B * width, KVH, page, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
         for pool, c in zip(pools, caches):
             pool[table.reshape(-1).long()] = c.view(B, KVH, width, page, D).transpose(1, 2).reshape(-1, KVH, page, D)
-        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *pools, 1e-6, H, KVH, block_table=table)
+        q_got = qk_norm_partial_rope_store(qkv, qn, kn, cos, sin, pos, *pools, 1e-6, H, KVH, block_table=table,
+                                           early=early)
         got = [pool[table.long()].transpose(1, 2).reshape(B, KVH, C, D) for pool in pools]
     assert q_got is not None
     assert torch.equal(q_got, q_want)

@@ -38,17 +38,30 @@ def test_attention_kernels_compile_with_pdl():
            "WINDOW": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
            "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_ob": "i32", "stride_oh": "i32",
            "stride_tb": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32"}
-    for paged in (False, True):   # the row cache, and the paged one (pages through a block table)
+    for paged, early in ((False, False), (True, False), (False, True)):   # the row cache, the paged one (pages
+        # through a block table), the row cache with the reads before the wait (pdl.EARLY)
         consts = dict(KVH=8, G=4, D=128, BLOCK_N=64, BLOCK_G=16, DIRECT=False, FLASH_ORDER=True, PDL=True,
-                      FA2_PATH=False, PAGED=paged, PAGE=64, PAGE_IDS=0)
-        _assert_pdl(_aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3)
-                    .asm["ptx"])
+                      FA2_PATH=False, PAGED=paged, PAGE=64, PAGE_IDS=0, EARLY=early, PREFETCH=2 if early else 0)
+        ptx = _aot_compile(decode_attention._split_kernel, sig, consts, ("q_ptr", "k_ptr", "v_ptr"), 4, 3).asm["ptx"]
+        _assert_pdl(ptx)
+        _assert_early(ptx, early, prefetches=early)
     sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*bf16",
            "stride_ob": "i32", "stride_oh": "i32", "CAPACITY": "i32", "SPLIT_LEN": "i32", "NUM_SPLITS": "i32",
            "gate_ptr": "*bf16", "stride_gb": "i32", "stride_gh": "i32"}
-    for gate in (False, True):    # the merge alone, and with Qwen3.5's output gate in it
-        consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True, GATE=gate, INTERPRETED=False)
-        _assert_pdl(_aot_compile(decode_attention._combine_kernel, sig, consts, ("acc_ptr",), 4, 1).asm["ptx"])
+    for gate, early in ((False, False), (True, False), (True, True)):    # the merge alone, and with Qwen3.5's
+        # output gate in it, also with the length read before the wait
+        consts = dict(H=32, SPLITS_P2=16, D=128, D_CHUNK=128, PDL=True, GATE=gate, INTERPRETED=False, EARLY=early)
+        ptx = _aot_compile(decode_attention._combine_kernel, sig, consts, ("acc_ptr",), 4, 1).asm["ptx"]
+        _assert_pdl(ptx)
+        _assert_early(ptx, early)
+
+
+def _assert_early(ptx: str, early: bool, prefetches: bool = False) -> None:
+    """With early reads a global load (the length or position) comes before the wait, with
+    `prefetches` the L2 prefetches too; without, no global load or prefetch does."""
+    before = ptx[ptx.index(".entry"):ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == early
+    assert ("prefetch.global.L2" in before) == prefetches
 
 
 @needs_compiler
@@ -74,9 +87,15 @@ def test_norm_and_rope_kernels_compile_with_pdl():
            "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
            "stride_ks": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vs": "i32",
            "table_ptr": "*i32", "stride_tb": "i32"}
-    for paged in (False, True):   # the row cache, and the paged one (pages through a block table)
-        consts = dict(H=32, KVH=8, D=128, PDL=True, PAGED=paged, PAGE=64)
-        _assert_pdl(_aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"])
+    loads_before = {}
+    for paged, early in ((False, False), (True, False), (False, True)):   # the row cache, the paged one (pages
+        # through a block table), the position and the tables' rows read before the wait (pdl.EARLY)
+        consts = dict(H=32, KVH=8, D=128, PDL=True, PAGED=paged, PAGE=64, EARLY=early)
+        ptx = _aot_compile(rope_kv._qk_norm_rope_store_kernel, sig, consts, ("qkv_ptr",), 1, 1).asm["ptx"]
+        _assert_pdl(ptx)
+        loads_before[paged, early] = ptx[ptx.index(".entry"):ptx.index("griddepcontrol.wait")].count("ld.global")
+    # the norms' weights before the wait in every form; early, the position's and the tables' loads too
+    assert loads_before[False, True] > loads_before[False, False] > 0
 
 
 @needs_compiler
