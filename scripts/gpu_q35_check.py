@@ -46,21 +46,24 @@ from bench_gdn import kernel_table  # noqa: E402
 # (the output gate in the attention's merge), pdl.EARLY (the attention's decode kernels read the
 # positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
-# rows there)
+# rows there), gdn_exact_step.UNROLL_WS (the merged step's w S_c pass: rows a trip; 0: its UNROLL)
 BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False, "EARLY": pdl.EARLY,
-        "STEP_EARLY": gdn_exact_step.EARLY}
+        "STEP_EARLY": gdn_exact_step.EARLY, "UNROLL_WS": gdn_exact_step.UNROLL_WS}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
         "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},
         "exact_early": {"EARLY": True, "STEP_EARLY": True},
         "exact_early_gate": {"EARLY": True, "STEP_EARLY": True, "GATE": True},
+        "exact_ws64": {"UNROLL_WS": 64}, "exact_ws128": {"UNROLL_WS": 128},
+        "exact_early_ws64": {"EARLY": True, "STEP_EARLY": True, "UNROLL_WS": 64},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 
 
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
-            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY}
+            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY,
+            "UNROLL_WS": gdn_exact_step.UNROLL_WS}
 
 
 def _apply(model, settings: dict) -> None:
@@ -68,6 +71,7 @@ def _apply(model, settings: dict) -> None:
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
     pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
+    gdn_exact_step.UNROLL_WS = settings["UNROLL_WS"]
 
 
 def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:

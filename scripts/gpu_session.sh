@@ -18,7 +18,7 @@
 #   profile       per-kernel device time of a decode step and a prefill
 #   attn-probe    decode attention variants: bits against the full forward, and speed
 #   kernels-attn  the decode-attention GPU tests alone
-#   kernels-early the GPU tests of the reads before PDL's wait (attention, prologues, the exact step's early
+#   kernels-early the GPU tests of the reads before PDL's wait (attention, prologues, the exact step's early and w S_c
 #                 cases) and of the gate in the attention's merge (EARLY_TESTS_TIMEOUT_S, default 420)
 #   check         engine speed, fidelity against native, graph == eager
 #   opswap        which op moves the logits (tiny and 4B)
@@ -405,7 +405,7 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                    timeout "${EARLY_TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -rf --tb=short -m gpu \
                      tests/kernels/test_decode_attention.py tests/kernels/test_norm_rope_swiglu.py \
                      tests/kernels/test_paged_kv_writes.py tests/kernels/test_gdn_exact_step.py \
-                     -k "early or gate_in_merge or qk_norm_rope_store or qwen35_prologue or extra10 or extra11 or extra12" \
+                     -k "early or gate_in_merge or qk_norm_rope_store or qwen35_prologue or extra1 or different_rows" \
                      2>&1 | tail -12 | tee "$OUT/pytest_early.log" ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;

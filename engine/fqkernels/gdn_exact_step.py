@@ -77,6 +77,12 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
 # before the register cap below);
 # FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
+# the merged form's w S_c pass: its rows a trip (FASTQWEN_GDN_STEP_UNROLL_WS; 0: UNROLL). Its trips
+# hold a state row and a scalar a row (the keys' trips hold ~5 values a row, so 32 is their most
+# without spills), so it may load more rows at once: fewer dependent round trips on the step's
+# critical path (4 at 32: the scalars w_i come back from the scratch just written, the state's rows
+# from cache). The same chains, so the same bits. Off (0) until measured.
+UNROLL_WS = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL_WS", "0"))
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
@@ -443,7 +449,7 @@ FORMS = ("fused", "merged")
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
                maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None,
-               early: bool | None = None):
+               early: bool | None = None, unroll_ws: int | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -465,19 +471,22 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
     nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
-    asked for there (None: EARLY at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with
-    norm."""
+    asked for there (None: EARLY at the call; the same bits); unroll_ws: the merged form's w S_c pass's
+    rows a trip (a power of two from 8 to Dk; 0: unroll; None: UNROLL_WS at the call; the same bits).
+    Returns o [B, Hv, Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
     prefetch = PREFETCH if prefetch is None else prefetch
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
+    unroll_ws = (UNROLL_WS if unroll_ws is None else unroll_ws) or unroll
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
     close = close_blocks(form, close)
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
+            or unroll_ws < 8 or unroll_ws > Dk or unroll_ws & (unroll_ws - 1)
             or not (isinstance(maxnreg, int) and maxnreg >= 0)
             or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
             or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C
@@ -485,9 +494,10 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or prefetch not in (*PREFETCH_LEVELS, "auto")):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
+                         f"sum order {sum_order}, unroll {unroll} (w S_c's {unroll_ws}), form {form!r}, register "
+                         f"cap {maxnreg!r}, "
                          f"close {close!r}, norm {_norm_shapes(norm)}, prefetch {prefetch!r} (Dk a power of two "
-                         f">= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; "
+                         f">= 32; the block a multiple of 16 dividing Dv; unroll and w S_c's a power of two from 8 to Dk; "
                          f"form one of {FORMS} or \"auto\"; the cap \"auto\" or registers >= 0; the close's blocks "
                          f"powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
@@ -515,8 +525,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args)
     if form == "merged":
+        ws = {"UW": unroll_ws} if unroll_ws != unroll else {}
         _merged_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PDL=use_pdl,
-                                                num_warps=num_warps, **consts, **pdl_launch, **caps)
+                                                num_warps=num_warps, **consts, **ws, **pdl_launch, **caps)
     else:
         _chain_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order,
                                                PDL=use_pdl, num_warps=num_warps,
@@ -825,11 +836,13 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                         HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
-                        EARLY: tl.constexpr = False):
+                        EARLY: tl.constexpr = False, UW: tl.constexpr = 0):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
-    state's rows this program just read (cache hits); the close at the chunk's last row."""
+    state's rows this program just read (cache hits), UW rows a trip (0: U); the close at the
+    chunk's last row."""
+    UWS: tl.constexpr = U if UW == 0 else UW
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
@@ -844,8 +857,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                                        NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
-    for i0 in range(0, DK, U):
-        for u in tl.static_range(U):
+    for i0 in range(0, DK, UWS):
+        for u in tl.static_range(UWS):
             i = i0 + u
             acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), tl.load(s_rows + i * DV), acc_w2)
     v_new = _sub_rn(xu, acc_w2, INTERPRETED)

@@ -57,12 +57,14 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
     (64, 32, 32, 32, "auto", {"maxnreg": "auto"}), (64, 32, 32, 64, "merged", {"close": (16, 16)}),
     (64, 64, 64, 16, "fused", {"close": (64, 64)}),
     (64, 64, 64, 16, "merged", {"early": True, "prefetch": "l2"}), (32, 16, 32, 8, "fused", {"early": True}),
-    (64, 32, 32, 32, "merged", {"early": True, "prefetch": "l1"})])
+    (64, 32, 32, 32, "merged", {"early": True, "prefetch": "l1"}), (64, 64, 64, 16, "merged", {"unroll_ws": 64}),
+    (32, 16, 32, 8, "merged", {"unroll_ws": 16})])
 def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form, extra):
     """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
     kernel with a pass a product, or with the passes merged, or the grid's pick ("auto"); extra: a
     register cap, the close's blocks (state rows, chunk rows a dot), the position read before PDL's
-    wait with the lines asked of L2 or L1 (each step's rows are the previous launch's writes)."""
+    wait with the lines asked of L2 or L1 (each step's rows are the previous launch's writes), w S_c's
+    pass at other rows a trip."""
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
@@ -109,6 +111,8 @@ def test_fused_step_at_different_rows_and_wrong_shapes(form):
         _same(got[b], want[0, T - n:], f"sequence {b}")
     with pytest.raises(ValueError, match="state"):
         step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], idx[:, 0], S[:, :1].contiguous(), rows)
+    with pytest.raises(ValueError, match=r"unroll 32 \(w S_c's 48\)"):
+        step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], idx[:, 0], S, rows, unroll_ws=48)
 
 
 @pytest.mark.parametrize("form", step.FORMS)
