@@ -91,6 +91,20 @@ def fidelity(eng, native, shape, seed):
     }
 
 
+def runner_step_ms(runner, steps: int, warmup: int = 0) -> float:
+    """Device milliseconds a step of `runner` (fq_decode.DecodeRunner) over `steps` steps run back to
+    back (CUDA events), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        runner.step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        runner.step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def speed(eng, shape, reps=3):
     B, S, N = shape
     g = torch.Generator().manual_seed(7)
@@ -107,15 +121,9 @@ def speed(eng, shape, reps=3):
     # pure GPU time of one graphed step, replayed back to back
     runner = eng._runner
     steps = 50
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.inference_mode():
         runner.start(torch.zeros(B, dtype=torch.int64, device="cuda"), S)
-        start.record()
-        for _ in range(steps):
-            runner.step()
-        end.record()
-    torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / steps
+        step_ms = runner_step_ms(runner, steps)
     w_bytes = eng.model.w.nbytes()
     kv_bytes = B * (S + steps // 2) * eng.cfg.kv_bytes_per_token
     return {"shape": list(shape), "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "total_ms": total * 1e3,
@@ -144,15 +152,7 @@ def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
                 with torch.inference_mode():
                     runner = DecodeRunner(model, B, use_graph=eng.use_graphs)
                     runner.start(model.prefill(ids), S)
-                    for _ in range(3):
-                        runner.step()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(steps):
-                        runner.step()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times[arm].append(round(start.elapsed_time(end) / steps, 4))
+                    times[arm].append(round(runner_step_ms(runner, steps, warmup=3), 4))
                     if r == 0:
                         seen = []
                         for _ in range(4):

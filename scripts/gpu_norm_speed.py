@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine import Engine  # noqa: E402
 from fq_decode import DecodeRunner  # noqa: E402
 from fqkernels import rmsnorm as rn  # noqa: E402
+from gpu_check import runner_step_ms  # noqa: E402
 
 # name -> TORCH_ORDER
 VARIANTS = {"tl_sum": False, "torch_order": True}
@@ -59,15 +60,7 @@ def step_ms(eng: Engine, batch: int, prompt: int, steps: int) -> float:
     runner = DecodeRunner(eng.model, batch, True)
     with torch.inference_mode():
         runner.start(torch.zeros(batch, dtype=torch.int64, device="cuda"), prompt)
-        for _ in range(10):
-            runner.step()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            runner.step()
-        end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+        return runner_step_ms(runner, steps, warmup=10)
 
 
 def main() -> None:
