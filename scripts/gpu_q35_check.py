@@ -13,7 +13,9 @@ pass (torch.profiler) at the profiled shapes. One JSON report.
 --arms (timing only) times the graphed decode step at each shape under several settings in one
 process, interleaved over --rounds rounds, each arm from a fresh prompt pass (so the exact GDN
 step walks the same rows): ARMS below (exact decode on or off, and the knobs under test; those
-measured this way in sessions 26-27 were removed as they lost, PERF_LOG).
+measured this way in sessions 26-27 were removed as they lost, PERF_LOG). --warm-workers N: N
+processes compile the arms' kernels first (one eager step each), in parallel, while this one
+loads (each new constexpr of the exact step is a compile of a minute or more).
 
 --gemv (repeatable; --gemv-silu for the fused gate/up table) sets the config of the table
 entry for weight shape N x K whose row limit is ROWS (an int, or None: no limit; a limit the
@@ -46,9 +48,11 @@ from bench_gdn import kernel_table  # noqa: E402
 # (the output gate in the attention's merge), pdl.EARLY (the attention's decode kernels read the
 # positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
-# rows there), gdn_exact_step.UNROLL_WS (the merged step's w S_c pass: rows a trip; 0: its UNROLL)
+# rows there), gdn_exact_step.UNROLL_WS (the merged step's w S_c pass: rows a trip; 0: its UNROLL),
+# gdn_exact_step.SOLVE_ONE_PASS (the merged step's solve: the own block in the last trip)
 BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False, "EARLY": pdl.EARLY,
-        "STEP_EARLY": gdn_exact_step.EARLY, "UNROLL_WS": gdn_exact_step.UNROLL_WS}
+        "STEP_EARLY": gdn_exact_step.EARLY, "UNROLL_WS": gdn_exact_step.UNROLL_WS,
+        "ONE_PASS": gdn_exact_step.SOLVE_ONE_PASS}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
         "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},
@@ -56,6 +60,8 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
         "exact_early_gate": {"EARLY": True, "STEP_EARLY": True, "GATE": True},
         "exact_ws64": {"UNROLL_WS": 64}, "exact_ws128": {"UNROLL_WS": 128},
         "exact_early_ws64": {"EARLY": True, "STEP_EARLY": True, "UNROLL_WS": 64},
+        "exact_onepass": {"ONE_PASS": True},
+        "exact_all": {"EARLY": True, "STEP_EARLY": True, "UNROLL_WS": 64, "ONE_PASS": True, "GATE": True},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 
@@ -63,7 +69,7 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
             "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY,
-            "UNROLL_WS": gdn_exact_step.UNROLL_WS}
+            "UNROLL_WS": gdn_exact_step.UNROLL_WS, "ONE_PASS": gdn_exact_step.SOLVE_ONE_PASS}
 
 
 def _apply(model, settings: dict) -> None:
@@ -71,7 +77,52 @@ def _apply(model, settings: dict) -> None:
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
     pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
-    gdn_exact_step.UNROLL_WS = settings["UNROLL_WS"]
+    gdn_exact_step.UNROLL_WS, gdn_exact_step.SOLVE_ONE_PASS = settings["UNROLL_WS"], settings["ONE_PASS"]
+
+
+def _kernel_settings(arm: str) -> tuple:
+    """An arm's settings, the ones that pick the decode kernels' compiled forms."""
+    return tuple(sorted({**BASE, **ARMS[arm]}.items()))
+
+
+def _warm_worker(model_path: str, tasks: list) -> list:
+    """One process of --warm-workers: the model loaded, then for each (arm, batch, capacity) one eager
+    decode step under the arm's settings, so its kernels are compiled into Triton's cache (shared on
+    disk) before the timing process launches them. Returns the arms done."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = fq_qwen35.Qwen35Config.from_dir(model_path)
+    model = fq_qwen35.Qwen35Model(cfg, fq_qwen35.load_weights(model_path, cfg, dev), dev,
+                                  backend="triton" if dev.type == "cuda" else "torch")
+    done = []
+    for arm, b, capacity in tasks:
+        _apply(model, {**BASE, **ARMS[arm]})
+        model.ensure_rope(capacity)
+        model.allocate_cache(b, capacity)
+        pos = torch.full((b,), capacity - 9, dtype=torch.int32, device=dev)
+        with torch.inference_mode():
+            model.decode_logits(torch.zeros(b, dtype=torch.int64, device=dev), pos, pos + 1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        done.append(arm)
+    return done
+
+
+def _start_warm(model_path: str, shapes: list, arms: list, workers: int):
+    """--warm-workers: the arms' distinct kernel settings at each shape, compiled by `workers` processes
+    (spawned, each loading the model) while this one loads and runs its own; returns (pool, futures)."""
+    import concurrent.futures
+    import multiprocessing
+
+    seen, tasks = set(), []
+    for b, p, o in shapes:
+        for arm in arms:
+            key = (_kernel_settings(arm), b, p + max(8, o) + 8)
+            if key not in seen:
+                seen.add(key)
+                tasks.append((arm, b, key[2]))
+    workers = max(1, min(workers, len(tasks)))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    return pool, [pool.submit(_warm_worker, model_path, tasks[i::workers]) for i in range(workers)]
 
 
 def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:
@@ -188,6 +239,8 @@ def main() -> None:
                     help="only the shapes' timings (no torch model, no teacher-forced or graph checks): an A/B")
     ap.add_argument("--arms", default="", help=f"with --timing-only: arms to time in one process ({', '.join(ARMS)})")
     ap.add_argument("--rounds", type=int, default=3, help="--arms: interleaved rounds")
+    ap.add_argument("--warm-workers", type=int, default=0,
+                    help="--arms: processes that compile the arms' kernels first, in parallel (each loads the model)")
     ap.add_argument("--gemv", action="append", default=[], metavar="NxK@ROWS:FIELDS",
                     help="replace a GEMV table entry's config (repeatable), e.g. 12352x2560@1:block_n=8,block_k=256,"
                     "mode=fma,block_m=1")
@@ -216,9 +269,20 @@ def main() -> None:
             models[backend] = fq_qwen35.Qwen35Model(cfg, w, dev, backend=backend)
         return {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
 
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    warm = _start_warm(args.model, shapes, arms, args.warm_workers) if arms and args.warm_workers else None
     if not _step(report, "load", load):
         json.dump(report, open(args.out, "w"), indent=1)
         return
+    if warm is not None:
+        def warmed():
+            pool, futures = warm
+            t0 = time.perf_counter()
+            done = [arm for f in futures for arm in f.result()]
+            pool.shutdown()
+            return {"kernel_sets": len(done), "wait_s": round(time.perf_counter() - t0, 1)}
+
+        _step(report, "warm", warmed)
     B, S, N = 4, 200, 12
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(3)).to(dev)
 
@@ -253,8 +317,8 @@ def main() -> None:
     if not args.timing_only:
         _step(report, "graph_capture", graph)
 
-    for shape in args.shapes.split(","):
-        b, p, o = (int(x) for x in shape.split("x"))
+    for b, p, o in shapes:
+        shape = f"{b}x{p}x{o}"
 
         def timing(b=b, p=p, o=o):
             ids = torch.randint(0, cfg.vocab_size, (b, p), device=dev)

@@ -105,7 +105,8 @@
 #   q35-step-arms the graphed step under several settings in one process, interleaved (gpu_q35_check.py --arms;
 #                 Q35_ARMS, default exact,fast; Q35_ARMS_SHAPES,
 #                 default the public set; Q35_ARMS_ROUNDS, default 3; Q35_ARMS_PROFILE, shapes BxP whose eager
-#                 step is profiled kernel by kernel with the process's own settings, e.g. 1x512)
+#                 step is profiled kernel by kernel with the process's own settings, e.g. 1x512; Q35_ARMS_WARM,
+#                 default 4: processes that compile the arms' kernels first, in parallel)
 #   q3-early-arms Qwen3-4B (/tmp/q4b): the graphed step with the attention's early reads (fqkernels.pdl.EARLY) off
 #                 and on, interleaved (gpu_check.py --early-arms; Q3_ARMS_SHAPES, default the public set;
 #                 Q3_ARMS_ROUNDS, default 3)
@@ -319,6 +320,7 @@ json.dump(c, open('/tmp/q4b_w4096/config.json', 'w'), indent=2)" ;;
                    --shapes "${Q35_ARMS_SHAPES:-1x512x32,4x2048x32,16x512x128}" \
                    --arms "${Q35_ARMS:-exact,fast}" \
                    --rounds "${Q35_ARMS_ROUNDS:-3}" ${Q35_ARMS_PROFILE:+--profile "$Q35_ARMS_PROFILE"} \
+                   --warm-workers "${Q35_ARMS_WARM:-4}" \
                    --out "$OUT/q35_step_arms.json" > "$OUT/q35_step_arms.log" 2>&1
                  python3 -c "import json; d = json.load(open('$OUT/q35_step_arms.json'))
 for k, v in d.items():

@@ -83,6 +83,10 @@ UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
 # critical path (4 at 32: the scalars w_i come back from the scratch just written, the state's rows
 # from cache). The same chains, so the same bits. Off (0) until measured.
 UNROLL_WS = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL_WS", "0"))
+# the merged form's solve: the own block's rows in the earlier blocks' last trip (one dependent round
+# trip fewer for 48 of a chunk's 64 rows; the same operations in the same order:
+# _solve_rows_merged's ONE_PASS; FASTQWEN_GDN_STEP_SOLVE_ONE_PASS=1). Off until measured.
+SOLVE_ONE_PASS = os.environ.get("FASTQWEN_GDN_STEP_SOLVE_ONE_PASS", "0") == "1"
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
@@ -139,7 +143,9 @@ def step_form() -> str:
     return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
             + (", PDL" if PDL and pdl.ENABLED else "")
             + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
-            + (", the position read before the wait" if EARLY else ""))
+            + (", the position read before the wait" if EARLY else "")
+            + (f", w S_c {UNROLL_WS} rows a trip" if UNROLL_WS else "")
+            + (", the solve's own block in its last trip" if SOLVE_ONE_PASS else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -449,7 +455,7 @@ FORMS = ("fused", "merged")
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
                maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None,
-               early: bool | None = None, unroll_ws: int | None = None):
+               early: bool | None = None, unroll_ws: int | None = None, one_pass: bool | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -472,8 +478,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
     nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
     asked for there (None: EARLY at the call; the same bits); unroll_ws: the merged form's w S_c pass's
-    rows a trip (a power of two from 8 to Dk; 0: unroll; None: UNROLL_WS at the call; the same bits).
-    Returns o [B, Hv, Dv] bf16, normed with norm."""
+    rows a trip (a power of two from 8 to Dk; 0: unroll; None: UNROLL_WS at the call; the same bits);
+    one_pass: the merged form's solve with the own block's rows in the last trip (None: SOLVE_ONE_PASS
+    at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -526,6 +533,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args)
     if form == "merged":
         ws = {"UW": unroll_ws} if unroll_ws != unroll else {}
+        if SOLVE_ONE_PASS if one_pass is None else one_pass:
+            ws["ONE_PASS"] = True
         _merged_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PDL=use_pdl,
                                                 num_warps=num_warps, **consts, **ws, **pdl_launch, **caps)
     else:
@@ -643,35 +652,61 @@ def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, 
 
 @triton.jit
 def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: tl.constexpr, DV: tl.constexpr,
-                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
+                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr, ONE_PASS: tl.constexpr = False):
     """_solve_row for w's row (columns DV + dk) and u's (columns dv) in one pass over the rows
     before t, each its own chains in the same order; in the same trips the attention's chain over
     those rows' new values (a_ptr: the attention's row t; vn_rows + j * DV: row j's columns), from
-    zero and ascending as the unmerged loop runs it. Returns (xw, xu, that chain's sum)."""
+    zero and ascending as the unmerged loop runs it. ONE_PASS: the own block's rows in the trips too
+    (the slot after the earlier blocks), not in a trip of their own after them: one dependent round
+    trip fewer wherever the earlier blocks do not fill their last trip; the same operations in the
+    same order. Returns (xw, xu, that chain's sum)."""
     acc_i = tl.zeros(xu.shape, dtype=tl.float32)
     nblk = t // NB
-    for blk0 in range(0, nblk, U // NB):
-        for sb in tl.static_range(U // NB):
-            blk = blk0 + sb
-            live = blk < nblk
-            aw = tl.zeros(xw.shape, dtype=tl.float32)
-            au = tl.zeros(xu.shape, dtype=tl.float32)
-            for u in tl.static_range(NB):
-                j = blk * NB + u
-                lj = tl.load(l_ptr + j, mask=live, other=0.0)
-                aw = tl.fma(lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=live, other=0.0), aw)
-                au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
-                a_j = tl.load(a_ptr + j, mask=live, other=0.0)
-                acc_i = tl.where(live, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=live, other=0.0), acc_i), acc_i)
-            xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
-            xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
-    for u in tl.static_range(NB):
-        j = nblk * NB + u
-        lj = tl.load(l_ptr + j)
-        xw = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=j < t, other=0.0), xw), xw)
-        xu = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + dv, mask=j < t, other=0.0), xu), xu)
-        a_j = tl.load(a_ptr + j)
-        acc_i = tl.where(j < t, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=j < t, other=0.0), acc_i), acc_i)
+    if ONE_PASS:
+        for blk0 in range(0, nblk + 1, U // NB):
+            for sb in tl.static_range(U // NB):
+                blk = blk0 + sb
+                live = blk < nblk            # an earlier block: summed from zero, subtracted at its end
+                own = blk == nblk            # the own block: its rows before t one FMA each
+                aw = tl.zeros(xw.shape, dtype=tl.float32)
+                au = tl.zeros(xu.shape, dtype=tl.float32)
+                for u in tl.static_range(NB):
+                    j = blk * NB + u
+                    ok = j < t
+                    lj = tl.load(l_ptr + j, mask=ok, other=0.0)
+                    rw = tl.load(rows_ptr + j * ROW + DV + dk, mask=ok, other=0.0)
+                    ru = tl.load(rows_ptr + j * ROW + dv, mask=ok, other=0.0)
+                    aw = tl.fma(lj, rw, aw)
+                    au = tl.fma(lj, ru, au)
+                    xw = tl.where(own & ok, tl.fma(-lj, rw, xw), xw)
+                    xu = tl.where(own & ok, tl.fma(-lj, ru, xu), xu)
+                    a_j = tl.load(a_ptr + j, mask=ok, other=0.0)
+                    acc_i = tl.where(ok, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=ok, other=0.0), acc_i), acc_i)
+                xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
+                xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
+    else:
+        for blk0 in range(0, nblk, U // NB):
+            for sb in tl.static_range(U // NB):
+                blk = blk0 + sb
+                live = blk < nblk
+                aw = tl.zeros(xw.shape, dtype=tl.float32)
+                au = tl.zeros(xu.shape, dtype=tl.float32)
+                for u in tl.static_range(NB):
+                    j = blk * NB + u
+                    lj = tl.load(l_ptr + j, mask=live, other=0.0)
+                    aw = tl.fma(lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=live, other=0.0), aw)
+                    au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
+                    a_j = tl.load(a_ptr + j, mask=live, other=0.0)
+                    acc_i = tl.where(live, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=live, other=0.0), acc_i), acc_i)
+                xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
+                xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
+        for u in tl.static_range(NB):
+            j = nblk * NB + u
+            lj = tl.load(l_ptr + j)
+            xw = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=j < t, other=0.0), xw), xw)
+            xu = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + dv, mask=j < t, other=0.0), xu), xu)
+            a_j = tl.load(a_ptr + j)
+            acc_i = tl.where(j < t, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=j < t, other=0.0), acc_i), acc_i)
     return xw, xu, acc_i
 
 
@@ -836,12 +871,12 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                         HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
-                        EARLY: tl.constexpr = False, UW: tl.constexpr = 0):
+                        EARLY: tl.constexpr = False, UW: tl.constexpr = 0, ONE_PASS: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
-    state's rows this program just read (cache hits), UW rows a trip (0: U); the close at the
-    chunk's last row."""
+    state's rows this program just read (cache hits), UW rows a trip (0: U); ONE_PASS: the solve's
+    own block in its last trip (_solve_rows_merged); the close at the chunk's last row."""
     UWS: tl.constexpr = U if UW == 0 else UW
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
@@ -854,7 +889,7 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xw, xu, acc_i = _solve_rows_merged(_mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
                                        scr + 5 * DK, scr + 5 * DK + CH, vn_buf + bh * CH * DV + dv, t, DV + DK, DV,
-                                       NB, U, INTERPRETED)
+                                       NB, U, INTERPRETED, ONE_PASS)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     for i0 in range(0, DK, UWS):

@@ -58,13 +58,15 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
     (64, 64, 64, 16, "fused", {"close": (64, 64)}),
     (64, 64, 64, 16, "merged", {"early": True, "prefetch": "l2"}), (32, 16, 32, 8, "fused", {"early": True}),
     (64, 32, 32, 32, "merged", {"early": True, "prefetch": "l1"}), (64, 64, 64, 16, "merged", {"unroll_ws": 64}),
-    (32, 16, 32, 8, "merged", {"unroll_ws": 16})])
+    (32, 16, 32, 8, "merged", {"unroll_ws": 16}), (64, 64, 64, 32, "merged", {"one_pass": True}),
+    (32, 16, 32, 8, "merged", {"one_pass": True, "unroll_ws": 32, "early": True})])
 def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form, extra):
     """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
     kernel with a pass a product, or with the passes merged, or the grid's pick ("auto"); extra: a
     register cap, the close's blocks (state rows, chunk rows a dot), the position read before PDL's
     wait with the lines asked of L2 or L1 (each step's rows are the previous launch's writes), w S_c's
-    pass at other rows a trip."""
+    pass at other rows a trip, the solve's own block in the earlier blocks' last trip (at 8 rows a
+    trip: one block a trip, the own block a trip of its own; at 32: four)."""
     B, T, Hk, Hv = 2, 70, 2, 4
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
     want, _, at_64 = gdn.delta_rule_chunked_reference(
