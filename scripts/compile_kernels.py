@@ -635,12 +635,15 @@ def _early_reads(batch: int) -> None:
             gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
                                       g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
                                       form=form, norm=norm, prefetch=prefetch, early=True)
-    # the merged step's other candidates (knobs, off by default): w S_c at 64 and 128 rows a trip, the
-    # solve's own block in its last trip, alone and together with the early reads
-    for early, unroll_ws, one_pass in ((False, 64, False), (False, 128, False), (False, 0, True), (True, 64, True)):
+    # the merged step's candidate schedules (gdn_exact_step.MergedPlan: knobs, off by default), alone and
+    # together with the early reads
+    for early, text in ((False, "ws=64"), (False, "ws=128"), (False, "one_pass=1"), (False, "qs_late=1,ws=64"),
+                        (False, "qs_late=1,keys=64,ws=64"), (True, "qs_late=1,keys=64,ws=64,one_pass=1"),
+                        (True, "ws=64,one_pass=1")):
         gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
                                   g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
-                                  form="merged", norm=norm, early=early, unroll_ws=unroll_ws, one_pass=one_pass)
+                                  form="merged", norm=norm, early=early,
+                                  merged=gdn_exact_step.MergedPlan.from_text(text))
 
 
 def _gdn_decode_step(batch: int) -> None:

@@ -48,20 +48,19 @@ from bench_gdn import kernel_table  # noqa: E402
 # (the output gate in the attention's merge), pdl.EARLY (the attention's decode kernels read the
 # positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
-# rows there), gdn_exact_step.UNROLL_WS (the merged step's w S_c pass: rows a trip; 0: its UNROLL),
-# gdn_exact_step.SOLVE_ONE_PASS (the merged step's solve: the own block in the last trip)
+# rows there), gdn_exact_step.MERGED (the merged step's schedule, MergedPlan's text)
 BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False, "EARLY": pdl.EARLY,
-        "STEP_EARLY": gdn_exact_step.EARLY, "UNROLL_WS": gdn_exact_step.UNROLL_WS,
-        "ONE_PASS": gdn_exact_step.SOLVE_ONE_PASS}
+        "STEP_EARLY": gdn_exact_step.EARLY, "MERGED": gdn_exact_step.MERGED_TEXT}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
         "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},
         "exact_early": {"EARLY": True, "STEP_EARLY": True},
         "exact_early_gate": {"EARLY": True, "STEP_EARLY": True, "GATE": True},
-        "exact_ws64": {"UNROLL_WS": 64}, "exact_ws128": {"UNROLL_WS": 128},
-        "exact_early_ws64": {"EARLY": True, "STEP_EARLY": True, "UNROLL_WS": 64},
-        "exact_onepass": {"ONE_PASS": True},
-        "exact_all": {"EARLY": True, "STEP_EARLY": True, "UNROLL_WS": 64, "ONE_PASS": True, "GATE": True},
+        "exact_ws64": {"MERGED": "ws=64"}, "exact_ws128": {"MERGED": "ws=128"},
+        "exact_onepass": {"MERGED": "one_pass=1"}, "exact_qslate": {"MERGED": "qs_late=1,ws=64"},
+        "exact_qslate_k64": {"MERGED": "qs_late=1,keys=64,ws=64"},
+        "exact_all": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=64,one_pass=1"},
+        "exact_all_k32": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "ws=64,one_pass=1"},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 
@@ -69,7 +68,7 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
             "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY,
-            "UNROLL_WS": gdn_exact_step.UNROLL_WS, "ONE_PASS": gdn_exact_step.SOLVE_ONE_PASS}
+            "MERGED": gdn_exact_step.MERGED_TEXT}
 
 
 def _apply(model, settings: dict) -> None:
@@ -77,7 +76,8 @@ def _apply(model, settings: dict) -> None:
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
     pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
-    gdn_exact_step.UNROLL_WS, gdn_exact_step.SOLVE_ONE_PASS = settings["UNROLL_WS"], settings["ONE_PASS"]
+    gdn_exact_step.MERGED_TEXT = settings["MERGED"]
+    gdn_exact_step.MERGED = gdn_exact_step.MergedPlan.from_text(settings["MERGED"])
 
 
 def _kernel_settings(arm: str) -> tuple:

@@ -262,9 +262,15 @@ def test_a_full_queue_is_a_429(tiny_model):
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
                 body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True}     # ~1 s a request here
                 first = asyncio.create_task(ac.post("/v1/completions", json=body))
-                await asyncio.sleep(0.2)                          # running in the slot
+                for _ in range(6000):                             # running in the slot
+                    if srv.scheduler.running:
+                        break
+                    await asyncio.sleep(0.005)
                 second = asyncio.create_task(ac.post("/v1/completions", json=body))
-                await asyncio.sleep(0.2)                          # waiting
+                for _ in range(6000):                             # waiting
+                    if srv.scheduler.num_waiting:
+                        break
+                    await asyncio.sleep(0.005)
                 third = await ac.post("/v1/completions", json=body)
                 return third, await first, await second
 
@@ -502,7 +508,10 @@ def test_long_prompts_join_in_chunks(tiny_model, block_size):
             async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
                 first = asyncio.create_task(ac.post("/v1/completions", json={
                     "prompt": prompts[0], "max_tokens": want[0], "temperature": 0}))
-                await asyncio.sleep(0.05)              # running when the long prompts arrive
+                for _ in range(6000):                  # running when the long prompts arrive
+                    if srv.scheduler.running:
+                        break
+                    await asyncio.sleep(0.005)
                 rest = await asyncio.gather(*(ac.post("/v1/completions", json={
                     "prompt": p, "max_tokens": n, "temperature": 0}) for p, n in zip(prompts[1:], want[1:])))
                 return [r.json() for r in [await first] + list(rest)]
@@ -526,8 +535,21 @@ def test_short_prompts_share_the_chunk_budget(tiny_model):
 
     srv = Server(str(tiny_model), max_batch=8, max_model_len=256, served_model_name="tiny", prefill_chunk=32)
     passes = []
-    admit_group = srv.scheduler.slots.admit_group
-    srv.scheduler.slots.admit_group = lambda keys, *a, **k: passes.append(len(keys)) or admit_group(keys, *a, **k)
+    sched = srv.scheduler
+    admit_group = sched.slots.admit_group
+    sched.slots.admit_group = lambda keys, *a, **k: passes.append(len(keys)) or admit_group(keys, *a, **k)
+    # The six arrive over a few milliseconds: once the first request runs, the scheduler's next
+    # admission waits (at most 30 s) until all six are queued, so what a pass takes depends on the
+    # budget alone, not on how the requests' arrival interleaves with the decode steps on a busy CPU.
+    real_admit = sched._admit
+
+    def admit():
+        deadline = time.monotonic() + 30
+        while len(passes) == 1 and sched.waiting.qsize() < 6 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return real_admit()
+
+    sched._admit = admit
     try:
         gen = torch.Generator().manual_seed(9)
         prompts = [torch.randint(0, 4000, (10,), generator=gen).tolist() for _ in range(7)]
@@ -537,8 +559,10 @@ def test_short_prompts_share_the_chunk_budget(tiny_model):
             async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
                 body = {"prompt": prompts[0], "max_tokens": first_tokens, "temperature": 0, "ignore_eos": True}
                 first = asyncio.create_task(ac.post("/v1/completions", json=body))
-                if first_tokens > 1:
-                    await asyncio.sleep(0.05)              # running when the others arrive
+                for _ in range(6000):                      # running (admitted alone) when the others arrive
+                    if passes:
+                        break
+                    await asyncio.sleep(0.005)
                 rest = await asyncio.gather(*(ac.post("/v1/completions", json={
                     "prompt": p, "max_tokens": 6, "temperature": 0}) for p in prompts[1:]))
                 return [r.json() for r in [await first] + list(rest)]

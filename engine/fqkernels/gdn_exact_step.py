@@ -52,6 +52,7 @@ prefetch and software-pipelined loops, were slower at every batch and are gone.)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -77,17 +78,66 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
 # before the register cap below);
 # FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
-# the merged form's w S_c pass: its rows a trip (FASTQWEN_GDN_STEP_UNROLL_WS; 0: UNROLL). Its trips
-# hold a state row and a scalar a row (the keys' trips hold ~5 values a row, so 32 is their most
-# without spills), so it may load more rows at once: fewer dependent round trips on the step's
-# critical path (4 at 32: the scalars w_i come back from the scratch just written, the state's rows
-# from cache). The same chains, so the same bits. Off (0) until measured.
-UNROLL_WS = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL_WS", "0"))
-# the merged form's solve: the own block's rows in the earlier blocks' last trip (one dependent round
-# trip fewer for 48 of a chunk's 64 rows; the same operations in the same order:
-# _solve_rows_merged's ONE_PASS; FASTQWEN_GDN_STEP_SOLVE_ONE_PASS=1). Off until measured.
-SOLVE_ONE_PASS = os.environ.get("FASTQWEN_GDN_STEP_SOLVE_ONE_PASS", "0") == "1"
+# the merged form's candidate schedules (MergedPlan below; FASTQWEN_GDN_STEP_MERGED, e.g.
+# "keys=64,ws=64,qs_late=1,one_pass=1"; all off until measured): the same chains in the same order,
+# so the same bits, with fewer dependent round trips on the step's critical path at B = 1
+MERGED_TEXT = os.environ.get("FASTQWEN_GDN_STEP_MERGED", "")
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
+
+
+@dataclass(frozen=True)
+class MergedPlan:
+    """How the merged form schedules its passes (each the same chains in the same order: the same
+    bits; all off by default, candidates to measure):
+    keys: the keys' pass's rows a trip (the system's and attention's rows; 0: the step's unroll).
+      Each row holds a key column and the scratch's scalars, and with the state's row for
+      (q e^gamma) S_c (unless qs_late) ~6 values, which is why 32 is its most without spills.
+    ws: the w S_c pass's rows a trip (0: the step's unroll): two values a row (three with qs_late).
+    qs_late: (q e^gamma) S_c in the w S_c pass (the fused form's way) rather than the keys' pass: the
+      keys' trips hold no state row (room for more rows a trip), the state's rows first read in the
+      w S_c pass (from L2, which the prefetch fills) rather than read again from L1.
+    one_pass: the solve's own block in the earlier blocks' last trip, not a trip of its own after
+      them (_solve_rows_merged): one dependent round trip fewer at 48 of a chunk's 64 rows.
+    Round trips at 32 rows a trip now: the keys' pass 4, the solve 1-3, w S_c 4."""
+    keys: int = 0
+    ws: int = 0
+    qs_late: bool = False
+    one_pass: bool = False
+
+    @classmethod
+    def from_text(cls, text: str) -> "MergedPlan":
+        """From "name=value,..." (FASTQWEN_GDN_STEP_MERGED); "" the defaults. An unknown name or a bad
+        value is an error naming it."""
+        kw = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = (x.strip() for x in part.partition("="))
+            if not sep or name not in cls.__dataclass_fields__:
+                raise ValueError(f"gdn_exact_step merged plan: {part!r} is not name=value with a name among "
+                                 f"{', '.join(cls.__dataclass_fields__)}")
+            if name in ("keys", "ws"):
+                if not value.isdigit():
+                    raise ValueError(f"gdn_exact_step merged plan: {name} must be a count of rows, got {value!r}")
+                kw[name] = int(value)
+            elif value in ("0", "1"):
+                kw[name] = value == "1"
+            else:
+                raise ValueError(f"gdn_exact_step merged plan: {name} must be 0 or 1, got {value!r}")
+        return cls(**kw)
+
+    def check(self, Dk: int) -> None:
+        for name in ("keys", "ws"):
+            value = getattr(self, name)
+            if value and (value < 8 or value > Dk or value & (value - 1)):
+                raise ValueError(f"gdn_exact_step merged plan: {name} must be 0 (the step's unroll) or a power of "
+                                 f"two from 8 to Dk = {Dk}, got {value}")
+
+    def constexprs(self) -> dict:
+        """The merged kernel's constexprs for this plan (none for the defaults: the same compiled kernel)."""
+        out = {"UK": self.keys, "UW": self.ws, "QS_LATE": self.qs_late, "ONE_PASS": self.one_pass}
+        return {k: v for k, v in out.items() if v}
+
+
+MERGED = MergedPlan.from_text(MERGED_TEXT)
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
 # takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor; 128 (four) took B = 16
@@ -144,8 +194,7 @@ def step_form() -> str:
             + (", PDL" if PDL and pdl.ENABLED else "")
             + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
             + (", the position read before the wait" if EARLY else "")
-            + (f", w S_c {UNROLL_WS} rows a trip" if UNROLL_WS else "")
-            + (", the solve's own block in its last trip" if SOLVE_ONE_PASS else ""))
+            + (f", merged {MERGED}" if MERGED != MergedPlan() else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -455,7 +504,7 @@ FORMS = ("fused", "merged")
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
                maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None,
-               early: bool | None = None, unroll_ws: int | None = None, one_pass: bool | None = None):
+               early: bool | None = None, merged: MergedPlan | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -477,23 +526,22 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
     nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
-    asked for there (None: EARLY at the call; the same bits); unroll_ws: the merged form's w S_c pass's
-    rows a trip (a power of two from 8 to Dk; 0: unroll; None: UNROLL_WS at the call; the same bits);
-    one_pass: the merged form's solve with the own block's rows in the last trip (None: SOLVE_ONE_PASS
-    at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
+    asked for there (None: EARLY at the call; the same bits); merged: the merged form's schedule
+    (MergedPlan; None: MERGED at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with
+    norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
     prefetch = PREFETCH if prefetch is None else prefetch
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
-    unroll_ws = (UNROLL_WS if unroll_ws is None else unroll_ws) or unroll
+    merged = MERGED if merged is None else merged
+    merged.check(Dk)
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
     close = close_blocks(form, close)
     if (q.shape != k.shape or v.shape[0] != B or Hv % Hk or state.shape != (B, Hv, Dk, Dv)
             or not state.is_contiguous() or Dv % bv or bv % 16 or Dk < 32 or Dk & (Dk - 1)
             or tile not in (C, C // 2) or sum_order not in SUM_ORDERS or rows.KT.shape[:2] != (B, Hv)
             or unroll < 8 or unroll > Dk or unroll & (unroll - 1) or form not in FORMS
-            or unroll_ws < 8 or unroll_ws > Dk or unroll_ws & (unroll_ws - 1)
             or not (isinstance(maxnreg, int) and maxnreg >= 0)
             or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
             or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C
@@ -501,10 +549,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or prefetch not in (*PREFETCH_LEVELS, "auto")):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
-                         f"sum order {sum_order}, unroll {unroll} (w S_c's {unroll_ws}), form {form!r}, register "
-                         f"cap {maxnreg!r}, "
+                         f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
                          f"close {close!r}, norm {_norm_shapes(norm)}, prefetch {prefetch!r} (Dk a power of two "
-                         f">= 32; the block a multiple of 16 dividing Dv; unroll and w S_c's a power of two from 8 to Dk; "
+                         f">= 32; the block a multiple of 16 dividing Dv; unroll a power of two from 8 to Dk; "
                          f"form one of {FORMS} or \"auto\"; the cap \"auto\" or registers >= 0; the close's blocks "
                          f"powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
@@ -532,11 +579,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args)
     if form == "merged":
-        ws = {"UW": unroll_ws} if unroll_ws != unroll else {}
-        if SOLVE_ONE_PASS if one_pass is None else one_pass:
-            ws["ONE_PASS"] = True
         _merged_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PDL=use_pdl,
-                                                num_warps=num_warps, **consts, **ws, **pdl_launch, **caps)
+                                                num_warps=num_warps, **consts, **merged.constexprs(), **pdl_launch,
+                                                **caps)
     else:
         _chain_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order,
                                                PDL=use_pdl, num_warps=num_warps,
@@ -871,12 +916,15 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                         HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
-                        EARLY: tl.constexpr = False, UW: tl.constexpr = 0, ONE_PASS: tl.constexpr = False):
+                        EARLY: tl.constexpr = False, UK: tl.constexpr = 0, UW: tl.constexpr = 0,
+                        QS_LATE: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
-    state's rows this program just read (cache hits), UW rows a trip (0: U); ONE_PASS: the solve's
-    own block in its last trip (_solve_rows_merged); the close at the chunk's last row."""
+    state's rows this program just read (cache hits); the close at the chunk's last row. MergedPlan's
+    schedules: UK / UW the keys' / w S_c pass's rows a trip (0: U), QS_LATE (q e^gamma) S_c in the
+    w S_c pass, ONE_PASS the solve's own block in its last trip (_solve_rows_merged)."""
+    UKS: tl.constexpr = U if UK == 0 else UK
     UWS: tl.constexpr = U if UW == 0 else UW
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
@@ -884,7 +932,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     dk = tl.arange(0, DK)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
-                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, True, INTERPRETED)
+                                       scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, UKS, not QS_LATE,
+                                       INTERPRETED)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xw, xu, acc_i = _solve_rows_merged(_mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
@@ -895,7 +944,10 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     for i0 in range(0, DK, UWS):
         for u in tl.static_range(UWS):
             i = i0 + u
-            acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), tl.load(s_rows + i * DV), acc_w2)
+            srow = tl.load(s_rows + i * DV)
+            acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
+            if QS_LATE:      # (q e^gamma) S_c's chain here, not in the keys' trips (acc_q from zero there)
+                acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
     v_new = _sub_rn(xu, acc_w2, INTERPRETED)
     acc_i = tl.fma(tl.load(scr + 5 * DK + CH + t), v_new, acc_i)     # the attention's last term: row t itself
     _store_out(o_ptr, bh, dv, _add_rn(acc_q, acc_i, INTERPRETED), z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES,
