@@ -105,6 +105,30 @@ def runner_step_ms(runner, steps: int, warmup: int = 0) -> float:
     return start.elapsed_time(end) / steps
 
 
+def graphed_step_ms(model, ids, steps: int, tokens: list | None = None, use_graph: bool = True) -> float:
+    """Milliseconds a step of the graphed decode (a fresh DecodeRunner, captured) after a prompt pass
+    over ids (3 steps' warm-up), wall time over `steps` steps back to back; with `tokens`, the greedy
+    tokens of 4 more steps after the timed ones appended to it (each step's tokens are the next one's
+    inputs: a difference at any step carries on). use_graph=False: eager (a CPU dry run)."""
+    from fq_decode import DecodeRunner
+
+    b, p = ids.shape
+    runner = DecodeRunner(model, b, use_graph=use_graph)
+    runner.start(model.prefill(ids), p)
+    for _ in range(3):
+        runner.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    for _ in range(4 if tokens is not None else 0):
+        runner.step()
+        tokens.append(runner.tokens.clone())
+    return ms
+
+
 def speed(eng, shape, reps=3):
     B, S, N = shape
     g = torch.Generator().manual_seed(7)
@@ -132,10 +156,9 @@ def speed(eng, shape, reps=3):
 
 
 def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
-    """The graphed decode step's milliseconds with pdl.EARLY off and on (a fresh runner and capture
-    per arm and round, after its own prompt pass over the same prompts), interleaved; the greedy
-    tokens of 4 steps after the timed ones (first round) compared between the arms."""
-    from fq_decode import DecodeRunner
+    """The graphed decode step's milliseconds with pdl.EARLY off and on (graphed_step_ms: a fresh
+    runner and capture per arm and round, after its own prompt pass over the same prompts),
+    interleaved; the greedy tokens of 4 steps after the timed ones (first round) compared."""
     from fqkernels import pdl
 
     B, S, _ = shape
@@ -149,17 +172,11 @@ def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
         for r in range(rounds):
             for arm in ("off", "on"):
                 pdl.EARLY = arm == "on"
+                seen = [] if r == 0 else None
                 with torch.inference_mode():
-                    runner = DecodeRunner(model, B, use_graph=eng.use_graphs)
-                    runner.start(model.prefill(ids), S)
-                    times[arm].append(round(runner_step_ms(runner, steps, warmup=3), 4))
-                    if r == 0:
-                        seen = []
-                        for _ in range(4):
-                            runner.step()
-                            seen.append(runner.tokens.clone())
-                        toks[arm] = torch.stack(seen).cpu()
-                del runner
+                    times[arm].append(round(graphed_step_ms(model, ids, steps, seen, eng.use_graphs), 4))
+                if seen is not None:
+                    toks[arm] = torch.stack(seen).cpu()
     finally:
         pdl.EARLY = saved
         eng._drop_graphs()     # the engine's own runner is captured again on its next use

@@ -41,6 +41,7 @@ from fq_decode import DecodeRunner, PrefillGraph  # noqa: E402
 from fqkernels import gdn_exact_step, gemv, pdl  # noqa: E402
 
 from bench_gdn import kernel_table  # noqa: E402
+from gpu_check import graphed_step_ms  # noqa: E402
 
 # --arms: name -> the settings it changes from BASE (the defaults): "exact" (exact GDN decode), and
 # the knobs: fq_qwen35.STEP_NORM (the gated norm in the exact step's program: "1", "0", "auto"),
@@ -125,27 +126,6 @@ def _start_warm(model_path: str, shapes: list, arms: list, workers: int):
     return pool, [pool.submit(_warm_worker, model_path, tasks[i::workers]) for i in range(workers)]
 
 
-def _graphed_step_ms(model, ids, steps: int, tokens: list | None = None) -> float:
-    """Milliseconds a step of the graphed decode after a prompt pass over ids (3 steps' warm-up);
-    with `tokens`, the greedy tokens of 4 more steps after the timed ones appended to it (each
-    step's tokens are the next one's inputs: a difference at any step carries on)."""
-    b, p = ids.shape
-    runner = DecodeRunner(model, b, use_graph=True)
-    runner.start(model.prefill(ids), p)
-    for _ in range(3):
-        runner.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        runner.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3 / steps
-    for _ in range(4 if tokens is not None else 0):
-        runner.step()
-        tokens.append(runner.tokens.clone())
-    return ms
-
-
 def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, dev) -> dict:
     """{arm: {"ms": [one figure a round], "median_ms", "tokens_as": arm}}: the graphed step's time
     under each arm's settings, the arms interleaved round by round, each from its own prompt pass;
@@ -162,7 +142,7 @@ def _time_arms(model, b: int, p: int, steps: int, arms: list[str], rounds: int, 
                 model.allocate_cache(b, p + steps + 8)
                 seen = [] if r == 0 else None
                 with torch.inference_mode():
-                    times[arm].append(round(_graphed_step_ms(model, ids, steps, seen), 4))
+                    times[arm].append(round(graphed_step_ms(model, ids, steps, seen), 4))
                 if seen is not None:
                     toks[arm] = torch.stack(seen).cpu()
     finally:
@@ -335,7 +315,7 @@ def main() -> None:
                 res["prefill_graph_equals_eager"] = bool(torch.equal(pg.run(other).clone(), model.prefill(other)))
                 del pg
                 res["tune"] = model.ops.tune(model.w, b)           # the products' choice, as the engine makes it
-                res["graph_step_ms"] = _graphed_step_ms(model, ids, steps)
+                res["graph_step_ms"] = graphed_step_ms(model, ids, steps)
             if arms:
                 res["arms"] = _time_arms(model, b, p, steps, arms, args.rounds, dev)
             return res

@@ -660,7 +660,6 @@ def gated_norm_rows(x, z, w, inv_n, eps, VEC: tl.constexpr, HALVES: tl.constexpr
     by 1/D are each one rounding (mul.rn) whatever the caller's fp fusion, so a kernel compiled
     with fusion (the exact GDN step's, which ends with this) has the gated norm kernel's bits."""
     ROWS: tl.constexpr = x.shape[0]
-    D: tl.constexpr = x.shape[1]
     xf = x.to(tl.float32)
     sq = _mul_rn(xf, xf, INTERPRETED)
     if VEC:
