@@ -17,6 +17,8 @@ at the Qwen3.5-4B's shapes (16 q/k heads, 32 value heads of 128).
     python scripts/gpu_exact_step.py [--batches 1,4,16] [--out FILE]
     python scripts/gpu_exact_step.py --best FILE     # FASTQWEN_GDN_STEP_* of the best bit-equal form
     python scripts/gpu_exact_step.py --ncu 1,16      # the default form alone, for Nsight Compute
+    python scripts/gpu_exact_step.py --forms 0 --bits-only   # FORMS[0]'s bits alone (with the
+        # FASTQWEN_GDN_STEP_* settings of the environment: e.g. _EARLY, _MERGED), no timing
 """
 import argparse
 import json
@@ -84,7 +86,7 @@ def inputs(B: int, T: int, seed: int):
     return q, k, v, g, beta, state
 
 
-def bits(B: int, sum_order: int) -> dict:
+def bits(B: int, sum_order: int, forms=FORMS) -> dict:
     T = PROMPT + STEPS
     q, k, v, g, beta, state = inputs(B, T, seed=B)
     c0 = PROMPT // gdn.CHUNK
@@ -94,7 +96,7 @@ def bits(B: int, sum_order: int) -> dict:
                                                      state=state, capture=c0 + 1)
     tile = step.scan_tile(B * HV * ((T + gdn.CHUNK - 1) // gdn.CHUNK))     # the reference's rows of g
     report = {"tile": tile}
-    for form, bv, warps, unroll, maxnreg, pdl, close in FORMS:
+    for form, bv, warps, unroll, maxnreg, pdl, close in forms:
         rows, S, outs, closed = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), start.clone(), [], None
         for i in range(PROMPT, T):
             pos = torch.full((B,), i, dtype=torch.int32, device="cuda")
@@ -126,12 +128,12 @@ def _graph_us(fn, n: int) -> float:
     return round(_time_us(graph.replay, reps=10) / n, 2)
 
 
-def timing(B: int, sum_order: int) -> dict:
+def timing(B: int, sum_order: int, forms=FORMS) -> dict:
     q, k, v, g, beta, state = inputs(B, 1, seed=100 + B)
     q, k, v, g, beta = (x[:, 0].contiguous() for x in (q, k, v, g, beta))
     positions = [torch.full((B,), i, dtype=torch.int32, device="cuda") for i in range(gdn.CHUNK)]
     out = {}
-    for form, bv, warps, unroll, maxnreg, pdl, close in FORMS:
+    for form, bv, warps, unroll, maxnreg, pdl, close in forms:
         rows, S = step.ChunkRows(B, HV, D, D, "cuda", block_v=bv), state.clone()
         key = _key(form, bv, warps, unroll, maxnreg, pdl, close)
         kw = dict(sum_order=sum_order, num_warps=warps, unroll=unroll, form=form, maxnreg=maxnreg,
@@ -175,7 +177,16 @@ def main(argv=None) -> dict:
                     help="print the best form of a report as FASTQWEN_GDN_STEP_* assignments, and exit")
     ap.add_argument("--ncu", default=None, metavar="BATCHES",
                     help="only run the default form eagerly, 4 steps at row 31 a batch (for Nsight Compute)")
+    ap.add_argument("--forms", default=None, metavar="INDICES",
+                    help="FORMS' entries to run, a comma list of indices (default: all)")
+    ap.add_argument("--bits-only", action="store_true", help="the bits alone, no timing")
     args = ap.parse_args(argv)
+    forms = FORMS
+    if args.forms:
+        try:
+            forms = tuple(FORMS[int(i)] for i in args.forms.split(","))
+        except (ValueError, IndexError):
+            ap.error(f"--forms: indices into the {len(FORMS)} FORMS, got {args.forms!r}")
     if args.ncu:
         for B in (int(b) for b in args.ncu.split(",")):
             q, k, v, g, beta, state = inputs(B, 1, seed=100 + B)
@@ -190,14 +201,17 @@ def main(argv=None) -> dict:
             print(best(json.load(f)))
         return {}
     torch.backends.cuda.matmul.allow_tf32 = False
-    report = {"replicas": replicas()}
+    report = {"replicas": replicas(), "settings": {k: v for k, v in os.environ.items()
+                                                   if k.startswith("FASTQWEN_")}}
     l2 = [v for key, v in report["replicas"].items() if key.startswith("l2norm")]
     exact = [o for o in step.SUM_ORDERS if all(v[str(o)] == 0 for v in l2)]
     report["sum_order"] = exact[0] if exact else 0
     report["sum_order_matches"] = bool(exact)
     print(json.dumps(report, indent=None), flush=True)
     for B in (int(b) for b in args.batches.split(",")):
-        report[str(B)] = {**bits(B, report["sum_order"]), "us_per_step": timing(B, report["sum_order"])}
+        report[str(B)] = bits(B, report["sum_order"], forms)
+        if not args.bits_only:
+            report[str(B)]["us_per_step"] = timing(B, report["sum_order"], forms)
         print(B, report[str(B)], flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -62,6 +62,11 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
         "exact_qslate_k64": {"MERGED": "qs_late=1,keys=64,ws=64"},
         "exact_all": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=64,one_pass=1"},
         "exact_all_k32": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "ws=64,one_pass=1"},
+        # session 30's picks at B = 1 together (the early reads, the gate in the merge, qs_late with the
+        # keys at 64 rows a trip) and that with w S_c at 32 / 128 rows a trip
+        "exact_best": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=64"},
+        "exact_best_ws32": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64"},
+        "exact_best_ws128": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=128"},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 

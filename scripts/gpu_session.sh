@@ -19,7 +19,11 @@
 #   attn-probe    decode attention variants: bits against the full forward, and speed
 #   kernels-attn  the decode-attention GPU tests alone
 #   kernels-early the GPU tests of the reads before PDL's wait (attention, prologues, the exact step's early and w S_c
-#                 cases) and of the gate in the attention's merge (EARLY_TESTS_TIMEOUT_S, default 420)
+#                 cases) and of the gate in the attention's merge (EARLY_TESTS_TIMEOUT_S, default 420; EARLY_TESTS_K,
+#                 pytest's -k, default those tests)
+#   exact-step-bits  the exact GDN step's bits alone at the 4B's shapes, its defaults under this environment's
+#                 FASTQWEN_GDN_STEP_* (gpu_exact_step.py --forms 0 --bits-only; EXACT_STEP_BATCHES)
+#   q35-ckpt      the synthetic Qwen3.5-4B alone (/tmp/q35_4b), e.g. beside other stages
 #   check         engine speed, fidelity against native, graph == eager
 #   opswap        which op moves the logits (tiny and 4B)
 #   judge-tiny    the judge's embedded default workloads on the tiny checkpoint, official
@@ -407,8 +411,13 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                    timeout "${EARLY_TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -rf --tb=short -m gpu \
                      tests/kernels/test_decode_attention.py tests/kernels/test_norm_rope_swiglu.py \
                      tests/kernels/test_paged_kv_writes.py tests/kernels/test_gdn_exact_step.py \
-                     -k "early or gate_in_merge or qk_norm_rope_store or qwen35_prologue or extra1 or different_rows" \
+                     -k "${EARLY_TESTS_K:-early or gate_in_merge or qk_norm_rope_store or qwen35_prologue or extra1 or different_rows}" \
                      2>&1 | tail -12 | tee "$OUT/pytest_early.log" ;;
+    exact-step-bits) # the exact step's bits alone at the 4B's shapes (B = 1 / 4 / 16), FORMS[0] (the defaults) under
+                     # this environment's FASTQWEN_GDN_STEP_* (e.g. _EARLY, _MERGED); EXACT_STEP_BITS_TIMEOUT_S
+                     timeout "${EXACT_STEP_BITS_TIMEOUT_S:-300}" python3 scripts/gpu_exact_step.py --forms 0 --bits-only \
+                       --batches "${EXACT_STEP_BATCHES:-1,4,16}" --out "$OUT/exact_step_bits.json" 2>&1 | grep -v Warn | tail -5 ;;
+    q35-ckpt) q35_ckpt ;;   # the synthetic Qwen3.5-4B alone (for a later stage or a parallel one)
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
     exact-step) timeout 420 python3 scripts/gpu_exact_step.py --batches "${EXACT_STEP_BATCHES:-1,4,16}" \
