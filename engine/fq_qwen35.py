@@ -83,11 +83,9 @@ EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
 STEP_NORM = os.environ.get("FASTQWEN_GDN_STEP_NORM", "auto")
 # The attention's output gate in the decode attention's merge of its splits (decode_attention's gate,
 # one kernel a layer fewer) where the decode step's attention runs on the kernels
-# (FASTQWEN_ATTN_GATE_IN_COMBINE=1). Off until its GPU test passes: session 28 measured the B = 1
-# step -6 us with it and the greedy tokens the same; the test's bit comparison passed at its first
-# shape, and its graph part failed on a fault of the test's own (NaN in the cache it replayed),
-# since fixed but not yet run on a GPU
-ATTN_GATE_IN_COMBINE = os.environ.get("FASTQWEN_ATTN_GATE_IN_COMBINE", "0") == "1"
+# (FASTQWEN_ATTN_GATE_IN_COMBINE=0 for the separate gate kernel). The same bits (its GPU test passed on
+# the H200 in session 30 at B = 1 / 4 / 16); the B = 1 decode step -6 to -7 us (sessions 28, 30)
+ATTN_GATE_IN_COMBINE = os.environ.get("FASTQWEN_ATTN_GATE_IN_COMBINE", "1") == "1"
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:

@@ -635,11 +635,10 @@ def _early_reads(batch: int) -> None:
             gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
                                       g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
                                       form=form, norm=norm, prefetch=prefetch, early=True)
-    # the merged step's candidate schedules (gdn_exact_step.MergedPlan: knobs, off by default), alone and
-    # together with the early reads
-    for early, text in ((False, "ws=64"), (False, "ws=128"), (False, "one_pass=1"), (False, "qs_late=1,ws=64"),
-                        (False, "qs_late=1,keys=64,ws=64"), (True, "qs_late=1,keys=64,ws=64,one_pass=1"),
-                        (True, "ws=64,one_pass=1")):
+    # the merged step's schedules (gdn_exact_step.MergedPlan: auto_plan's at B = 1 and 2, and others),
+    # with and without the early reads
+    for early, text in ((False, "ws=64"), (False, "ws=128"), (False, "qs_late=1,ws=64"),
+                        (False, "qs_late=1,keys=64,ws=64"), (True, "qs_late=1,keys=64,ws=64"), (True, "")):
         gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
                                   g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
                                   form="merged", norm=norm, early=early,

@@ -50,7 +50,7 @@ from gpu_check import graphed_step_ms  # noqa: E402
 # positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
 # rows there), gdn_exact_step.MERGED (the merged step's schedule, MergedPlan's text)
-BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": False, "EARLY": pdl.EARLY,
+BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY,
         "STEP_EARLY": gdn_exact_step.EARLY, "MERGED": gdn_exact_step.MERGED_TEXT}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
@@ -58,15 +58,11 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
         "exact_early": {"EARLY": True, "STEP_EARLY": True},
         "exact_early_gate": {"EARLY": True, "STEP_EARLY": True, "GATE": True},
         "exact_ws64": {"MERGED": "ws=64"}, "exact_ws128": {"MERGED": "ws=128"},
-        "exact_onepass": {"MERGED": "one_pass=1"}, "exact_qslate": {"MERGED": "qs_late=1,ws=64"},
-        "exact_qslate_k64": {"MERGED": "qs_late=1,keys=64,ws=64"},
-        "exact_all": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=64,one_pass=1"},
-        "exact_all_k32": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "ws=64,one_pass=1"},
-        # session 30's picks at B = 1 together (the early reads, the gate in the merge, qs_late with the
-        # keys at 64 rows a trip) and that with w S_c at 32 / 128 rows a trip
-        "exact_best": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=64"},
-        "exact_best_ws32": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64"},
-        "exact_best_ws128": {"EARLY": True, "STEP_EARLY": True, "GATE": True, "MERGED": "qs_late=1,keys=64,ws=128"},
+        "exact_qslate": {"MERGED": "qs_late=1,ws=64"}, "exact_qslate_k64": {"MERGED": "qs_late=1,keys=64,ws=64"},
+        # session 30: the defaults before it (no early reads, the gate apart, the plain schedule), the
+        # defaults with the plain schedule at every grid, and the plan at every grid
+        "exact_s29": {"EARLY": False, "STEP_EARLY": False, "GATE": False, "MERGED": ""},
+        "exact_plain": {"MERGED": ""}, "exact_plan_all": {"MERGED": "qs_late=1,keys=64,ws=64"},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 
@@ -83,7 +79,8 @@ def _apply(model, settings: dict) -> None:
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
     pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
     gdn_exact_step.MERGED_TEXT = settings["MERGED"]
-    gdn_exact_step.MERGED = gdn_exact_step.MergedPlan.from_text(settings["MERGED"])
+    gdn_exact_step.MERGED = (None if settings["MERGED"] == "auto"
+                             else gdn_exact_step.MergedPlan.from_text(settings["MERGED"]))
 
 
 def _kernel_settings(arm: str) -> tuple:

@@ -78,17 +78,17 @@ FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
 # before the register cap below);
 # FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
 UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
-# the merged form's candidate schedules (MergedPlan below; FASTQWEN_GDN_STEP_MERGED, e.g.
-# "keys=64,ws=64,qs_late=1,one_pass=1"; all off until measured): the same chains in the same order,
-# so the same bits, with fewer dependent round trips on the step's critical path at B = 1
-MERGED_TEXT = os.environ.get("FASTQWEN_GDN_STEP_MERGED", "")
+# the merged form's schedule (MergedPlan below; FASTQWEN_GDN_STEP_MERGED: "" the plain one, a plan's
+# text, e.g. "qs_late=1,keys=64,ws=64", or "auto", the default: auto_plan's): the same chains in the
+# same order, so the same bits, with fewer dependent round trips on the step's critical path
+MERGED_TEXT = os.environ.get("FASTQWEN_GDN_STEP_MERGED", "auto")
 BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
 
 
 @dataclass(frozen=True)
 class MergedPlan:
     """How the merged form schedules its passes (each the same chains in the same order: the same
-    bits; all off by default, candidates to measure):
+    bits; auto_plan picks one by the grid):
     keys: the keys' pass's rows a trip (the system's and attention's rows; 0: the step's unroll).
       Each row holds a key column and the scratch's scalars, and with the state's row for
       (q e^gamma) S_c (unless qs_late) ~6 values, which is why 32 is its most without spills.
@@ -96,13 +96,12 @@ class MergedPlan:
     qs_late: (q e^gamma) S_c in the w S_c pass (the fused form's way) rather than the keys' pass: the
       keys' trips hold no state row (room for more rows a trip), the state's rows first read in the
       w S_c pass (from L2, which the prefetch fills) rather than read again from L1.
-    one_pass: the solve's own block in the earlier blocks' last trip, not a trip of its own after
-      them (_solve_rows_merged): one dependent round trip fewer at 48 of a chunk's 64 rows.
-    Round trips at 32 rows a trip now: the keys' pass 4, the solve 1-3, w S_c 4."""
+    Round trips at 32 rows a trip: the keys' pass 4, the solve 1-3, w S_c 4. Measured at B = 1 on the
+    H200 (session 30, the 4B's graphed decode step): ws=64 alone 0 us, qs_late with keys=64 and ws=64
+    -21 to -24 us (-0.9 us a GDN layer)."""
     keys: int = 0
     ws: int = 0
     qs_late: bool = False
-    one_pass: bool = False
 
     @classmethod
     def from_text(cls, text: str) -> "MergedPlan":
@@ -133,11 +132,26 @@ class MergedPlan:
 
     def constexprs(self) -> dict:
         """The merged kernel's constexprs for this plan (none for the defaults: the same compiled kernel)."""
-        out = {"UK": self.keys, "UW": self.ws, "QS_LATE": self.qs_late, "ONE_PASS": self.one_pass}
+        out = {"UK": self.keys, "UW": self.ws, "QS_LATE": self.qs_late}
         return {k: v for k, v in out.items() if v}
 
 
-MERGED = MergedPlan.from_text(MERGED_TEXT)
+# None: "auto"
+MERGED = None if MERGED_TEXT == "auto" else MergedPlan.from_text(MERGED_TEXT)
+# auto_plan's grids: at most this fraction of the multiprocessors in programs
+AUTO_PLAN_SHARE = 0.5
+
+
+def auto_plan(Dk: int, programs: int, device: torch.device) -> MergedPlan:
+    """The merged form's schedule for a grid of `programs` (MERGED "auto"): (q e^gamma) S_c in the
+    w S_c pass and both passes at 64 rows a trip (Dk's at most) where the grid fills at most half
+    the multiprocessors (B = 1 and 2 on the H200's 132: one program a head), the plain schedule
+    elsewhere and on the CPU. Session 30: at B = 1 (32 programs) -21 to -24 us a decode step; at B = 4
+    (128 programs), with the early reads and the attention's gate in its merge, +11 us over two
+    rounds, not taken apart: left out there until it is."""
+    if device.type == "cuda" and programs <= AUTO_PLAN_SHARE * gdn._sm_count(device):
+        return MergedPlan(keys=min(64, Dk), ws=min(64, Dk), qs_late=True)
+    return MergedPlan()
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
 # takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor; 128 (four) took B = 16
@@ -171,8 +185,9 @@ CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
 PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
 # the position read before PDL's wait, so the chunk's rows before t are asked for there too (with a
-# prefetch level; FASTQWEN_GDN_STEP_EARLY=1, off until measured; pdl.EARLY's note says why it is valid)
-EARLY = os.environ.get("FASTQWEN_GDN_STEP_EARLY", "0") == "1"
+# prefetch level; FASTQWEN_GDN_STEP_EARLY=0 to read it after; pdl.EARLY's note says why it is valid).
+# Session 30: with pdl.EARLY, -5.8 us a B = 1 decode step; bit-equal at B = 1 / 4 / 16
+EARLY = os.environ.get("FASTQWEN_GDN_STEP_EARLY", "1") == "1"
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 # 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
 # offsets clamped to its last float)
@@ -194,7 +209,8 @@ def step_form() -> str:
             + (", PDL" if PDL and pdl.ENABLED else "")
             + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
             + (", the position read before the wait" if EARLY else "")
-            + (f", merged {MERGED}" if MERGED != MergedPlan() else ""))
+            + (", the merged schedule by the grid (auto_plan)" if MERGED is None
+               else f", merged {MERGED}" if MERGED != MergedPlan() else ""))
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -527,7 +543,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
     nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
     asked for there (None: EARLY at the call; the same bits); merged: the merged form's schedule
-    (MergedPlan; None: MERGED at the call; the same bits). Returns o [B, Hv, Dv] bf16, normed with
+    (MergedPlan; None: MERGED at the call, auto_plan's where that is None; the same bits). Returns o [B, Hv, Dv] bf16, normed with
     norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -535,6 +551,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     prefetch = PREFETCH if prefetch is None else prefetch
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
     merged = MERGED if merged is None else merged
+    if merged is None:
+        merged = auto_plan(Dk, B * Hv * max(Dv // bv, 1), v.device)
     merged.check(Dk)
     form, maxnreg = grid_plan(form, maxnreg, B * Hv * max(Dv // bv, 1), v.device)
     close = close_blocks(form, close)
@@ -697,61 +715,37 @@ def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, 
 
 @triton.jit
 def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: tl.constexpr, DV: tl.constexpr,
-                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr, ONE_PASS: tl.constexpr = False):
+                       NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
     """_solve_row for w's row (columns DV + dk) and u's (columns dv) in one pass over the rows
     before t, each its own chains in the same order; in the same trips the attention's chain over
     those rows' new values (a_ptr: the attention's row t; vn_rows + j * DV: row j's columns), from
-    zero and ascending as the unmerged loop runs it. ONE_PASS: the own block's rows in the trips too
-    (the slot after the earlier blocks), not in a trip of their own after them: one dependent round
-    trip fewer wherever the earlier blocks do not fill their last trip; the same operations in the
-    same order. Returns (xw, xu, that chain's sum)."""
+    zero and ascending as the unmerged loop runs it. Returns (xw, xu, that chain's sum). (Session
+    30 measured the own block's rows in the earlier blocks' last trip, one round trip fewer at 48 of
+    a chunk's rows: +36 us a B = 1 step, the trips' doubled code costing more than the trip saved.)"""
     acc_i = tl.zeros(xu.shape, dtype=tl.float32)
     nblk = t // NB
-    if ONE_PASS:
-        for blk0 in range(0, nblk + 1, U // NB):
-            for sb in tl.static_range(U // NB):
-                blk = blk0 + sb
-                live = blk < nblk            # an earlier block: summed from zero, subtracted at its end
-                own = blk == nblk            # the own block: its rows before t one FMA each
-                aw = tl.zeros(xw.shape, dtype=tl.float32)
-                au = tl.zeros(xu.shape, dtype=tl.float32)
-                for u in tl.static_range(NB):
-                    j = blk * NB + u
-                    ok = j < t
-                    lj = tl.load(l_ptr + j, mask=ok, other=0.0)
-                    rw = tl.load(rows_ptr + j * ROW + DV + dk, mask=ok, other=0.0)
-                    ru = tl.load(rows_ptr + j * ROW + dv, mask=ok, other=0.0)
-                    aw = tl.fma(lj, rw, aw)
-                    au = tl.fma(lj, ru, au)
-                    xw = tl.where(own & ok, tl.fma(-lj, rw, xw), xw)
-                    xu = tl.where(own & ok, tl.fma(-lj, ru, xu), xu)
-                    a_j = tl.load(a_ptr + j, mask=ok, other=0.0)
-                    acc_i = tl.where(ok, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=ok, other=0.0), acc_i), acc_i)
-                xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
-                xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
-    else:
-        for blk0 in range(0, nblk, U // NB):
-            for sb in tl.static_range(U // NB):
-                blk = blk0 + sb
-                live = blk < nblk
-                aw = tl.zeros(xw.shape, dtype=tl.float32)
-                au = tl.zeros(xu.shape, dtype=tl.float32)
-                for u in tl.static_range(NB):
-                    j = blk * NB + u
-                    lj = tl.load(l_ptr + j, mask=live, other=0.0)
-                    aw = tl.fma(lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=live, other=0.0), aw)
-                    au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
-                    a_j = tl.load(a_ptr + j, mask=live, other=0.0)
-                    acc_i = tl.where(live, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=live, other=0.0), acc_i), acc_i)
-                xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
-                xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
-        for u in tl.static_range(NB):
-            j = nblk * NB + u
-            lj = tl.load(l_ptr + j)
-            xw = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=j < t, other=0.0), xw), xw)
-            xu = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + dv, mask=j < t, other=0.0), xu), xu)
-            a_j = tl.load(a_ptr + j)
-            acc_i = tl.where(j < t, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=j < t, other=0.0), acc_i), acc_i)
+    for blk0 in range(0, nblk, U // NB):
+        for sb in tl.static_range(U // NB):
+            blk = blk0 + sb
+            live = blk < nblk
+            aw = tl.zeros(xw.shape, dtype=tl.float32)
+            au = tl.zeros(xu.shape, dtype=tl.float32)
+            for u in tl.static_range(NB):
+                j = blk * NB + u
+                lj = tl.load(l_ptr + j, mask=live, other=0.0)
+                aw = tl.fma(lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=live, other=0.0), aw)
+                au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
+                a_j = tl.load(a_ptr + j, mask=live, other=0.0)
+                acc_i = tl.where(live, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=live, other=0.0), acc_i), acc_i)
+            xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
+            xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
+    for u in tl.static_range(NB):
+        j = nblk * NB + u
+        lj = tl.load(l_ptr + j)
+        xw = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=j < t, other=0.0), xw), xw)
+        xu = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + dv, mask=j < t, other=0.0), xu), xu)
+        a_j = tl.load(a_ptr + j)
+        acc_i = tl.where(j < t, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=j < t, other=0.0), acc_i), acc_i)
     return xw, xu, acc_i
 
 
@@ -917,13 +911,13 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                         HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
                         EARLY: tl.constexpr = False, UK: tl.constexpr = 0, UW: tl.constexpr = 0,
-                        QS_LATE: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
+                        QS_LATE: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
     loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
     attention over the earlier new values in one pass over the rows before t, then w S_c over the
     state's rows this program just read (cache hits); the close at the chunk's last row. MergedPlan's
     schedules: UK / UW the keys' / w S_c pass's rows a trip (0: U), QS_LATE (q e^gamma) S_c in the
-    w S_c pass, ONE_PASS the solve's own block in its last trip (_solve_rows_merged)."""
+    w S_c pass."""
     UKS: tl.constexpr = U if UK == 0 else UK
     UWS: tl.constexpr = U if UW == 0 else UW
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
@@ -938,7 +932,7 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xw, xu, acc_i = _solve_rows_merged(_mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
                                        scr + 5 * DK, scr + 5 * DK + CH, vn_buf + bh * CH * DV + dv, t, DV + DK, DV,
-                                       NB, U, INTERPRETED, ONE_PASS)
+                                       NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     for i0 in range(0, DK, UWS):

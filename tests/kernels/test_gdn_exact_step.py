@@ -58,10 +58,10 @@ def _fused_steps(q, k, v, g, beta, state, rows, pos0, n, **kw):
     (64, 64, 64, 16, "fused", {"close": (64, 64)}),
     (64, 64, 64, 16, "merged", {"early": True, "prefetch": "l2"}), (32, 16, 32, 8, "fused", {"early": True}),
     (64, 32, 32, 32, "merged", {"early": True, "prefetch": "l1"}), (64, 64, 64, 16, "merged", {"merged": "ws=64"}),
-    (32, 16, 32, 8, "merged", {"merged": "ws=16"}), (64, 64, 64, 32, "merged", {"merged": "one_pass=1"}),
-    (32, 16, 32, 8, "merged", {"merged": "one_pass=1,ws=32", "early": True}),
+    (32, 16, 32, 8, "merged", {"merged": "ws=16"}), (64, 64, 64, 32, "merged", {"merged": "qs_late=1,keys=32"}),
+    (32, 16, 32, 8, "merged", {"merged": "ws=32", "early": True}),
     (64, 64, 64, 16, "merged", {"merged": "qs_late=1,keys=64,ws=32"}),
-    (64, 32, 32, 32, "merged", {"merged": "qs_late=1,keys=16,ws=64,one_pass=1", "early": True, "prefetch": "l2"})])
+    (64, 32, 32, 32, "merged", {"merged": "qs_late=1,keys=16,ws=64", "early": True, "prefetch": "l2"})])
 def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile, unroll, form, extra):
     """unroll: the rows a loop trip loads (8: the solve's blocks one a trip; 32: four); form: one
     kernel with a pass a product, or with the passes merged, or the grid's pick ("auto"); extra: a
@@ -145,16 +145,6 @@ def test_the_gated_norm_in_the_step_is_the_gated_norm_kernels(form):
     rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=64)
     with pytest.raises(ValueError, match="norm"):
         step.fused_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pos0, state.clone(), rows, norm=(z, w, 1e-6))
-
-
-def test_merged_plan_from_text_names_a_bad_value():
-    assert step.MergedPlan.from_text("") == step.MergedPlan()
-    assert step.MergedPlan.from_text("keys=64, ws=128,qs_late=1,one_pass=0") == step.MergedPlan(64, 128, True, False)
-    assert step.MergedPlan().constexprs() == {}        # the defaults launch the kernel as compiled before
-    for text, message in (("keys=6x", "keys must be a count of rows, got '6x'"), ("foo=1", "'foo=1' is not name"),
-                          ("qs_late=yes", "qs_late must be 0 or 1, got 'yes'")):
-        with pytest.raises(ValueError, match=message):
-            step.MergedPlan.from_text(text)
 
 
 @pytest.mark.parametrize("order", sorted(step.SUM_ORDERS))
