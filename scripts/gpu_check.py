@@ -156,7 +156,8 @@ def speed(eng, shape, reps=3):
 
 
 def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
-    """The graphed decode step's milliseconds with pdl.EARLY off and on (graphed_step_ms: a fresh
+    """The graphed decode step's milliseconds with pdl.EARLY off and on at this batch (whatever
+    pdl.EARLY_MAX_ROWS says; graphed_step_ms: a fresh
     runner and capture per arm and round, after its own prompt pass over the same prompts),
     interleaved; the greedy tokens of 4 steps after the timed ones (first round) compared."""
     from fqkernels import pdl
@@ -165,7 +166,8 @@ def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
     model = eng.model
     eng._prepare(B, S + steps + 8)
     ids = torch.randint(0, eng.cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(11)).to(eng.device)
-    saved = pdl.EARLY
+    saved = pdl.EARLY, pdl.EARLY_MAX_ROWS
+    pdl.EARLY_MAX_ROWS = max(B, saved[1])
     times: dict = {"off": [], "on": []}
     toks: dict = {}
     try:
@@ -178,7 +180,7 @@ def early_arms(eng, shape, rounds: int, steps: int = 50) -> dict:
                 if seen is not None:
                     toks[arm] = torch.stack(seen).cpu()
     finally:
-        pdl.EARLY = saved
+        pdl.EARLY, pdl.EARLY_MAX_ROWS = saved
         eng._drop_graphs()     # the engine's own runner is captured again on its next use
     med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
     return {"shape": list(shape), "ms": times, "median_ms": med, "on_minus_off_us": round((med["on"] - med["off"]) * 1e3, 1),

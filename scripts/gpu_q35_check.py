@@ -49,9 +49,10 @@ from gpu_check import graphed_step_ms  # noqa: E402
 # (the output gate in the attention's merge), pdl.EARLY (the attention's decode kernels read the
 # positions, lengths and RoPE rows before PDL's wait and ask L2 for their first K/V tiles there),
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
-# rows there), gdn_exact_step.MERGED (the merged step's schedule, MergedPlan's text)
+# rows there; both at up to pdl.EARLY_MAX_ROWS sequences, EARLY_ROWS), gdn_exact_step.MERGED (the merged
+# step's schedule, MergedPlan's text, or "auto")
 BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY,
-        "STEP_EARLY": gdn_exact_step.EARLY, "MERGED": gdn_exact_step.MERGED_TEXT}
+        "EARLY_ROWS": pdl.EARLY_MAX_ROWS, "STEP_EARLY": gdn_exact_step.EARLY, "MERGED": gdn_exact_step.MERGED_TEXT}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
         "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},
@@ -63,13 +64,15 @@ ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"
         # defaults with the plain schedule at every grid, and the plan at every grid
         "exact_s29": {"EARLY": False, "STEP_EARLY": False, "GATE": False, "MERGED": ""},
         "exact_plain": {"MERGED": ""}, "exact_plan_all": {"MERGED": "qs_late=1,keys=64,ws=64"},
+        "exact_early_all": {"EARLY_ROWS": 64}, "exact_no_early": {"EARLY": False, "STEP_EARLY": False},
         "fast": {"exact": False}, "fast_gate": {"exact": False, "GATE": True},
         "fast_early": {"exact": False, "EARLY": True}}
 
 
 def _settings(model) -> dict:
     return {"exact": model.exact_decode, "STEP_NORM": fq_qwen35.STEP_NORM, "PREFETCH": gdn_exact_step.PREFETCH,
-            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "STEP_EARLY": gdn_exact_step.EARLY,
+            "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY, "EARLY_ROWS": pdl.EARLY_MAX_ROWS,
+            "STEP_EARLY": gdn_exact_step.EARLY,
             "MERGED": gdn_exact_step.MERGED_TEXT}
 
 
@@ -78,6 +81,7 @@ def _apply(model, settings: dict) -> None:
     fq_qwen35.STEP_NORM, gdn_exact_step.PREFETCH = settings["STEP_NORM"], settings["PREFETCH"]
     fq_qwen35.ATTN_GATE_IN_COMBINE = settings["GATE"]
     pdl.EARLY, gdn_exact_step.EARLY = settings["EARLY"], settings["STEP_EARLY"]
+    pdl.EARLY_MAX_ROWS = settings["EARLY_ROWS"]
     gdn_exact_step.MERGED_TEXT = settings["MERGED"]
     gdn_exact_step.MERGED = (None if settings["MERGED"] == "auto"
                              else gdn_exact_step.MergedPlan.from_text(settings["MERGED"]))

@@ -808,7 +808,7 @@ def decode_attention(
 
     use_pdl, pdl_launch = pdl.for_rows(batch)
     early_split, early_combine = {}, {}
-    if pdl.early(early):
+    if pdl.early(early, batch):
         early_split = {"EARLY": True, "PREFETCH": EARLY_TILES if q.is_cuda and not paged else 0}
         early_combine = {"EARLY": True}
     _split_kernel[(batch * kv_heads, plan.num_splits)](

@@ -185,8 +185,9 @@ CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
 PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
 PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
 # the position read before PDL's wait, so the chunk's rows before t are asked for there too (with a
-# prefetch level; FASTQWEN_GDN_STEP_EARLY=0 to read it after; pdl.EARLY's note says why it is valid).
-# Session 30: with pdl.EARLY, -5.8 us a B = 1 decode step; bit-equal at B = 1 / 4 / 16
+# prefetch level; FASTQWEN_GDN_STEP_EARLY=0 to read it after; pdl.EARLY's note says why it is valid),
+# at up to pdl.EARLY_MAX_ROWS sequences as the attention's. Session 30: with pdl.EARLY, -5.8 us a
+# B = 1 decode step; bit-equal at B = 1 / 4 / 16
 EARLY = os.environ.get("FASTQWEN_GDN_STEP_EARLY", "1") == "1"
 _EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
 # 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
@@ -584,7 +585,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     consts["PF"] = PREFETCH_LEVELS[prefetch] if v.is_cuda else 0
-    if EARLY if early is None else early:
+    if (EARLY and B <= pdl.EARLY_MAX_ROWS) if early is None else early:
         consts["EARLY"] = True
     if norm is not None:
         z, nw, eps = norm

@@ -25,8 +25,10 @@ advanced between steps by a kernel launched without PDL (DecodeRunner's add, Log
 copied in from the host, and such a kernel lets its dependents start only once it has completed.
 The K/V lines are only prefetched (no data comes back before the wait), so the new position's
 row, which the kernel just before writes, is read after it as always. Same bits either way
-(the H200's GPU tests, session 30). Measured with the exact GDN step's early reads: the Qwen3.5-4B's
-B = 1 decode step -5.8 us.
+(the H200's GPU tests, session 30). Measured (session 30, graphed decode steps): at one row the
+Qwen3-4B's step -19 us and the Qwen3.5-4B's -6 us (with the exact GDN step's early reads); at 4 and
+16 rows the Qwen3-4B's +77 / +29 us (the K/V tiles asked of L2 by every program at once, beside the
+previous product's tail), so they run at up to EARLY_MAX_ROWS rows (FASTQWEN_PDL_EARLY_ROWS, 1).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "for_rows", "early", "wait", "launch_dependents",
+__all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "EARLY_MAX_ROWS", "for_rows", "early", "wait", "launch_dependents",
            "start", "prefetch_l2", "prefetch"]
 
 
@@ -66,11 +68,13 @@ MAX_ROWS = 64
 # The attention's decode kernels' early reads (module note); read at each launch, so a script may
 # set it between launches (a kernel compiled for each setting).
 EARLY: bool = os.environ.get("FASTQWEN_PDL_EARLY", "1") == "1"
+EARLY_MAX_ROWS: int = int(os.environ.get("FASTQWEN_PDL_EARLY_ROWS", "1"))
 
 
-def early(flag: bool | None) -> bool:
-    """A launch's EARLY constexpr: `flag`, or the module's EARLY where it is None."""
-    return EARLY if flag is None else bool(flag)
+def early(flag: bool | None, rows: int) -> bool:
+    """A launch's EARLY constexpr for a launch over `rows` sequences: `flag`, or where it is None the
+    module's EARLY at up to EARLY_MAX_ROWS rows."""
+    return EARLY and rows <= EARLY_MAX_ROWS if flag is None else bool(flag)
 
 
 def for_rows(rows: int) -> tuple[bool, dict]:

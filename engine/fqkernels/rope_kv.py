@@ -162,7 +162,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2,
-        PDL=use_pdl, **paged, **({"EARLY": True} if pdl.early(early) else {}), **pdl_launch,
+        PDL=use_pdl, **paged, **({"EARLY": True} if pdl.early(early, T) else {}), **pdl_launch,
     )
     return q_out
 
@@ -462,5 +462,5 @@ def qk_norm_partial_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
         qkv, q_norm, k_norm, cos, sin, positions, q, k_cache, v_cache, _inverse(D), eps, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, KVH=KVH, D=D, R=R, BLOCK=max(128, D), VEC=vec,
         HALVES=halves, PDL=use_pdl, num_warps=1 if D <= 128 else 2, enable_fp_fusion=False, **paged,
-        **({"EARLY": True} if pdl.early(early) else {}), **pdl_launch)
+        **({"EARLY": True} if pdl.early(early, B) else {}), **pdl_launch)
     return q

@@ -149,3 +149,16 @@ def test_the_small_kernels_trigger_the_next_after_their_wait():
     for ptx in ptxs:
         _assert_pdl(ptx)
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+def test_early_reads_only_up_to_early_max_rows(monkeypatch):
+    """pdl.early: a launch's own flag where given, else the module's EARLY at up to EARLY_MAX_ROWS rows
+    (session 30: the early reads cost the Qwen3-4B's step at 4 and 16 rows)."""
+    from fqkernels import pdl
+
+    monkeypatch.setattr(pdl, "EARLY", True)
+    monkeypatch.setattr(pdl, "EARLY_MAX_ROWS", 1)
+    assert pdl.early(None, 1) and not pdl.early(None, 4) and not pdl.early(None, 16)
+    assert pdl.early(True, 16) and not pdl.early(False, 1)
+    monkeypatch.setattr(pdl, "EARLY", False)
+    assert not pdl.early(None, 1)
