@@ -51,8 +51,9 @@ from gpu_check import graphed_step_ms  # noqa: E402
 # gdn_exact_step.EARLY (the exact step reads the position before the wait and asks for the chunk's
 # rows there; both at up to pdl.EARLY_MAX_ROWS sequences, EARLY_ROWS), gdn_exact_step.MERGED (the merged
 # step's schedule, MergedPlan's text, or "auto")
-BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE, "EARLY": pdl.EARLY,
-        "EARLY_ROWS": pdl.EARLY_MAX_ROWS, "STEP_EARLY": gdn_exact_step.EARLY, "MERGED": gdn_exact_step.MERGED_TEXT}
+BASE = {"exact": True, "STEP_NORM": "auto", "PREFETCH": "auto", "GATE": fq_qwen35.ATTN_GATE_IN_COMBINE,
+        "EARLY": pdl.EARLY, "EARLY_ROWS": pdl.EARLY_MAX_ROWS, "STEP_EARLY": gdn_exact_step.EARLY,
+        "MERGED": gdn_exact_step.MERGED_TEXT}
 ARMS = {"exact": {}, "exact_norm_in": {"STEP_NORM": "1"}, "exact_norm_apart": {"STEP_NORM": "0"},
         "exact_pf_off": {"PREFETCH": "0"}, "exact_pf_l2": {"PREFETCH": "l2"}, "exact_gate": {"GATE": True},
         "exact_early_attn": {"EARLY": True}, "exact_early_step": {"STEP_EARLY": True},

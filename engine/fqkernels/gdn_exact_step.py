@@ -152,6 +152,8 @@ def auto_plan(Dk: int, programs: int, device: torch.device) -> MergedPlan:
     if device.type == "cuda" and programs <= AUTO_PLAN_SHARE * gdn._sm_count(device):
         return MergedPlan(keys=min(64, Dk), ws=min(64, Dk), qs_late=True)
     return MergedPlan()
+
+
 WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
 # the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
 # takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor; 128 (four) took B = 16
@@ -209,7 +211,7 @@ def step_form() -> str:
     return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
             + (", PDL" if PDL and pdl.ENABLED else "")
             + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
-            + (", the position read before the wait" if EARLY else "")
+            + (f", the position read before the wait at up to {pdl.EARLY_MAX_ROWS} sequence(s)" if EARLY else "")
             + (", the merged schedule by the grid (auto_plan)" if MERGED is None
                else f", merged {MERGED}" if MERGED != MergedPlan() else ""))
 
@@ -543,9 +545,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
     nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
-    asked for there (None: EARLY at the call; the same bits); merged: the merged form's schedule
-    (MergedPlan; None: MERGED at the call, auto_plan's where that is None; the same bits). Returns o [B, Hv, Dv] bf16, normed with
-    norm."""
+    asked for there (None: EARLY at the call, at up to pdl.EARLY_MAX_ROWS sequences; the same bits);
+    merged: the merged form's schedule (MergedPlan; None: MERGED at the call, auto_plan's where that
+    is None; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
