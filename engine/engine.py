@@ -154,7 +154,9 @@ class Engine:
 
         out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
-               "exact_decode": gemv.EXACT and backend == "triton"}
+               "exact_decode": gemv.EXACT and backend == "triton",
+               # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
+               "lm_screen": getattr(self.model, "screen", None) is not None}
         if qwen35:     # the prompt pass's chunked rule: the reference's ops, the fast kernels, or the
             from fqkernels import gdn      # kernels in the reference's order (gdn_exact)
 

@@ -44,6 +44,12 @@ class Qwen3Model:
         # Paged form (allocate_paged_cache): the caches are pools of pages, [L, P, KVH, page, D],
         # and row b's position p sits in page block_table[b, p // page]; None: rows of positions.
         self.block_table = None
+        # one sequence's decode pick without the whole LM head (fqkernels/lm_screen: the same pick)
+        self.screen = None
+        if getattr(ops, "name", "") == "triton" and device.type == "cuda":
+            from fqkernels import lm_screen
+
+            self.screen = lm_screen.for_model(weights.lm_head)
 
     # ---- buffers -----------------------------------------------------------------
     def ensure_rope(self, length: int) -> bool:
@@ -190,10 +196,17 @@ class Qwen3Model:
         (lengths = positions + 1, int32) -> next tokens [B] int64 (into `out` if
         given; `out` may be `tokens` itself). Graph-safe: no host reads, no shape
         depends on the positions."""
-        return self.ops.argmax(self.decode_logits(tokens, positions, lengths), out=out)
+        h = self._decode_hidden(tokens, positions, lengths)
+        if self.screen is not None and h.shape[0] == 1:   # the LM head screened: argmax of its GEMV's logits
+            return self.screen.argmax(h, out)
+        return self.ops.argmax(self.ops.linear(h, self.w.lm_head), out=out)
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """BF16 logits [B, vocab] of one decode step (the step `decode` takes the argmax of)."""
+        return self.ops.linear(self._decode_hidden(tokens, positions, lengths), self.w.lm_head)
+
+    def _decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A decode step up to the LM head: the final norm's output [B, hidden]."""
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         B = tokens.shape[0]
         x, h = ops.embed_rmsnorm(tokens, self.w.embed, self.w.layers[0].input_norm, eps)
@@ -206,7 +219,7 @@ class Qwen3Model:
             attn = ops.decode_attention(q, kc, vc, lengths, self.scale, window=c.sliding_window, **paged)
             h = ops.linear_add_rmsnorm(attn.view(B, c.q_size), layer.o, x, layer.post_norm, eps)
             h = ops.linear_add_rmsnorm(ops.linear_silu_mul(h, layer.gate_up), layer.down, x, self._next_norm(i), eps)
-        return ops.linear(h, self.w.lm_head)
+        return h
 
 
 def page_positions(table: torch.Tensor, length: int, start: int, page: int) -> tuple:

@@ -306,6 +306,12 @@ class Qwen35Model:
             self._argmax = triton_argmax
         else:
             self._argmax = argmax_reference
+        # one sequence's decode pick without the whole LM head (fqkernels/lm_screen: the same pick)
+        self.screen = None
+        if self.backend == "triton" and device.type == "cuda":
+            from fqkernels import lm_screen
+
+            self.screen = lm_screen.for_model(self.w["lm_head.weight"])
 
     def _pack(self) -> None:
         """The triton backend's weights: per GDN layer the four input projections as one
@@ -479,20 +485,26 @@ class Qwen35Model:
         return self._logits(h)
 
     def decode(self, tokens, positions, lengths, out=None):
-        nxt = self._argmax(self.decode_logits(tokens, positions, lengths))
+        h = self._decode_hidden(tokens, positions, lengths)
+        if self.screen is not None and h.shape[0] == 1:   # the LM head screened: argmax of its GEMV's logits
+            return self.screen.argmax(h, out)
+        nxt = self._argmax(self._logits(h))
         if out is None:
             return nxt
         out.copy_(nxt)
         return out
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self._logits(self._decode_hidden(tokens, positions, lengths))
+
+    def _decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A decode step up to the LM head: the final norm's output [B, hidden]."""
         if self.backend == "triton":      # the RoPE kernels read the tables at the positions themselves
             cos = sin = None
         else:
             cos, sin = self.cos[positions.long()].unsqueeze(1), self.sin[positions.long()].unsqueeze(1)  # [B, 1, r]
-        h = self._layers(tokens[:, None], None, lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths),
-                         positions=positions)
-        return self._logits(h)
+        step = lambda i, h: self._attention_step(i, h, cos, sin, positions, lengths)   # noqa: E731
+        return self._layers(tokens[:, None], None, step, positions=positions)
 
     def _layers(self, ids: torch.Tensor, prompt_rows: slice | None, attention, start: int = 0,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

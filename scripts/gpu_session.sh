@@ -105,6 +105,9 @@
 #   slots-gpu     the slots' GPU tests alone (tests/test_engine_gpu.py -k "slots or chunked_admission"): rows, pages,
 #                 chunk graphs, Qwen3.5's graphed admission with its snapshots
 #   kernels-paged the paged KV cache's GPU tests (decode attention and KV writes through block tables, paged slots)
+#   kernels-screen  the screened LM head's GPU tests (engine/fqkernels/lm_screen.py)
+#   lm-screen-q35, lm-screen-q3  the screened LM head on the synthetic Qwen3.5-4B (exact decode) / Qwen3-4B:
+#                 picks, candidates, the tail's kernels by plan, the graphed step and generate with and without
 #   q35-step      q35-check's timings alone (--timing-only): the decode step's graphed step times
 #   q35-step-arms the graphed step under several settings in one process, interleaved (gpu_q35_check.py --arms;
 #                 Q35_ARMS, default exact,fast; Q35_ARMS_SHAPES,
@@ -418,6 +421,16 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                      timeout "${EXACT_STEP_BITS_TIMEOUT_S:-300}" python3 scripts/gpu_exact_step.py --forms 0 --bits-only \
                        --batches "${EXACT_STEP_BATCHES:-1,4,16}" --out "$OUT/exact_step_bits.json" 2>&1 | grep -v Warn | tail -5 ;;
     q35-ckpt) q35_ckpt ;;   # the synthetic Qwen3.5-4B alone (for a later stage or a parallel one)
+    kernels-screen) # the screened LM head's GPU tests (tests/kernels/test_lm_screen.py), candidates per step printed
+                    timeout 300 python3 -m pytest -q -rf --tb=short -s -m gpu tests/kernels/test_lm_screen.py 2>&1 \
+                      | grep -v Warn | tail -8 | tee "$OUT/pytest_screen.log" ;;
+    lm-screen-q35|lm-screen-q3) # the screened LM head on a 4B (scripts/gpu_lm_screen.py): picks against the GEMV's
+                    # argmax on its decode states, the tail's kernels by plan, the graphed step and generate with
+                    # and without (Qwen3.5: exact decode); LM_SCREEN_TIMEOUT_S, LM_SCREEN_ROUNDS
+                    if [ "$stage" = lm-screen-q35 ]; then q35_ckpt; m=/tmp/q35_4b; xd=1; else m=/tmp/q4b; xd=0; fi
+                    FASTQWEN_GDN_EXACT_DECODE=$xd timeout "${LM_SCREEN_TIMEOUT_S:-300}" python3 scripts/gpu_lm_screen.py \
+                      --model $m --rounds "${LM_SCREEN_ROUNDS:-3}" --out "$OUT/${stage//-/_}.json" 2>&1 | grep -v Warn \
+                      | cut -c1-1500 | tail -8 ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;
     exact-step) timeout 420 python3 scripts/gpu_exact_step.py --batches "${EXACT_STEP_BATCHES:-1,4,16}" \

@@ -1,0 +1,335 @@
+"""The greedy pick of a one-sequence decode step without reading the whole LM head.
+
+    LmScreen(w).argmax(x) == argmax(gemv.linear(x, w))     x [1, K] bf16, w [V, K] bf16
+
+bit for bit (the same index, torch.argmax's rules: the first of the largest, NaN first), reading
+an int8 copy of w (half its bytes) and then the bf16 rows of only the few tokens that can still
+be the largest. The LM head is the largest product of a decode step (Qwen3.5-4B: 248,320 x 2,560,
+1.27 GB of the step's ~8.4 GB); at one row its GEMV streams it at the memory's speed.
+
+How, and why it is exact:
+  Load time. Per row j a scale s_j = max_i |w_ji| / 127, rounded up to fp32, and Q_ji =
+  round(w_ji / s_j) in [-127, 127], kept as the byte Q_ji + 128; checked exactly (fp64) that
+  |w_ji - s_j Q_ji| <= s_j / 2 for every element.
+  1. `_approx_kernel`: for every row a_j = s_j * sum_i x_i Q_ji (fp32; each product exact) and
+       B_j = c1 * s_j * ||x||_1 + 2^-8 |a_j|
+     with c1 = (1/2 + 254.5 gamma_K) (1 + 2^-9) (1 + 10^-3), gamma_K = K u / (1 - K u), u = 2^-24.
+     Let y_j be gemv.linear's fp32 sum for row j (any order) and T_j the exact real sum. Then
+     |y_j - T_j| <= gamma_K 127.5 s_j ||x||_1 (|w_ji| <= 127.5 s_j), |T_j - s_j sum x_i Q_ji| <=
+     s_j ||x||_1 / 2 (the quantization), |a_j - s_j sum x_i Q_ji| <= gamma_K 127 s_j ||x||_1 (the
+     sum and the scaling rounded), and the bf16 rounding of y_j moves it by at most 2^-9 |y_j|:
+     so the logit bf16(y_j) lies in [a_j - B_j, a_j + B_j] (the factor 1 + 10^-3 and 2^-8 against
+     2^-9 cover the bound's own fp32 rounding). The kernel writes the upper bounds a_j + B_j and
+     takes tau = max_j (a_j - B_j) with an atomic max.
+  2. `_refine_kernel`: a row whose upper bound is below tau cannot be the largest logit (the
+     largest is at least tau); every other row (a candidate: the winner always is one, and so is
+     every row tied with it) gets its logit from the bf16 weights, in blocks of gemv's one-row
+     config (8 rows), with gemv's own code for a block (_load_w_block, _row_fma, one tl.sum):
+     the same sums, so the same bits as the GEMV. Each program keeps its first largest logit
+     and its first NaN over its rows.
+  3. `_final_kernel`: the programs' results in index order (argmax's final rule), and tau back to
+     -inf for the next step.
+  Non-finite inputs: a NaN bound is never below tau and a NaN tau puts every row in, so with
+  a NaN or infinite x every row is a candidate and the pick is the full argmax's.
+
+Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 rows a candidate's
+block); the pick never depends on how many candidates there are, only the time does (every row a
+candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 4) bytes more, kept beside w.
+
+FASTQWEN_LM_SCREEN=0 (read at import) turns it off: the decode step then runs the LM head's
+product and the argmax kernels as before. The int8 pass's launch: FASTQWEN_LM_SCREEN_PLAN, e.g.
+"rows=16,block_k=512,warps=4" (ScreenPlan).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+from fqkernels import gemv, pdl
+from fqkernels.gemv import _load_w_block, _row_fma
+
+__all__ = ["ENABLED", "ScreenPlan", "LmScreen", "quantize_rows", "bound_coefficient", "screened_argmax_reference"]
+
+ENABLED = os.environ.get("FASTQWEN_LM_SCREEN", "1") != "0"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_NONE = tl.constexpr(2 ** 31 - 1)     # "no index yet", as fqkernels.argmax
+_MAGIC = tl.constexpr(0x4B000000)      # the fp32 bits of 2^23: (2^23 + byte) exactly, from the byte's bits
+_MAGIC_OFFSET = tl.constexpr(8388736.0)  # 2^23 + 128: the stored byte is Q + 128
+_REL = 2.0 ** -8                       # the bound's relative term (covers the bf16 rounding, 2^-9)
+
+
+@dataclass(frozen=True)
+class ScreenPlan:
+    """The int8 pass's launch: rows a program, K elements a loop trip, warps; the refine's
+    blocks of the GEMV's config a program (groups)."""
+    rows: int = 16
+    block_k: int = 512
+    warps: int = 4
+    groups: int = 16
+
+    @classmethod
+    def from_text(cls, text: str | None) -> "ScreenPlan":
+        kw = {}
+        names = {f.name for f in fields(cls)}
+        for part in filter(None, (p.strip() for p in (text or "").split(","))):
+            name, sep, value = (x.strip() for x in part.partition("="))
+            if not sep or name not in names or not value.isdigit() or int(value) < 1 or int(value) & (int(value) - 1):
+                raise ValueError(f"lm_screen plan: {part!r} is not name=value with a name among "
+                                 f"{', '.join(sorted(names))} and a power of two")
+            kw[name] = int(value)
+        plan = cls(**kw)
+        if plan.groups > 32:
+            raise ValueError(f"lm_screen plan: groups must be at most 32, got {plan.groups}")
+        return plan
+
+
+PLAN = ScreenPlan.from_text(os.environ.get("FASTQWEN_LM_SCREEN_PLAN"))
+
+
+def bound_coefficient(K: int) -> float:
+    """c1 of the module note for a sum over K terms."""
+    u = 2.0 ** -24
+    gamma = K * u / (1 - K * u)
+    return (0.5 + 254.5 * gamma) * (1 + 2.0 ** -9) * (1 + 1e-3)
+
+
+def quantize_rows(w: torch.Tensor, chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes [V, K] uint8 = Q + 128, scales [V] fp32) of w [V, K] bf16 (module note), on w's
+    device; raises if any element's error exceeds half its row's scale (it cannot: exact fp64)."""
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"lm_screen: w must be a 2-D bf16 matrix, got {w.dtype} {tuple(w.shape)}")
+    V, K = w.shape
+    q = torch.empty((V, K), dtype=torch.uint8, device=w.device)
+    s = torch.empty(V, dtype=torch.float32, device=w.device)
+    if w.is_meta:
+        return q, s
+    for r0 in range(0, V, chunk_rows):
+        wd = w[r0:r0 + chunk_rows].double()
+        top = wd.abs().amax(dim=1) / 127
+        sc = top.float()
+        sc = torch.where(sc.double() < top, torch.nextafter(sc, torch.full_like(sc, math.inf)), sc)
+        scd = sc.double()[:, None]
+        qd = torch.where(scd > 0, torch.round(wd / torch.where(scd > 0, scd, 1.0)), 0.0)
+        err = (wd - scd * qd).abs()
+        if bool((qd.abs() > 127).any()) or bool((err > scd / 2).any()):
+            raise RuntimeError(f"lm_screen: the int8 copy of rows {r0}.. misses its bound (a bug)")
+        q[r0:r0 + chunk_rows] = (qd + 128).to(torch.uint8)
+        s[r0:r0 + chunk_rows] = sc
+    return q, s
+
+
+def screened_argmax_reference(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                              logits_of=None) -> tuple[torch.Tensor, int]:
+    """The screen on torch's ops: (the argmax [1] int64, the candidates' count). x [1, K] bf16;
+    logits_of(rows) gives the exact bf16 logits of those rows (default: fp32 sums of the bf16
+    products, gemv.linear_reference). The bounds are the kernels' formulas in fp32."""
+    K = x.shape[1]
+    xf = x.float()
+    qf = q.float() - 128.0
+    approx = (xf @ qf.t())[0] * s
+    bound = bound_coefficient(K) * s * xf.abs().sum() + _REL * approx.abs()
+    tau = torch.max(approx - bound)
+    cand = ~((approx + bound) < tau)
+    rows = cand.nonzero().flatten()
+    if logits_of is None:
+        logits_of = lambda r: gemv.linear_reference(x, w[r])[0]   # noqa: E731
+    vals = logits_of(rows).float()
+    nan = torch.isnan(vals)
+    if bool(nan.any()):
+        return rows[nan][:1].clone(), int(rows.numel())
+    return rows[torch.argmax(vals)].reshape(1), int(rows.numel())
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
+                   K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                   LINES: tl.constexpr = 1):
+    """up[j] = a_j + B_j for this program's BLOCK_R rows; tau <- max(tau, max_j a_j - B_j). Before the
+    wait: the first LINES 128-byte lines of each row asked of L2, and the scales."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ld = tl.minimum(rows, V - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + rows_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    pdl.prefetch_l2(q_ptr + rows_ld.to(tl.int64)[:, None] * K + (tl.arange(0, LINES) * 128)[None, :], PDL)
+    s = tl.load(s_ptr + rows_ld)            # the weights' side: no kernel of the step writes it
+    pdl.wait(PDL)                           # x is the previous kernel's output
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    x_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        b = tl.load(q_ptrs + k, eviction_policy="evict_first")
+        # Q exactly, from the byte's bits: (2^23 + byte) - (2^23 + 128); x Q is exact in fp32
+        f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
+        acc += f * xv[None, :]
+        x_abs += tl.abs(xv)
+    pdl.launch_dependents(PDL)
+    approx = tl.sum(acc, axis=1) * s
+    bound = c1 * s * tl.sum(x_abs, axis=0) + 0.00390625 * tl.abs(approx)
+    live = rows < V
+    tl.store(up_ptr + rows, approx + bound, mask=live)
+    tl.atomic_max(tau_ptr, tl.max(tl.where(live, approx - bound, float("-inf")), axis=0))
+
+
+@triton.jit
+def _refine_kernel(x_ptr, w_ptr, up_ptr, tau_ptr, val_ptr, idx_ptr, nan_ptr, V,
+                   K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                   EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
+    """The candidates among this program's GROUPS blocks of BLOCK_N rows: their bf16 logits as
+    gemv's one-row program computes them, the first largest and the first NaN."""
+    pid = tl.program_id(0)
+    base = pid * (GROUPS * BLOCK_N)
+    r = base + tl.arange(0, GROUPS * BLOCK_N)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    tau = tl.load(tau_ptr)
+    up = tl.load(up_ptr + r, mask=r < V, other=float("-inf"))
+    cand = ((up < tau) == 0) & (r < V)                       # a NaN bound or tau: a candidate
+    flags = tl.max(tl.reshape(cand.to(tl.int32), [GROUPS, BLOCK_N]), axis=1)
+    bits = tl.sum(flags << tl.arange(0, GROUPS), axis=0)      # block g a candidate: bit g
+    offs_k = tl.arange(0, BLOCK_K)
+    best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+    best_i = tl.max(tl.full([BLOCK_N], _NONE, tl.int32), axis=0)
+    first_nan = best_i
+    for g in range(GROUPS):
+        if ((bits >> g) & 1) != 0:
+            cols = base + g * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols_ld = cols if EVEN_N else tl.minimum(cols, V - 1)
+            w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for i in range(K // BLOCK_K):           # gemv's one-row loop (EVEN_K: whole blocks)
+                kk = i * BLOCK_K
+                w = _load_w_block(w_ptrs, kk, offs_k, K, True)
+                acc = _row_fma(acc, w, x_ptr, kk, offs_k, K, True)
+            logit = tl.sum(acc, axis=1).to(tl.bfloat16).to(tl.float32)
+            live = cols < V
+            logit = tl.where(live, logit, float("-inf"))
+            first_nan = tl.minimum(first_nan, tl.min(tl.where(live & (logit != logit), cols, _NONE), axis=0))
+            m = tl.max(logit, axis=0)
+            at = tl.min(tl.where(logit == m, cols, _NONE), axis=0)
+            # earlier blocks hold lower indices: an equal value replaces only "no index yet"
+            take = (m > best) | ((m == best) & (best_i == _NONE))
+            best_i = tl.where(take, at, best_i)
+            best = tl.where(take, m, best)
+    tl.store(val_ptr + pid, best)
+    tl.store(idx_ptr + pid, best_i)
+    tl.store(nan_ptr + pid, first_nan)
+
+
+@triton.jit
+def _final_kernel(val_ptr, idx_ptr, nan_ptr, tau_ptr, out_ptr, PARTS, BLOCK_P: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    offs = tl.arange(0, BLOCK_P)
+    mask = offs < PARTS
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    v = tl.load(val_ptr + offs, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + offs, mask=mask, other=_NONE)
+    n = tl.load(nan_ptr + offs, mask=mask, other=_NONE)
+    m = tl.max(v, axis=0)
+    best = tl.min(tl.where((v == m) & (i < _NONE), i, _NONE), axis=0)
+    first_nan = tl.min(n, axis=0)
+    res = tl.where(first_nan < _NONE, first_nan, best)
+    tl.store(out_ptr, res.to(tl.int64))
+    tl.store(tau_ptr, float("-inf"))     # the next step's atomic max starts from nothing
+
+
+# ----------------------------------------------------------------------------- the screen
+
+def unsupported(w: torch.Tensor, plan: ScreenPlan | None = None, config: gemv.GemvConfig | None = None
+                ) -> str | None:
+    """Why the screen cannot run for w (None: it can); config: the one-row GEMV's (None: gemv's table)."""
+    plan = plan or PLAN
+    V, K = w.shape
+    cfg = config or gemv.select_config(V, K, False, 1)
+    if cfg.mode != "fma" or cfg.block_m != 1 or cfg.split_k != 1 or K % cfg.block_k:
+        return f"the LM head's one-row GEMV config {cfg} is not a one-chunk fma config"
+    if K % plan.block_k:
+        return f"K={K} is not a multiple of the int8 pass's block_k {plan.block_k}"
+    if V >= 2 ** 31 - 1:
+        return f"{V} rows do not fit int32 indices"
+    return None
+
+
+class LmScreen:
+    """The screen over one LM head w [V, K] (bf16, kept as it is; its int8 copy made here).
+    argmax(x, out) for x [1, K]: the pick of argmax(gemv.linear(x, w, config=config)) (module
+    note; config None: gemv's table's one-row config); graph-safe (fixed buffers, no host reads)."""
+
+    def __init__(self, w: torch.Tensor, plan: ScreenPlan | None = None, config: gemv.GemvConfig | None = None):
+        why = unsupported(w, plan, config)
+        if why is not None:
+            raise ValueError(f"lm_screen: {why}")
+        self.w, self.plan = w, plan or PLAN
+        V, K = w.shape
+        self.config = config or gemv.select_config(V, K, False, 1)
+        self.q, self.s = quantize_rows(w)
+        self.c1 = bound_coefficient(K)
+        dev = w.device
+        self.up = torch.empty(V, dtype=torch.float32, device=dev)
+        self.tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=dev)
+        self.parts = triton.cdiv(V, self.plan.groups * self.config.block_n)
+        self.val = torch.empty(self.parts, dtype=torch.float32, device=dev)
+        self.idx = torch.empty(self.parts, dtype=torch.int32, device=dev)
+        self.nan = torch.empty(self.parts, dtype=torch.int32, device=dev)
+
+    def with_plan(self, plan: ScreenPlan) -> "LmScreen":
+        """The same screen (the int8 copy shared) launched by another plan."""
+        other = object.__new__(LmScreen)
+        other.__dict__.update(self.__dict__)
+        other.plan = plan
+        other.parts = triton.cdiv(self.w.shape[0], plan.groups * self.config.block_n)
+        dev = self.w.device
+        other.tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=dev)
+        other.up = torch.empty_like(self.up)
+        other.val = torch.empty(other.parts, dtype=torch.float32, device=dev)
+        other.idx = torch.empty(other.parts, dtype=torch.int32, device=dev)
+        other.nan = torch.empty(other.parts, dtype=torch.int32, device=dev)
+        return other
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.up, self.val, self.idx, self.nan))
+
+    def candidates_for(self, x: torch.Tensor) -> int:
+        """The count of candidate rows for x [1, K] (runs the int8 pass again)."""
+        V, K = self.w.shape
+        tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=x.device)
+        up = torch.empty(V, dtype=torch.float32, device=x.device)
+        _approx_kernel[(triton.cdiv(V, self.plan.rows),)](
+            x, self.q, self.s, up, tau, V, self.c1, K=K, BLOCK_R=self.plan.rows, BLOCK_K=self.plan.block_k,
+            num_warps=self.plan.warps)
+        return int((~(up < tau)).sum())
+
+    def argmax(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        V, K = self.w.shape
+        if x.dim() != 2 or tuple(x.shape) != (1, K) or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            raise ValueError(f"lm_screen: x must be a contiguous bf16 [1, {K}], got {x.dtype} {tuple(x.shape)}")
+        if out is None:
+            out = torch.empty(1, dtype=torch.int64, device=x.device)
+        elif out.dtype != torch.int64 or tuple(out.shape) != (1,):
+            raise ValueError(f"lm_screen: out must be int64 of shape (1,), got {out.dtype} {tuple(out.shape)}")
+        plan, cfg = self.plan, self.config
+        use_pdl, launch = pdl.for_rows(1)
+        _approx_kernel[(triton.cdiv(V, plan.rows),)](
+            x, self.q, self.s, self.up, self.tau, V, self.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
+            PDL=use_pdl, LINES=max(1, plan.block_k // 128), num_warps=plan.warps, **launch)
+        _refine_kernel[(self.parts,)](
+            x, self.w, self.up, self.tau, self.val, self.idx, self.nan, V, K=K, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUPS=plan.groups, EVEN_N=V % cfg.block_n == 0, PDL=use_pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        _final_kernel[(1,)](self.val, self.idx, self.nan, self.tau, out, self.parts,
+                            BLOCK_P=max(16, triton.next_power_of_2(self.parts)), PDL=use_pdl, num_warps=4, **launch)
+        return out
+
+
+def for_model(w: torch.Tensor) -> LmScreen | None:
+    """The screen for a model's LM head on a CUDA device when ENABLED and supported, else None."""
+    if not ENABLED or w.device.type != "cuda" or unsupported(w) is not None:
+        return None
+    return LmScreen(w)

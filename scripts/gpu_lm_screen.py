@@ -1,0 +1,213 @@
+"""The screened LM head (engine/fqkernels/lm_screen.py) on a GPU, in one process, for one model:
+
+1. picks: on the model's own decode hidden states (eager steps after real prompt passes), the
+   screen's pick against the argmax of the whole GEMV, and the candidates' count per step;
+2. kernels: the LM head's tail as the step runs it (GEMV + the two argmax kernels) against the
+   screen under each plan, each as a CUDA graph of 20 calls over those hidden states (us a call);
+3. step: the graphed decode step at batch 1 with the screen (the best plan of 2) and without,
+   interleaved rounds, the greedy tokens of both compared;
+4. generate: `Engine.generate` as the host sees it (TTFT, TPOT, total) with and without, interleaved.
+
+Usage: python scripts/gpu_lm_screen.py --model DIR --out FILE [--plans "rows=16,block_k=512;..."]
+       [--prompt 512] [--steps 32] [--rounds 3]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "engine"))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import engine as fast_engine  # noqa: E402
+from fq_decode import DecodeRunner  # noqa: E402
+from fqkernels import argmax as am  # noqa: E402
+from fqkernels import gemv, lm_screen  # noqa: E402
+from gpu_check import graphed_step_ms  # noqa: E402
+
+DEFAULT_PLANS = ("rows=16,block_k=512,warps=4;rows=32,block_k=256,warps=4;rows=8,block_k=512,warps=4;"
+                 "rows=16,block_k=256,warps=4;rows=32,block_k=512,warps=8;rows=64,block_k=256,warps=8;"
+                 "rows=16,block_k=512,warps=4,groups=8;rows=16,block_k=512,warps=4,groups=32")
+
+
+def collect_hidden(eng, prompt: int, steps: int, prompts: int) -> list:
+    """The final norm's outputs [1, K] of eager decode steps after `prompts` random prompts."""
+    model = eng.model
+    eng._prepare(1, prompt + steps)       # caches, tune and the step's graph first: no spy in the capture
+    seen = []
+    screen = model.screen
+    real = screen.argmax
+
+    def spy(x, out=None):
+        seen.append(x.clone())
+        return real(x, out)
+
+    screen.argmax = spy
+    try:
+        for p in range(prompts):
+            ids = torch.randint(0, eng.cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(p))
+            with torch.inference_mode():
+                runner = DecodeRunner(model, 1, use_graph=False)
+                runner.start(model.prefill(ids.cuda()), prompt)
+                for _ in range(steps):
+                    runner.step()
+    finally:
+        screen.argmax = real
+    return seen
+
+
+def picks(screen, w, xs) -> dict:
+    bad, counts = [], []
+    for i, x in enumerate(xs):
+        got = int(screen.argmax(x)[0])
+        full = int(am.argmax(gemv.linear(x, w))[0])
+        if got != full:
+            bad.append((i, got, full))
+        counts.append(screen.candidates_for(x))
+    counts.sort()
+    return {"steps": len(xs), "mismatches": bad[:10], "mismatch_count": len(bad),
+            "candidates": {"min": counts[0], "median": counts[len(counts) // 2],
+                           "p90": counts[int(0.9 * (len(counts) - 1))], "max": counts[-1]}}
+
+
+def graph_us(fn, xs, calls: int = 20, reps: int = 7) -> float:
+    """Median us a call of fn(x) over a CUDA graph of `calls` calls cycling through xs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs[:2]:
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(xs[i % len(xs)])
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def kernels(screen, w, xs, plans) -> dict:
+    out = {"gemv_argmax": graph_us(lambda x: am.argmax(gemv.linear(x, w)), xs)}
+    for text in plans:
+        try:
+            s = screen.with_plan(lm_screen.ScreenPlan.from_text(text))
+            out[text] = graph_us(lambda x: s.argmax(x), xs)
+        except Exception as exc:  # noqa: BLE001 - one plan failing is a result
+            out[text] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def step_arms(eng, prompt: int, steps: int, rounds: int, screen) -> dict:
+    model = eng.model
+    eng._prepare(1, prompt + steps + 16)
+    ids = torch.randint(0, eng.cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(11)).cuda()
+    res = {"on": [], "off": []}
+    toks = {}
+    for r in range(rounds):
+        for arm in (("off", "on") if r % 2 else ("on", "off")):
+            model.screen = screen if arm == "on" else None
+            t = [] if r == 0 else None
+            with torch.inference_mode():
+                res[arm].append(graphed_step_ms(model, ids, steps, tokens=t))
+            if t is not None:
+                toks[arm] = torch.stack(t).tolist()
+    model.screen = screen
+    return {"ms": {a: round(statistics.median(v), 4) for a, v in res.items()}, "rounds": res,
+            "delta_us": round((statistics.median(res["on"]) - statistics.median(res["off"])) * 1e3, 1),
+            "tokens_equal": toks.get("on") == toks.get("off")}
+
+
+def generate_arms(eng, prompt: int, steps: int, rounds: int, screen) -> dict:
+    model = eng.model
+    out = {"on": [], "off": []}
+    g = torch.Generator().manual_seed(5)
+    for r in range(rounds * 2 + 2):
+        arm = "on" if r % 2 == 0 else "off"
+        model.screen = screen if arm == "on" else None
+        eng._drop_graphs()                 # the step's graph captured again with this arm's tail
+        prompts = torch.randint(0, eng.cfg.vocab_size, (1, prompt), generator=g).tolist()
+        for _ in eng.generate(prompts, steps):   # warm: capture, prefill graph
+            pass
+        prompts = torch.randint(0, eng.cfg.vocab_size, (1, prompt), generator=g).tolist()
+        t0 = time.perf_counter()
+        stamps = [time.perf_counter() for _ in eng.generate(prompts, steps)]
+        if r >= 2:
+            out[arm].append({"ttft_ms": (stamps[0] - t0) * 1e3, "total_ms": (stamps[-1] - t0) * 1e3,
+                             "tpot_ms": (stamps[-1] - stamps[0]) * 1e3 / (steps - 1)})
+    model.screen = screen
+    eng._drop_graphs()
+    summary = {arm: {k: round(statistics.median(s[k] for s in v), 4) for k in ("ttft_ms", "tpot_ms", "total_ms")}
+               for arm, v in out.items()}
+    for arm in summary:
+        summary[arm]["tok_per_s"] = round(steps / summary[arm]["total_ms"] * 1e3, 1)
+    return {"median": summary, "samples": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plans", default=DEFAULT_PLANS)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    report = {"model": args.model, "commit": os.environ.get("FASTQWEN_COMMIT", "unknown"), "torch": torch.__version__}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    t0 = time.perf_counter()
+    eng = fast_engine.Engine(args.model)
+    model = eng.model
+    report["describe"] = eng.describe()
+    screen = model.screen
+    if screen is None:
+        report["error"] = "no screen on this model (FASTQWEN_LM_SCREEN=0, or unsupported)"
+        save()
+        return
+    w = screen.w
+    report["head"] = {"shape": list(w.shape), "gemv_config": str(screen.config), "plan": str(screen.plan),
+                      "int8_bytes": screen.nbytes(), "load_s": round(time.perf_counter() - t0, 1)}
+    xs = collect_hidden(eng, args.prompt, args.steps, prompts=3)
+    report["picks"] = picks(screen, w, xs)
+    print("picks", report["picks"], flush=True)
+    save()
+    plans = [p for p in args.plans.split(";") if p]
+    report["kernels_us"] = kernels(screen, w, xs, plans)
+    print("kernels_us", report["kernels_us"], flush=True)
+    timed = {k: v for k, v in report["kernels_us"].items() if k != "gemv_argmax" and isinstance(v, float)}
+    best = min(timed, key=timed.get) if timed else None
+    report["best_plan"] = best
+    if best is not None:
+        screen = screen.with_plan(lm_screen.ScreenPlan.from_text(best))
+        model.screen = screen
+        report["picks_best_plan"] = picks(screen, w, xs[:24])
+    save()
+    report["step"] = step_arms(eng, args.prompt, args.steps, args.rounds, screen)
+    print("step", {k: v for k, v in report["step"].items() if k != "rounds"}, flush=True)
+    save()
+    report["generate"] = generate_arms(eng, args.prompt, args.steps, args.rounds, screen)
+    print("generate", report["generate"]["median"], flush=True)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The screened LM head (fqkernels.lm_screen): one sequence's greedy pick from an int8 copy of the
+head and the exact logits of the rows that can still win, against the argmax of the whole GEMV.
+
+Which tests run where:
+  pinned stack, no GPU      the int8 copy and its bound, the torch reference of the screen against
+                            the full argmax (ties, near-ties, NaN), the bound itself on every row,
+                            plans and errors
+  TRITON_INTERPRET=1        + the three kernels on small heads (explicit fma configs): the same pick
+                            as argmax(gemv.linear(...)), every row a candidate too, NaN rows
+  a CUDA device             + the kernels on the Qwen3-4B and Qwen3.5-4B heads (marked gpu): the same
+                            pick as the GEMV's argmax over random and near-tied rows, and with every
+                            row a candidate (then every logit is the refine's: its bits against the GEMV's)
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import gemv, lm_screen  # noqa: E402
+from fqkernels.argmax import argmax_reference  # noqa: E402
+from fqkernels.gemv import GemvConfig  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    DEV = torch.device("cpu")
+elif torch.cuda.is_available():
+    DEV = torch.device("cuda")
+else:
+    DEV = None
+needs_kernels = pytest.mark.skipif(DEV is None, reason="needs a CUDA device or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(DEV is None or INTERPRETED, reason="needs a CUDA device")
+FMA8 = GemvConfig(block_n=8, block_k=128, split_k=1, mode="fma", block_m=1)
+
+
+def _head(V: int, K: int, seed: int, scale: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, K, generator=g) * scale
+    # heavier tails on a few rows and an all-zero row: the scales' range
+    w[::97] *= 6
+    w[5] = 0
+    return w.to(torch.bfloat16)
+
+
+def _x(K: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, K, generator=g) * scale).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- no kernels run
+
+def test_int8_copy_within_half_a_scale():
+    w = _head(300, 256, 0)
+    q, s = lm_screen.quantize_rows(w, chunk_rows=64)
+    assert q.dtype == torch.uint8 and s.dtype == torch.float32
+    qd = q.double() - 128
+    assert qd.abs().max() <= 127
+    err = (w.double() - s.double()[:, None] * qd).abs()
+    assert bool((err <= s.double()[:, None] / 2).all())
+    assert s[5] == 0 and bool((q[5] == 128).all())         # the zero row: no scale, every byte 128
+    # the scale is at least the row's largest magnitude over 127 (rounded up, never down)
+    assert bool((s.double() * 127 >= w.double().abs().amax(1)).all())
+
+
+def test_bound_coefficient():
+    c = lm_screen.bound_coefficient(2560)
+    assert 0.5 + 254.5 * 2560 * 2.0 ** -24 < c < 0.545
+    assert lm_screen.bound_coefficient(8192) > c
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_holds_on_every_row(seed):
+    """|bf16 logit - a_j| <= B_j for every row: the fp32 GEMV sum (torch's order) of the bf16
+    weights, rounded to bf16, against the int8 pass's approximation and bound in fp32."""
+    V, K = 2000, 512
+    w = _head(V, K, seed)
+    x = _x(K, 100 + seed, scale=[1.0, 30.0, 1e-3][seed % 3])
+    q, s = lm_screen.quantize_rows(w)
+    logits = gemv.linear_reference(x, w)[0].double()
+    approx = ((x.float() @ (q.float() - 128).t())[0] * s)
+    bound = lm_screen.bound_coefficient(K) * s * x.float().abs().sum() + 2.0 ** -8 * approx.abs()
+    slack = bound.double() - (logits - approx.double()).abs()
+    assert bool((slack >= 0).all()), f"row {int(slack.argmin())}: bound short by {-float(slack.min())}"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reference_pick_is_the_full_argmax(seed):
+    V, K = 3000, 256
+    w = _head(V, K, seed)
+    if seed % 4 == 1:     # exact ties: the winner's row copied to later rows (the first index must win)
+        x = _x(K, 500 + seed)
+        top = int(argmax_reference(gemv.linear_reference(x, w))[0])
+        w[top + 1:: 400] = w[top]
+        w[:top:300] = w[top]
+    elif seed % 4 == 2:   # near-ties: rows a bf16 step apart
+        w[1000:1010] = w[999] + torch.randn(10, K) * 1e-4
+    x = _x(K, 500 + seed)
+    pick, count = lm_screen.screened_argmax_reference(x, w, *lm_screen.quantize_rows(w))
+    full = argmax_reference(gemv.linear_reference(x, w))
+    assert int(pick[0]) == int(full[0])
+    assert 1 <= count <= V
+
+
+def test_reference_nan_row_first():
+    V, K = 500, 128
+    w = _head(V, K, 3)
+    x = _x(K, 4)
+    x[0, 7] = float("nan")
+    pick, count = lm_screen.screened_argmax_reference(x, w, *lm_screen.quantize_rows(w))
+    assert count == V                                   # NaN bounds: every row a candidate
+    assert int(pick[0]) == int(torch.argmax(gemv.linear_reference(x, w), dim=-1)[0])
+
+
+def test_plans_and_errors():
+    assert lm_screen.ScreenPlan.from_text("") == lm_screen.ScreenPlan()
+    assert lm_screen.ScreenPlan.from_text("rows=32, block_k=256").rows == 32
+    for bad in ("rows", "rows=3", "cols=8", "groups=64", "warps=0"):
+        with pytest.raises(ValueError, match="lm_screen plan"):
+            lm_screen.ScreenPlan.from_text(bad)
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    assert "not a one-chunk fma config" in lm_screen.unsupported(w, config=GemvConfig(block_n=16, block_k=128))
+    assert "multiple of" in lm_screen.unsupported(torch.zeros(64, 192, dtype=torch.bfloat16),
+                                                  lm_screen.ScreenPlan(block_k=128),
+                                                  GemvConfig(block_n=8, block_k=64, mode="fma", block_m=1))
+    assert lm_screen.unsupported(w, lm_screen.ScreenPlan(block_k=128), FMA8) is None
+    # the real heads' one-row configs are the fma ones the screen needs
+    for V in (151936, 248320):
+        assert lm_screen.unsupported(torch.empty(V, 2560, dtype=torch.bfloat16, device="meta")) is None
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+def _screen(w, plan=lm_screen.ScreenPlan(rows=16, block_k=128, warps=4, groups=4), config=FMA8):
+    return lm_screen.LmScreen(w.to(DEV), plan, config)
+
+
+def _full_pick(x, w, config=FMA8):
+    return int(torch.argmax(gemv.linear(x, w, config=config).float(), dim=-1)[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [1000, 1003, 2048])
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_pick_the_gemv_argmax(V, seed):
+    K = 256
+    w = _head(V, K, seed).to(DEV)
+    screen = _screen(w)
+    for t in range(3):
+        x = _x(K, 40 * seed + t, scale=[1.0, 20.0, 0.01][t]).to(DEV)
+        got = screen.argmax(x)
+        assert int(got[0]) == _full_pick(x, w), f"step {t}"
+        assert float(screen.tau[0]) == -math.inf          # reset for the next step
+        assert 1 <= screen.candidates_for(x) <= V
+
+
+@needs_kernels
+def test_kernels_every_row_a_candidate():
+    """An infinite bound: every row refined; the pick is still the GEMV's argmax (every logit the
+    refine's own: its sums against the GEMV's)."""
+    V, K = 1003, 256
+    w = _head(V, K, 9).to(DEV)
+    screen = _screen(w)
+    screen.c1 = math.inf
+    for t in range(4):
+        x = _x(K, 70 + t, scale=1e-2).to(DEV)     # small logits: many bf16 ties
+        assert screen.candidates_for(x) == V
+        assert int(screen.argmax(x)[0]) == _full_pick(x, w)
+
+
+@needs_kernels
+def test_kernels_ties_and_nan():
+    V, K = 1000, 256
+    w = _head(V, K, 11)
+    x = _x(K, 12)
+    top = int(torch.argmax(gemv.linear_reference(x, w).float(), dim=-1)[0])
+    w[top + 8] = w[top]
+    w[max(top - 16, 0)] = w[top]
+    w = w.to(DEV)
+    screen = _screen(w)
+    assert int(screen.argmax(x.to(DEV))[0]) == _full_pick(x.to(DEV), w)
+    xn = x.clone()
+    xn[0, 3] = float("nan")
+    xn = xn.to(DEV)
+    assert int(screen.argmax(xn)[0]) == int(torch.argmax(gemv.linear(xn, w, config=FMA8).float(), dim=-1)[0])
+
+
+@needs_kernels
+def test_argument_errors():
+    w = _head(64, 256, 1).to(DEV)
+    screen = _screen(w)
+    with pytest.raises(ValueError, match="x must be"):
+        screen.argmax(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="out must be"):
+        screen.argmax(torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV),
+                      out=torch.zeros(2, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("V", [151936, 248320])
+def test_gpu_real_heads(V):
+    K = 2560
+    w = (torch.randn(V, K, device=DEV) * 0.02).to(torch.bfloat16)
+    screen = lm_screen.LmScreen(w)
+    assert screen.config == gemv.select_config(V, K, False, 1)
+    counts = []
+    for t in range(64):
+        x = (torch.randn(1, K, device=DEV) * (0.3 + t / 16)).to(torch.bfloat16)
+        if t % 8 == 7:       # a near-tie at the top: the winner's row again a few rows on
+            top = int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0])
+            w[min(top + 3, V - 1)] = w[top]
+        assert int(screen.argmax(x)[0]) == int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0]), f"step {t}"
+        counts.append(screen.candidates_for(x))
+    screen.c1 = math.inf                 # every row refined: all of its logits against the GEMV's pick
+    for t in range(16):
+        x = (torch.randn(1, K, device=DEV) * 0.05).to(torch.bfloat16)
+        assert int(screen.argmax(x)[0]) == int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0]), f"all {t}"
+    print(f"V={V}: candidates per step median {sorted(counts)[len(counts) // 2]}, max {max(counts)}")
