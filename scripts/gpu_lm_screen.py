@@ -19,6 +19,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "engine"))
@@ -30,9 +32,35 @@ from fqkernels import argmax as am  # noqa: E402
 from fqkernels import gemv, lm_screen  # noqa: E402
 from gpu_check import graphed_step_ms  # noqa: E402
 
-DEFAULT_PLANS = ("rows=16,block_k=512,warps=4;rows=32,block_k=256,warps=4;rows=8,block_k=512,warps=4;"
-                 "rows=16,block_k=256,warps=4;rows=32,block_k=512,warps=8;rows=64,block_k=256,warps=8;"
-                 "rows=16,block_k=512,warps=4,groups=8;rows=16,block_k=512,warps=4,groups=32")
+DEFAULT_PLANS = ("rows=16,block_k=512,conv=0;rows=16,block_k=512,conv=1;rows=16,block_k=512,conv=2;"
+                 "rows=32,block_k=256,conv=1;rows=32,block_k=256,conv=2;rows=8,block_k=512,conv=2;"
+                 "rows=32,block_k=512,warps=8,conv=2;rows=16,block_k=1024,warps=8,conv=2;"
+                 "rows=64,block_k=256,warps=8,conv=1;rows=16,block_k=512,conv=2,groups=32")
+
+
+@triton.jit
+def _read_kernel(q_ptr, out_ptr, V, KW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The control: the int8 copy read as 32-bit words with the int8 pass's tiling, one XOR a word
+    (no conversion, no products): what reading those bytes alone costs."""
+    rows = tl.minimum(tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R), V - 1)
+    offs = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.int32)
+    for k in range(0, KW, BLOCK_W):
+        acc ^= tl.load(q_ptr + rows.to(tl.int64)[:, None] * KW + k + offs[None, :], eviction_policy="evict_first")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def read_us(screen, xs) -> dict:
+    """The control kernel's us over the int8 copy, at two tilings."""
+    V, K = screen.q.shape
+    words = screen.q.view(torch.int32)
+    out = {}
+    for rows, bw, warps in ((16, 128, 4), (32, 256, 8)):
+        sink = torch.empty(triton.cdiv(V, rows), dtype=torch.int32, device=words.device)
+        out[f"rows={rows},words={bw},warps={warps}"] = graph_us(
+            lambda x, rows=rows, bw=bw, warps=warps, sink=sink: _read_kernel[(triton.cdiv(V, rows),)](
+                words, sink, V, KW=K // 4, BLOCK_R=rows, BLOCK_W=bw, num_warps=warps), xs)
+    return out
 
 
 def collect_hidden(eng, prompt: int, steps: int, prompts: int) -> list:
@@ -191,6 +219,11 @@ def main() -> None:
     save()
     plans = [p for p in args.plans.split(";") if p]
     report["kernels_us"] = kernels(screen, w, xs, plans)
+    try:
+        report["read_only_us"] = read_us(screen, xs)
+    except Exception as exc:  # noqa: BLE001 - the control failing is a result
+        report["read_only_us"] = f"{type(exc).__name__}: {exc}"[:300]
+    print("read_only_us", report["read_only_us"], flush=True)
     print("kernels_us", report["kernels_us"], flush=True)
     timed = {k: v for k, v in report["kernels_us"].items() if k != "gemv_argmax" and isinstance(v, float)}
     best = min(timed, key=timed.get) if timed else None
