@@ -250,7 +250,9 @@ def _refine_kernel(x_ptr, w_ptr, up_ptr, tau_ptr, val_ptr, idx_ptr, nan_ptr, V,
             cols_ld = cols if EVEN_N else tl.minimum(cols, V - 1)
             w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for i in range(K // BLOCK_K):           # gemv's one-row loop (EVEN_K: whole blocks)
+            # gemv's one-row loop (EVEN_K: whole blocks), unrolled: every block's loads can be in flight
+            # at once, each lane's sum still in increasing k (the same sums)
+            for i in tl.static_range(K // BLOCK_K):
                 kk = i * BLOCK_K
                 w = _load_w_block(w_ptrs, kk, offs_k, K, True)
                 acc = _row_fma(acc, w, x_ptr, kk, offs_k, K, True)
@@ -343,14 +345,21 @@ class LmScreen:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.up, self.val, self.idx, self.nan))
 
+    def approx(self, x: torch.Tensor, up: torch.Tensor, tau: torch.Tensor, use_pdl: bool = False,
+               launch: dict | None = None) -> None:
+        """The int8 pass alone: up <- the rows' upper bounds, tau <- max(tau, the largest lower bound)."""
+        V, K = self.w.shape
+        plan = self.plan
+        _approx_kernel[(triton.cdiv(V, plan.rows),)](
+            x, self.q, self.s, up, tau, V, self.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
+            PDL=use_pdl, LINES=max(1, plan.block_k // 128), CONV=plan.conv, INTERPRETED=_INTERPRETED,
+            num_warps=plan.warps, **(launch or {}))
+
     def candidates_for(self, x: torch.Tensor) -> int:
         """The count of candidate rows for x [1, K] (runs the int8 pass again)."""
-        V, K = self.w.shape
         tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=x.device)
-        up = torch.empty(V, dtype=torch.float32, device=x.device)
-        _approx_kernel[(triton.cdiv(V, self.plan.rows),)](
-            x, self.q, self.s, up, tau, V, self.c1, K=K, BLOCK_R=self.plan.rows, BLOCK_K=self.plan.block_k,
-            CONV=self.plan.conv, INTERPRETED=_INTERPRETED, num_warps=self.plan.warps)
+        up = torch.empty(self.w.shape[0], dtype=torch.float32, device=x.device)
+        self.approx(x, up, tau)
         return int((~(up < tau)).sum())
 
     def argmax(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -363,11 +372,7 @@ class LmScreen:
             raise ValueError(f"lm_screen: out must be int64 of shape (1,), got {out.dtype} {tuple(out.shape)}")
         plan, cfg = self.plan, self.config
         use_pdl, launch = pdl.for_rows(1)
-        _approx_kernel[(triton.cdiv(V, plan.rows),)](
-            x, self.q, self.s, self.up, self.tau, V, self.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
-            PDL=use_pdl, LINES=max(1, plan.block_k // 128), CONV=plan.conv, INTERPRETED=_INTERPRETED,
-            num_warps=plan.warps,
-            **launch)
+        self.approx(x, self.up, self.tau, use_pdl, launch)
         _refine_kernel[(self.parts,)](
             x, self.w, self.up, self.tau, self.val, self.idx, self.nan, V, K=K, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUPS=plan.groups, EVEN_N=V % cfg.block_n == 0, PDL=use_pdl,
