@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="picks and the kernels' sweep only (no step or generate)")
     args = ap.parse_args()
     report = {"model": args.model, "commit": os.environ.get("FASTQWEN_COMMIT", "unknown"), "torch": torch.__version__}
 
@@ -235,6 +237,8 @@ def main() -> None:
         model.screen = screen
         report["picks_best_plan"] = picks(screen, w, xs[:24])
     save()
+    if args.kernels_only:
+        return
     report["step"] = step_arms(eng, args.prompt, args.steps, args.rounds, screen)
     print("step", {k: v for k, v in report["step"].items() if k != "rounds"}, flush=True)
     save()

@@ -426,10 +426,12 @@ for s in '$shapes'.split(','): print('$arm', s, d['timing_' + s].get('graph_step
                       | grep -v Warn | tail -8 | tee "$OUT/pytest_screen.log" ;;
     lm-screen-q35|lm-screen-q3) # the screened LM head on a 4B (scripts/gpu_lm_screen.py): picks against the GEMV's
                     # argmax on its decode states, the tail's kernels by plan, the graphed step and generate with
-                    # and without (Qwen3.5: exact decode); LM_SCREEN_TIMEOUT_S, LM_SCREEN_ROUNDS
+                    # and without (Qwen3.5: exact decode); LM_SCREEN_TIMEOUT_S, LM_SCREEN_ROUNDS, LM_SCREEN_PLANS
+                    # (";"-separated plans to sweep), LM_SCREEN_KERNELS_ONLY=1 (picks and the sweep alone)
                     if [ "$stage" = lm-screen-q35 ]; then q35_ckpt; m=/tmp/q35_4b; xd=1; else m=/tmp/q4b; xd=0; fi
                     FASTQWEN_GDN_EXACT_DECODE=$xd timeout "${LM_SCREEN_TIMEOUT_S:-300}" python3 scripts/gpu_lm_screen.py \
-                      --model $m --rounds "${LM_SCREEN_ROUNDS:-3}" --out "$OUT/${stage//-/_}.json" 2>&1 | grep -v Warn \
+                      --model $m --rounds "${LM_SCREEN_ROUNDS:-3}" ${LM_SCREEN_PLANS:+--plans "$LM_SCREEN_PLANS"} \
+                      ${LM_SCREEN_KERNELS_ONLY:+--kernels-only} --out "$OUT/${stage//-/_}.json" 2>&1 | grep -v Warn \
                       | cut -c1-1500 | tail -8 ;;
     kernels-gdn-exact-step) timeout 300 python3 -m pytest -q -rf --tb=short -m gpu tests/kernels/test_gdn_exact_step.py \
                               2>&1 | tail -6 | tee "$OUT/pytest_gdn_exact_step.log" ;;

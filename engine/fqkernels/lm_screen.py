@@ -67,12 +67,14 @@ _REL = 2.0 ** -8                       # the bound's relative term (covers the b
 class ScreenPlan:
     """The int8 pass's launch: rows a program, K elements a loop trip, warps; the refine's
     blocks of the GEMV's config a program (groups); conv, how the bytes become fp32 (_bytes_to_q:
-    0 Triton's integer ops, 1 a PRMT an element, 2 shifts and masks; the same values)."""
+    0 Triton's integer ops, 1 a PRMT an element, 2 shifts and masks; the same values); stages, the launch's
+    num_stages."""
     rows: int = 16
     block_k: int = 512
     warps: int = 4
     groups: int = 16
     conv: int = 1
+    stages: int = 3
 
     @classmethod
     def from_text(cls, text: str | None) -> "ScreenPlan":
@@ -80,7 +82,7 @@ class ScreenPlan:
         names = {f.name for f in fields(cls)}
         for part in filter(None, (p.strip() for p in (text or "").split(","))):
             name, sep, value = (x.strip() for x in part.partition("="))
-            if name == "conv" and value in ("0", "1", "2"):
+            if (name == "conv" and value in ("0", "1", "2")) or (name == "stages" and value in ("1", "2", "3", "4")):
                 kw[name] = int(value)
                 continue
             if not sep or name not in names or not value.isdigit() or int(value) < 1 or int(value) & (int(value) - 1):
@@ -353,7 +355,7 @@ class LmScreen:
         _approx_kernel[(triton.cdiv(V, plan.rows),)](
             x, self.q, self.s, up, tau, V, self.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
             PDL=use_pdl, LINES=max(1, plan.block_k // 128), CONV=plan.conv, INTERPRETED=_INTERPRETED,
-            num_warps=plan.warps, **(launch or {}))
+            num_warps=plan.warps, num_stages=plan.stages, **(launch or {}))
 
     def candidates_for(self, x: torch.Tensor) -> int:
         """The count of candidate rows for x [1, K] (runs the int8 pass again)."""
