@@ -21,9 +21,10 @@ step is the full forward's, bit for bit, its products and attention in that orde
 fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 (serving, Qwen3.5: a prompt pass that
 keeps a state snapshot runs eagerly, not as a chunk graph; read when slots are made, fq_slots).
 FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule in the reference's order of
-operations, its bits; slower prompts; fqkernels/gdn_exact.py). FASTQWEN_GDN_EXACT_DECODE=1 (Qwen3.5:
-each GDN decode step computes the full forward's row of the chunked rule, not the recurrent step;
-fqkernels/gdn_exact_step.py).
+operations, its bits; slower prompts; fqkernels/gdn_exact.py). FASTQWEN_GDN_EXACT_DECODE=0 (Qwen3.5:
+the recurrent GDN decode step; by default each step computes the full forward's row of the chunked rule,
+fqkernels/gdn_exact_step.py). FASTQWEN_LM_SCREEN=0 (one sequence's decode pick from the whole LM head's
+product, not screened through its int8 copy; fqkernels/lm_screen.py).
 """
 import gc
 import json

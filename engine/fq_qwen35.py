@@ -72,10 +72,12 @@ MLP_ROWS = 8192
 # The GDN step's conv and gates in in_proj's GEMV epilogue at batch 1 (the same bits as the
 # separate kernel; FASTQWEN_FUSE_IN_PROJ=0 for the separate kernel, an A/B)
 FUSE_IN_PROJ = os.environ.get("FASTQWEN_FUSE_IN_PROJ", "1") != "0"
-# Exact GDN decode (FASTQWEN_GDN_EXACT_DECODE=1, opt-in): each GDN layer's decode step computes the
-# full forward's row of the chunked rule (fqkernels/gdn_exact_step.py) instead of the recurrent
-# step, its cache rows keeping the state at their chunk's start and the chunk's rows so far.
-EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
+# Exact GDN decode (the default since session 31; FASTQWEN_GDN_EXACT_DECODE=0 for the recurrent step):
+# each GDN layer's decode step computes the full forward's row of the chunked rule
+# (fqkernels/gdn_exact_step.py) instead of the recurrent step, its cache rows keeping the state at
+# their chunk's start and the chunk's rows so far. Native's noise (the fast step's is ~2.8x it) at
+# the public bars' speed: results/PERF_LOG.md, session 31.
+EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE", "1") != "0"
 # With exact decode, the gated norm in the step's own program where a program holds a whole head
 # (gdn_exact_step.fused_step's norm; the same bits), one kernel a GDN layer fewer
 # (FASTQWEN_GDN_STEP_NORM: "1", "0" for the separate gated norm kernel, or "auto", the default:

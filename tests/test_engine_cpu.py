@@ -291,4 +291,4 @@ def test_massive_activations_checkpoint_passes_the_margin(tmp_path, init):
 def test_engine_describes_what_runs(engines):
     info = engines[0].describe()
     assert info == {"family": "qwen3", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False}
+                    "exact_decode": False, "lm_screen": False}

@@ -233,7 +233,8 @@ def test_backend_is_explicit(tiny, monkeypatch):
     eng = Engine(str(tiny))
     info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False, "gdn_prompt_rule": "reference", "gdn_decode": "recurrent"}
+                    "exact_decode": False, "lm_screen": False, "gdn_prompt_rule": "reference",
+                    "gdn_decode": "full forward's rows"}
     # the triton backend names its prompt rule: the fast kernels, or those in the reference's order when asked
     from fqkernels import gdn
 
@@ -245,6 +246,8 @@ def test_backend_is_explicit(tiny, monkeypatch):
     # (on the triton backend with the step's form: its kernel, columns, warps, rows a trip, caps)
     from fqkernels import gdn_exact_step
 
-    monkeypatch.setattr(eng.model, "exact_decode", True)
     assert eng.describe()["gdn_decode"] == f"full forward's rows ({gdn_exact_step.step_form()})"
+    monkeypatch.setattr(eng.model, "exact_decode", False)       # FASTQWEN_GDN_EXACT_DECODE=0
+    assert eng.describe()["gdn_decode"] == "recurrent"
+    monkeypatch.setattr(eng.model, "exact_decode", True)
     assert "128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()

@@ -42,10 +42,11 @@ Measured on an H200 (sessions 22-25, PERF_LOG): bit-equal to the reference after
 prefix at B = 1, 4, 16 (outputs and the closed state); per step in a 64-step graph 8.6 / 9.2 /
 31.9 us at B = 1 / 4 / 16 (the grid's pick: the merged form uncapped at B = 1 and 4, the fused
 form at 128 registers at 16; 32 rows a trip; the close on tl.dots) against the recurrent
-kernel's 2.5 / 4.7 / 13.6. In the judge (official, public set) that is 335.7 / 609.0 / 3,614.5
+kernel's 2.5 / 4.7 / 13.6. In the judge (official, public set) that was 335.7 / 609.0 / 3,614.5
 tok/s against the bars' 350 / 600 / 3,600, with the noise at native's level (pooled over every
-exact-decode report: 70 positions over 0.75 against native's 76): still opt-in, fq_qwen35 runs
-it with FASTQWEN_GDN_EXACT_DECODE=1. (Earlier forms, torch's pieces with a row kernel and a
+exact-decode report: 70 positions over 0.75 against native's 76); with session 26-30's schedules
+and session 31's screened LM head 357.9 / 600.5 / 3,674.4: fq_qwen35's default since then
+(FASTQWEN_GDN_EXACT_DECODE=0 for the recurrent step). (Earlier forms, torch's pieces with a row kernel and a
 close, the step with 16-row tl.dot products, a head's rows and the columns as two kernels, an L2
 prefetch and software-pipelined loops, were slower at every batch and are gone.)
 """
