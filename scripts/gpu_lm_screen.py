@@ -30,11 +30,11 @@ import engine as fast_engine  # noqa: E402
 from fq_decode import DecodeRunner  # noqa: E402
 from fqkernels import argmax as am  # noqa: E402
 from fqkernels import gemv, lm_screen  # noqa: E402
+from fq_ops import _time_over  # noqa: E402
 from gpu_check import graphed_step_ms  # noqa: E402
 
-DEFAULT_PLANS = ("rows=16,block_k=512,conv=1,groups=4;rows=16,block_k=512,conv=1,groups=8;"
-                 "rows=16,block_k=512,conv=1,groups=16;rows=16,block_k=512,conv=1,groups=32;"
-                 "rows=32,block_k=256,conv=1;rows=16,block_k=512,conv=0;rows=32,block_k=512,warps=8,conv=2")
+DEFAULT_PLANS = ("rows=16,block_k=512,groups=4;rows=16,block_k=512,groups=8;rows=16,block_k=512,groups=32;"
+                 "rows=32,block_k=256;rows=8,block_k=256,stages=1;rows=32,block_k=512,warps=8")
 
 
 @triton.jit
@@ -102,30 +102,9 @@ def picks(screen, w, xs) -> dict:
                            "p90": counts[int(0.9 * (len(counts) - 1))], "max": counts[-1]}}
 
 
-def graph_us(fn, xs, calls: int = 20, reps: int = 7) -> float:
-    """Median us a call of fn(x) over a CUDA graph of `calls` calls cycling through xs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x in xs[:2]:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(xs[i % len(xs)])
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del g
-    return statistics.median(times)
+def graph_us(fn, xs) -> float:
+    """Median us a call of fn(x) over a CUDA graph of one call per state in xs (fq_ops._time_over)."""
+    return _time_over(fn, xs, 7)
 
 
 def kernels(screen, w, xs, plans) -> dict:

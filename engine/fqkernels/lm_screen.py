@@ -56,7 +56,6 @@ from fqkernels.gemv import _load_w_block, _row_fma
 __all__ = ["ENABLED", "ScreenPlan", "LmScreen", "quantize_rows", "bound_coefficient", "screened_argmax_reference"]
 
 ENABLED = os.environ.get("FASTQWEN_LM_SCREEN", "1") != "0"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _NONE = tl.constexpr(2 ** 31 - 1)     # "no index yet", as fqkernels.argmax
 _MAGIC = tl.constexpr(0x4B000000)      # the fp32 bits of 2^23: (2^23 + byte) exactly, from the byte's bits
 _MAGIC_OFFSET = tl.constexpr(8388736.0)  # 2^23 + 128: the stored byte is Q + 128
@@ -65,15 +64,14 @@ _REL = 2.0 ** -8                       # the bound's relative term (covers the b
 
 @dataclass(frozen=True)
 class ScreenPlan:
-    """The int8 pass's launch: rows a program, K elements a loop trip, warps; the refine's
-    blocks of the GEMV's config a program (groups); conv, how the bytes become fp32 (_bytes_to_q:
-    0 Triton's integer ops, 1 a PRMT an element, 2 shifts and masks; the same values); stages, the launch's
-    num_stages."""
+    """The int8 pass's launch: rows a program, K elements a loop trip, warps, num_stages; the
+    refine's blocks of the GEMV's config a program (groups). Session 31 (H200): 15 plans of the
+    int8 pass from 2 to 64 rows, 128 to 1024 bytes a trip, 1 to 8 warps and 1 to 3 stages all
+    within 1 us of each other (results/PERF_LOG.md)."""
     rows: int = 16
     block_k: int = 512
     warps: int = 4
     groups: int = 16
-    conv: int = 1
     stages: int = 3
 
     @classmethod
@@ -82,12 +80,12 @@ class ScreenPlan:
         names = {f.name for f in fields(cls)}
         for part in filter(None, (p.strip() for p in (text or "").split(","))):
             name, sep, value = (x.strip() for x in part.partition("="))
-            if (name == "conv" and value in ("0", "1", "2")) or (name == "stages" and value in ("1", "2", "3", "4")):
+            if name == "stages" and value in ("1", "2", "3", "4"):
                 kw[name] = int(value)
                 continue
             if not sep or name not in names or not value.isdigit() or int(value) < 1 or int(value) & (int(value) - 1):
                 raise ValueError(f"lm_screen plan: {part!r} is not name=value with a name among "
-                                 f"{', '.join(sorted(names))} and a power of two (conv: 0, 1 or 2)")
+                                 f"{', '.join(sorted(names))} and a power of two (stages: 1-4)")
             kw[name] = int(value)
         plan = cls(**kw)
         if plan.groups > 32:
@@ -155,52 +153,9 @@ def screened_argmax_reference(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _bytes_to_q(b, CONV: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The stored bytes (Q + 128, uint8) as the fp32 values Q, exactly: the fp32 whose bits are
-    0x4B00_00bb is 2^23 + bb, minus 2^23 + 128. CONV 0: in Triton's integer ops (the interpreter's
-    way); 1: one PRMT an element builds those bits; 2: shifts and masks of the packed word (PTX)."""
-    if INTERPRETED or CONV == 0:
-        return (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
-    if CONV == 1:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 m, t0, t1, t2, t3;
-            mov.b32 m, 0x4B000000;
-            prmt.b32 t0, $4, m, 0x7650;
-            prmt.b32 t1, $4, m, 0x7651;
-            prmt.b32 t2, $4, m, 0x7652;
-            prmt.b32 t3, $4, m, 0x7653;
-            sub.f32 $0, t0, 0f4B000080;
-            sub.f32 $1, t1, 0f4B000080;
-            sub.f32 $2, t2, 0f4B000080;
-            sub.f32 $3, t3, 0f4B000080;
-            }""",
-            "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t0, t1, t2, t3;
-        and.b32 t0, $4, 0xFF;
-        or.b32 t0, t0, 0x4B000000;
-        shr.b32 t1, $4, 8;
-        and.b32 t1, t1, 0xFF;
-        or.b32 t1, t1, 0x4B000000;
-        shr.b32 t2, $4, 16;
-        and.b32 t2, t2, 0xFF;
-        or.b32 t2, t2, 0x4B000000;
-        shr.b32 t3, $4, 24;
-        or.b32 t3, t3, 0x4B000000;
-        sub.f32 $0, t0, 0f4B000080;
-        sub.f32 $1, t1, 0f4B000080;
-        sub.f32 $2, t2, 0f4B000080;
-        sub.f32 $3, t3, 0f4B000080;
-        }""",
-        "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True, pack=4)
-
-
-@triton.jit
 def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
                    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                   LINES: tl.constexpr = 1, CONV: tl.constexpr = 1, INTERPRETED: tl.constexpr = False):
+                   LINES: tl.constexpr = 1):
     """up[j] = a_j + B_j for this program's BLOCK_R rows; tau <- max(tau, max_j a_j - B_j). Before the
     wait: the first LINES 128-byte lines of each row asked of L2, and the scales."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -214,7 +169,10 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
     x_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         b = tl.load(q_ptrs + k, eviction_policy="evict_first")
-        f = _bytes_to_q(b, CONV, INTERPRETED)   # Q exactly; x Q is exact in fp32
+        # Q exactly, from the byte's bits: the fp32 with bits 0x4B0000bb is 2^23 + bb, minus 2^23 + 128
+        # (x Q is exact in fp32). The same time as a PRMT an element or shifts and masks in PTX
+        # (session 31): the conversion does not bound the pass.
+        f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
         xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
         acc += f * xv[None, :]
         x_abs += tl.abs(xv)
@@ -354,8 +312,8 @@ class LmScreen:
         plan = self.plan
         _approx_kernel[(triton.cdiv(V, plan.rows),)](
             x, self.q, self.s, up, tau, V, self.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
-            PDL=use_pdl, LINES=max(1, plan.block_k // 128), CONV=plan.conv, INTERPRETED=_INTERPRETED,
-            num_warps=plan.warps, num_stages=plan.stages, **(launch or {}))
+            PDL=use_pdl, LINES=max(1, plan.block_k // 128), num_warps=plan.warps, num_stages=plan.stages,
+            **(launch or {}))
 
     def candidates_for(self, x: torch.Tensor) -> int:
         """The count of candidate rows for x [1, K] (runs the int8 pass again)."""
