@@ -88,6 +88,11 @@ import engine as fq_engine  # noqa: E402
 import fq_qwen35  # noqa: E402
 from fqkernels import gdn  # noqa: E402
 
+# The probe's engine and variants take the recurrent GDN decode step unless FASTQWEN_GDN_EXACT_DECODE=1
+# is set (stage q35-opswap-xdecode): its swaps are of that step's pieces (the engine's own default is
+# exact decode since session 31).
+fq_qwen35.EXACT_DECODE = os.environ.get("FASTQWEN_GDN_EXACT_DECODE") == "1"
+
 from fastqwen.judge.fidelity import NOISE_SLACK as SLACK  # noqa: E402
 from fastqwen.judge.prompts import PromptSource  # noqa: E402
 from fastqwen.judge.replay import LOGIT_BUDGET_BYTES  # noqa: E402

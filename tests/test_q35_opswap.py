@@ -35,6 +35,16 @@ def _script():
     return sys.modules["gpu_q35_opswap"]
 
 
+@pytest.fixture(autouse=True)
+def recurrent_decode(monkeypatch):
+    """The probe's swaps are of the recurrent GDN decode step's pieces: its engines and models here
+    take that step (the engine's default is exact decode; the script does the same unless
+    FASTQWEN_GDN_EXACT_DECODE=1)."""
+    import fq_qwen35
+
+    monkeypatch.setattr(fq_qwen35, "EXACT_DECODE", False)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35op") / "tiny", seed=3, progress=False)
