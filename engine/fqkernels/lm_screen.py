@@ -36,6 +36,11 @@ Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 ro
 block); the pick never depends on how many candidates there are, only the time does (every row a
 candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 4) bytes more, kept beside w.
 
+Measured on an H200 (session 31, results/PERF_LOG.md; synthetic 4B checkpoints): the same pick as
+the GEMV's argmax at every one of 96 decode states a model; candidates a step median 45 / 40 (max
+342 / 308) on Qwen3.5-4B / Qwen3-4B; the tail 291 -> 205 us / 181 -> 129 us (the int8 pass ~50 / ~30
+us over the time to read its bytes, cause open); the batch-1 step -73 to -87 / -46 to -52 us.
+
 FASTQWEN_LM_SCREEN=0 (read at import) turns it off: the decode step then runs the LM head's
 product and the argmax kernels as before. The int8 pass's launch: FASTQWEN_LM_SCREEN_PLAN, e.g.
 "rows=16,block_k=512,warps=4" (ScreenPlan).
