@@ -49,6 +49,58 @@ def _read_kernel(q_ptr, out_ptr, V, KW: tl.constexpr, BLOCK_R: tl.constexpr, BLO
     tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
+@triton.jit
+def _approx_variant_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr, X_MODE: tl.constexpr, ATOMIC: tl.constexpr):
+    """lm_screen._approx_kernel with one piece changed, for timing only (the values are not the
+    screen's): X_MODE 0 as the kernel, 1 x's first block loaded once and reused every trip (no
+    per-trip x load or layout change), 2 no x at all (the bytes' values summed); ATOMIC False: no
+    atomic max and no bound epilogue (the sums stored)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ld = tl.minimum(rows, V - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + rows_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    s = tl.load(s_ptr + rows_ld)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    x_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
+    x0 = tl.load(x_ptr + offs_k).to(tl.float32)
+    for k in range(0, K, BLOCK_K):
+        b = tl.load(q_ptrs + k, eviction_policy="evict_first")
+        f = (b.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        if X_MODE == 0:
+            xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
+            acc += f * xv[None, :]
+            x_abs += tl.abs(xv)
+        elif X_MODE == 1:
+            acc += f * x0[None, :]
+        else:
+            acc += f
+    approx = tl.sum(acc, axis=1) * s
+    live = rows < V
+    if ATOMIC:
+        bound = c1 * s * tl.sum(x_abs, axis=0) + 0.00390625 * tl.abs(approx)
+        tl.store(up_ptr + rows, approx + bound, mask=live)
+        tl.atomic_max(tau_ptr, tl.max(tl.where(live, approx - bound, float("-inf")), axis=0))
+    else:
+        tl.store(up_ptr + rows, approx, mask=live)
+
+
+def variants_us(screen, xs) -> dict:
+    """The int8 pass's time with one piece changed at a time (_approx_variant_kernel), the default
+    plan's tiling: where its time over the read-only control goes."""
+    V, K = screen.q.shape
+    plan = screen.plan
+    up, tau = torch.empty_like(screen.up), torch.full_like(screen.tau, float("-inf"))
+    grid = (triton.cdiv(V, plan.rows),)
+    out = {}
+    for name, x_mode, atomic in (("as_kernel", 0, True), ("x_once", 1, True), ("no_x", 2, True),
+                                 ("no_atomic_no_bound", 0, False), ("no_x_no_atomic", 2, False)):
+        out[name] = graph_us(lambda x, x_mode=x_mode, atomic=atomic: _approx_variant_kernel[grid](
+            x, screen.q, screen.s, up, tau, V, screen.c1, K=K, BLOCK_R=plan.rows, BLOCK_K=plan.block_k,
+            X_MODE=x_mode, ATOMIC=atomic, num_warps=plan.warps, num_stages=plan.stages), xs)
+    return out
+
+
 def read_us(screen, xs) -> dict:
     """The control kernel's us over the int8 copy, at two tilings."""
     V, K = screen.q.shape
@@ -207,6 +259,11 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the control failing is a result
         report["read_only_us"] = f"{type(exc).__name__}: {exc}"[:300]
     print("read_only_us", report["read_only_us"], flush=True)
+    try:
+        report["approx_variants_us"] = variants_us(screen, xs)
+    except Exception as exc:  # noqa: BLE001 - the variants failing is a result
+        report["approx_variants_us"] = f"{type(exc).__name__}: {exc}"[:300]
+    print("approx_variants_us", report["approx_variants_us"], flush=True)
     print("kernels_us", report["kernels_us"], flush=True)
     timed = {k: v for k, v in report["kernels_us"].items() if "=" in k and isinstance(v, float)}
     best = min(timed, key=timed.get) if timed else None
