@@ -3,7 +3,9 @@
 1. picks: on the model's own decode hidden states (eager steps after real prompt passes), the
    screen's pick against the argmax of the whole GEMV, and the candidates' count per step;
 2. kernels: the LM head's tail as the step runs it (GEMV + the two argmax kernels) against the
-   screen under each plan, each as a CUDA graph of 20 calls over those hidden states (us a call);
+   screen under each plan, each as a CUDA graph of one call per hidden state (fq_ops._time_over,
+   us a call), beside a read-only control over the int8 copy and the int8 pass with one piece
+   changed at a time;
 3. step: the graphed decode step at batch 1 with the screen (the best plan of 2) and without,
    interleaved rounds, the greedy tokens of both compared;
 4. generate: `Engine.generate` as the host sees it (TTFT, TPOT, total) with and without, interleaved.

@@ -64,7 +64,7 @@ ENABLED = os.environ.get("FASTQWEN_LM_SCREEN", "1") != "0"
 _NONE = tl.constexpr(2 ** 31 - 1)     # "no index yet", as fqkernels.argmax
 _MAGIC = tl.constexpr(0x4B000000)      # the fp32 bits of 2^23: (2^23 + byte) exactly, from the byte's bits
 _MAGIC_OFFSET = tl.constexpr(8388736.0)  # 2^23 + 128: the stored byte is Q + 128
-_REL = 2.0 ** -8                       # the bound's relative term (covers the bf16 rounding, 2^-9)
+_REL = tl.constexpr(2.0 ** -8)         # the bound's relative term (covers the bf16 rounding, 2^-9)
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def screened_argmax_reference(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
     xf = x.float()
     qf = q.float() - 128.0
     approx = (xf @ qf.t())[0] * s
-    bound = bound_coefficient(K) * s * xf.abs().sum() + _REL * approx.abs()
+    bound = bound_coefficient(K) * s * xf.abs().sum() + _REL.value * approx.abs()
     tau = torch.max(approx - bound)
     cand = ~((approx + bound) < tau)
     rows = cand.nonzero().flatten()
@@ -183,7 +183,7 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
         x_abs += tl.abs(xv)
     pdl.launch_dependents(PDL)
     approx = tl.sum(acc, axis=1) * s
-    bound = c1 * s * tl.sum(x_abs, axis=0) + 0.00390625 * tl.abs(approx)
+    bound = c1 * s * tl.sum(x_abs, axis=0) + _REL * tl.abs(approx)
     live = rows < V
     tl.store(up_ptr + rows, approx + bound, mask=live)
     tl.atomic_max(tau_ptr, tl.max(tl.where(live, approx - bound, float("-inf")), axis=0))
@@ -285,7 +285,11 @@ class LmScreen:
         self.config = config or gemv.select_config(V, K, False, 1)
         self.q, self.s = quantize_rows(w)
         self.c1 = bound_coefficient(K)
-        dev = w.device
+        self._buffers()
+
+    def _buffers(self) -> None:
+        """A step's buffers for this plan: the bounds, tau (-inf), the refine programs' results."""
+        dev, V = self.w.device, self.w.shape[0]
         self.up = torch.empty(V, dtype=torch.float32, device=dev)
         self.tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=dev)
         self.parts = triton.cdiv(V, self.plan.groups * self.config.block_n)
@@ -294,17 +298,11 @@ class LmScreen:
         self.nan = torch.empty(self.parts, dtype=torch.int32, device=dev)
 
     def with_plan(self, plan: ScreenPlan) -> "LmScreen":
-        """The same screen (the int8 copy shared) launched by another plan."""
+        """The same screen (the int8 copy shared) launched by another plan, with buffers of its own."""
         other = object.__new__(LmScreen)
         other.__dict__.update(self.__dict__)
         other.plan = plan
-        other.parts = triton.cdiv(self.w.shape[0], plan.groups * self.config.block_n)
-        dev = self.w.device
-        other.tau = torch.full((1,), float("-inf"), dtype=torch.float32, device=dev)
-        other.up = torch.empty_like(self.up)
-        other.val = torch.empty(other.parts, dtype=torch.float32, device=dev)
-        other.idx = torch.empty(other.parts, dtype=torch.int32, device=dev)
-        other.nan = torch.empty(other.parts, dtype=torch.int32, device=dev)
+        other._buffers()
         return other
 
     def nbytes(self) -> int:

@@ -14,7 +14,6 @@ Which tests run where:
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import pytest
@@ -29,14 +28,9 @@ from fqkernels import gemv, lm_screen  # noqa: E402
 from fqkernels.argmax import argmax_reference  # noqa: E402
 from fqkernels.gemv import GemvConfig  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRETED:
-    DEV = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEV = torch.device("cuda")
-else:
-    DEV = None
-needs_kernels = pytest.mark.skipif(DEV is None, reason="needs a CUDA device or TRITON_INTERPRET=1")
+# the kernels' device (CPU tensors under the interpreter, else CUDA) and their mark, as the argmax tests'
+from .test_argmax import DEV, INTERPRETED, needs_kernels  # noqa: E402
+
 needs_gpu = pytest.mark.skipif(DEV is None or INTERPRETED, reason="needs a CUDA device")
 FMA8 = GemvConfig(block_n=8, block_k=128, split_k=1, mode="fma", block_m=1)
 
