@@ -1,43 +1,40 @@
-"""fastqwen's engine: greedy Qwen3 generation, exact to native Transformers'
-argmax within the platform's margin, on one GPU. Qwen3.5 checkpoints (model_type
-qwen3_5_text / qwen3_5) run through the same loop on fq_qwen35's model: on a GPU its
-decode step (attention and GDN kernels) is one CUDA graph and its prompt pass runs the
-chunked GDN kernels (as a graph per shape up to 2,048 tokens); on the CPU all of it runs
-on the torch references.
+"""fastqwen's engine: greedy generation for Qwen3 and Qwen3.5 checkpoints, every token what
+native Transformers would pick on the same prefix (within the platform's 2.0-logit margin), as
+fast as one GPU allows.
 
-`Engine(model_path)` loads a Hugging Face-layout Qwen3 checkpoint (no
-Transformers involved); `generate(input_ids, max_new_tokens)` yields one list
-of token ids per step. On a CUDA device the decode step is one CUDA graph of
-fused Triton kernels and cuBLAS products; on the CPU the same model code runs
-on the torch reference ops.
+`Engine(model_path)` loads a Hugging Face-layout checkpoint (no Transformers involved) and
+`generate(input_ids, max_new_tokens)` yields one list of token ids per step. The model family
+comes from config.json (fq_config): Qwen3 (fq_qwen3) or the hybrid Qwen3.5 (fq_qwen35), each
+written once over an op set (fq_ops): Triton kernels on a GPU, their torch references elsewhere.
+On a GPU the decode step is one CUDA graph, replayed with the host one step behind (fq_decode).
 
-Switches (environment, read at load): FASTQWEN_NO_GRAPHS=1 (eager decode),
-FASTQWEN_NO_PREFILL_GRAPHS=1 (eager prefill), FASTQWEN_NO_PDL=1 (no dependent
-launch between the decode kernels; read when fqkernels is first imported),
-FASTQWEN_QWEN35_BACKEND=torch|triton (Qwen3.5's op set, fq_qwen35.resolve_backend),
-FASTQWEN_GDN_PLAN=name=value,... (the GDN prompt pass's launch plan, fqkernels/gdn.py PrefillPlan),
-FASTQWEN_EXACT_DECODE=0 (turns off exact decode: from 7 to 32 sequences the Qwen3 decode
-step is the full forward's, bit for bit, its products and attention in that order;
-fqkernels/gemv.py EXACT). FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 (serving, Qwen3.5: a prompt pass that
-keeps a state snapshot runs eagerly, not as a chunk graph; read when slots are made, fq_slots).
-FASTQWEN_GDN_EXACT_PREFILL=1 (Qwen3.5: the prompt pass's chunked rule in the reference's order of
-operations, its bits; slower prompts; fqkernels/gdn_exact.py). FASTQWEN_GDN_EXACT_DECODE=0 (Qwen3.5:
-the recurrent GDN decode step; by default each step computes the full forward's row of the chunked rule,
-fqkernels/gdn_exact_step.py). FASTQWEN_LM_SCREEN=0 (one sequence's decode pick from the whole LM head's
-product, not screened through its int8 copy; fqkernels/lm_screen.py).
+Options (keyword arguments; the contract's Engine(model_path) takes the defaults, which a
+deployment can change through the environment variable beside each):
+
+  backend       "auto"  the op set: "triton" (kernels, CUDA) or "torch" (references, any
+                        device); "auto" picks triton on a GPU          FASTQWEN_BACKEND=torch|triton
+  graphs        True    the decode step and short prompts as CUDA graphs  FASTQWEN_NO_GRAPHS=1
+  pdl           True    programmatic dependent launch between the decode step's kernels, where
+                        Triton (3.4+) and the GPU have it; process-wide    FASTQWEN_NO_PDL=1
+  exact_decode  True    decode steps in the full forward's arithmetic: Qwen3's products and
+                        attention at 7-32 sequences, Qwen3.5's GDN rule at every batch (native's
+                        noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
+                        cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
+
+An explicit keyword argument wins over the environment.
 """
 import gc
-import json
 import os
 
 import torch
 
-import fq_qwen35
-from fq_config import ModelConfig
+from fq_config import Qwen35Config, config_for
 from fq_decode import DecodeRunner, PrefillGraph
-from fq_model import Qwen3Model
 from fq_ops import ops_for
-from fq_weights import load_weights
+from fq_qwen3 import Qwen3Model
+from fq_qwen35 import Qwen35Model
+from fq_weights import load_qwen35_weights, load_weights
+from fqkernels import pdl as _pdl
 
 # Cache capacities are rounded up to this, so calls of nearby lengths share
 # one cache and one graph.
@@ -48,11 +45,13 @@ LOOKAHEAD = 2
 # Prefills of at most this many tokens (batch x prompt) run as a CUDA graph per
 # shape after the first call of that shape; larger ones are GPU-bound anyway.
 PREFILL_GRAPH_TOKENS = 8192
-# Qwen3.5's prompt pass launches more kernels a layer (its graph halves it at 1 x 512 on an
-# H200, 13.5 against 25.8 ms) and keeps bigger workspaces in the graph's pool, for no gain
-# at 8,192 tokens (within 1.5% at 4 x 2048 and 16 x 512): session 9, q35_check.json.
+# Qwen3.5's prompt pass launches more kernels a layer and keeps bigger workspaces in the graph's
+# pool: its graphs pay up to 2,048 tokens, not at 8,192 (docs/PERFORMANCE.md).
 QWEN35_PREFILL_GRAPH_TOKENS = 2048
 PREFILL_GRAPHS_KEPT = 4
+# Memory a server's slots leave free beside the weights and caches (a prompt pass's activations,
+# cuBLAS workspaces), when plan_slots sizes them on a GPU.
+SLOT_HEADROOM_BYTES = 3 * 2**30
 
 
 def _rounded_capacity(positions: int) -> int:
@@ -60,46 +59,99 @@ def _rounded_capacity(positions: int) -> int:
     return -(-positions // CAPACITY_GRANULE) * CAPACITY_GRANULE
 
 
-def _model_type(model_path: str):
-    """config.json's model_type, or None where it cannot be read (ModelConfig.from_dir then
-    reports what is wrong, naming it)."""
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return raw.get("model_type") if isinstance(raw, dict) else None
+def _option(value, env: str, from_env, default):
+    """A keyword option: its value when given, else the environment variable's reading, else the default."""
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    return default if raw in (None, "") else from_env(raw)
 
 
 class Engine:
-    def __init__(self, model_path: str):
-        qwen35 = _model_type(model_path) in fq_qwen35.MODEL_TYPES
-        self.cfg = fq_qwen35.Qwen35Config.from_dir(model_path) if qwen35 else ModelConfig.from_dir(model_path)
+    def __init__(self, model_path: str, *, backend: str | None = None, graphs: bool | None = None,
+                 pdl: bool | None = None, exact_decode: bool | None = None):
+        backend = _option(backend, "FASTQWEN_BACKEND", str, "auto")
+        graphs = _option(graphs, "FASTQWEN_NO_GRAPHS", lambda v: v != "1", True)
+        pdl = _option(pdl, "FASTQWEN_NO_PDL", lambda v: v != "1", True)
+        exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
+        self.cfg = config_for(model_path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in
         # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        _pdl.set_enabled(pdl)
+        ops = ops_for(backend, self.device, exact_decode)
         with torch.inference_mode():
-            if qwen35:  # the hybrid family (fq_qwen35.py): torch or triton backend
-                backend = fq_qwen35.resolve_backend(self.device)
-                self.model = fq_qwen35.Qwen35Model(
-                    self.cfg, fq_qwen35.load_weights(model_path, self.cfg, self.device, pack=backend == "triton"),
-                    self.device, backend)
+            if isinstance(self.cfg, Qwen35Config):
+                weights = load_qwen35_weights(model_path, self.cfg, self.device)
+                self.model = Qwen35Model(self.cfg, weights, self.device, ops, exact_decode=exact_decode)
             else:
-                self.model = Qwen3Model(self.cfg, load_weights(model_path, self.cfg, self.device), self.device,
-                                        ops_for(self.device))
-        # Qwen3.5's decode step and prompt pass are graph-safe on its triton backend (no host reads).
-        self.use_graphs = (self.device.type == "cuda" and (not qwen35 or self.model.backend == "triton")
-                           and os.environ.get("FASTQWEN_NO_GRAPHS") != "1")
-        self.use_prefill_graphs = self.use_graphs and os.environ.get("FASTQWEN_NO_PREFILL_GRAPHS") != "1"
+                weights = load_weights(model_path, self.cfg, self.device)
+                self.model = Qwen3Model(self.cfg, weights, self.device, ops)
+        self.exact_decode = exact_decode
+        # The Triton op set's decode step and prompt pass read nothing on the host: graph-safe.
+        self.use_graphs = self.device.type == "cuda" and ops.name == "triton" and bool(graphs)
+        self.use_prefill_graphs = self.use_graphs
+        qwen35 = isinstance(self.model, Qwen35Model)
         self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
+
+    def describe(self) -> dict:
+        """What runs: the model family, its op set, whether the decode step and prompts are graphs,
+        exact decode, the LM-head screen and (Qwen3.5) the GDN rule's forms."""
+        qwen35 = isinstance(self.model, Qwen35Model)
+        backend = self.model.ops.name
+        out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
+               "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
+               "pdl": _pdl.ENABLED, "exact_decode": self.exact_decode,
+               # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
+               "lm_screen": self.model.screen is not None}
+        if qwen35:
+            out["gdn_prompt_rule"] = "kernels" if backend == "triton" else "reference"
+            out["gdn_decode"] = "recurrent"
+            if self.model.exact_decode:
+                from fqkernels import gdn_exact_step
+
+                out["gdn_decode"] = ("full forward's rows" + (f" ({gdn_exact_step.step_form()})"
+                                                              if backend == "triton" else ""))
+        return out
+
+    # ---- serving: continuous batching over the engine's caches ------------------------
+    def plan_slots(self, max_len: int, max_slots: int | None = None, page_size: int | None = None,
+                   share_prefixes: bool = True, state_snapshots: int | None = None,
+                   memory_fraction: float | None = None) -> dict:
+        """How many slots (and, with page_size, KV pages) fit: max_slots requests of up to max_len
+        positions (None: as many as fit, at most fq_slots.DEFAULT_MAX_SLOTS; 16 on the CPU) in the
+        memory left beside the weights under memory_fraction of the device (None: all of it), less
+        SLOT_HEADROOM_BYTES. Returns the keyword arguments of `slots` (max_slots, max_len,
+        page_size, num_pages, share_prefixes, state_snapshots); a request that cannot fit is a
+        ValueError naming the sizes (fq_slots.fit_rows, fit_pages)."""
+        from fq_slots import fit_pages, fit_rows, state_snapshots_for
+
+        if max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        budget = None
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            cap = total * (memory_fraction or 1.0)
+            budget = int(cap - torch.cuda.memory_reserved(self.device) - SLOT_HEADROOM_BYTES)
+        model = self.model
+        plan = {"max_len": max_len, "page_size": page_size, "num_pages": None, "share_prefixes": share_prefixes,
+                "state_snapshots": state_snapshots}
+        if page_size is None:           # the slots' rows, and one more: the staging row of a chunked prefill
+            row = model.cache_bytes(1, max_len)
+            plan["max_slots"] = fit_rows(max_slots, row, None if budget is None else budget - row, max_len)
+            return plan
+        snapshots = state_snapshots_for(model, page_size, share_prefixes, state_snapshots) or 0
+        plan["max_slots"], plan["num_pages"] = fit_pages(page_size, max_slots, max_len, model.page_bytes(page_size),
+                                                         getattr(model, "row_bytes", lambda: 0)(), budget, snapshots)
+        return plan
 
     def slots(self, max_slots: int, max_len: int, page_size: int | None = None, num_pages: int | None = None,
               share_prefixes: bool = True, state_snapshots: int | None = None):
@@ -109,7 +161,7 @@ class Engine:
         share_prefixes the pages of common prompt prefixes shared where the model allows; a
         Qwen3.5 model keeps state_snapshots of its GDN states for it, None: fq_slots' default),
         each step size's graph captured now. The caches and graphs generate() made are dropped (and
-        generate() makes its own again when called)."""
+        generate() makes its own again when called). plan_slots sizes these arguments."""
         from fq_slots import Slots
 
         self._drop_graphs()
@@ -146,31 +198,6 @@ class Engine:
             self._slots.closed = True
             self._slots = None
             self.model.allocate_cache(1, 2)     # generate() sizes its own: the slots' rows go
-
-    def describe(self) -> dict:
-        """What runs: the model family, its op backend, whether the decode step is a graph."""
-        qwen35 = isinstance(self.model, fq_qwen35.Qwen35Model)
-        backend = self.model.backend if qwen35 else self.model.ops.name
-        from fqkernels import gemv
-
-        out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
-               "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
-               "exact_decode": gemv.EXACT and backend == "triton",
-               # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
-               "lm_screen": getattr(self.model, "screen", None) is not None}
-        if qwen35:     # the prompt pass's chunked rule: the reference's ops, the fast kernels, or the
-            from fqkernels import gdn      # kernels in the reference's order (gdn_exact)
-
-            out["gdn_prompt_rule"] = ("reference" if backend != "triton" else
-                                      "exact kernels" if gdn.EXACT_PREFILL else "kernels")
-            # the GDN decode step: the recurrent step, or the full forward's row (FASTQWEN_GDN_EXACT_DECODE)
-            out["gdn_decode"] = "recurrent"
-            if self.model.exact_decode:
-                from fqkernels import gdn_exact_step
-
-                out["gdn_decode"] = ("full forward's rows" + (f" ({gdn_exact_step.step_form()})"
-                                                              if backend == "triton" else ""))
-        return out
 
     # ---- input checks: every problem is reported before any GPU work ---------------
     def _check(self, input_ids, max_new_tokens) -> torch.Tensor:
@@ -241,7 +268,7 @@ class Engine:
     def _tune(self, rows: int) -> None:
         """On a GPU, once per row count: our GEMV or cuBLAS for each decode product (ops.tune)."""
         if self.device.type == "cuda" and rows not in self.tuning:
-            self.tuning[rows] = self.model.ops.tune(self.model.w, rows)
+            self.tuning[rows] = self.model.ops.tune(self.model.decode_products(), rows)
 
     def _drop_graphs(self) -> None:
         """Forget every captured graph: they point at the cache and RoPE tables being replaced."""

@@ -1,7 +1,7 @@
 """Continuous batching: requests of their own prompt lengths join and leave between decode
 steps (what a server needs; Engine.generate keeps its equal-length batches).
 
-This first form keeps the model's own caches, max_slots rows of max_len positions, with the
+The row form keeps the model's own caches, max_slots rows of max_len positions, with the
 running requests always in the first rows: admit() prefills a prompt into the next row
 (admit_group() prompts of one length together, in one prompt pass);
 retire() moves the last running request's row (its K/V and recurrent states) into the freed
@@ -11,9 +11,10 @@ its own row, and its result is dropped), each row at its own position, and retur
 running requests' logits; the caller samples and passes each request's token back in the
 next step(). step_rows() is the same step with the tokens already on the device, in row
 order (a server's sampled tokens, never read back before the next step is queued: the
-host's work on one step's tokens overlaps the next step on the GPU). On a GPU each bucket's step is a CUDA graph (fq_decode.LogitsStep), captured
-when the slots open, before any request. A row's arithmetic does not depend on the other
-rows' contents, so a request's greedy tokens depend only on the bucket's row count.
+host's work on one step's tokens overlaps the next step on the GPU). On a GPU each bucket's
+step is a CUDA graph (fq_decode.LogitsStep), captured when the slots open, before any request.
+A row's arithmetic does not depend on the other rows' contents, so a request's greedy tokens
+depend only on the bucket's row count.
 
 Paged form (page_size): the attention caches are pools of pages of page_size positions and
 each row has a block table (the model's allocate_paged_cache): a request takes the pages for
@@ -54,7 +55,6 @@ takes its snapshot where a chunk starts there or crosses it by whole rule chunks
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -91,16 +91,58 @@ DEFAULT_STATE_SNAPSHOTS = 8
 # that shape's second pass on (the first runs eagerly: Triton compiles, cuBLAS warms up), for
 # chunks of at most CHUNK_GRAPH_TOKENS; at most CHUNK_GRAPHS_KEPT graphs, the oldest dropped, all
 # on one memory pool (never two replays at once). The eager pass at these sizes is launch-bound
-# (session 13: a 256-token chunk of Qwen3-4B ~4.4 ms of GPU work inside ~20 ms of host time).
+# (a 256-token chunk's host time is several times its GPU work: docs/PERFORMANCE.md).
 CHUNK_GRAPH_TOKENS = 2048
 CHUNK_GRAPHS_KEPT = 8
 # A Qwen3.5 pass that keeps a state snapshot (every prompt admitted with prefix sharing on) runs
-# as a chunk graph too. Measured (H200, synthetic Qwen3.5-4B, pages of 64, session 19 run 2):
-# one stream's TTFT p50 54 -> 14.7 ms, a prefix hit's 46 -> 9.9 ms (a whole prompt's 14.1: sharing
-# pays), 16 streams of 512 + 128 2,827 tok/s against 3,056 eager. The 16-stream stall session 18
-# saw (1,597 tok/s) was the group passes' cuDNN attention plans, one per batch shape (gone since
-# the prompt attention names its backends, fq_qwen35), not the graphs.
+# as a chunk graph too: it cut one stream's TTFT about 3.7x (docs/SERVING.md).
 GRAPH_SNAPSHOT_PASSES = True
+
+
+# Slots a server opens when it is not told, where the memory holds them (fit_rows, fit_pages)
+DEFAULT_MAX_SLOTS = 64
+
+
+def fit_rows(requested: int | None, row_bytes: int, budget_bytes: int | None, max_len: int) -> int:
+    """Slots of `row_bytes` each: `requested`, checked against the budget (bytes left for them;
+    None on the CPU: no limit), or with None the most that fit, at most DEFAULT_MAX_SLOTS (16 on
+    the CPU). A request that cannot fit is an error naming both sizes."""
+    if budget_bytes is None:
+        return requested or 16
+    fits = max(0, budget_bytes // row_bytes)
+    if requested is None:
+        if fits < 1:
+            raise ValueError(f"no room for one slot of {max_len} tokens ({row_bytes / 2**30:.2f} GiB of KV "
+                             f"cache): {max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
+        return min(DEFAULT_MAX_SLOTS, fits)
+    if requested > fits:
+        raise ValueError(f"{requested} slots of {max_len} tokens need {requested * row_bytes / 2**30:.1f} GiB of "
+                         f"KV cache; {max(budget_bytes, 0) / 2**30:.1f} GiB is left beside the weights "
+                         f"(room for {fits})")
+    return requested
+
+
+def fit_pages(page_size: int, requested: int | None, max_len: int, page_bytes: int, row_bytes: int,
+              budget_bytes: int | None, snapshots: int = 0) -> tuple[int, int]:
+    """(slots, KV pages) of the paged cache: `requested` slots (None: DEFAULT_MAX_SLOTS, 16 on the
+    CPU), each holding `row_bytes` of its own (Qwen3.5's GDN states), `snapshots` more of those
+    (Qwen3.5's state snapshots for shared prefixes), and as many pages of `page_size` positions as
+    the budget holds beside them, at most every slot's max_len worth. Too little for one request
+    of max_len positions is an error naming the sizes."""
+    if page_size < 1 or max_len % page_size:
+        raise ValueError(f"a context of {max_len} tokens must be a multiple of the page size {page_size}")
+    per_request = max_len // page_size
+    if budget_bytes is None:
+        rows = requested or 16
+        return rows, rows * per_request
+    rows = requested or DEFAULT_MAX_SLOTS
+    states = (rows + 1 + snapshots) * row_bytes    # the slots' rows, the staging row, the snapshots
+    pages = min(rows * per_request, max(0, budget_bytes - states) // page_bytes)
+    if pages < per_request:
+        raise ValueError(f"{rows} slots and one request of {max_len} tokens need "
+                         f"{(states + per_request * page_bytes) / 2**30:.2f} GiB of cache; "
+                         f"{max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
+    return rows, pages
 
 
 def state_snapshots_for(model, page_size: int | None, share_prefixes: bool, state_snapshots: int | None = None):
@@ -291,10 +333,8 @@ class Slots:
         self._staged = None                       # the request in the staging row: [key, prompt, reserve, pages, done]
         self._steps = {}
         self.use_graphs = use_graphs
-        # a pass that keeps a Qwen3.5 state snapshot as a chunk graph too (module note at
-        # GRAPH_SNAPSHOT_PASSES); the environment's FASTQWEN_GRAPH_SNAPSHOT_PASSES=1|0 overrides
-        flag = os.environ.get("FASTQWEN_GRAPH_SNAPSHOT_PASSES")
-        self.graph_snapshot_passes = GRAPH_SNAPSHOT_PASSES if flag is None else flag == "1"
+        # a pass that keeps a Qwen3.5 state snapshot as a chunk graph too (GRAPH_SNAPSHOT_PASSES)
+        self.graph_snapshot_passes = GRAPH_SNAPSHOT_PASSES
         self._chunk_graphs: OrderedDict = OrderedDict()   # (length, start, snapshot cut or None) -> ChunkGraph
         self._chunk_seen: set = set()                     # chunk shapes run once eagerly
         # how the last prompt pass ran: "group" (one eager pass of admit_group's prompts),
@@ -311,6 +351,18 @@ class Slots:
             if tune is not None:
                 tune(rows)
             self._steps[rows] = LogitsStep(model, rows, use_graphs)
+
+    @property
+    def running(self) -> tuple:
+        """The running requests' keys in row order (the order of step_rows' tokens and logits)."""
+        return tuple(self.keys)
+
+    def stats(self) -> dict:
+        """A server's counters: requests running, the KV cache in use (kv_usage), prompt positions
+        found in shared pages so far, and how the last prompt pass ran ("group", "eager",
+        "capture", "graph"; None before any)."""
+        return {"running": len(self.keys), "kv_usage": self.kv_usage, "prefix_hit_tokens": self.pool.hit_tokens,
+                "last_pass": self.last_pass}
 
     def warm(self, length: int = 128, group: int = 4) -> None:
         """Run what a server's first prompts would compile, before any arrives: a prompt pass of
@@ -402,8 +454,8 @@ class Slots:
             # One prompt with graphs (a GPU): through the staging row as one chunk of all its rest
             # after its shared prefix (begin, prefill_next), so its pass is that (length, start)'s
             # ChunkGraph from the shape's second pass on (_chunk_pass), a prefix hit's rest too;
-            # the eager pass below is launch-bound at these sizes (session 17: a 512-token prompt
-            # ~2x the graph's TTFT, a prefix hit's rest slower than a whole prompt).
+            # the eager pass below is launch-bound at these sizes (a 512-token prompt took about twice
+            # the graph's TTFT, a prefix hit's rest longer than a whole prompt: docs/PERFORMANCE.md).
             self.begin(keys[0], prompts[0], reserve[0])
             try:
                 logits = self.prefill_next(len(prompts[0]))

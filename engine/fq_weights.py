@@ -1,4 +1,5 @@
-"""Load a Qwen3 checkpoint's safetensors shards onto the device.
+"""Load a checkpoint's safetensors shards onto the device: Qwen3 (load_weights) and Qwen3.5
+(load_qwen35_weights).
 
 Q/K/V and gate/up are packed into one matrix each at load time so a decode
 step reads each layer's input once per fused product. Every tensor's name and
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from fq_config import ModelConfig
+from fq_config import Qwen35Config, Qwen3Config
 
 # Checkpoint dtypes the loader takes; every weight is held in BF16 on the device.
 _LOADABLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,7 +55,7 @@ class ModelWeights:
             yield from vars(layer).values()
 
 
-def expected_shapes(cfg: ModelConfig) -> dict:
+def expected_shapes(cfg: Qwen3Config) -> dict:
     """Every tensor name the checkpoint must hold, with its shape."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -107,7 +108,7 @@ def _shard_map(model_path: str) -> dict:
     return out
 
 
-def load_weights(model_path: str, cfg: ModelConfig, device: torch.device) -> ModelWeights:
+def load_weights(model_path: str, cfg: Qwen3Config, device: torch.device) -> ModelWeights:
     expected = expected_shapes(cfg)
     shard_of = _shard_map(model_path)
     # A tied checkpoint may still carry lm_head.weight (a copy); it is ignored then.
@@ -162,3 +163,89 @@ def load_weights(model_path: str, cfg: ModelConfig, device: torch.device) -> Mod
         embed = place("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else place("lm_head.weight")
         return ModelWeights(embed=embed, layers=layers, final_norm=place("model.norm.weight"), lm_head=lm_head)
+
+
+# ---------------------------------------------------------------------------- Qwen3.5
+# The released multimodal checkpoints keep the text model under this prefix and carry
+# vision and multi-token-prediction weights the text engine does not run.
+_WRAPPED = "model.language_model."
+_SKIPPED = ("mtp.", "model.visual.", "visual.")
+
+
+def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device, pack: bool = True) -> dict:
+    """name -> BF16 tensor on the device, text-model names (`model.layers.3.self_attn.q_proj.weight`);
+    the released wrapper's prefix is removed, its vision and MTP weights skipped (one line).
+    pack: the model's packed matrices (qwen35_pack_groups: gate | up, a GDN layer's qkv | z | b | a,
+    an attention layer's q | k | v) are each read straight into their place in one device tensor,
+    so the load's peak is the weights themselves (packing after a load holds both copies)."""
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    where, skipped = {}, 0      # text-model name -> (file, stored name)
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(_SKIPPED):
+                    skipped += 1
+                    continue
+                where["model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name] = (fname, name)
+    if skipped:
+        print(f"fastqwen: skipped {skipped} vision / multi-token-prediction tensors", flush=True)
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in where
+    missing = [n for n in _expected_names(cfg) if n not in where and not (n == "lm_head.weight" and tied)]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    groups = qwen35_pack_groups(cfg) if pack else {}
+    packed_parts = {part for parts in groups.values() for part in parts}
+    out = {}
+    with ExitStack() as stack:
+        handles = {fname: stack.enter_context(safe_open(os.path.join(model_dir, fname), framework="pt"))
+                   for fname in files}
+
+        def read(key):
+            fname, stored = where[key]
+            return handles[fname].get_tensor(stored)
+
+        for key in where:
+            if key not in packed_parts and not (key == "lm_head.weight" and tied):
+                out[key] = read(key).to(device=device, dtype=torch.bfloat16)
+        for packed, parts in groups.items():      # each part read from the shard into its rows
+            tensors = [read(part) for part in parts]
+            dest = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
+                               dtype=torch.bfloat16, device=device)
+            row = 0
+            for t in tensors:
+                dest[row:row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+            out[packed] = dest
+    if tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def qwen35_pack_groups(cfg: Qwen35Config) -> dict:
+    """The packed matrices of a Qwen3.5 model: name -> the names stacked into it, in order."""
+    groups = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        groups[p + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        if cfg.layer_types[i] == "linear_attention":
+            groups[p + "linear_attn.in_proj.weight"] = [p + f"linear_attn.in_proj_{n}.weight"
+                                                        for n in ("qkv", "z", "b", "a")]
+        else:
+            groups[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+    return groups
+
+
+def _expected_names(cfg: Qwen35Config) -> list:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        mixer = (["linear_attn." + s for s in ("dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight",
+                                              "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                              "in_proj_a.weight")]
+                 if kind == "linear_attention" else
+                 ["self_attn." + s + ".weight" for s in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")])
+        names += [p + s for s in mixer + ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                                           "input_layernorm.weight", "post_attention_layernorm.weight"]]
+    return names

@@ -1,4 +1,5 @@
-"""The one place the tools check a Qwen3 model folder: its config, its weight files, its tensors.
+"""The one place the tools check a model folder (Qwen3 or Qwen3.5): its config, its weight files,
+its tensors, and the tensors each family's config implies (`expected_tensors`).
 
 Every check reads only `config.json`, the index and the safetensors headers
 (8-byte length + JSON), never tensor data, so checking the 8 GB 4B folder is
@@ -66,15 +67,17 @@ QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 def read_config(model_dir: str | pathlib.Path) -> dict:
-    """`config.json` of a Qwen3 model folder, checked, as a dict.
+    """`config.json` of a Qwen3 or Qwen3.5 model folder, checked, as a dict.
 
-    Fills the two fields Transformers defaults when absent, so every reader sees
-    the same values Transformers uses: `head_dim` (128 in 4.51.3's Qwen3Config,
-    whatever hidden_size / num_attention_heads is) and `tie_word_embeddings`
-    (False in Qwen3Config). An explicit null head_dim is an error (the reference
-    cannot build the model from it).
-    Raises UserError for a missing folder, a missing or malformed config.json,
-    a model_type other than qwen3, or a missing or invalid required field.
+    Qwen3.5 configs are read by `_read_qwen35_config`. For Qwen3, fills the two
+    fields Transformers defaults when absent, so every reader sees the same values
+    Transformers uses: `head_dim` (128 in 4.51.3's Qwen3Config, whatever
+    hidden_size / num_attention_heads is) and `tie_word_embeddings` (False in
+    Qwen3Config). An explicit null head_dim is an error (the reference cannot
+    build the model from it).
+    Raises UserError for a missing folder, a missing or malformed config.json, a
+    model_type other than qwen3 and the Qwen3.5 types, or a missing or invalid
+    required field.
     """
     path = _model_dir(model_dir) / CONFIG_NAME
     if not path.is_file():
@@ -136,15 +139,13 @@ def _read_qwen35_config(path: pathlib.Path, cfg: dict) -> dict:
 
 
 def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor a Qwen3 checkpoint holds for `config`, as (name, shape), in model order.
+    """Every tensor a checkpoint holds for `config` (Qwen3 or Qwen3.5), as (name, shape), in model order.
 
     `lm_head.weight` is listed only when embeddings are not tied (Hugging Face
-    omits it from tied checkpoints). Qwen3.5 configs: fastqwen.synth35.expected_tensors.
+    omits it from tied checkpoints).
     """
     if config.get("model_type") in QWEN35_MODEL_TYPES:
-        from fastqwen import synth35
-
-        return synth35.expected_tensors(config)
+        return qwen35_expected_tensors(config)
     hidden = int(config["hidden_size"])
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
@@ -170,6 +171,48 @@ def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     specs.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings", False):
         specs.append(("lm_head.weight", (vocab, hidden)))
+    return specs
+
+
+# Qwen3.5 puts a gated full-attention layer after every three Gated DeltaNet layers.
+QWEN35_FULL_ATTENTION_INTERVAL = 4
+
+
+def qwen35_layer_types(layers: int) -> list[str]:
+    """Qwen3.5's default `layer_types` for `layers` layers (what its config.json lists)."""
+    return ["full_attention" if (i + 1) % QWEN35_FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+            for i in range(layers)]
+
+
+def qwen35_expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Qwen3.5 text checkpoint, (name, shape), in model order (tied: no lm_head)."""
+    h, inter, vocab = (int(config[k]) for k in ("hidden_size", "intermediate_size", "vocab_size"))
+    hd, heads, kvh = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    kd, vd = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    kh, vh = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    conv_dim, width = 2 * kh * kd + vh * vd, int(config["linear_conv_kernel_dim"])
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i, kind in enumerate(config.get("layer_types") or qwen35_layer_types(int(config["num_hidden_layers"]))):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            specs += [(a + "dt_bias", (vh,)), (a + "A_log", (vh,)), (a + "conv1d.weight", (conv_dim, 1, width)),
+                      (a + "norm.weight", (vd,)), (a + "out_proj.weight", (h, vh * vd)),
+                      (a + "in_proj_qkv.weight", (conv_dim, h)), (a + "in_proj_z.weight", (vh * vd, h)),
+                      (a + "in_proj_b.weight", (vh, h)), (a + "in_proj_a.weight", (vh, h))]
+        elif kind == "full_attention":
+            a = p + "self_attn."
+            specs += [(a + "q_proj.weight", (2 * heads * hd, h)), (a + "k_proj.weight", (kvh * hd, h)),
+                      (a + "v_proj.weight", (kvh * hd, h)), (a + "o_proj.weight", (h, heads * hd)),
+                      (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+        else:
+            raise UserError(f"layer {i}: unknown layer type {kind!r}")
+        specs += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                  (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                  (p + "post_attention_layernorm.weight", (h,))]
+    specs.append(("model.norm.weight", (h,)))
+    if not config.get("tie_word_embeddings", False):
+        specs.append(("lm_head.weight", (vocab, h)))
     return specs
 
 

@@ -232,7 +232,7 @@ def measure(
     import transformers
 
     from fastqwen.checkpoint import check_tensors, read_config
-    from fastqwen.synth import check_device
+    from fastqwen.synth_common import check_device
 
     if not isinstance(positions, int) or positions < 2:
         raise UserError(f"positions must be an integer of at least 2, got {positions!r}")

@@ -6,18 +6,17 @@ time. So an archive's SHA-256 identifies the engine it holds, and two builds
 can be compared by hash alone.
 
 What goes in is `submission.scan_folder`'s walk (skipping `__pycache__`,
-`*.pyc`, dotfiles and dot-folders); whether it may go in is decided by
-`submission`'s checks, run on the folder first and on the finished bytes
-again before anything is written.
+`*.pyc`, dotfiles and dot-folders), written by `submission.build_archive`;
+whether it may go in is decided by `submission`'s checks, run on the folder
+first and on the finished bytes again before anything is written. This
+module adds the output checks and the write; the rules and the archive
+format live in `submission`, which never imports this module.
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
-import io
 import os
-import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,40 +24,14 @@ from pathlib import Path
 from fastqwen.errors import UserError
 from fastqwen.submission import (
     ARCHIVE_SUFFIX,
-    FolderScan,
+    FILE_MODE,
     Report,
+    build_archive,
     print_report,
     scan_folder,
     validate_archive_bytes,
     validate_scan,
 )
-
-FILE_MODE = 0o644
-# Level 9: the archive is built once and the 2 MiB limit is what binds.
-GZIP_LEVEL = 9
-
-
-def build_archive(scan: FolderScan) -> bytes:
-    """The `.tar.gz` bytes of the regular files of `scan`, identical for identical contents."""
-    tar_buffer = io.BytesIO()
-    # PAX only adds extended headers when a name needs them (long or non-ASCII),
-    # and then deterministically.
-    with tarfile.open(fileobj=tar_buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in scan.files:  # already sorted by name
-            data = entry.path.read_bytes()
-            info = tarfile.TarInfo(entry.name)
-            info.size = len(data)
-            info.mtime = 0
-            info.mode = FILE_MODE
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.type = tarfile.REGTYPE
-            tar.addfile(info, io.BytesIO(data))
-    gz_buffer = io.BytesIO()
-    # An empty filename leaves the FNAME field out; mtime=0 zeroes the header's time.
-    with gzip.GzipFile(filename="", mode="wb", fileobj=gz_buffer, compresslevel=GZIP_LEVEL, mtime=0) as gz:
-        gz.write(tar_buffer.getvalue())
-    return gz_buffer.getvalue()
 
 
 @dataclass(frozen=True)

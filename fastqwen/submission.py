@@ -14,7 +14,9 @@ untrusted archive runs none of its code.
 
 A folder is checked as `fastqwen package` would ship it: the same walk
 (`scan_folder`, which skips `__pycache__`, `*.pyc`, dotfiles and dot-folders)
-and the compressed size of the archive that `package` would write.
+and the compressed size of the archive that `package` would write
+(`build_archive`, the one writer of that format; `fastqwen.packaging`
+imports it from here).
 """
 from __future__ import annotations
 
@@ -223,6 +225,35 @@ def scan_folder(root: str | os.PathLike[str]) -> FolderScan:
     return FolderScan(root=root, entries=entries, skipped=skipped)
 
 
+FILE_MODE = 0o644
+# Level 9: the archive is built once and the 2 MiB limit is what binds.
+GZIP_LEVEL = 9
+
+
+def build_archive(scan: FolderScan) -> bytes:
+    """The `.tar.gz` bytes `fastqwen package` writes for `scan`: its regular files, identical for identical
+    contents (sorted names, fixed times, owners and modes, a gzip header with no name and no time)."""
+    tar_buffer = io.BytesIO()
+    # PAX only adds extended headers when a name needs them (long or non-ASCII),
+    # and then deterministically.
+    with tarfile.open(fileobj=tar_buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in scan.files:  # already sorted by name
+            data = entry.path.read_bytes()
+            info = tarfile.TarInfo(entry.name)
+            info.size = len(data)
+            info.mtime = 0
+            info.mode = FILE_MODE
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.type = tarfile.REGTYPE
+            tar.addfile(info, io.BytesIO(data))
+    gz_buffer = io.BytesIO()
+    # An empty filename leaves the FNAME field out; mtime=0 zeroes the header's time.
+    with gzip.GzipFile(filename="", mode="wb", fileobj=gz_buffer, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+        gz.write(tar_buffer.getvalue())
+    return gz_buffer.getvalue()
+
+
 def validate_folder(root: str | os.PathLike[str]) -> Report:
     """Check a folder exactly as `fastqwen package` would archive it."""
     return validate_scan(scan_folder(root))
@@ -237,9 +268,6 @@ def validate_scan(scan: FolderScan) -> Report:
         contents = {e.name: e.path.read_bytes() for e in scan.files}
         members = [_Member(m.name, m.kind, m.size, contents.get(m.name), m.link_target) for m in members]
     if total <= MAX_EXPANDED_BYTES:
-        # Imported here: packaging imports this module for its checks.
-        from fastqwen.packaging import build_archive
-
         report.compressed_bytes = len(build_archive(scan))
     _check_members(report, members)
     return report
@@ -671,7 +699,9 @@ class PythonChecks:
 
 
 def _signature_problem(func: ast.FunctionDef | ast.AsyncFunctionDef, expected: tuple[str, ...]) -> str | None:
-    """Why `func` does not have exactly the parameters `expected` (annotations allowed), or None."""
+    """Why `func` does not take exactly the positional parameters `expected` (annotations allowed), or
+    None. Keyword-only options with defaults are allowed: the platform's call, with the positional
+    arguments alone, still binds (Engine(model_path))."""
     if isinstance(func, ast.AsyncFunctionDef):
         return "is async"
     for decorator in func.decorator_list:
@@ -682,8 +712,8 @@ def _signature_problem(func: ast.FunctionDef | ast.AsyncFunctionDef, expected: t
         return "has positional-only parameters"
     if args.vararg or args.kwarg:
         return "takes *args or **kwargs"
-    if args.kwonlyargs:
-        return "has keyword-only parameters"
+    if any(default is None for default in args.kw_defaults):
+        return "has keyword-only parameters without defaults"   # options with defaults: the call still works
     if tuple(a.arg for a in args.args) != expected:
         return "has other parameters"
     if args.defaults:

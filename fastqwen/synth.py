@@ -19,6 +19,11 @@ On top of either, `--massive-activations` plants the massive activations and
 attention sinks trained Qwen3 checkpoints have (`MassivePlant`), and
 `--sliding-window N` writes a window into config.json.
 
+This module decides the Qwen3 weight values; `fastqwen.synth_common` holds the
+per-tensor seeds and the folder writer it shares with the Qwen3.5 family
+(`fastqwen.synth35`). `fastqwen synth` (`add_arguments`, `run`, below) hands a
+Qwen3.5 preset to `fastqwen.synth35`.
+
 Determinism: every tensor gets its own generator, seeded from (seed, tensor
 name), so the bytes do not depend on the order tensors are made in. The same
 preset, seed and device give the same bytes; CPU and CUDA generators are
@@ -30,27 +35,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import pathlib
-import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastqwen import synth35
 from fastqwen.checkpoint import expected_tensors
 from fastqwen.errors import UserError
-from fastqwen import tokenizer
 from fastqwen.presets import PRESETS, get_generation_config, get_preset
+from fastqwen.synth_common import (MAX_SHARD_BYTES, check_device, check_final_norm_scale, check_seed,
+                                   final_norm_for_gap, tensor_seed, vocab_row_factors, write_checkpoint)
 
 if TYPE_CHECKING:
     import torch
-
-# Hugging Face's habit: shards of at most ~4 GB (the real Qwen3-4B-Instruct-2507
-# folder has three: two just under 4 GB and a small tail).
-MAX_SHARD_BYTES = 4_000_000_000
-BF16_BYTES = 2
 
 
 # ---------------------------------------------------------------------------
@@ -58,7 +56,7 @@ BF16_BYTES = 2
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class InitScheme:
-    """How each kind of tensor is drawn, and why. Measured with scripts/synth_sweep.py (results/synth_sweep/).
+    """How each kind of tensor is drawn, and why.
 
     A synthetic checkpoint must behave like a trained model in two ways.
     (1) Realistic logits, so the 2.0-logit gate can fail: top-1 far above the
@@ -68,9 +66,9 @@ class InitScheme:
     BF16 sums (native's cached decode vs one full forward over the same
     tokens) must move the logits by a fraction of a logit.
 
-    The previous scheme (`sharp_attention_init`) had (1) but not (2): the two
-    paths differed by up to 37 logits on the 0.6B shape (CPU) and 27.5 on the
-    4B (H200). In FP32 the same comparison differs by 3e-6 (relative, last
+    Sharp attention in every layer (`sharp_attention_init`) gives (1) but not
+    (2): the two paths differ by up to 37 logits on the 0.6B shape (CPU) and
+    27.5 on the 4B (H200). In FP32 the same comparison differs by 3e-6 (relative, last
     hidden state), so the network itself is not chaotic: BF16 rounding adds
     about one ulp of relative error per layer (a random walk, 1-3% after
     28-36 layers), and the question is how much attention amplifies it and
@@ -83,7 +81,7 @@ class InitScheme:
     Stem and late layers. After the per-head RMSNorm, q.k/sqrt(d) has a std
     of about (q/k norm weight)^2. With weight 3 everywhere, attention picks
     one of a few random positions by a hair and a rounding difference flips
-    the winner, compounding over depth. Now only the first `stem_layers` (2)
+    the winner, compounding over depth. So only the first `stem_layers` (2)
     attend sharply (`stem_qk_norm_scale` 3): their inputs have barely drifted
     apart between the two paths yet (1e-4 relative, against 1.5% at the end),
     so their winners do not flip, and they give each position a
@@ -130,12 +128,13 @@ class InitScheme:
     `target_median_gap`.
 
     Measured (seed 0, BF16, CPU unless noted; cached_vs_full: mean / max over
-    positions of the max |logit diff| over the vocabulary / max slack):
-      0.6B: previous 30.8 / 37.1 / 34.4 -> now 0.24 / 0.34 / 0.19
-      4B:   previous 21.1 / 32.3 / 22.8 (H200: 20.2 / 27.5 / 28.8) -> now 0.34 / 0.53 / 0.19
-      tiny's width at 24 layers, seeds 0-3: previous 2.0-2.9 / 7.9-14.9 / 2.9-7.3
-            -> now 0.11-0.12 / 0.21-0.25 / <= 0.06
-    with gaps p10/p50/p90 0.125/0.875/2.9, top-1 ~15 above the median, 58-67% of
+    positions of the max |logit diff| over the vocabulary / max slack),
+    `sharp_attention_init` -> this scheme:
+      0.6B: 30.8 / 37.1 / 34.4 -> 0.24 / 0.34 / 0.19
+      4B:   21.1 / 32.3 / 22.8 (H200: 20.2 / 27.5 / 28.8) -> 0.34 / 0.53 / 0.19
+      tiny's width at 24 layers, seeds 0-3: 2.0-2.9 / 7.9-14.9 / 2.9-7.3
+            -> 0.11-0.12 / 0.21-0.25 / <= 0.06
+    this scheme with gaps p10/p50/p90 0.125/0.875/2.9, top-1 ~15 above the median, 58-67% of
     positions with a top-1 token of their own. On the 0.6B, FP32 puts the two
     paths' last hidden states 3e-6 apart (BF16: 1.5%); dropping all late
     layers changes 83% of argmaxes, dropping one changes 31% (0.4% beyond the
@@ -164,7 +163,7 @@ class InitScheme:
     massive: "MassivePlant | None" = None
 
 
-# The chosen values (see InitScheme); scripts/synth_sweep.py measures alternatives.
+# The chosen values (see InitScheme).
 QK_NORM_SCALE = 1.25
 STEM_LAYERS = 2
 STEM_QK_NORM_SCALE = 3.0
@@ -172,46 +171,6 @@ KEY_QUERY_CORRELATION = 0.7
 VOCAB_ROW_NORM_SIGMA = 0.25
 NORM_JITTER = 0.2
 EMBEDDING_STD_RATIO = 0.25
-
-
-@functools.lru_cache(maxsize=None)
-def median_top_gap(vocab: int, row_norm_sigma: float, draws: int = 256) -> float:
-    """Median top-1/top-2 gap of `vocab` logits c_v * N(0, 1), c_v log-normal of RMS 1 (fixed-seed simulation).
-
-    Deterministic (its own CPU generator and seed, float64), so the final norm
-    scale, and the checkpoint bytes, do not depend on anything but the config.
-    With sigma 0 this is the classic ~ln 2 / sqrt(2 ln V).
-    """
-    import torch
-
-    if vocab < 2:
-        raise ValueError(f"vocab must be at least 2, got {vocab}")
-    gen = torch.Generator().manual_seed(20250101)
-    c = torch.exp(row_norm_sigma * torch.randn(vocab, generator=gen, dtype=torch.float64))
-    c /= c.square().mean().sqrt()
-    gaps = torch.empty(draws, dtype=torch.float64)
-    for i in range(draws):
-        top = (torch.randn(vocab, generator=gen, dtype=torch.float64) * c).topk(2).values
-        gaps[i] = top[0] - top[1]
-    return float(gaps.median())
-
-
-def final_norm_for_gap(target_median_gap: float, vocab: int, row_norm_sigma: float, embedding_std: float,
-                       hidden: int) -> float:
-    """The final norm scale that gives logits (final-normed h) . E[v] ~ scale * embedding_std *
-    sqrt(hidden) * c_v * N(0, 1) a median top-1/top-2 gap of `target_median_gap` (median_top_gap)."""
-    return target_median_gap / (median_top_gap(vocab, row_norm_sigma) * embedding_std * math.sqrt(hidden))
-
-
-def vocab_row_factors(rows: int, sigma: float, seed: int, name: str, device: str) -> "torch.Tensor":
-    """FP32 factors exp(sigma * N(0, 1)) of RMS 1, one per vocabulary row of tensor `name`, from
-    their own generator (seeded from (seed, name + "/row-norms"))."""
-    import torch
-
-    gen = torch.Generator(device=device)
-    gen.manual_seed(tensor_seed(seed, name + "/row-norms"))
-    factors = torch.exp(sigma * torch.randn(rows, generator=gen, device=device))
-    return factors / factors.square().mean().sqrt()
 
 
 def default_late_output_scale(num_layers: int, stem_layers: int) -> float:
@@ -246,7 +205,8 @@ def init_scheme(
 ) -> InitScheme:
     """The init scheme for a Qwen3 config dict (see InitScheme for the reasoning).
 
-    The keyword arguments exist for scripts/synth_sweep.py; checkpoints use the defaults.
+    The keyword arguments let a measurement vary one choice at a time (and build
+    `sharp_attention_init`); checkpoints use the defaults.
     """
     if not 0.0 <= key_query_correlation <= 1.0:
         raise ValueError(f"key_query_correlation must lie in [0, 1], got {key_query_correlation}")
@@ -276,13 +236,12 @@ def init_scheme(
 
 
 def sharp_attention_init(config: dict, target_median_gap: float = 1.0) -> InitScheme:
-    """The previous scheme (q/k norm weights 3 in every layer, full-size embedding and outputs, equal row norms).
+    """Sharp attention everywhere (q/k norm weights 3 in every layer, full-size embedding and outputs,
+    equal row norms).
 
     Realistic logit statistics but numerically chaotic: on deep shapes the
-    cached decode lands tens of logits from the full forward. Kept to show, in
-    tests and scripts/synth_sweep.py, that the stability check can fail. (Its
-    final norm scale now comes from `median_top_gap`, ~11% below the old
-    closed-form estimate, so its bytes differ from old checkpoints.)
+    cached decode lands tens of logits from the full forward. It exists to show,
+    in tests, that the stability check can fail.
     """
     return init_scheme(
         config, target_median_gap, qk_norm_scale=3.0, key_query_correlation=0.0, vocab_row_norm_sigma=0.0,
@@ -333,7 +292,7 @@ def transformers_init(config: dict, final_norm_scale: float = TRANSFORMERS_FINAL
     no row-norm spread), so an exactness bug that one family happens to hide
     has a second chance to show.
 
-    Measured (seed 0, CPU, results/synth_stats/): on the 0.6B the hidden states
+    Measured (seed 0, CPU, `fastqwen synth-stats`): on the 0.6B the hidden states
     collapse onto a shared direction (3% of positions with a top-1 of their own)
     unless `--massive-activations` adds sinks (23%); with equal vocabulary row
     norms the top-1 stands ~20-31 above the median, so the logits move more for
@@ -343,12 +302,6 @@ def transformers_init(config: dict, final_norm_scale: float = TRANSFORMERS_FINAL
     against 0.47 / 0.30 / 0.25 for `init_scheme` on the 4B.
     """
     return dataclasses.replace(plain_init(config), final_norm_scale=float(final_norm_scale))
-
-
-def tensor_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed for one tensor, independent of the order tensors are made in."""
-    digest = hashlib.sha256(f"fastqwen-synth/{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _normal(name: str, shape: tuple[int, ...], seed: int, device: str) -> "torch.Tensor":
@@ -418,7 +371,7 @@ def _correlate_with_queries(name: str, noise: "torch.Tensor", scheme: InitScheme
 # ---------------------------------------------------------------------------
 # Massive activations and attention sinks (`--massive-activations`).
 # ---------------------------------------------------------------------------
-# The chosen values (see MassivePlant; scripts/synth_massive.py measures what they give).
+# The chosen values (see MassivePlant for what they give).
 PLANT_LAYER = 1
 MASSIVE_VALUES = (3000.0, -2000.0)
 TRIGGER_RATE_PER_512 = 4.0
@@ -433,7 +386,7 @@ SINK_SCORE_RANGE = (3.0, 9.0)
 
 @dataclass(frozen=True)
 class MassivePlant:
-    """Massive activations and attention sinks, planted on top of either init. Measured with scripts/synth_massive.py.
+    """Massive activations and attention sinks, planted on top of either init.
 
     What trained Qwen3 checkpoints have and random weights lack (Sun et al. 2024,
     "Massive activations in large language models"; FIELD_NOTES.md: Qwen3-4B forms
@@ -510,9 +463,10 @@ class MassivePlant:
     them exactly would need the carried value to be bit-identical at every
     trigger token and in every path (a cancellation off by one BF16 step, 16,
     moves that position's logits by ~20%, several logits), which needs a trigger
-    embedding in the thousands; we keep the plant where the real models put it.
+    embedding in the thousands; the plant stays where the real models put it.
 
-    Measured (seed 0, CPU, BF16; scripts/synth_massive.py, results/synth_stats/README.md):
+    Measured (seed 0, CPU, BF16; attention and activations read from Transformers' forward, the
+    stability figures from `fastqwen synth-stats`):
     from layer L's output on, trigger tokens hold ~2,850 / -1,900 on the massive
     channels (2,430 on the transformers-init 4B), 185-8,000x any other token's
     largest |h|; queries put 8-89% of their attention on trigger positions (a
@@ -757,63 +711,7 @@ def _plant_massive(name: str, out: "torch.Tensor", scheme: InitScheme, seed: int
         out[s] = _qk_norm_scale(scheme, layer)
 
 
-# ---------------------------------------------------------------------------
-# Writing the folder.
-# ---------------------------------------------------------------------------
-def plan_shards(specs: list[tuple[str, tuple[int, ...]]], max_bytes: int = MAX_SHARD_BYTES) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Split tensors, in order, into shards of at most `max_bytes` (a bigger tensor gets a shard alone)."""
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in specs:
-        nbytes = math.prod(shape) * BF16_BYTES
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    return shards
-
-
-def shard_name(k: int, n: int) -> str:
-    """Hugging Face's shard file name, 1-based."""
-    return f"model-{k:05d}-of-{n:05d}.safetensors"
-
-
-def check_device(device: str) -> str:
-    """`device` if it names a usable torch device ('cpu', 'cuda', 'cuda:N'); UserError otherwise."""
-    import torch
-
-    if device == "cpu":
-        return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise UserError(f"device {device!r} requested but CUDA is not available here")
-        index = int(device[5:]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise UserError(f"device {device!r} does not exist (this machine has {torch.cuda.device_count()} GPUs)")
-        return device
-    raise UserError(f"unknown device {device!r}; use 'cpu' or 'cuda' (or 'cuda:N')")
-
-
-def _prepare_out_dir(out_dir: pathlib.Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output path {str(out_dir)!r} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not force:
-            raise UserError(f"output folder {str(out_dir)!r} is not empty; pass --force to overwrite it")
-        # Remove what an earlier run wrote, so no stale shard of another size survives.
-        for old in list(out_dir.glob("model*.safetensors")) + [out_dir / "model.safetensors.index.json", out_dir / PROVENANCE_NAME]:
-            if old.is_file():
-                old.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _write_json(path: pathlib.Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
 INITS = ("fastqwen", "transformers")
-PROVENANCE_NAME = "fastqwen_synth.json"
 
 
 def _is_positive_int(value: object) -> bool:
@@ -842,10 +740,7 @@ def build_scheme(
     else:
         raise UserError(f"unknown init {init!r}; known inits: {', '.join(INITS)}")
     if final_norm_scale is not None:
-        ok = isinstance(final_norm_scale, (int, float)) and not isinstance(final_norm_scale, bool)
-        if not ok or not math.isfinite(final_norm_scale) or final_norm_scale <= 0:
-            raise UserError(f"final norm scale must be a positive number, got {final_norm_scale!r}")
-        scheme = dataclasses.replace(scheme, final_norm_scale=float(final_norm_scale))
+        scheme = dataclasses.replace(scheme, final_norm_scale=check_final_norm_scale(final_norm_scale))
     if massive_activations:
         scheme = dataclasses.replace(scheme, massive=massive_plant(config, scheme))
     return scheme
@@ -890,17 +785,6 @@ def provenance(preset: str, seed: int, device: str, scheme: InitScheme, config: 
     }
 
 
-def read_provenance(model_dir: str | pathlib.Path) -> dict | None:
-    """The folder's `fastqwen_synth.json` as a dict, or None when it has none (a real or older checkpoint)."""
-    path = pathlib.Path(model_dir) / PROVENANCE_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-
-
 def synthesize(
     preset: str,
     out_dir: str | pathlib.Path,
@@ -929,70 +813,25 @@ def synthesize(
     Raises UserError for an unknown preset, init or device, a bad seed, window or
     final norm scale, or a non-empty folder without `force`; nothing is written then.
     """
-    import torch
-    from safetensors.torch import save_file
-
     cfg = get_preset(preset) if config is None else dict(config)
     gen_cfg = get_generation_config(preset)
     device = check_device(device)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise UserError(f"seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed)
     if sliding_window is not None:
         if not _is_positive_int(sliding_window):
             raise UserError(f"sliding window must be a positive integer (keys per query), got {sliding_window!r}")
         cfg["sliding_window"] = sliding_window
     scheme = build_scheme(cfg, init, final_norm_scale, massive_activations)
-    out = pathlib.Path(out_dir)
-    _prepare_out_dir(out, force)
-
-    specs = expected_tensors(cfg)
-    shards = plan_shards(specs, max_shard_bytes)
-    total_bytes = sum(math.prod(s) * BF16_BYTES for _, s in specs)
-    weight_map: dict[str, str] = {}
-    done_tensors = 0
-    done_bytes = 0
-    start = last_report = time.monotonic()
-
-    def report(where: str) -> None:
-        print(
-            f"synth: {where}: {done_tensors}/{len(specs)} tensors, "
-            f"{done_bytes / 1e9:.2f}/{total_bytes / 1e9:.2f} GB, {time.monotonic() - start:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    for k, shard in enumerate(shards, start=1):
-        fname = shard_name(k, len(shards))
-        tensors: dict[str, torch.Tensor] = {}
-        for name, shape in shard:
-            # Generate on the device (fast for the 4B), keep the shard on the CPU for writing.
-            tensors[name] = make_tensor(name, shape, scheme, seed, device).cpu()
-            weight_map[name] = fname
-            done_tensors += 1
-            done_bytes += math.prod(shape) * BF16_BYTES
-            if progress and time.monotonic() - last_report > 5.0:
-                report(f"generating {fname}")
-                last_report = time.monotonic()
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
-        if progress:
-            report(f"wrote {fname}")
-            last_report = time.monotonic()
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
-    _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json", gen_cfg)
-    tokenizer.write_for_config(out, cfg, progress)
-    _write_json(out / PROVENANCE_NAME, provenance(preset, seed, device, scheme, cfg))
-    return out
+    return write_checkpoint(pathlib.Path(out_dir), cfg, gen_cfg, expected_tensors(cfg),
+                            lambda name, shape: make_tensor(name, shape, scheme, seed, device),
+                            provenance(preset, seed, device, scheme, cfg),
+                            force=force, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 # ---------------------------------------------------------------------------
-# CLI
+# CLI: `fastqwen synth` writes either family; a Qwen3.5 preset goes to fastqwen.synth35.
 # ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from fastqwen import synth35
-
     parser.add_argument("--preset", required=True,
                         help="model shape: " + ", ".join(list(PRESETS) + list(synth35.PRESETS)))
     parser.add_argument("--out", required=True, help="folder to write the checkpoint into")
@@ -1023,8 +862,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastqwen import synth35
-
     if args.preset in synth35.PRESETS:
         for flag, used in (("--massive-activations", args.massive_activations),
                            ("--sliding-window", args.sliding_window is not None)):

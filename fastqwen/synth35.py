@@ -2,7 +2,7 @@
 
 The folder is what Transformers 5.17.0's `Qwen3_5ForCausalLM.save_pretrained` writes
 for a text model (model_type qwen3_5_text, tied embeddings: no lm_head tensor), in
-bf16. Two weight families, as for Qwen3 (fastqwen.synth):
+bf16, by fastqwen.synth_common's writer. Two weight families, as for Qwen3 (fastqwen.synth):
 
 - `transformers`: Transformers' own init (normal(0, 0.02) for every projection, the
   embedding and the conv; the (1 + w) norms' w at 0; the gated norm's plain weight at 1;
@@ -16,7 +16,7 @@ bf16. Two weight families, as for Qwen3 (fastqwen.synth):
   (the input's identity then comes from the layers, not from the tied head echoing it),
   its rows scaled by log-normal factors of RMS 1 (sigma 0.25, a trained vocabulary's
   spread of row norms), the final norm's scale derived from the vocabulary for a median
-  top-1/top-2 gap of 1 (fastqwen.synth.median_top_gap), and the attention layers' q/k
+  top-1/top-2 gap of 1 (fastqwen.synth_common.median_top_gap), and the attention layers' q/k
   norms at (1 + w) = 2 (sharper attention keeps positions apart: 21-24% of positions with
   a top-1 of their own, against 15-17% at 1). Measured on the tiny preset, seeds 0-3
   (synth-stats, 2,048 positions): gap p10 / p50 / p90 0.12-0.19 / 1.00-1.12 / 3.2-3.7,
@@ -24,20 +24,20 @@ bf16. Two weight families, as for Qwen3 (fastqwen.synth):
   forward within 0.25 logits (128 positions). On the 4B (CPU, 512 positions) both
   families look trained (Transformers' init echoes only at the tiny's width) and this one
   is the steadier: cached decode against the full forward max 1.38 / mean 0.87 logits,
-  slack 0.25, against 1.69 / 1.12 / 0.38 (results/synth_stats/README.md).
+  slack 0.25, against 1.69 / 1.12 / 0.38.
 
 Deterministic: every tensor has its own seed from (seed, name).
 """
 from __future__ import annotations
 
 import copy
-import math
 import pathlib
 
-from fastqwen import tokenizer
+from fastqwen.checkpoint import expected_tensors, qwen35_layer_types
 from fastqwen.errors import UserError
+from fastqwen.synth_common import (check_device, check_final_norm_scale, check_seed, final_norm_for_gap, tensor_seed,
+                                   vocab_row_factors, write_checkpoint)
 
-FULL_ATTENTION_INTERVAL = 4
 DEFAULT_FINAL_NORM_SCALE = 7.0      # the transformers family's
 STD = 0.02
 INITS = ("fastqwen", "transformers")
@@ -51,14 +51,8 @@ TARGET_MEDIAN_GAP = 1.0
 def fastqwen_final_norm_scale(config: dict) -> float:
     """The fastqwen family's final norm scale: a median top-1/top-2 gap of TARGET_MEDIAN_GAP for
     logits (final-normed h) . E[v] ~ scale * embedding std * sqrt(hidden) * c_v * N(0, 1)."""
-    from fastqwen.synth import final_norm_for_gap
-
     return final_norm_for_gap(TARGET_MEDIAN_GAP, int(config["vocab_size"]), VOCAB_ROW_NORM_SIGMA,
                               STD * EMBEDDING_STD_RATIO, int(config["hidden_size"]))
-
-
-def _layer_types(layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(layers)]
 
 
 def _config(**fields: object) -> dict:
@@ -81,7 +75,7 @@ def _config(**fields: object) -> dict:
         "use_cache": True,
         **fields,
     }
-    cfg["layer_types"] = _layer_types(int(cfg["num_hidden_layers"]))
+    cfg["layer_types"] = qwen35_layer_types(int(cfg["num_hidden_layers"]))
     return dict(sorted(cfg.items()))
 
 
@@ -115,44 +109,10 @@ def get_preset(name: str) -> dict:
     return copy.deepcopy(PRESETS[name])
 
 
-def expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a Qwen3.5 text checkpoint, (name, shape), in model order (tied: no lm_head)."""
-    h, inter, vocab = (int(config[k]) for k in ("hidden_size", "intermediate_size", "vocab_size"))
-    hd, heads, kvh = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    kd, vd = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
-    kh, vh = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
-    conv_dim, width = 2 * kh * kd + vh * vd, int(config["linear_conv_kernel_dim"])
-    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
-    for i, kind in enumerate(config.get("layer_types") or _layer_types(int(config["num_hidden_layers"]))):
-        p = f"model.layers.{i}."
-        if kind == "linear_attention":
-            a = p + "linear_attn."
-            specs += [(a + "dt_bias", (vh,)), (a + "A_log", (vh,)), (a + "conv1d.weight", (conv_dim, 1, width)),
-                      (a + "norm.weight", (vd,)), (a + "out_proj.weight", (h, vh * vd)),
-                      (a + "in_proj_qkv.weight", (conv_dim, h)), (a + "in_proj_z.weight", (vh * vd, h)),
-                      (a + "in_proj_b.weight", (vh, h)), (a + "in_proj_a.weight", (vh, h))]
-        elif kind == "full_attention":
-            a = p + "self_attn."
-            specs += [(a + "q_proj.weight", (2 * heads * hd, h)), (a + "k_proj.weight", (kvh * hd, h)),
-                      (a + "v_proj.weight", (kvh * hd, h)), (a + "o_proj.weight", (h, heads * hd)),
-                      (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
-        else:
-            raise UserError(f"layer {i}: unknown layer type {kind!r}")
-        specs += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                  (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                  (p + "post_attention_layernorm.weight", (h,))]
-    specs.append(("model.norm.weight", (h,)))
-    if not config.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (vocab, h)))
-    return specs
-
-
 def make_tensor(name: str, shape: tuple[int, ...], seed: int, final_norm_scale: float, device: str,
                 init: str = "transformers"):
     """One bf16 tensor of the `init` family described in the module doc."""
     import torch
-
-    from fastqwen.synth import tensor_seed, vocab_row_factors
 
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     if init == "fastqwen":
@@ -177,48 +137,23 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, final_norm_scale: 
 def synthesize(preset: str, out_dir: str | pathlib.Path, seed: int = 0, device: str = "cpu", force: bool = False,
                final_norm_scale: float | None = None, progress: bool = True, init: str = "fastqwen") -> pathlib.Path:
     """Write a synthetic Qwen3.5 checkpoint of `preset` and weight family `init` into `out_dir`
-    (see the module doc)."""
+    (see the module doc). Raises UserError for an unknown preset, init or device, a bad seed or
+    final norm scale, or a non-empty folder without `force`; nothing is written then."""
     import torch
-    from safetensors.torch import save_file
-
-    from fastqwen.synth import (BF16_BYTES, MAX_SHARD_BYTES, _prepare_out_dir, _write_json, check_device,
-                                plan_shards, shard_name)
 
     cfg = get_preset(preset)
     device = check_device(device)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise UserError(f"seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed)
     if init not in INITS:
         raise UserError(f"unknown init {init!r} for a Qwen3.5 preset; known: {', '.join(INITS)}")
     if final_norm_scale is not None:
-        scale = final_norm_scale
+        scale = check_final_norm_scale(final_norm_scale)
     else:
         scale = fastqwen_final_norm_scale(cfg) if init == "fastqwen" else DEFAULT_FINAL_NORM_SCALE
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
-        raise UserError(f"final norm scale must be a positive number, got {final_norm_scale!r}")
-    out = pathlib.Path(out_dir)
-    _prepare_out_dir(out, force)
-    specs = expected_tensors(cfg)
-    shards = plan_shards(specs, MAX_SHARD_BYTES)
-    weight_map: dict[str, str] = {}
-    for k, shard in enumerate(shards, start=1):
-        fname = shard_name(k, len(shards))
-        tensors = {name: make_tensor(name, shape, seed, scale, device, init).cpu() for name, shape in shard}
-        weight_map.update({name: fname for name in tensors})
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        if progress:
-            print(f"synth: wrote {fname} ({k}/{len(shards)})", flush=True, file=__import__("sys").stderr)
-        del tensors
-    total = sum(math.prod(s) * BF16_BYTES for _, s in specs)
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total},
-                                                       "weight_map": dict(sorted(weight_map.items()))})
-    _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json", dict(GENERATION_CONFIG))
-    tokenizer.write_for_config(out, cfg, progress)
-    _write_json(out / "fastqwen_synth.json", {"preset": preset, "seed": seed, "device": device,
-                                              "init": init, "final_norm_scale": scale,
-                                              **({"embedding_std": STD * EMBEDDING_STD_RATIO,
-                                                  "vocab_row_norm_sigma": VOCAB_ROW_NORM_SIGMA,
-                                                  "qk_norm_weight": QK_NORM_WEIGHT} if init == "fastqwen" else {}),
-                                              "torch": torch.__version__})
-    return out
+    provenance = {"preset": preset, "seed": seed, "device": device, "init": init, "final_norm_scale": scale,
+                  **({"embedding_std": STD * EMBEDDING_STD_RATIO, "vocab_row_norm_sigma": VOCAB_ROW_NORM_SIGMA,
+                      "qk_norm_weight": QK_NORM_WEIGHT} if init == "fastqwen" else {}),
+                  "torch": torch.__version__}
+    return write_checkpoint(pathlib.Path(out_dir), cfg, dict(GENERATION_CONFIG), expected_tensors(cfg),
+                            lambda name, shape: make_tensor(name, shape, seed, scale, device, init), provenance,
+                            force=force, progress=progress)

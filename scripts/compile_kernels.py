@@ -8,8 +8,8 @@ this compiles what the engine would launch, exactly as Triton 3.1 would compile 
 at the first launch, and fails naming the kernel and its specialization.
 
 How:
-  1. Capture. The engine's own code runs: fq_config.ModelConfig.from_dir,
-     fq_weights.load_weights, fq_model.Qwen3Model over fq_ops.TritonOps and
+  1. Capture. The engine's own code runs: fq_config.Qwen3Config.from_dir,
+     fq_weights.load_weights, fq_qwen3.Qwen3Model over fq_ops.TritonOps and
      fq_decode.DecodeRunner, prefill and a decode step, over a sweep of shapes
      (GENERATE_SHAPES, DECODE_BATCHES x DECODE_CAPACITIES below), each with our
      GEMV and with cuBLAS for the decode products (the choice TritonOps.tune
@@ -435,8 +435,8 @@ class EngineDriver:
     def __init__(self, model: ModelSpec, folder: pathlib.Path, layers: int | None):
         import fastqwen.presets
         import fq_config
-        import fq_model
         import fq_ops
+        import fq_qwen3
         import fq_weights
 
         raw = fastqwen.presets.get_preset(model.preset)
@@ -446,15 +446,15 @@ class EngineDriver:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(raw))
         (folder / "model.safetensors").touch()
-        self.cfg = fq_config.ModelConfig.from_dir(str(folder))
+        self.cfg = fq_config.Qwen3Config.from_dir(str(folder))
         real_safe_open = fq_weights.safe_open
         fq_weights.safe_open = _MetaCheckpoint(fq_weights.expected_shapes(self.cfg))
         try:
             weights = fq_weights.load_weights(str(folder), self.cfg, CUDA)
         finally:
             fq_weights.safe_open = real_safe_open
-        self.ops = fq_ops.ops_for(CUDA)
-        self.model = fq_model.Qwen3Model(self.cfg, weights, CUDA, self.ops)
+        self.ops = fq_ops.ops_for("triton", CUDA)
+        self.model = fq_qwen3.Qwen3Model(self.cfg, weights, CUDA, self.ops)
 
     def use_gemv(self, on: bool) -> None:
         self.ops.use_gemv = _GemvChoice(on, self.ops.GEMV_MAX_ROWS)
@@ -494,7 +494,8 @@ def sweep(drv: EngineDriver, label: str) -> Iterator[Scenario]:
             if drv.fits(prompt, steps):
                 yield (f"{label} generate {batch}x{prompt}x{steps} ({tag})",
                        lambda b=batch, p=prompt, s=steps, g=gemv: (drv.use_gemv(g), drv.generate(b, p, s)))
-    # FASTQWEN_TORCH_ORDER_NORM=0 launches the norm kernel that sums with Triton's tl.sum.
+    # The norm kernel that sums with Triton's tl.sum (rows wider than the torch-order kernel takes,
+    # a torch whose order it does not implement; rmsnorm.TORCH_ORDER off).
     for batch, prompt, steps in GENERATE_SHAPES:
         if drv.fits(prompt, steps):
             yield (f"{label} generate {batch}x{prompt}x{steps} (gemv, tl.sum norm)",
@@ -564,9 +565,10 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         problems += _depth_check(drv, EngineDriver(model, next(folders), None), label, target)
                 progress(f"{label} {len(recorder.specs) - before} new specializations "
                          f"({time.perf_counter() - start:.1f} s)")
-        # The Qwen3.5 decode step's kernels (fq_qwen35's triton backend: the GDN step, the
-        # attention at head_dim 256 and the products on our GEMV), and the decode attention's FA2 path (a knob, off by
-        # default), launched at the 4B's shapes so they compile with the platform's Triton too.
+        # The Qwen3.5 model's kernels (the Triton op set's GDN step and prompt pass, the attention at
+        # head_dim 256 and the products on our GEMV), and the decode attention's FA2 path (one split),
+        # launched at the 4B's shapes so they compile with the platform's Triton too; the launch plans
+        # the bench varies too.
         recorder.pdl = False
         with recording(recorder, target):
             for batch in (1, 4, 16):
@@ -582,8 +584,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                         run(batch)
                     except Exception as exc:
                         problems.append(f"{name}: {type(exc).__name__}: {exc}")
-        # the early reads before PDL's wait (pdl.EARLY, gdn_exact_step.EARLY: knobs, off by default) as a
-        # decode step launches them, with PDL
+        # the reads before PDL's wait (pdl.EARLY) as a decode step launches them, with PDL, and the
+        # exact GDN step's schedules
         if True in pdl_modes:
             recorder.pdl = True
             with pdl_forced(True), recording(recorder, target):
@@ -646,39 +648,39 @@ def _early_reads(batch: int) -> None:
 
 
 def _gdn_decode_step(batch: int) -> None:
-    from fqkernels import gdn
+    from fqkernels import gdn_norm, gdn_prefill, gdn_step
 
     qk = torch.empty((batch, 16, 128), dtype=torch.bfloat16, device=CUDA)
     v = torch.empty((batch, 32, 128), dtype=torch.bfloat16, device=CUDA)
     g = torch.empty((batch, 32), dtype=torch.float32, device=CUDA)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
-    gdn.decode_step(qk, qk, v, g, g.to(torch.bfloat16), state)
+    gdn_step.decode_step(qk, qk, v, g, g.to(torch.bfloat16), state)
     mixed = torch.empty((batch, 8192), dtype=torch.bfloat16, device=CUDA)
     conv_state = torch.empty((batch, 8192, 4), dtype=torch.bfloat16, device=CUDA)
     ab = torch.empty((batch, 32), dtype=torch.bfloat16, device=CUDA)
     per_head = torch.empty(32, dtype=torch.bfloat16, device=CUDA)
-    gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), ab, ab,
+    gdn_step.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), ab, ab,
                         per_head, per_head)
     rows = torch.empty((batch * 32, 128), dtype=torch.bfloat16, device=CUDA)
-    gdn.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    gdn_norm.gated_rmsnorm(rows, rows, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # as the model calls them: mixed, z, b and a are column slices of in_proj's packed rows
     packed = torch.empty((batch, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
     mixed, z, b, a = torch.split(packed, [8192, 4096, 32, 32], dim=-1)
-    gdn.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
+    gdn_step.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
                         per_head, per_head)
-    gdn.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    gdn_norm.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # the step as the model runs it: in_proj's GEMV with the conv and gates in its epilogue (the
     # table's config for the batch), the rule reading beta in place
     from fqkernels import gemv
 
     w_in = torch.empty((8192 + 4096 + 64, 2560), dtype=torch.bfloat16, device=CUDA)
-    x, z, beta, g = gdn.in_proj_conv_gates_step(torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA), w_in,
+    x, z, beta, g = gdn_step.in_proj_conv_gates_step(torch.empty((batch, 2560), dtype=torch.bfloat16, device=CUDA), w_in,
                                                 conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
                                                 per_head, per_head, 4096, gemv.select_config(*w_in.shape, False, batch))
     q, k, v = torch.split(x, [2048, 2048, 4096], dim=-1)
-    gdn.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
+    gdn_step.decode_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128), g, beta,
                     state)
-    # the exact decode's step (FASTQWEN_GDN_EXACT_DECODE) as fq_qwen35 runs it: the same views, the
+    # the exact decode's step as fq_qwen35 runs it: the same views, the
     # decode runner's int32 positions, a cache's chunk rows
     from fqkernels import gdn_exact_step
 
@@ -691,63 +693,44 @@ def _gdn_decode_step(batch: int) -> None:
                                   prefetch=prefetch)
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
-    gdn.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    gdn_norm.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
     # the prompt pass's rule (chunked, two kernels), a prompt of 512
     qk = torch.empty((batch, 512, 16, 128), dtype=torch.bfloat16, device=CUDA)
     v = torch.empty((batch, 512, 32, 128), dtype=torch.bfloat16, device=CUDA)
     g = torch.empty((batch, 512, 32), dtype=torch.float32, device=CUDA)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
-    # another launch plan bench_gdn.py --sweep times
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(block_v=64, state_stages=1))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16))
+    # other launch plans the bench's GDN sweep times
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn_prefill.PrefillPlan(block_v=64, state_stages=1))
     # the solve and state kernels on bf16 pairs (a candidate plan)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(prec="bf16x2", block_v=16))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn_prefill.PrefillPlan(prec="bf16x2", block_v=16))
     # the solve and state kernels on bf16 thirds, capped, one stage
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
-                        plan=gdn.PrefillPlan(prec="bf16x3", solve_maxnreg=168, state_maxnreg=168, state_stages=1))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
+                        plan=gdn_prefill.PrefillPlan(prec="bf16x3", solve_maxnreg=168, state_maxnreg=168, state_stages=1))
     # register caps (maxnreg) on every kernel
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
-                        plan=gdn.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
+                        plan=gdn_prefill.PrefillPlan(solve_maxnreg=168, state_maxnreg=168, out_maxnreg=168))
     # the state kernel from the solve's inverse (form "inverse"), the inverse merged from 16-blocks
     # ("merged"), and FAST_PLAN (Triton 3.6's default: merged, bf16 thirds, caps) at both column
     # counts its block_v 0 picks (which asks the device for its SMs: none here)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(form="inverse"))
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn.PrefillPlan(form="merged"))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn_prefill.PrefillPlan(form="inverse"))
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), plan=gdn_prefill.PrefillPlan(form="merged"))
     for columns in (32, 64):
-        gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
-                            plan=dataclasses.replace(gdn.FAST_PLAN, block_v=columns))
+        gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16),
+                            plan=dataclasses.replace(gdn_prefill.FAST_PLAN, block_v=columns))
     # a sequence continued from its state (a prompt in chunks)
     state = torch.empty((batch, 32, 128, 128), dtype=torch.float32, device=CUDA)
-    gdn.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
-    # the rule in the reference's order (FASTQWEN_GDN_EXACT_PREFILL=1, gdn_exact): its systems, its
-    # solve over both right-hand sides at once (both forms), and its chunk loop from a state, with and
-    # without a snapshot, in each form (sliced the default; fused; split)
-    from fqkernels import gdn_exact
-
-    n = batch * 32 * 8
-    per_chunk = torch.empty((n, 64, 128), dtype=torch.float32, device=CUDA)
-    gdn_exact.chunk_systems(per_chunk, per_chunk, per_chunk, torch.empty((n, 64), dtype=torch.float32, device=CUDA))
-    for form in ("masked", "scratch"):
-        gdn_exact.solve_unit_lower(torch.empty((n, 64, 64), dtype=torch.float32, device=CUDA),
-                                   torch.empty((n, 64, 256), dtype=torch.float32, device=CUDA), form=form)
-    chunks = torch.empty((batch * 32, 8, 64, 128), dtype=torch.float32, device=CUDA)
-    attn = torch.empty((batch * 32, 8, 64, 64), dtype=torch.float32, device=CUDA)
-    carry = torch.empty((batch * 32, 8), dtype=torch.float32, device=CUDA)
-    rows = torch.empty((batch * 32, 128, 128), dtype=torch.float32, device=CUDA)
-    gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows)
-    gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, capture=2, captured=rows)
-    for form in ("fused", "split"):
-        gdn_exact.recurrence(chunks, chunks, chunks, chunks, attn, carry, rows, form=form)
+    gdn_prefill.chunked_prefill(qk, qk, v, g, g.to(torch.bfloat16), state_out=state, initial_state=state)
     # the exact decode step's copies of torch's l2 norm and cumulative sum (the step itself: above)
     gdn_exact_step.torch_rows(torch.empty((4, 128), dtype=torch.float32, device=CUDA), "l2norm")
     gdn_exact_step.torch_rows(torch.empty((4, 64), dtype=torch.float32, device=CUDA), "cumsum")
     # the prompt's conv, reading in_proj's packed output (qkv | z | b | a) in place
     packed = torch.empty((batch, 512, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
-    gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
+    gdn_prefill.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA))
     # continued from a conv state (a prompt in chunks)
-    gdn.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
+    gdn_prefill.causal_conv_prefill(packed[..., :8192], torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
                             conv_state=torch.empty((batch, 8192, 4), dtype=torch.bfloat16, device=CUDA))
     # the prompt's gates, reading b and a in place from the same rows
-    gdn.gates(packed[..., 8192 + 4096 + 32:], packed[..., 8192 + 4096:8192 + 4096 + 32], per_head, per_head)
+    gdn_prefill.gates(packed[..., 8192 + 4096 + 32:], packed[..., 8192 + 4096:8192 + 4096 + 32], per_head, per_head)
 
 
 # Scenario names of the launches made outside the Qwen3 engine sweep.
@@ -794,7 +777,7 @@ def _qwen35_attention(batch: int) -> None:
     qp = torch.empty((batch, 512, 8192), dtype=torch.bfloat16, device=CUDA)
     sigmoid_gate_mul(torch.empty((batch, 16, 512, 256), dtype=torch.bfloat16, device=CUDA).transpose(1, 2),
                      qp.view(batch, 512, 16, 512)[..., 256:])
-    # the gate in the attention's merge (FASTQWEN_ATTN_GATE_IN_COMBINE), as the decode step runs it
+    # the gate in the attention's merge, as the decode step runs it
     from fqkernels.decode_attention import decode_attention
 
     q = torch.empty((batch, 16, 256), dtype=torch.bfloat16, device=CUDA)
@@ -838,7 +821,7 @@ def _paged_kv(batch: int) -> None:
 
 
 def _qwen35_products(batch: int) -> None:
-    """Qwen3.5-4B's decode products on our GEMV (what _Products runs where tune finds it faster,
+    """Qwen3.5-4B's decode products on our GEMV (what the op set runs where tune finds it faster,
     or, at 7-32 rows, where the config walks K in order: exact decode): the table's configs."""
     from fqkernels import gemv
 
@@ -855,13 +838,7 @@ def _qwen35_products(batch: int) -> None:
 
 def _fa2_attention(batch: int) -> None:
     """The FA2 path runs where there is one split."""
-    from fqkernels import decode_attention as da
-
-    saved, da.FA2 = da.FA2, True
-    try:
-        _attention(batch, 32, 8, 128, num_splits=1)
-    finally:
-        da.FA2 = saved
+    _attention(batch, 32, 8, 128, num_splits=1)
 
 
 def _one_plus_norms(batch: int) -> None:
@@ -880,7 +857,7 @@ def _one_plus_norms(batch: int) -> None:
 
 
 def _exact_products(batch: int) -> None:
-    """FASTQWEN_EXACT_DECODE's o and down configs (gemv.EXACT_CONFIGS), each launched."""
+    """Exact decode's o and down configs (gemv.EXACT_CONFIGS), each launched."""
     from fqkernels import gemv
 
     for (n, k), entry in gemv.EXACT_CONFIGS.items():

@@ -135,7 +135,7 @@ def test_config_errors(tmp_path, tiny_model):
 def test_prefill_mlp_in_row_slices_is_the_same_function(engines, monkeypatch):
     """A prompt longer than MLP_ROWS runs its MLP in row slices (bounded activations):
     the logits are the unsliced ones (rows are independent), the tokens the same."""
-    import fq_model
+    import fq_qwen3
 
     fast, _ = engines
     prompts = _prompts(1, 40, seed=5)
@@ -150,7 +150,7 @@ def test_prefill_mlp_in_row_slices_is_the_same_function(engines, monkeypatch):
         calls.append(h.shape[0])
         return real(h, *args)
 
-    monkeypatch.setattr(fq_model, "MLP_ROWS", 16)
+    monkeypatch.setattr(fq_qwen3, "MLP_ROWS", 16)
     monkeypatch.setattr(fast.model, "_prefill_mlp", counting)
     sliced = list(fast.generate(prompts, 4))
     with torch.inference_mode():
@@ -214,7 +214,7 @@ def test_config_takes_qwen3config_defaults(tmp_path, tiny_model):
     raw = json.loads((tiny_model / "config.json").read_text())
     for field in ("head_dim", "sliding_window", "rms_norm_eps", "rope_theta"):
         raw.pop(field)
-    cfg = fq_config.ModelConfig.from_dict(raw)
+    cfg = fq_config.Qwen3Config.from_dict(raw)
     assert (cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps, cfg.rope_theta) == (128, 4096, 1e-6, 10000.0)
     from transformers import Qwen3Config
 
@@ -241,7 +241,7 @@ def test_config_refuses_what_it_does_not_compute(tiny_model, field, value, needl
     raw = json.loads((tiny_model / "config.json").read_text())
     raw[field] = value
     with pytest.raises(ValueError, match=needle):
-        fq_config.ModelConfig.from_dict(raw)
+        fq_config.Qwen3Config.from_dict(raw)
 
 
 def test_float32_checkpoint_loads_as_the_reference_loads_it(engines, tiny_model, tmp_path):
@@ -291,4 +291,4 @@ def test_massive_activations_checkpoint_passes_the_margin(tmp_path, init):
 def test_engine_describes_what_runs(engines):
     info = engines[0].describe()
     assert info == {"family": "qwen3", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False, "lm_screen": False}
+                    "pdl": False, "exact_decode": True, "lm_screen": False}

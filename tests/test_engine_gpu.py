@@ -85,14 +85,14 @@ def test_prefill_graph_replay_equals_eager_prefill(engine):
     assert (3, 80) not in engine._prefill_graphs
 
 
-def _fq_ops():
+def _fq_attention():
     import sys
 
     if str(ENGINE_DIR) not in sys.path:
         sys.path.insert(0, str(ENGINE_DIR))
-    import fq_ops
+    import fq_attention
 
-    return fq_ops
+    return fq_attention
 
 
 def _prompt_attention_inputs(batch, seq_len, capacity, heads=32, kv_heads=8, dim=128):
@@ -108,11 +108,11 @@ def _prompt_attention_inputs(batch, seq_len, capacity, heads=32, kv_heads=8, dim
 def test_prefill_attention_gqa_is_bit_equal_to_expanded_kv(batch, seq_len):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    fq_ops = _fq_ops()
+    fq_attention = _fq_attention()
     heads, dim = 32, 128
     q, kc, vc = _prompt_attention_inputs(batch, seq_len, capacity=512)
-    got = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5)
-    assert fq_ops._FLASH_GQA is True, "flash did not take the unexpanded K/V"
+    got = fq_attention.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5)
+    assert fq_attention._FLASH_GQA is True, "flash did not take the unexpanded K/V"
     qh = q.view(batch, seq_len, heads, dim).transpose(1, 2)
     k = kc[:batch, :, :seq_len].repeat_interleave(4, 1)
     v = vc[:batch, :, :seq_len].repeat_interleave(4, 1)
@@ -165,7 +165,7 @@ def test_windowed_prefill_attention_is_the_references_call(monkeypatch, batch, s
     are taken in chunks and the keys past a chunk are left out."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    fq_ops = _fq_ops()
+    fq_attention = _fq_attention()
     heads, dim = 32, 128
     q, kc, vc = _prompt_attention_inputs(batch, seq_len, capacity=1024)
     qh = q.view(batch, seq_len, heads, dim).transpose(1, 2).contiguous()
@@ -178,12 +178,12 @@ def test_windowed_prefill_attention_is_the_references_call(monkeypatch, batch, s
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         want = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=dim**-0.5)
     want = want.transpose(1, 2).reshape(-1, heads * dim)
-    got = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window)
+    got = fq_attention.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window)
     assert torch.equal(got, want), "one chunk: not the reference's bits"
-    monkeypatch.setattr(fq_ops, "_MASK_ELEMENTS", 128 * seq_len)  # 128-row chunks
-    assert torch.equal(fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window), want), \
+    monkeypatch.setattr(fq_attention, "_MASK_ELEMENTS", 128 * seq_len)  # 128-row chunks
+    assert torch.equal(fq_attention.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, window=window), want), \
         "chunked: not the reference's bits"
-    last = fq_ops.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, last_only=True, window=window)
+    last = fq_attention.prefill_attention(q, kc, vc, batch, seq_len, dim**-0.5, last_only=True, window=window)
     assert torch.equal(last, want.view(batch, seq_len, -1)[:, -1])
 
 
@@ -221,7 +221,7 @@ def test_paged_slots_give_the_row_slots_tokens(engine):
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_chunked_admission_graphed_gives_the_eager_tokens(engine, page_size):
     """Prompts prefilled in chunks of 24 between steps: from a chunk shape's second pass on it
-    runs as a CUDA graph (fq_slots.ChunkGraph); every request's tokens are those of the same
+    runs as a CUDA graph (fq_decode.ChunkGraph); every request's tokens are those of the same
     schedule run eagerly, rows and pages."""
     from test_slots_cpu import SCHEDULE, run_schedule
 

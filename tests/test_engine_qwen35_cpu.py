@@ -19,9 +19,10 @@ from engine_modules import ENGINE_DIR
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
-import fq_qwen35  # noqa: E402
+import fq_config  # noqa: E402
+import fq_weights  # noqa: E402
 from engine import Engine  # noqa: E402
-from fqkernels import gdn  # noqa: E402
+from fqkernels import gdn_ref  # noqa: E402
 
 from fastqwen import refenv, synth35  # noqa: E402
 
@@ -115,8 +116,8 @@ def test_forced_logits_track_the_reference(tiny, forced):
     assert full.argmax(-1).unique().numel() > 20, "the continuation must exercise many outputs"
     # On the CPU the engine's prefill and decode steps are the reference's cached decode,
     # bit for bit. How far that cached decode sits from the reference's own full forward
-    # depends on the CPU's BLAS paths: 0.0625 on the machines of earlier sessions, 0.375 on
-    # an AMD EPYC one; the bound only checks it stays the reference's small noise.
+    # depends on the CPU's BLAS paths (0.0625 on some machines, 0.375 on an AMD EPYC one); the
+    # bound only checks it stays the reference's small noise.
     assert torch.equal(got, cached), (got - cached).abs().max().item()
     assert (got - full).abs().max().item() <= 0.5
 
@@ -125,7 +126,7 @@ def test_a_layout_slip_is_caught(tiny, forced, monkeypatch):
     """Tiling the q/k heads instead of repeating each one (a documented trap) moves the
     logits far from the reference: the comparison can fail."""
     seq, ref = forced
-    monkeypatch.setattr(gdn, "expand_heads", lambda x, heads: x.repeat(1, 1, heads // x.shape[2], 1))
+    monkeypatch.setattr(gdn_ref, "expand_heads", lambda x, heads: x.repeat(1, 1, heads // x.shape[2], 1))
     got = engine_logits(Engine(str(tiny)).model, seq)
     assert (got - ref["full"]).abs().max().item() > 0.5
 
@@ -162,13 +163,13 @@ def test_released_layout_loads_the_same(tiny, tmp_path, capsys):
 
 
 def test_packed_load_is_the_packing_of_the_plain_load(tiny, tmp_path):
-    """load_weights(pack=True), what the engine loads for the triton backend: each packed matrix
-    (gate | up, qkv | z | b | a, q | k | v) read straight into place equals the plain load's tensors
-    stacked (Qwen35Model._pack); everything else is the same tensor, the released layout too."""
-    cfg = fq_qwen35.Qwen35Config.from_dir(str(tiny))
-    plain = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"))
-    packed = fq_qwen35.load_weights(str(tiny), cfg, torch.device("cpu"), pack=True)
-    groups = fq_qwen35._pack_groups(cfg)
+    """load_qwen35_weights(pack=True), what the engine loads: each packed matrix (gate | up,
+    qkv | z | b | a, q | k | v) read straight into place equals the plain load's tensors stacked
+    (Qwen35Model._pack); everything else is the same tensor, the released layout too."""
+    cfg = fq_config.Qwen35Config.from_dir(str(tiny))
+    plain = fq_weights.load_qwen35_weights(str(tiny), cfg, torch.device("cpu"), pack=False)
+    packed = fq_weights.load_qwen35_weights(str(tiny), cfg, torch.device("cpu"))
+    groups = fq_weights.qwen35_pack_groups(cfg)
     assert len(groups) == 2 * cfg.num_layers       # gate | up per layer, one mixer's pack per layer
     for name, parts in groups.items():
         assert name not in plain and not any(p in packed for p in parts)
@@ -192,7 +193,7 @@ def test_config_errors_name_the_field(change, match):
     if raw.get("vocab_size", 0) is None:
         del raw["vocab_size"]
     with pytest.raises(ValueError, match=match):
-        fq_qwen35.Qwen35Config.from_dict(raw)
+        fq_config.Qwen35Config.from_dict(raw)
 
 
 def test_the_judge_runs_on_the_preset(tiny, tmp_path):
@@ -217,37 +218,37 @@ def test_the_judge_runs_on_the_preset(tiny, tmp_path):
 
 
 def test_backend_is_explicit(tiny, monkeypatch):
-    """The op backend is named, never picked silently: the CPU default is the references,
-    a bad name or the kernels without a GPU (or the interpreter) are errors naming the value."""
-    monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND", raising=False)
+    """The op set is named, never picked silently: the CPU default is the references, a bad name
+    or the kernels without a GPU (or the interpreter) are errors naming the value, and the
+    environment's FASTQWEN_BACKEND is read where no argument is given."""
+    import fq_ops
+
+    monkeypatch.delenv("FASTQWEN_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert fq_qwen35.resolve_backend(cpu) == "torch"
-    assert fq_qwen35.resolve_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv("FASTQWEN_QWEN35_BACKEND", "fla")
-    with pytest.raises(ValueError, match="'fla' is not one of torch, triton"):
-        fq_qwen35.resolve_backend(cpu)
+    assert fq_ops.ops_for("auto", cpu).name == "torch"
+    with pytest.raises(ValueError, match="'fla' is not one of auto, torch, triton"):
+        fq_ops.ops_for("fla", cpu)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        fq_qwen35.resolve_backend(cpu, "triton")
-    monkeypatch.delenv("FASTQWEN_QWEN35_BACKEND")
+        fq_ops.ops_for("triton", cpu)
+    monkeypatch.setenv("FASTQWEN_BACKEND", "fla")
+    with pytest.raises(ValueError, match="'fla' is not one of"):
+        Engine(str(tiny))
+    assert Engine(str(tiny), backend="torch").describe()["backend"] == "torch"     # the argument wins
+    monkeypatch.delenv("FASTQWEN_BACKEND")
     eng = Engine(str(tiny))
     info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "exact_decode": False, "lm_screen": False, "gdn_prompt_rule": "reference",
+                    "pdl": False, "exact_decode": True, "lm_screen": False, "gdn_prompt_rule": "reference",
                     "gdn_decode": "full forward's rows"}
-    # the triton backend names its prompt rule: the fast kernels, or those in the reference's order when asked
-    from fqkernels import gdn
-
-    monkeypatch.setattr(eng.model, "backend", "triton")
-    assert eng.describe()["gdn_prompt_rule"] == "kernels"
-    monkeypatch.setattr(gdn, "EXACT_PREFILL", True)
-    assert eng.describe()["gdn_prompt_rule"] == "exact kernels"
-    # and its GDN decode step: the recurrent one, or the full forward's rows (FASTQWEN_GDN_EXACT_DECODE)
-    # (on the triton backend with the step's form: its kernel, columns, warps, rows a trip, caps)
+    monkeypatch.setenv("FASTQWEN_EXACT_DECODE", "0")
+    assert Engine(str(tiny)).describe()["gdn_decode"] == "recurrent"
+    assert Engine(str(tiny), exact_decode=True).describe()["gdn_decode"] == "full forward's rows"
+    # the Triton op set names its prompt rule and its exact step's form (its kernel, columns, warps,
+    # rows a trip, caps)
     from fqkernels import gdn_exact_step
 
+    monkeypatch.setattr(eng.model.ops, "name", "triton")
+    assert eng.describe()["gdn_prompt_rule"] == "kernels"
     assert eng.describe()["gdn_decode"] == f"full forward's rows ({gdn_exact_step.step_form()})"
-    monkeypatch.setattr(eng.model, "exact_decode", False)       # FASTQWEN_GDN_EXACT_DECODE=0
-    assert eng.describe()["gdn_decode"] == "recurrent"
-    monkeypatch.setattr(eng.model, "exact_decode", True)
     assert "128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()

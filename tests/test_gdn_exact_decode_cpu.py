@@ -1,4 +1,4 @@
-"""Exact GDN decode (fq_qwen35 with exact_decode, FASTQWEN_GDN_EXACT_DECODE=1) on the CPU path: every
+"""Exact GDN decode (fq_qwen35 with exact_decode, the default) on the CPU path: every
 GDN layer's rule outputs, over a prompt pass and the decode steps after it, are the reference's
 chunked rule over the whole sequence of that layer's inputs, bit for bit (what the full forward
 computes from them), and the cache holds the state at the last chunk's start; for a prompt in one
@@ -19,8 +19,11 @@ from engine_modules import ENGINE_DIR, load_engine_module
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
+import fq_config  # noqa: E402
 import fq_qwen35  # noqa: E402
-from fqkernels import gdn, gdn_exact_step  # noqa: E402
+import fq_weights  # noqa: E402
+from fq_ops import TorchOps  # noqa: E402
+from fqkernels import gdn_exact_step, gdn_ref  # noqa: E402
 
 from fastqwen import synth35  # noqa: E402
 
@@ -30,8 +33,8 @@ B = 2
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35x") / "tiny", seed=3, progress=False)
-    cfg = fq_qwen35.Qwen35Config.from_dir(str(path))
-    return path, cfg, fq_qwen35.load_weights(str(path), cfg, torch.device("cpu"))
+    cfg = fq_config.Qwen35Config.from_dir(str(path))
+    return path, cfg, fq_weights.load_qwen35_weights(str(path), cfg, torch.device("cpu"))
 
 
 class Recorder:
@@ -41,7 +44,7 @@ class Recorder:
     def __init__(self, monkeypatch, model, step=None):
         self.calls = defaultdict(list)      # state address -> [((q, k, v, g, beta) [B, n, ...], o)]
         self.model = model
-        rule, step = gdn.chunked_prefill_reference, step or gdn_exact_step.reference_step
+        rule, step = gdn_ref.chunked_prefill_reference, step or gdn_exact_step.reference_step
 
         def recorded_rule(q, k, v, g, beta, state_out=None, initial_state=None, capture=None, **kw):
             key = state_out.data_ptr()
@@ -55,7 +58,7 @@ class Recorder:
             self.calls[state.data_ptr()].append((ins, o[:, None].clone()))
             return o
 
-        monkeypatch.setattr(gdn, "chunked_prefill_reference", recorded_rule)
+        monkeypatch.setattr(gdn_ref, "chunked_prefill_reference", recorded_rule)
         monkeypatch.setattr(gdn_exact_step, "reference_step", recorded_step)
 
     def check(self, rows: slice, start_state=None):
@@ -69,16 +72,16 @@ class Recorder:
             ins = [torch.cat([c[0][j] for c in calls], 1) for j in range(5)]
             got = torch.cat([c[1] for c in calls], 1)
             T, H = ins[2].shape[1], ins[2].shape[2]
-            q, k = gdn.expand_heads(ins[0], H), gdn.expand_heads(ins[1], H)
+            q, k = gdn_ref.expand_heads(ins[0], H), gdn_ref.expand_heads(ins[1], H)
             init = None if start_state is None else start_state[slot]
-            last_chunk = (T - 1) // gdn.CHUNK
-            want, _, at = gdn.delta_rule_chunked_reference(q, k, *ins[2:], state=init, capture=last_chunk)
+            last_chunk = (T - 1) // gdn_ref.CHUNK
+            want, _, at = gdn_ref.delta_rule_chunked_reference(q, k, *ins[2:], state=init, capture=last_chunk)
             differ = (got != want).flatten(2).any(-1)      # [B, T]
             assert not differ.any(), f"GDN layer {slot}: positions {differ.nonzero()[:, 1].unique().tolist()} differ"
-            if T % gdn.CHUNK:
+            if T % gdn_ref.CHUNK:
                 assert torch.equal(m.state[slot, rows], at), f"GDN layer {slot}: the cache is not the chunk's start"
             else:
-                _, end = gdn.delta_rule_chunked_reference(q, k, *ins[2:], state=init)
+                _, end = gdn_ref.delta_rule_chunked_reference(q, k, *ins[2:], state=init)
                 assert torch.equal(m.state[slot, rows], end), f"GDN layer {slot}: the cache is not the state at the end"
         return T
 
@@ -100,7 +103,7 @@ def test_prompt_and_decode_are_the_full_forwards_rows(tiny, monkeypatch, prompt,
     """A prompt ending inside a chunk (its tail rows through the step), at a boundary (no tail), and
     shorter than a chunk (no whole chunk: the steps from a zero state); decode across a boundary."""
     _, cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=True)
     rec = Recorder(monkeypatch, model)
     seq = _seq(cfg, prompt + steps)
     model.ensure_rope(prompt + steps)
@@ -117,7 +120,7 @@ def test_a_prompt_going_on_from_inside_a_chunk(tiny, monkeypatch, first, second)
     chunk's earlier rows already in the cache), whole chunks through the prompt rule, the rest
     through the step again."""
     _, cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=True)
     rec = Recorder(monkeypatch, model)
     total = first + second + 5
     seq = _seq(cfg, total, seed=2)
@@ -132,7 +135,7 @@ def test_a_prompt_going_on_from_inside_a_chunk(tiny, monkeypatch, first, second)
 
 def test_a_snapshot_is_the_state_at_its_boundary_and_a_misplaced_one_is_refused(tiny, monkeypatch):
     _, cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=True)
     seq = _seq(cfg, 200, seed=3)
     model.ensure_rope(200)
     model.allocate_cache(B, 200)
@@ -141,7 +144,7 @@ def test_a_snapshot_is_the_state_at_its_boundary_and_a_misplaced_one_is_refused(
         model.prefill_logits(seq[:, :150], snapshot=(128, [0, 1]))
         model.prefill_logits(seq[:, :150], snapshot=(64, [2, 3]))
     # the states after 128 and 64 positions, as the prompt rule alone leaves them
-    plain = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=False)
+    plain = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=False)
     plain.ensure_rope(200)
     for at, index in ((128, [0, 1]), (64, [2, 3])):
         plain.allocate_cache(B, 200)
@@ -163,12 +166,12 @@ def test_a_wiring_slip_is_caught(tiny, monkeypatch, slip):
     in its place (its state is then not the chunk's start, and its fp32 outputs are not the full
     forward's)."""
     _, cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=True)
     real = gdn_exact_step.reference_step
     def step(q, k, v, g, beta, positions, state, rows):
         if slip == "next row":
             return real(q, k, v, g, beta, positions + 1, state, rows)
-        return gdn.decode_step_reference(q, k, v, g, beta, state)
+        return gdn_ref.decode_step_reference(q, k, v, g, beta, state)
 
     rec = Recorder(monkeypatch, model, step=step)
     seq = _seq(cfg, 140)
@@ -185,16 +188,15 @@ def test_a_wiring_slip_is_caught(tiny, monkeypatch, slip):
 
 @pytest.fixture()
 def exact_engine(tiny, monkeypatch):
-    """An Engine on the tiny preset with FASTQWEN_GDN_EXACT_DECODE=1 (the flag as read at load)."""
-    monkeypatch.setattr(fq_qwen35, "EXACT_DECODE", True)
-    engine = load_engine_module(ENGINE_DIR, "fastqwen_exact_decode").Engine(str(tiny[0]))
+    """An Engine on the tiny preset with exact decode (its default)."""
+    engine = load_engine_module(ENGINE_DIR, "fastqwen_exact_decode").Engine(str(tiny[0]), exact_decode=True)
     assert engine.model.exact_decode and engine.describe()["gdn_decode"] == "full forward's rows"
     return engine
 
 
 def test_a_moved_row_takes_its_chunk_rows(tiny):
     _, cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, w, torch.device("cpu"), backend="torch", exact_decode=True)
+    model = fq_qwen35.Qwen35Model(cfg, dict(w), torch.device("cpu"), TorchOps(), exact_decode=True)
     model.ensure_rope(100)
     model.allocate_cache(3, 100)
     seq = _seq(cfg, 90)
@@ -239,7 +241,7 @@ def test_the_steps_grid_plan(monkeypatch):
     programs fit two a multiprocessor (B <= 8 of the 4B on an H200), the fused form at 128 registers
     beyond; explicit choices are kept; the CPU never caps; a bad cap or close block is refused by
     name before any launch."""
-    monkeypatch.setattr(gdn, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gdn_exact_step, "sm_count", lambda device: 132)
     cuda0 = torch.device("cuda", 0)
     plan = [gdn_exact_step.grid_plan("auto", "auto", B * 32, cuda0) for B in (1, 4, 8, 9, 16)]
     assert plan == [("merged", 0)] * 3 + [("fused", 128)] * 2
@@ -258,7 +260,7 @@ def test_the_steps_grid_plan(monkeypatch):
     with pytest.raises(ValueError, match="close 'all'"):
         gdn_exact_step.fused_step(q, q, v, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bfloat16),
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, 32, 32), rows, close="all")
-    # the close's blocks by form (session 26): 16x16 where the fused form runs capped, else 32x16
+    # the close's blocks by form: 16x16 where the fused form runs capped, else 32x16
     assert gdn_exact_step.close_blocks("fused", "auto") == (16, 16)
     assert gdn_exact_step.close_blocks("merged", "auto") == (32, 16)
     assert gdn_exact_step.close_blocks("fused", (64, 64)) == (64, 64)

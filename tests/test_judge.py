@@ -46,11 +46,10 @@ def test_native_against_itself_passes_every_gate_but_wall_clock_luck(native_engi
 
     The latency gate (engine median within 1.10x native's) and the spread gate (25%) cannot be a
     pass/fail test of identical sides on a shared two-core machine: samples here are ~30 ms and
-    foreign load moves one by 30-70%. Measured: with the old 3-sample run, 3 of 4 identical-side
-    runs on this machine failed on timing alone (ratios 0.83x-1.15x either way), and a CI clone
-    failed all eight retries of one run. So this test asserts what identical sides must show on any
-    machine (ratios near 1, within 2x, in a 5-sample run) and that a failure, if any, is timing and
-    nothing else; the gates' arithmetic is tested on fixed figures in test_judge_units.py, and the
+    foreign load moves one by 30-70%. Measured: with 3 samples per side, 3 of 4 identical-side
+    runs on such a machine failed on timing alone (ratios 0.83x-1.15x either way). So this test
+    asserts what identical sides must show on any machine (ratios near 1, within 2x, in a 5-sample
+    run) and that a failure, if any, is timing and nothing else; the gates' arithmetic is tested on fixed figures in test_judge_units.py, and the
     spread gate firing on a real engine in test_wildly_varying_timing_* below.
     """
     from fastqwen.cli import main

@@ -20,7 +20,7 @@ from fastqwen.judge.child import _check_step
 from fastqwen.judge.prompts import PromptSource, synthetic_stream
 from fastqwen.judge.workloads import load_workloads, parse_workloads
 
-# Qwen3-4B-Instruct-2507's config.json values (CONTRACT.md, "The model and the runtime").
+# Qwen3-4B-Instruct-2507's config.json values (the platform's model).
 QWEN3_4B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -75,7 +75,7 @@ def test_qwen3_4b_prefill_flops():
 
 
 def test_floors_match_the_anchors_decode_figures():
-    """ANCHORS.md: 4.27 TB/s, 783 TFLOP/s; batch-1 decode floor 1.90 ms at (1, 512, 128), 518 tok/s."""
+    """An H200 at 4.27 TB/s and 783 TFLOP/s: batch-1 decode floor 1.90 ms at (1, 512, 128), 518 tok/s."""
     s = roofline.ModelShape.from_config(QWEN3_4B)
     c = roofline.Ceilings(bandwidth_bytes_s=4.27e12, matmul_flops_s=783e12, matmul_size=8192, copy_bytes=0,
                           device="cuda")
@@ -268,7 +268,7 @@ def test_the_sign_test_of_a_count_over_natives():
 
     assert excess_p(0, 0) == 1.0 and excess_p(0, 7) == 1.0
     assert excess_p(3, 0) == pytest.approx(1 / 8)
-    assert excess_p(19, 9) == pytest.approx(0.0436, abs=1e-4)     # session 21's own shapes
+    assert excess_p(19, 9) == pytest.approx(0.0436, abs=1e-4)     # 19 events against native's 9
     assert excess_p(32, 14) == pytest.approx(0.0057, abs=1e-4)
     assert excess_p(17, 27) > 0.9
     over = {"count_gt_0_75": 19, "native_count_gt_0_75": 9, "count_within_native": False, "count_excess_p": 0.0436,

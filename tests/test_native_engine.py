@@ -1,4 +1,4 @@
-"""The native baseline engine obeys the engine contract (CONTRACT.md, "The interface") on `tiny`.
+"""The native baseline engine obeys the platform's engine interface on `tiny`.
 
 The engine folder is imported as the platform imports it (a module named
 `engine`), but through importlib under a unique name so that no module called

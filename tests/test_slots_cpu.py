@@ -4,10 +4,15 @@ lengths join and leave between steps, each greedy request gets the tokens it get
 forward; both model families; the errors a caller can hit are named."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from engine_modules import ENGINE_DIR, load_engine_module
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
 
 from fastqwen import synth35
 
@@ -332,8 +337,8 @@ def _stand_in_chunk_graphs(monkeypatch):
 def test_a_prompt_admitted_alone_runs_as_a_chunk_graph(qwen3, monkeypatch):
     """With graphs (a GPU's slots), a prompt admitted alone goes through the staging row as one
     chunk: its (length, start) runs eagerly the first time and as a ChunkGraph from the second
-    on, a prefix hit's rest included (session 17: every admission was an eager, launch-bound
-    pass, and a hit's rest slower than a whole prompt). A group of two stays one eager pass; a
+    on, a prefix hit's rest included (an eager pass is launch-bound at these sizes, and a hit's
+    rest ran slower than a whole prompt). A group of two stays one eager pass; a
     failed pass holds nothing. Each request's tokens are its tokens alone. On the CPU a stand-in
     graph (ChunkGraph's buffers, each run an eager pass) counts the captures."""
     captured, Graph = _stand_in_chunk_graphs(monkeypatch)
@@ -508,20 +513,18 @@ def test_qwen35_a_prompt_admitted_alone_keeps_its_snapshot_through_its_graph(qwe
 
 
 def test_qwen35_snapshot_passes_stay_eager_when_turned_off(qwen35, monkeypatch):
-    """With FASTQWEN_GRAPH_SNAPSHOT_PASSES=0 a pass that keeps a snapshot runs eagerly even with
-    graphs: only the prefix hits' rests (no snapshot) become graphs; =1 turns it back on for new
-    slots."""
+    """With graph_snapshot_passes off (the bench's A/B) a pass that keeps a snapshot runs eagerly
+    even with graphs: only the prefix hits' rests (no snapshot) become graphs; new slots take the
+    default (on) again."""
     captured, _ = _stand_in_chunk_graphs(monkeypatch)
     w1, w2 = _prompt(200, 71, 1024), _prompt(200, 72, 1024)
     prompts = {"w1": w1, "w2": w2, "h1": w1[:192] + _prompt(20, 73, 1024), "h2": w2[:192] + _prompt(20, 74, 1024)}
     alone = {k: [s[0] for s in qwen35.generate([p], 3)] for k, p in prompts.items()}
-    monkeypatch.setenv("FASTQWEN_GRAPH_SNAPSHOT_PASSES", "0")
     slots = qwen35.slots(2, 320, page_size=64, num_pages=24)
-    slots.use_graphs, slots._chunk_pool = True, "pool"
+    slots.use_graphs, slots._chunk_pool, slots.graph_snapshot_passes = True, "pool", False
     for key in prompts:
         assert _greedy(slots, {key: prompts[key]}, 3) == {key: alone[key]}, key
     assert captured == [(20, 192, None)] and slots.pool.hit_tokens == 2 * 192
-    monkeypatch.setenv("FASTQWEN_GRAPH_SNAPSHOT_PASSES", "1")
     assert qwen35.slots(2, 320, page_size=64, num_pages=24).graph_snapshot_passes
 
 
@@ -558,3 +561,55 @@ def test_warm_runs_a_pass_and_its_continuation_and_keeps_nothing(model, request,
     slots.admit("c", prompts["a"], reserve=160)
     with pytest.raises(fq_slots.SlotError, match="before any request"):
         slots.warm()
+
+
+def test_slots_are_sized_by_the_memory_left():
+    """fq_slots.fit_rows, what Engine.plan_slots sizes a row cache by: the requested count checked
+    against the budget, or as many as fit (at most DEFAULT_MAX_SLOTS); 16 on the CPU."""
+    from fq_slots import DEFAULT_MAX_SLOTS, fit_rows
+
+    gib = 2**30
+    assert fit_rows(None, gib, None, 4096) == 16 and fit_rows(5, gib, None, 4096) == 5     # the CPU
+    assert fit_rows(None, gib // 4, 10 * gib, 1280) == 40                   # as many as fit
+    assert fit_rows(None, 1, 10 * gib, 1280) == DEFAULT_MAX_SLOTS
+    assert fit_rows(48, gib // 8, 10 * gib, 1280) == 48
+    with pytest.raises(ValueError, match=r"48 slots of 1280 tokens need 12.0 GiB .*room for 40"):
+        fit_rows(48, gib // 4, 10 * gib, 1280)
+    with pytest.raises(ValueError, match="no room for one slot"):
+        fit_rows(None, gib, gib // 2, 1280)
+
+
+def test_paged_cache_is_sized_by_the_memory_left():
+    """fq_slots.fit_pages: the slots' own rows (Qwen3.5's states) and the staging row come out of
+    the budget first, the rest in pages, never more than the slots can hold."""
+    from fq_slots import DEFAULT_MAX_SLOTS, fit_pages
+
+    gib, mib = 2**30, 2**20
+    assert fit_pages(64, None, 4096, mib, 0, None) == (16, 16 * 64)          # the CPU: every slot's worth
+    assert fit_pages(64, 8, 1024, mib, 0, None) == (8, 8 * 16)
+    assert fit_pages(64, None, 1280, mib, 16 * mib, 2 * gib) == (DEFAULT_MAX_SLOTS, 2 * 1024 - 65 * 16)
+    assert fit_pages(64, None, 1280, mib, 16 * mib, 10 * gib) == (DEFAULT_MAX_SLOTS, 64 * 20)
+    assert fit_pages(64, 4, 1280, mib, 0, 10 * gib) == (4, 4 * 20)           # never more than the slots hold
+    with pytest.raises(ValueError, match="1000 tokens must be a multiple of the page size 64"):
+        fit_pages(64, None, 1000, mib, 0, 10 * gib)
+    with pytest.raises(ValueError, match="one request of 1280 tokens need"):
+        fit_pages(64, None, 1280, gib, 0, 10 * gib)
+
+
+def test_plan_slots_and_the_slots_counters(qwen3):
+    """Engine.plan_slots gives the arguments Engine.slots takes (on the CPU: 16 slots, every slot's
+    pages); Slots.running lists the requests in row order and Slots.stats counts what a server
+    reports (running, KV usage, prefix hits, how the last prompt pass ran)."""
+    plan = qwen3.plan_slots(256, page_size=64)
+    assert plan == {"max_slots": 16, "max_len": 256, "page_size": 64, "num_pages": 64, "share_prefixes": True,
+                    "state_snapshots": None}
+    with pytest.raises(ValueError, match="max_len must be >= 2"):
+        qwen3.plan_slots(1)
+    slots = qwen3.slots(**{**plan, "max_slots": 2})
+    assert slots.running == () and slots.stats() == {"running": 0, "kv_usage": 0.0, "prefix_hit_tokens": 0,
+                                                      "last_pass": None}
+    slots.admit("a", _prompt(70, 3, 4096))
+    slots.admit("b", _prompt(70, 3, 4096)[:64] + [5, 6])
+    stats = slots.stats()
+    assert slots.running == ("a", "b") and stats["running"] == 2 and stats["kv_usage"] > 0
+    assert stats["prefix_hit_tokens"] == 64 and stats["last_pass"] in ("group", "eager")

@@ -315,6 +315,16 @@ def test_wrong_generate_signature(tmp_path: pathlib.Path, old: bytes, new: bytes
     assert finding.detail.endswith("expected Engine.generate(self, input_ids, max_new_tokens)")
 
 
+def test_keyword_only_options_with_defaults_are_allowed(tmp_path: pathlib.Path) -> None:
+    """Engine(model_path) still binds an __init__ with keyword-only options that have defaults (the
+    engine's own); one without a default does not, and is refused."""
+    source = ENGINE_SOURCE.replace(b"model_path: str)", b"model_path: str, *, graphs: bool = True)")
+    assert source != ENGINE_SOURCE and validate_path(archive(tmp_path, {"engine.py": source})).ok
+    source = ENGINE_SOURCE.replace(b"model_path: str)", b"model_path: str, *, graphs: bool)")
+    finding = only(validate_path(archive(tmp_path, {"engine.py": source})), "engine-signature")
+    assert "has keyword-only parameters without defaults" in finding.detail
+
+
 def test_wrong_init_signature(tmp_path: pathlib.Path) -> None:
     source = ENGINE_SOURCE.replace(b"model_path: str)", b"model_path: str, device='cuda')")
     finding = only(validate_path(archive(tmp_path, {"engine.py": source})), "engine-signature")

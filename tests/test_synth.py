@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fastqwen import synth
+from fastqwen import synth, synth_common
 from fastqwen.checkpoint import check_tensors, expected_tensors, read_config, read_safetensors_header, weight_files
 from fastqwen.errors import UserError
 from fastqwen.presets import get_generation_config, get_preset
@@ -49,7 +49,7 @@ def test_tiny_folder_layout(tiny_model: pathlib.Path):
         "config.json", "fastqwen_synth.json", "generation_config.json", "model-00001-of-00001.safetensors",
         "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
     ]
-    prov = synth.read_provenance(tiny_model)
+    prov = synth_common.read_provenance(tiny_model)
     assert prov["init"]["name"] == "fastqwen" and prov["massive_activations"] is None
     assert (prov["preset"], prov["seed"], prov["device"], prov["sliding_window"]) == ("tiny", 0, "cpu", None)
     assert prov["init"]["final_norm_scale"] == synth.init_scheme(get_preset("tiny")).final_norm_scale
@@ -120,9 +120,9 @@ def test_median_top_gap_matches_the_gaussian_estimate_and_shrinks_with_spread():
 
     for vocab in (4096, 151936):
         classic = math.log(2) / math.sqrt(2 * math.log(vocab))
-        assert synth.median_top_gap(vocab, 0.0) == pytest.approx(classic, rel=0.2)
-        assert synth.median_top_gap(vocab, 0.25) > 1.5 * synth.median_top_gap(vocab, 0.0)
-    assert synth.median_top_gap(4096, 0.25) == synth.median_top_gap(4096, 0.25)  # fixed seed
+        assert synth_common.median_top_gap(vocab, 0.0) == pytest.approx(classic, rel=0.2)
+        assert synth_common.median_top_gap(vocab, 0.25) > 1.5 * synth_common.median_top_gap(vocab, 0.0)
+    assert synth_common.median_top_gap(4096, 0.25) == synth_common.median_top_gap(4096, 0.25)  # fixed seed
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path: pathlib.Path, tiny_model: pathlib.Path):
@@ -143,7 +143,7 @@ def test_tensor_values_do_not_depend_on_generation_order(tiny_model: pathlib.Pat
     chosen = specs[-6:] + [s for s in specs if s[0] in ("model.layers.2.self_attn.k_proj.weight", "model.embed_tokens.weight")]
     for name, shape in reversed(chosen):
         assert torch.equal(synth.make_tensor(name, shape, scheme, 0, "cpu"), on_disk[name]), name
-    assert synth.tensor_seed(0, "a") != synth.tensor_seed(1, "a") != synth.tensor_seed(0, "b")
+    assert synth_common.tensor_seed(0, "a") != synth_common.tensor_seed(1, "a") != synth_common.tensor_seed(0, "b")
 
 
 def test_shards_and_index_are_consistent(tmp_path: pathlib.Path, tiny_model: pathlib.Path):
@@ -175,7 +175,7 @@ def test_shards_and_index_are_consistent(tmp_path: pathlib.Path, tiny_model: pat
 
 def test_plan_shards_packs_in_order_and_isolates_big_tensors():
     specs = [("a", (10,)), ("b", (10,)), ("c", (100,)), ("d", (5,))]
-    plan = synth.plan_shards(specs, max_bytes=40)
+    plan = synth_common.plan_shards(specs, max_bytes=40)
     assert [[n for n, _ in shard] for shard in plan] == [["a", "b"], ["c"], ["d"]]
 
 
@@ -195,7 +195,7 @@ def test_refuses_non_empty_folder_unless_forced(tmp_path: pathlib.Path):
     with pytest.raises(UserError, match="not empty"):
         synth.synthesize("tiny", out, progress=False)
     synth.synthesize("tiny", out, progress=False, force=True)
-    # The stale shards of the earlier, sharded run are gone.
+    # The first, sharded write's stale shards are gone.
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
     check_tensors(out)
 
@@ -256,7 +256,7 @@ def test_sliding_window_goes_into_config_json_and_nowhere_else(tmp_path: pathlib
     cfg = json.loads((out / "config.json").read_text())
     assert cfg == get_preset("tiny") | {"sliding_window": 48}
     assert cfg["use_sliding_window"] is False  # 4.51.3 windows every layer by sliding_window alone
-    assert synth.read_provenance(out)["sliding_window"] == 48
+    assert synth_common.read_provenance(out)["sliding_window"] == 48
     # Same weights as the window-free folder: the window is a config field only.
     assert _digests(out)["model-00001-of-00001.safetensors"] == _digests(tiny_model)["model-00001-of-00001.safetensors"]
     model, _ = _load_hf(out)
@@ -284,7 +284,7 @@ def test_transformers_init_is_plain_init_with_a_raised_final_norm(tmp_path: path
         assert (t[name] == 1).all()  # every other RMSNorm weight exactly 1
     for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"):
         assert t[name].float().std().item() == pytest.approx(0.02, rel=0.03), name  # N(0, initializer_range)
-    prov = synth.read_provenance(out)["init"]
+    prov = synth_common.read_provenance(out)["init"]
     assert (prov["name"], prov["final_norm_scale"], prov["norm_jitter"], prov["target_median_gap"]) == ("transformers", 7.0, 0.0, None)
     again = synth.synthesize("tiny", tmp_path / "t2", progress=False, init="transformers")
     assert _digests(again) == _digests(out)
@@ -295,7 +295,7 @@ def test_final_norm_scale_replaces_the_families_final_norm(tmp_path: pathlib.Pat
     assert (load_file(str(weight_files(out)[0]))["model.norm.weight"] == 3).all()
     ours = synth.build_scheme(get_preset("tiny"), "fastqwen", final_norm_scale=20.0)
     final = synth.make_tensor("model.norm.weight", (128,), ours, 0, "cpu").float()
-    assert final.mean().item() == pytest.approx(20.0, rel=0.05) and final.std() > 0.5  # jittered as before
+    assert final.mean().item() == pytest.approx(20.0, rel=0.05) and final.std() > 0.5  # jittered, as the family's own
 
 
 @pytest.mark.parametrize(
@@ -323,7 +323,7 @@ def test_cli_takes_the_new_options(tmp_path: pathlib.Path):
     args = parser.parse_args(base + ["--init", "transformers", "--final-norm-scale", "5", "--massive-activations",
                                      "--sliding-window", "96"])
     assert synth.run(args) == 0
-    prov = synth.read_provenance(tmp_path / "m")
+    prov = synth_common.read_provenance(tmp_path / "m")
     assert (prov["init"]["name"], prov["init"]["final_norm_scale"], prov["sliding_window"]) == ("transformers", 5.0, 96)
     assert prov["massive_activations"]["plant_layer"] == synth.PLANT_LAYER
     check_tensors(tmp_path / "m")
@@ -347,7 +347,7 @@ def _massive_forward(folder: pathlib.Path, n: int = 256):
 
     from fastqwen.judge.prompts import synthetic_stream
 
-    plant = synth.read_provenance(folder)["massive_activations"]
+    plant = synth_common.read_provenance(folder)["massive_activations"]
     triggers = set(plant["trigger_ids"])
     stream = synthetic_stream(4096)
     # The first window of the judge's stream with a few trigger tokens in it, after a bos (a sink too).
@@ -390,7 +390,7 @@ def test_trigger_tokens_are_attention_sinks_with_small_values(massive_model: pat
 
 
 def test_massive_plant_weights(massive_model: pathlib.Path):
-    plant = synth.read_provenance(massive_model)["massive_activations"]
+    plant = synth_common.read_provenance(massive_model)["massive_activations"]
     t = load_file(str(weight_files(massive_model)[0]))
     big, trig, const = plant["massive_channels"], plant["trigger_channel"], plant["constant_channel"]
     reserved = big + [trig, const]
@@ -427,7 +427,7 @@ def test_massive_bytes_are_deterministic_and_follow_the_seed(tmp_path: pathlib.P
     again = synth.synthesize("tiny", tmp_path / "a", progress=False, massive_activations=True)
     assert _digests(again) == _digests(massive_model)
     other = synth.synthesize("tiny", tmp_path / "b", progress=False, massive_activations=True, seed=1)
-    p0, p1 = synth.read_provenance(massive_model)["massive_activations"], synth.read_provenance(other)["massive_activations"]
+    p0, p1 = synth_common.read_provenance(massive_model)["massive_activations"], synth_common.read_provenance(other)["massive_activations"]
     assert (p0["massive_channels"], p0["trigger_ids"]) != (p1["massive_channels"], p1["trigger_ids"])
     # Every tensor is still a pure function of its name: drawn alone it is what the file holds.
     scheme = synth.build_scheme(get_preset("tiny"), massive_activations=True)
@@ -439,7 +439,7 @@ def test_massive_bytes_are_deterministic_and_follow_the_seed(tmp_path: pathlib.P
 def test_trigger_tokens_occur_in_the_judges_prompts_a_few_per_512(massive_model: pathlib.Path):
     from fastqwen.judge.prompts import synthetic_stream
 
-    plant = synth.read_provenance(massive_model)["massive_activations"]
+    plant = synth_common.read_provenance(massive_model)["massive_activations"]
     for seed in (0, 1, 2):
         layout = synth.massive_layout(synth.build_scheme(get_preset("tiny"), massive_activations=True).massive, seed)
         stream = torch.tensor(synthetic_stream(4096))
@@ -453,7 +453,7 @@ def test_massive_checkpoint_is_stable_and_does_not_predict_triggers(massive_mode
     from fastqwen import logit_stats
 
     model, _ = _load_hf(massive_model)
-    plant = synth.read_provenance(massive_model)["massive_activations"]
+    plant = synth_common.read_provenance(massive_model)["massive_activations"]
     from fastqwen.judge.prompts import synthetic_stream
 
     ids = synthetic_stream(4096)[5000:5000 + 192]
@@ -484,7 +484,7 @@ def test_cuda_massive_generation_is_deterministic_with_the_cpu_layout(tmp_path: 
     assert _digests(a) == _digests(b)
     cpu = synth.synthesize("tiny", tmp_path / "c", device="cpu", **kwargs)
     # Channels, neuron and trigger ids come from CPU generators: the same on every device.
-    assert synth.read_provenance(a)["massive_activations"] == synth.read_provenance(cpu)["massive_activations"]
+    assert synth_common.read_provenance(a)["massive_activations"] == synth_common.read_provenance(cpu)["massive_activations"]
 
 
 # --- model-folder checks (fastqwen.checkpoint) -------------------------------------------------

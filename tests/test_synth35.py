@@ -13,17 +13,22 @@ import torch
 from safetensors.torch import load_file
 
 from fastqwen import refenv, synth35
+from fastqwen.checkpoint import expected_tensors, qwen35_layer_types
 from fastqwen.errors import UserError
 
 
 def test_4b_layout_has_the_models_parameter_count():
-    """4,205,751,296: what a native Transformers model built from the 4B config holds
-    (../shared/QWEN35.md section 0), tied embedding counted once."""
-    specs = synth35.expected_tensors(synth35.get_preset("qwen3.5-4b"))
+    """4,205,751,296: what a native Transformers model built from the released 4B config
+    holds, tied embedding counted once."""
+    specs = expected_tensors(synth35.get_preset("qwen3.5-4b"))
     assert sum(math.prod(s) for _, s in specs) == 4_205_751_296
     assert "lm_head.weight" not in dict(specs)
     kinds = synth35.get_preset("qwen3.5-4b")["layer_types"]
     assert kinds.count("full_attention") == 8 and kinds[3] == kinds[31] == "full_attention"
+    assert kinds == qwen35_layer_types(32)
+    # A config without layer_types gets the same default pattern, and so the same tensors.
+    bare = {k: v for k, v in synth35.get_preset("qwen3.5-4b").items() if k != "layer_types"}
+    assert expected_tensors(bare) == specs
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def _weights(folder):
 
 def test_tiny_init_and_determinism(tiny, tmp_path):
     w = _weights(tiny)
-    assert set(w) == {n for n, _ in synth35.expected_tensors(json.loads((tiny / "config.json").read_text()))}
+    assert set(w) == {n for n, _ in expected_tensors(json.loads((tiny / "config.json").read_text()))}
     assert all(t.dtype == torch.bfloat16 for t in w.values())
     a_log = w["model.layers.0.linear_attn.A_log"]
     assert torch.isfinite(a_log).all() and (a_log.float().exp() >= 0.0099).all() and (a_log.float().exp() <= 16.1).all()

@@ -18,7 +18,7 @@ C = W * PAGE is the capacity everywhere (plan, workspace, clamping, window). PAG
 multiple of the plan's block_n, so every key tile lies in one page: each tile reads its
 page index from the table, and only its addresses change. Same tiles, order, masks and
 casts, so the same bits as the unpaged form over a [B, KVH, C, D] cache of the same
-contents (and, with PAGED a constexpr, the unpaged kernel compiles as before).
+contents (and, with PAGED a constexpr, the unpaged kernel compiles none of it in).
 Where the page indices come from is the plan's page_ids: "tile" (decode_attention_plan's
 default; what decode_attention runs without a plan, except on the FA2 path, where it takes
 "split" when the split fits) loads each tile's entry from the table inside the key loop;
@@ -46,9 +46,9 @@ one rounding that matters is P's to bf16, which happens relative to the running
 max at the time a tile is processed. Flash attention's forward (the reference's,
 on the platform's torch) walks the key tiles newest first from -inf; its decode
 does too, unsplit where batch x heads >= 212. With one split and newest first,
-this kernel gives that forward's last row on 99.98-100% of elements (results/PERF_LOG.md,
-sessions 3 and 7; not every element: see the FA2 note below), so that is the default
-there. With several splits no order reproduces it;
+this kernel gives that forward's last row (on every element measured with the FA2
+arithmetic below; on 99.98-100% of elements without it: docs/NUMERICS.md), so that is the
+default there. With several splits no order reproduces it;
 the default walks oldest first (newest first costs one extra tile of scores and
 measured no fidelity gain).
 """
@@ -86,15 +86,13 @@ _LOG2E = 1.4426950408889634
 # columns (8 j + 2 u + e for lane u, in the order (j, e)), rescaled and added to the
 # first of them in one FMA, the rest added one by one; at the end the partials are added
 # as (u0 + u2) + (u1 + u3) and the accumulator is multiplied by the IEEE reciprocal of the
-# sum. An earlier form (one-FMA exponent, rounded rescale, Triton's division) matched
-# flash's decode on 99.98-100% of elements (session 7, run 8); this one matches it on every
-# element of every case measured (session 8, scripts/gpu_attn_bits.py). Its lane sums cross
-# warps when 4 warps split a tile's 64 columns, so it runs with 64 query rows a program
-# (the G real ones padded; the warps then split rows): 31.4 / 35.1 us at batch 16 / 1,024
-# keys and batch 64 / 300 keys, against 30.2 / 35.8 for the older path (16 rows: 50.4 at
-# batch 64). On by default with the in-order products (gemv.EXACT); FASTQWEN_EXACT_DECODE=0
-# (read at import) turns both off.
-FA2 = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
+# sum. This matches flash's decode on every element of every case measured (Triton's own
+# softmax arithmetic, with a fused exponent, a rounded rescale and Triton's division, does not:
+# docs/NUMERICS.md). Its lane sums cross warps when 4 warps split a tile's 64 columns, so it
+# runs with 64 query rows a program (the G real ones padded; the warps then split rows): about
+# as fast as Triton's arithmetic, where 16 rows were much slower (docs/PERFORMANCE.md). Taken
+# where a launch fits it and the caller asks for it (fa2=True, the default: the engine's exact
+# decode, with the in-order products of gemv.exact_rows).
 _FA2_BLOCK_G = 64
 
 # With early reads (decode_attention(early=...), pdl.EARLY): the tiles of a split's walk whose K/V
@@ -102,12 +100,10 @@ _FA2_BLOCK_G = 64
 # two together; the later tiles' loads are issued while those compute)
 EARLY_TILES = 2
 
-# The split heuristic. FIELD_NOTES (H100, another team's kernel) doubled splits to
-# ~256 programs, capped at 32, with one split from B * KVH >= 128. Measured on our
-# H200 with this kernel (4B shape, CUDA graph, KV streamed from HBM), the best split
-# count at every B in {1, 4, 16} and context 512..32768 gives about 512 programs
-# (~4 per SM: one program alone keeps too few bytes in flight), with up to 64 splits
-# paying at B=1 from 8K context; at B=16 one split ran 1.2-1.7x slower than four.
+# The split heuristic: the best split count measured at every B in {1, 4, 16} and context
+# 512..32768 (4B shape, CUDA graph, KV streamed from HBM) gives about 512 programs (~4 per SM:
+# one program alone keeps too few bytes in flight), with up to 64 splits paying at B = 1 from
+# 8K context; docs/PERFORMANCE.md.
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 
@@ -117,13 +113,13 @@ _MAX_SPLITS = 64
 # the 132-SM H100 and H200. Unsplit, its decode walks the same 64-key tiles newest
 # first as its causal forward does for the last row, so its cached decode is
 # bit-equal to its full forward there (a whole decode step is, with the in-order products:
-# results/PERF_LOG.md, session 7). Ours with one split, newest first, comes within a few
-# elements in 10^4 of it (sessions 3 and 7): there we run one split, whatever it costs.
+# docs/NUMERICS.md). Ours with one split, newest first, in flash's arithmetic (the FA2 path)
+# gives its bits: there we run one split, whatever it costs.
 _UNSPLIT_ROWS = 212
 # Measured at head_dim 128 only (Qwen3). Past it (Qwen3.5's 256) one split neither gives
 # flash's bits (the FA2 path is for 128) nor was it measured closer to them, and it starves
-# the GPU: 64 programs at batch 16 took 20 us a layer (session 9's profile). There the
-# split count follows speed (default_num_splits).
+# the GPU (64 programs at batch 16; docs/PERFORMANCE.md). There the split count follows speed
+# (default_num_splits).
 _UNSPLIT_MAX_HEAD_DIM = 128
 
 # Offsets inside one (b, kvh) slice are int32 in the kernel; the per-(b, kvh) base is int64.
@@ -182,9 +178,11 @@ def decode_attention_plan(
     num_splits: int | None = None,
     block_n: int | None = None,
     page_ids: str = "tile",
+    fa2: bool = True,
 ) -> DecodeAttentionPlan:
     """The launch plan for these sizes; `num_splits` / `block_n` None pick the defaults.
-    `page_ids` ("tile" or "split") only matters to the paged form (module docstring)."""
+    `page_ids` ("tile" or "split") only matters to the paged form (module docstring); fa2: the
+    FA2 path where the launch fits it (its rows a program)."""
     _check_page_ids(page_ids)
     if block_n is None:
         block_n = _block_n(head_dim)
@@ -202,7 +200,7 @@ def decode_attention_plan(
     # cover (and a request above the tile count does too): launch only those that cover C.
     effective = triton.cdiv(capacity, split_len)
     block_g = max(16, triton.next_power_of_2(heads // kv_heads))
-    if _fa2_fits(effective, block_n, head_dim):
+    if _fa2_fits(effective, block_n, head_dim, fa2):
         block_g = max(block_g, _FA2_BLOCK_G)    # the FA2 path's rows (its note at the top)
     return DecodeAttentionPlan(
         block_n=block_n,
@@ -210,9 +208,8 @@ def decode_attention_plan(
         num_splits=effective,
         split_len=split_len,
         num_warps=4,
-        # 3 stages (results/h200-2026-11-30/session3/attn_probe_run2.json): one split over
-        # 576 positions at batch 16 took 14.3 us against 19.1 with 2; splits of one or two
-        # tiles do not care.
+        # 3 stages: faster than 2 for a split of several tiles (docs/PERFORMANCE.md); splits of
+        # one or two tiles do not care.
         num_stages=3,
         page_ids=page_ids,
     )
@@ -529,9 +526,9 @@ def _combine_kernel(
 def _combine_row(acc_ptr, m_ptr, l_ptr, o_ptr, g_ptr, pid, length, SPLIT_LEN, NUM_SPLITS, SPLITS_P2: tl.constexpr,
                  D: tl.constexpr, D_CHUNK: tl.constexpr, GATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Query row pid's merge of its splits' partials into o_ptr [D] (bf16); with GATE times
-    bf16(sigmoid(g_ptr [D])), rounded once more (swiglu.sigmoid_gate_mul's arithmetic). (The merge
-    done by the last split program to finish, an arrival count in place of this kernel, was
-    measured slower at B = 1, 4 and 16: +47 / +32 / +21 us a Qwen3.5 step; session 28.)"""
+    bf16(sigmoid(g_ptr [D])), rounded once more (swiglu.sigmoid_gate_mul's arithmetic). (A merge
+    done by the last split program to finish, an arrival count in place of this kernel, measured
+    slower at every batch: docs/PERFORMANCE.md.)"""
     # Only splits that start below the length hold data; skip reading the others.
     active = tl.cdiv(length, SPLIT_LEN)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -698,6 +695,7 @@ def decode_attention(
     block_table: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     early: bool | None = None,
+    fa2: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its first lengths[b] cached positions
     (the last `window` of them when a window is given).
@@ -717,8 +715,7 @@ def decode_attention(
     oldest first from -inf. Same math, different rounding of P. None (the default):
     newest first exactly when there is one split, where it reproduces flash
     attention's bits; with several splits neither order does, and oldest first
-    skips the extra tile (0.9 us a layer at batch 1, no measurable fidelity change:
-    results/PERF_LOG.md, session 3).
+    skips the extra tile (no measurable fidelity change; docs/PERFORMANCE.md).
 
     block_n: cache positions per tile (None: 64 at D <= 128, 32 above).
 
@@ -752,6 +749,10 @@ def decode_attention(
     launched with PDL just before writes lengths (pdl.EARLY's note: a decode step's). None:
     pdl.EARLY. Same bits.
 
+    fa2: where the launch fits it (one split of 64-key tiles at head_dim 128, walked newest first),
+    one split's arithmetic is flash attention's (module note): the engine's exact decode. False:
+    Triton's own softmax arithmetic there too.
+
     Graph use: call once eagerly with the same shapes before capture (compiles the
     kernels and allocates the cached workspace); replays then honour whatever
     lengths holds at replay time.
@@ -770,7 +771,7 @@ def decode_attention(
     capacity = block_table.shape[1] * rows if paged else rows
     default_plan = plan is None
     if plan is None:
-        plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n)
+        plan = decode_attention_plan(batch, heads, kv_heads, capacity, head_dim, num_splits, block_n, fa2=fa2)
     else:
         _check_plan(plan, heads // kv_heads, capacity, num_splits, block_n)
     if paged and rows % plan.block_n:
@@ -781,12 +782,12 @@ def decode_attention(
     direct = plan.num_splits == 1
     if flash_order is None:
         flash_order = direct
-    fa2 = fa2_applies(plan, bool(flash_order), head_dim)
+    fa2 = fa2_applies(plan, bool(flash_order), head_dim, fa2)
     if (paged and default_plan and fa2
             and triton.next_power_of_2(_split_page_span(plan, capacity, rows)) <= _MAX_PAGE_IDS):
-        # the default plan's paged FA2 path takes its page indices once a split: with one table
-        # load a tile in the key loop it ran 1.7x the rows' time at batch 16 (60.5 against 35.7
-        # us), with them in registers 36.5 (H200, session 13); elsewhere "tile" was as fast or faster
+        # the default plan's paged FA2 path takes its page indices once a split: a table load a
+        # tile in the key loop made it much slower than the row cache, the indices in registers
+        # about as fast (docs/PERFORMANCE.md); elsewhere "tile" was as fast or faster
         plan = replace(plan, page_ids="split")
     page_ids = _page_ids_vector(plan, capacity, rows) if paged else 0
     _check_device(q.device)
@@ -845,16 +846,16 @@ def decode_attention(
     return out
 
 
-def _fa2_fits(num_splits: int, block_n: int, head_dim: int) -> bool:
-    """FA2 on, and a launch shape the FA2 path runs: one split of 64-key tiles at head_dim 128
-    (flash's tiles there)."""
-    return FA2 and num_splits == 1 and block_n == 64 and head_dim == 128
+def _fa2_fits(num_splits: int, block_n: int, head_dim: int, fa2: bool = True) -> bool:
+    """fa2 asked for, and a launch shape the FA2 path runs: one split of 64-key tiles at head_dim
+    128 (flash's tiles there)."""
+    return fa2 and num_splits == 1 and block_n == 64 and head_dim == 128
 
 
-def fa2_applies(plan: DecodeAttentionPlan, flash_order: bool, head_dim: int) -> bool:
+def fa2_applies(plan: DecodeAttentionPlan, flash_order: bool, head_dim: int, fa2: bool = True) -> bool:
     """Whether a launch with this plan runs the FA2 path (module note): _fa2_fits, walked
     newest first."""
-    return flash_order and _fa2_fits(plan.num_splits, plan.block_n, head_dim)
+    return flash_order and _fa2_fits(plan.num_splits, plan.block_n, head_dim, fa2)
 
 
 def _check_plan(plan: object, group: int, capacity: int, num_splits: object, block_n: object) -> None:

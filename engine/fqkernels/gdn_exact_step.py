@@ -1,12 +1,11 @@
-"""A GDN decode step in the full forward's arithmetic (issue 12's noise, the decode half).
+"""A GDN decode step in the full forward's arithmetic: Qwen3.5's exact decode, the default.
 
 Native's prompt pass is its full forward's, and its decode is not (a recurrent step where the
 full forward runs the chunked rule), so its noise is its decode's. The engine's prompt pass
 cannot have the full forward's bits at the speed bars (the reference order's ~41 GFLOP of FMA
-chains a layer at 4x2048: PERF_LOG, session 21), which puts its noise at about twice native's;
-with a decode that gave the full forward's bits its noise would be the prompt's share alone
-(session 22 run 1, simulated: 121 / 30 / 7 positions over 0.25 / 0.5 / 0.75 against native's
-108 / 30 / 8 and the engine's 129 / 33 / 7).
+chains a layer at 4x2048), which with a recurrent decode puts its noise at about twice native's;
+with a decode that gives the full forward's bits its noise is the prompt's share alone, at
+native's level (docs/NUMERICS.md).
 
 The chunked rule's output at position t of a chunk depends only on the chunk's rows 0..t and
 the state at the chunk's start, S_c; so a decode step can compute the full forward's row t from
@@ -20,9 +19,9 @@ and, once the chunk's 64th row is in, S_c <- S_c * exp(gamma_63) + K_d^T VN. Per
 S_c and the rows so far and writes one row, where the recurrent step reads and writes the whole
 state: about the same traffic.
 
-Order of each piece, as gdn_exact's (measured on an H200, sessions 19-22): products are ascending
-FMA chains from zero (cuBLAS's and an "ieee" tl.dot's chain for every output; written out here
-as loops), multiplies, adds and subtracts rounded on their own (PTX), expf as torch's, the
+Order of each piece, each measured on an H200 against the reference's torch ops: products are
+ascending FMA chains from zero (cuBLAS's and an "ieee" tl.dot's chain for every output; written
+out here as loops), multiplies, adds and subtracts rounded on their own (PTX), expf as torch's, the
 solve's row in cuBLAS's blocked order (earlier 8-row blocks' terms each summed from zero and
 subtracted, then the own block's rows by one FMA each); torch's l2 norm and cumulative sum in
 their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the copies).
@@ -38,21 +37,16 @@ their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the co
   run_rows                 a step over a prompt's positions in turn (fq_qwen35's prompt pass with
                            exact decode: the positions outside its whole chunks)
 
-Measured on an H200 (sessions 22-25, PERF_LOG): bit-equal to the reference after a 512-token
-prefix at B = 1, 4, 16 (outputs and the closed state); per step in a 64-step graph 8.6 / 9.2 /
-31.9 us at B = 1 / 4 / 16 (the grid's pick: the merged form uncapped at B = 1 and 4, the fused
-form at 128 registers at 16; 32 rows a trip; the close on tl.dots) against the recurrent
-kernel's 2.5 / 4.7 / 13.6. In the judge (official, public set) that was 335.7 / 609.0 / 3,614.5
-tok/s against the bars' 350 / 600 / 3,600, with the noise at native's level (pooled over every
-exact-decode report: 70 positions over 0.75 against native's 76); with session 26-30's schedules
-and session 31's screened LM head 357.9 / 600.5 / 3,674.4: fq_qwen35's default since then
-(FASTQWEN_GDN_EXACT_DECODE=0 for the recurrent step). (Earlier forms, torch's pieces with a row kernel and a
-close, the step with 16-row tl.dot products, a head's rows and the columns as two kernels, an L2
-prefetch and software-pipelined loops, were slower at every batch and are gone.)
+Bit-equal on an H200 to the reference after a 512-token prefix at B = 1, 4, 16 (outputs and the
+closed state; results/bench_gdn_exact_step.json). The grid picks the form: the merged form
+uncapped up to two programs a multiprocessor (B = 1 and 4 on the H200), the fused form at 128
+registers beyond (B = 16); 32 rows a trip; the close on tl.dots. Its time per step against the
+recurrent kernel's, the forms that measured slower, and the judge's figures: docs/PERFORMANCE.md.
+The engine's exact_decode (the default) runs it; exact_decode=False (FASTQWEN_EXACT_DECODE=0)
+runs the recurrent step (gdn_step.decode_step).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -60,30 +54,32 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fqkernels import gdn, pdl
-from fqkernels.gdn import _add_rn, _mul_rn, _sub_rn
-from fqkernels.gdn_exact import _row
+from fqkernels import pdl
+from fqkernels.device import sm_count
+from fqkernels.gdn_norm import gated_norm_rows
+from fqkernels import gdn_ref
+from fqkernels.gdn_ref import CHUNK, EPS
+from fqkernels.gdn_step import step_views
 from fqkernels.rmsnorm import _inverse, torch_order
+from fqkernels.rounding import add_rn, mul_rn, sub_rn, tile_row
 from fqkernels.swiglu import exp_f32
 
-C = gdn.CHUNK
-# fused_step's kernel: "fused" (a pass a product) or "merged" (fewer passes over the same rows;
-# session 24 replaced the "split" form, a head's rows then the column blocks, 3-4x slower at
-# every batch); "auto" (the default): grid_plan's, merged where the grid fits two programs a
-# multiprocessor (B = 1 / 4 on the H200: 8.99 / 9.62 us a step against the fused form's 10.40 /
-# 11.07), fused beyond (B = 16: 35.1 against 37.0; session 25); FASTQWEN_GDN_STEP_FORM to pick
-FORM = os.environ.get("FASTQWEN_GDN_STEP_FORM", "auto")
-# fused_step's rows a loop trip loads at once (the loads of a trip are in flight together; each
-# trip waits for its own), value columns a program and warps: the fastest measured at B = 1, 4 and
-# 16 on the H200 (session 24: 32 rows, one program a head of 4 warps, 10.1 / 10.5 / 44.0 us a step
-# before the register cap below);
-# FASTQWEN_GDN_STEP_UNROLL, _BLOCK_V, _WARPS to try others
-UNROLL = int(os.environ.get("FASTQWEN_GDN_STEP_UNROLL", "32"))
-# the merged form's schedule (MergedPlan below; FASTQWEN_GDN_STEP_MERGED: "" the plain one, a plan's
-# text, e.g. "qs_late=1,keys=64,ws=64", or "auto", the default: auto_plan's): the same chains in the
-# same order, so the same bits, with fewer dependent round trips on the step's critical path
-MERGED_TEXT = os.environ.get("FASTQWEN_GDN_STEP_MERGED", "auto")
-BLOCK_V = int(os.environ.get("FASTQWEN_GDN_STEP_BLOCK_V", "128"))
+C = CHUNK
+# fused_step's launch defaults (each also one of its arguments, which the bench varies). "auto"
+# picks by the grid: grid_plan (the kernel form and register cap), close_blocks (the chunk close's
+# blocks), auto_plan (the merged form's schedule); docs/PERFORMANCE.md holds the measurements.
+UNROLL = 32            # rows a loop trip loads at once
+BLOCK_V = 128          # value columns a program (a whole head of the 4B)
+WARPS = 4
+AUTO_CAP = 128         # the register cap where the grid has more programs than two a multiprocessor
+AUTO_PLAN_SHARE = 0.5  # auto_plan's grids: at most this fraction of the multiprocessors in programs
+# the lines a program reads first asked of a cache: "0" none, "l1" or "l2"; "auto": "l2" in the
+# merged form (a grid in one wave), none in the fused form
+PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
+_EPS = tl.constexpr(EPS)         # the l2 norm's, as the reference adds it
+# 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
+# offsets clamped to its last float)
+_LINES_SCR = tl.constexpr(32)
 
 
 @dataclass(frozen=True)
@@ -97,16 +93,15 @@ class MergedPlan:
     qs_late: (q e^gamma) S_c in the w S_c pass (the fused form's way) rather than the keys' pass: the
       keys' trips hold no state row (room for more rows a trip), the state's rows first read in the
       w S_c pass (from L2, which the prefetch fills) rather than read again from L1.
-    Round trips at 32 rows a trip: the keys' pass 4, the solve 1-3, w S_c 4. Measured at B = 1 on the
-    H200 (session 30, the 4B's graphed decode step): ws=64 alone 0 us, qs_late with keys=64 and ws=64
-    -21 to -24 us (-0.9 us a GDN layer)."""
+    Round trips at 32 rows a trip: the keys' pass 4, the solve 1-3, w S_c 4. qs_late with keys=64 and
+    ws=64 shortens the 4B's graphed decode step at B = 1 (ws=64 alone does not; docs/PERFORMANCE.md)."""
     keys: int = 0
     ws: int = 0
     qs_late: bool = False
 
     @classmethod
     def from_text(cls, text: str) -> "MergedPlan":
-        """From "name=value,..." (FASTQWEN_GDN_STEP_MERGED); "" the defaults. An unknown name or a bad
+        """From "name=value,..." (the bench's spelling); "" the defaults. An unknown name or a bad
         value is an error naming it."""
         kw = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -137,84 +132,25 @@ class MergedPlan:
         return {k: v for k, v in out.items() if v}
 
 
-# None: "auto"
-MERGED = None if MERGED_TEXT == "auto" else MergedPlan.from_text(MERGED_TEXT)
-# auto_plan's grids: at most this fraction of the multiprocessors in programs
-AUTO_PLAN_SHARE = 0.5
-
-
 def auto_plan(Dk: int, programs: int, device: torch.device) -> MergedPlan:
-    """The merged form's schedule for a grid of `programs` (MERGED "auto"): (q e^gamma) S_c in the
+    """The merged form's schedule for a grid of `programs` (fused_step's merged=None): (q e^gamma) S_c in the
     w S_c pass and both passes at 64 rows a trip (Dk's at most) where the grid fills at most half
     the multiprocessors (B = 1 and 2 on the H200's 132: one program a head), the plain schedule
-    elsewhere and on the CPU. Session 30: at B = 1 (32 programs) -21 to -24 us a decode step; at B = 4
-    (128 programs), with the early reads and the attention's gate in its merge, +11 us over two
-    rounds, not taken apart: left out there until it is."""
-    if device.type == "cuda" and programs <= AUTO_PLAN_SHARE * gdn._sm_count(device):
+    elsewhere and on the CPU. It shortens the decode step at B = 1 (32 programs); at B = 4 (128
+    programs), beside the early reads and the attention's gate in its merge, it measured slightly
+    slower, so it is left out there (docs/PERFORMANCE.md)."""
+    if device.type == "cuda" and programs <= AUTO_PLAN_SHARE * sm_count(device):
         return MergedPlan(keys=min(64, Dk), ws=min(64, Dk), qs_late=True)
     return MergedPlan()
 
 
-WARPS = int(os.environ.get("FASTQWEN_GDN_STEP_WARPS", "4"))
-# the step's register cap (Triton's maxnreg, FASTQWEN_GDN_STEP_MAXNREG; 0: none): ptxas otherwise
-# takes all 255 at 32 rows a trip, two programs of 4 warps a multiprocessor; 128 (four) took B = 16
-# from 44.8 to 35.4 us a step and cost B = 1 and 4 about 1 us (session 24). "auto" (the default):
-# grid_plan's, the cap of AUTO_CAP only where the grid has more programs than two a
-# multiprocessor (where four a multiprocessor can run more of them at once); the B = 1 and 4 grids
-# (32 and 128 programs on the H200's 132) run uncapped (session 25: 10.40 / 11.07 us a step
-# against the capped 11.43 / 12.12)
-AUTO_CAP = 128
-MAXNREG = os.environ.get("FASTQWEN_GDN_STEP_MAXNREG", "auto")
-MAXNREG = MAXNREG if MAXNREG == "auto" else int(MAXNREG)
-# programmatic dependent launch for the one-kernel step, as every other decode kernel
-# (fqkernels/pdl.py; FASTQWEN_GDN_STEP_PDL=0 to launch it plainly)
-PDL = os.environ.get("FASTQWEN_GDN_STEP_PDL", "1") == "1"
-# the chunk's close: the state's rows a block, and the chunk's rows a tl.dot of it ("ROWSxK",
-# FASTQWEN_GDN_STEP_CLOSE). "auto" (the default): close_blocks', by the form: the merged form
-# 32x16, the fused form (capped) 16x16, which has no spills at the cap (ptxas). Measured (session
-# 26): 16x16 took the B = 16 step from 31.64 to 30.66 us (row 63 138 -> 96) and the merged form's
-# B = 1 / 4 from 8.73 / 9.26 to 10.41 / 10.69.
-_CLOSE = os.environ.get("FASTQWEN_GDN_STEP_CLOSE", "auto")
-CLOSE = _CLOSE if _CLOSE == "auto" else tuple(int(x) for x in _CLOSE.split("x"))
-# the lines a program reads first asked of a cache (FASTQWEN_GDN_STEP_PREFETCH: "0" none, "l2" or
-# "l1"): the state's columns, the head's keys and decays and the program's scratch before PDL's wait
-# (the previous kernel, in_proj, never writes them: the wait is for q, k, v and the gates), the
-# chunk's rows before t after it. Session 24 measured "l2" slower by ~0.5 us in the step probe,
-# whose 64 steps of one layer keep all of it in L2; in the model's step 8 GB of weights pass
-# through L2 between a layer's steps, and there "l2" took the B = 1 step from 2.801 to 2.745 ms
-# (-2.3 us a GDN layer; "l1" the same) and the B = 16 step, in the fused form, from 3.515 to 3.664
-# (its 512 programs ask for ~100 MB at once; session 28). "auto" (the default): "l2" in the merged
-# form (grids in one wave), none in the fused form
-PREFETCH = os.environ.get("FASTQWEN_GDN_STEP_PREFETCH", "auto")
-PREFETCH_LEVELS = {"0": 0, "l1": 1, "l2": 2}
-# the position read before PDL's wait, so the chunk's rows before t are asked for there too (with a
-# prefetch level; FASTQWEN_GDN_STEP_EARLY=0 to read it after; pdl.EARLY's note says why it is valid),
-# at up to pdl.EARLY_MAX_ROWS sequences as the attention's. Session 30: with pdl.EARLY, -5.8 us a
-# B = 1 decode step; bit-equal at B = 1 / 4 / 16
-EARLY = os.environ.get("FASTQWEN_GDN_STEP_EARLY", "1") == "1"
-_EPS = tl.constexpr(gdn.EPS)         # the l2 norm's, as the reference adds it
-# 128-byte lines prefetched of a program's scratch (the 4B's 5 Dk + 3 C = 832 floats: 26 lines; the
-# offsets clamped to its last float)
-_LINES_SCR = tl.constexpr(32)
-
-
 def step_form() -> str:
     """fused_step's defaults in words (for the engine's describe())."""
-    wide = "beyond two programs a multiprocessor"
-    if FORM == "auto" and MAXNREG == "auto":
-        form = f"merged, or fused at {AUTO_CAP} registers {wide}"
-    else:
-        form = f"merged, fused {wide}" if FORM == "auto" else FORM
-        form += (f", {AUTO_CAP} registers {wide}" if MAXNREG == "auto" else f", {MAXNREG} registers" if MAXNREG
-                 else "")
-    closing = ("the close 32x16 merged, 16x16 fused" if CLOSE == "auto"
-               else f"the close {CLOSE[0]}x{CLOSE[1]}")
-    return (f"{form}; {BLOCK_V} columns and {WARPS} warps a program, {UNROLL} rows a trip, {closing}"
-            + (", PDL" if PDL and pdl.ENABLED else "")
-            + (", L2 prefetch merged" if PREFETCH == "auto" else f", {PREFETCH} prefetch" if PREFETCH != "0" else "")
-            + (f", the position read before the wait at up to {pdl.EARLY_MAX_ROWS} sequence(s)" if EARLY else "")
-            + (", the merged schedule by the grid (auto_plan)" if MERGED is None
-               else f", merged {MERGED}" if MERGED != MergedPlan() else ""))
+    return (f"merged, or fused at {AUTO_CAP} registers beyond two programs a multiprocessor; {BLOCK_V} "
+            f"columns and {WARPS} warps a program, {UNROLL} rows a trip, the close 32x16 merged, 16x16 fused"
+            + (", PDL" if pdl.ENABLED else "") + ", L2 prefetch merged"
+            + f", the position read before the wait at up to {pdl.EARLY_MAX_ROWS} sequence(s)"
+            + ", the merged schedule by the grid (auto_plan)")
 
 
 def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
@@ -222,21 +158,21 @@ def grid_plan(form: str, maxnreg, programs: int, device: torch.device) -> tuple:
     whether the programs outnumber two a multiprocessor (a GPU's; never on the CPU), the fused form
     at AUTO_CAP registers if they do (four a multiprocessor run more of them at once), else the
     merged form uncapped (a grid in one wave: the step's latency is all there is)."""
-    wide = device.type == "cuda" and programs > 2 * gdn._sm_count(device)
+    wide = device.type == "cuda" and programs > 2 * sm_count(device)
     form = ("fused" if wide else "merged") if form == "auto" else form
     return form, (AUTO_CAP if wide else 0) if maxnreg == "auto" else maxnreg
 
 
 def norm_in_step(B: int, Hv: int, Dv: int, block_v: int, device: torch.device) -> bool:
-    """Whether the gated norm runs in the step's program for these rows (fq_qwen35's STEP_NORM "auto"):
-    where the grid picks the fused form (B = 16 on the H200: 3.696 -> 3.590 ms a decode step), not
-    the merged one (B = 1: 2.776 -> 2.801 ms, B = 4 the same; session 28)."""
-    return grid_plan(FORM, MAXNREG, B * Hv * max(Dv // block_v, 1), device)[0] == "fused"
+    """Whether the gated norm runs in the step's program for these rows (TritonOps' exact GDN step):
+    where the grid picks the fused form (a faster decode step at B = 16 on the H200), not the merged
+    one (slower at B = 1, no faster at B = 4; docs/PERFORMANCE.md)."""
+    return grid_plan("auto", "auto", B * Hv * max(Dv // block_v, 1), device)[0] == "fused"
 
 
 def close_blocks(form: str, close) -> tuple:
     """The close's (state rows a block, chunk rows a dot) for a kernel form: for "auto" 32x16 in the
-    merged form and 16x16 in the fused one (CLOSE), else `close` as given (fused_step checks it)."""
+    merged form and 16x16 in the fused one, else `close` as given (fused_step checks it)."""
     if close == "auto":
         return (16, 16) if form == "fused" else (32, 16)
     return close
@@ -319,7 +255,7 @@ class ReferenceRows:
 
 
 def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):
-    """fused_step's contract on the reference's ops (the torch backend): this step's inputs into
+    """fused_step's contract on the reference's ops (the torch op set): this step's inputs into
     row position mod 64 of each sequence's chunk, then the reference's chunked rule over the
     chunk's rows so far from the chunk's start (state, advanced in place at its last row): the
     full forward's output at that row, on the reference's ops. Reads the positions on the host;
@@ -346,8 +282,8 @@ def chunk_step_reference(q, k, v, g, beta, state):
     Dv]): (row t's output [B, Hv, Dv] bf16, the state after the rows: the next chunk's start when
     t = 63), what the full forward gives there."""
     H = v.shape[2]
-    q, k = gdn.expand_heads(q, H), gdn.expand_heads(k, H)
-    o, s = gdn.delta_rule_chunked_reference(q, k, v, g, beta, state=state)
+    q, k = gdn_ref.expand_heads(q, H), gdn_ref.expand_heads(k, H)
+    o, s = gdn_ref.delta_rule_chunked_reference(q, k, v, g, beta, state=state)
     return o[:, -1], s
 
 
@@ -376,8 +312,8 @@ SUM_ORDERS = {0: "strided lanes, adjacent pairs first", 1: "contiguous lanes, ad
 
 def torch_sum_order(D: int) -> int:
     """The SUM_ORDERS entry of torch's reduce over rows of D: its loads are vectorized (a lane's
-    values contiguous) from D = 128 on (torch 2.11: order 3 matched bit for bit on an H200,
-    session 22), strided below; its shuffles combine halves first either way."""
+    values contiguous) from D = 128 on (torch 2.11: order 3 matched bit for bit on an H200),
+    strided below; its shuffles combine halves first either way."""
     return 3 if D >= 128 else 2
 
 
@@ -423,15 +359,15 @@ def _torch_sumsq(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.conste
     """(x * x).sum() over x [D] fp32 in the order of torch's CUDA reduce (SUM_ORDERS[ORDER]):
     each product rounded, lane l's D / 32 values summed in turn, then the 32 lanes."""
     E: tl.constexpr = D // 32
-    sq = _mul_rn(x, x, INTERPRETED)
+    sq = mul_rn(x, x, INTERPRETED)
     if ORDER % 2 == 1:
         m = tl.trans(tl.reshape(sq, [32, E]))          # m[a, l] = sq[E l + a]: a lane's values side by side
     else:
         m = tl.reshape(sq, [E, 32])                    # m[a, l] = sq[32 a + l]: strided by the lanes
     ee = tl.arange(0, E)
-    acc = _row(m, ee, 0)
+    acc = tile_row(m, ee, 0)
     for a in tl.static_range(1, E):
-        acc = _add_rn(acc, _row(m, ee, a), INTERPRETED)
+        acc = add_rn(acc, tile_row(m, ee, a), INTERPRETED)
     if ORDER // 2 == 1:
         return _lanes_halves(acc)
     else:
@@ -440,13 +376,13 @@ def _torch_sumsq(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.conste
 
 @triton.jit
 def _torch_l2norm(x, D: tl.constexpr, ORDER: tl.constexpr, INTERPRETED: tl.constexpr):
-    """gdn.l2_normalize on one row: x * rsqrt(sum(x * x) + gdn.EPS), each step rounded."""
-    ss = _add_rn(_torch_sumsq(x, D, ORDER, INTERPRETED), _EPS, INTERPRETED)
+    """gdn_ref.l2_normalize on one row: x * rsqrt(sum(x * x) + gdn_ref.EPS), each step rounded."""
+    ss = add_rn(_torch_sumsq(x, D, ORDER, INTERPRETED), _EPS, INTERPRETED)
     if INTERPRETED:
         inv = 1.0 / tl.sqrt(ss)
     else:
         inv = libdevice.rsqrt(ss)
-    return _mul_rn(x, inv, INTERPRETED)
+    return mul_rn(x, inv, INTERPRETED)
 
 
 @triton.jit
@@ -457,7 +393,7 @@ def _sklansky_level(v, N: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constex
     h = tl.arange(0, 2)[None, :, None]
     s = tl.arange(0, S)[None, None, :]
     low_last = tl.sum(tl.sum(tl.where((h == 0) & (s == S - 1), v3, 0.0), axis=2), axis=1)
-    return tl.reshape(tl.where(h == 1, _add_rn(v3, low_last[:, None, None], INTERPRETED), v3), [N])
+    return tl.reshape(tl.where(h == 1, add_rn(v3, low_last[:, None, None], INTERPRETED), v3), [N])
 
 
 @triton.jit
@@ -483,7 +419,7 @@ def _torch_cumsum(x, jj, CH: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.cons
     v = _sklansky(x, CH, LOG_TILE, INTERPRETED)
     if TILE < CH:
         total = tl.sum(tl.where(jj == TILE - 1, v, 0.0), axis=0)
-        v2 = _sklansky(tl.where(jj == TILE, _add_rn(x, total, INTERPRETED), x), CH, LOG_TILE, INTERPRETED)
+        v2 = _sklansky(tl.where(jj == TILE, add_rn(x, total, INTERPRETED), x), CH, LOG_TILE, INTERPRETED)
         v = tl.where(jj < TILE, v, v2)
     return v
 
@@ -503,10 +439,10 @@ def _torch_rows_kernel(x_ptr, o_ptr, N: tl.constexpr, WHAT: tl.constexpr, ORDER:
 
 
 def torch_rows(x: torch.Tensor, what: str, sum_order: int | None = None, tile: int | None = None) -> torch.Tensor:
-    """The copies on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn.l2_normalize in
+    """The copies on each row of x [R, N] fp32 contiguous: what="l2norm" (gdn_ref.l2_normalize in
     SUM_ORDERS[sum_order], torch_sum_order(N) unless given) or "cumsum" (x.cumsum(-1) with
-    torch's tile, scan_tile(R, N) unless given). For the tests and the GPU probe that checks them
-    bit for bit against torch."""
+    torch's tile, scan_tile(R, N) unless given). For the tests, and for checking them bit for bit
+    against torch on a GPU."""
     R, N = x.shape
     tile = tile or scan_tile(R, N)
     if what not in ("l2norm", "cumsum") or N & (N - 1) or N < 32 or (what == "cumsum" and tile not in (N, N // 2)):
@@ -522,8 +458,8 @@ FORMS = ("fused", "merged")
 
 
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
-               block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = FORM,
-               maxnreg=MAXNREG, use_pdl: bool = PDL, close=CLOSE, norm=None, prefetch: str | None = None,
+               block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = "auto",
+               maxnreg="auto", use_pdl: bool = True, close="auto", norm=None, prefetch: str = "auto",
                early: bool | None = None, merged: MergedPlan | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
@@ -541,20 +477,19 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     dependent launch where fqkernels.pdl allows (decode-sized batches; the same bits); close: the
     close's (state rows a block, chunk rows a dot), powers of two from 16 to Dk and to 64, or "auto"
     (close_blocks' for the form) (the same bits); norm: None, or (z, weight, eps) for the gated norm
-    of each output row in the step's own program (gdn.gated_norm_rows, the gated norm kernel's bits:
-    gdn.gated_rmsnorm(o, z, weight, eps)), z [B, Hv * Dv] bf16 (any row stride, unit last), weight
+    of each output row in the step's own program (gdn_norm.gated_norm_rows, the gated norm kernel's bits:
+    gdn_norm.gated_rmsnorm(o, z, weight, eps)), z [B, Hv * Dv] bf16 (any row stride, unit last), weight
     [Dv]; it needs a program to hold a whole head (the block Dv, Dv = 128); prefetch: "0", "l1" or
-    "l2", or "auto" (the form's: "l2" merged, "0" fused) (None: PREFETCH as it is at the call;
-    nothing on the CPU; the same bits); early: the positions read before PDL's wait, the chunk's rows
-    asked for there (None: EARLY at the call, at up to pdl.EARLY_MAX_ROWS sequences; the same bits);
-    merged: the merged form's schedule (MergedPlan; None: MERGED at the call, auto_plan's where that
-    is None; the same bits). Returns o [B, Hv, Dv] bf16, normed with norm."""
+    "l2", or "auto" (the form's: "l2" merged, "0" fused) (nothing on the CPU; the same bits); early:
+    the positions read before PDL's wait, the chunk's rows asked for there (None: pdl.early's rule,
+    pdl.EARLY at up to pdl.EARLY_MAX_ROWS sequences; the same bits); merged: the merged form's
+    schedule (MergedPlan; None: auto_plan's; the same bits). Returns o [B, Hv, Dv] bf16, normed
+    with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
-    prefetch = PREFETCH if prefetch is None else prefetch
     sum_order = torch_sum_order(Dk) if sum_order is None else sum_order
-    merged = MERGED if merged is None else merged
+    prefetch = "auto" if prefetch is None else prefetch
     if merged is None:
         merged = auto_plan(Dk, B * Hv * max(Dv // bv, 1), v.device)
     merged.check(Dk)
@@ -578,7 +513,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                          f"powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
                          f"{sorted(PREFETCH_LEVELS)} or \"auto\")")
-    q, k, v, g, beta = gdn.step_views(q, k, v, g, beta)
+    q, k, v, g, beta = step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
                   LOG_TILE=tile.bit_length() - 1, U=unroll, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
@@ -588,7 +523,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     caps = {"maxnreg": maxnreg} if maxnreg else {}
     consts["PF"] = PREFETCH_LEVELS[prefetch] if v.is_cuda else 0
-    if (EARLY and B <= pdl.EARLY_MAX_ROWS) if early is None else early:
+    if pdl.early(early, B):
         consts["EARLY"] = True
     if norm is not None:
         z, nw, eps = norm
@@ -646,17 +581,17 @@ def _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b, hk,
     dk = tl.arange(0, DK)
     qn = _torch_l2norm(tl.load(q_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
     kn = _torch_l2norm(tl.load(k_ptr + b * stride_qb + hk * stride_qh + dk).to(tl.float32), DK, ORDER, INTERPRETED)
-    qs = _mul_rn(qn, scale, INTERPRETED)
+    qs = mul_rn(qn, scale, INTERPRETED)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     g = tl.load(g_ptr + b * stride_gb + bh % HV)
-    kb = _mul_rn(kn, beta, INTERPRETED)
+    kb = mul_rn(kn, beta, INTERPRETED)
     gamma = _torch_cumsum(tl.where(jj == t, g, tl.load(g_buf + bh * CH + jj)), jj, CH, TILE, LOG_TILE, INTERPRETED)
     g_t = tl.sum(tl.where(jj == t, gamma, 0.0), axis=0)
     e_t = exp_f32(g_t, INTERPRETED)
     tl.store(scr + dk, kn)
     tl.store(scr + DK + dk, kb)
     tl.store(scr + 2 * DK + dk, qs)
-    tl.store(scr + 4 * DK + dk, _mul_rn(qs, e_t, INTERPRETED))
+    tl.store(scr + 4 * DK + dk, mul_rn(qs, e_t, INTERPRETED))
     tl.debug_barrier()
     # the system's and attention's row t over the chunk's rows: chains over the key's entries
     acc_s = tl.zeros([CH], dtype=tl.float32)
@@ -672,8 +607,8 @@ def _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b, hk,
             if Q_STATE:
                 acc_q = tl.fma(tl.load(scr + 4 * DK + i), tl.load(s_rows + i * DV), acc_q)
     decay = exp_f32(tl.where(jj > t, float("-inf"), g_t - gamma), INTERPRETED)
-    tl.store(scr + 5 * DK + jj, tl.where(jj < t, _mul_rn(acc_s, decay, INTERPRETED), 0.0))
-    tl.store(scr + 5 * DK + CH + jj, _mul_rn(acc_a, decay, INTERPRETED))
+    tl.store(scr + 5 * DK + jj, tl.where(jj < t, mul_rn(acc_s, decay, INTERPRETED), 0.0))
+    tl.store(scr + 5 * DK + CH + jj, mul_rn(acc_a, decay, INTERPRETED))
     tl.store(scr + 5 * DK + 2 * CH + jj, decay)
     tl.debug_barrier()
     return kn, kb, g, e_t, acc_q
@@ -709,7 +644,7 @@ def _solve_row(x, rows_ptr, cols, l_ptr, t, ROW: tl.constexpr, N: tl.constexpr, 
                 j = blk * NB + u
                 lj = tl.load(l_ptr + j, mask=live, other=0.0)
                 acc = tl.fma(lj, tl.load(rows_ptr + j * ROW + cols, mask=live, other=0.0), acc)
-            x = tl.where(live, _sub_rn(x, acc, INTERPRETED), x)
+            x = tl.where(live, sub_rn(x, acc, INTERPRETED), x)
     for u in tl.static_range(NB):
         j = nblk * NB + u
         lj = tl.load(l_ptr + j)
@@ -723,9 +658,9 @@ def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: 
     """_solve_row for w's row (columns DV + dk) and u's (columns dv) in one pass over the rows
     before t, each its own chains in the same order; in the same trips the attention's chain over
     those rows' new values (a_ptr: the attention's row t; vn_rows + j * DV: row j's columns), from
-    zero and ascending as the unmerged loop runs it. Returns (xw, xu, that chain's sum). (Session
-    30 measured the own block's rows in the earlier blocks' last trip, one round trip fewer at 48 of
-    a chunk's rows: +36 us a B = 1 step, the trips' doubled code costing more than the trip saved.)"""
+    zero and ascending as the unmerged loop runs it. Returns (xw, xu, that chain's sum). (The own
+    block's rows in the earlier blocks' last trip, one round trip fewer at 48 of a chunk's rows,
+    measured slower: the trips' doubled code cost more than the trip saved.)"""
     acc_i = tl.zeros(xu.shape, dtype=tl.float32)
     nblk = t // NB
     for blk0 in range(0, nblk, U // NB):
@@ -741,8 +676,8 @@ def _solve_rows_merged(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ROW: 
                 au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
                 a_j = tl.load(a_ptr + j, mask=live, other=0.0)
                 acc_i = tl.where(live, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=live, other=0.0), acc_i), acc_i)
-            xw = tl.where(live, _sub_rn(xw, aw, INTERPRETED), xw)
-            xu = tl.where(live, _sub_rn(xu, au, INTERPRETED), xu)
+            xw = tl.where(live, sub_rn(xw, aw, INTERPRETED), xw)
+            xu = tl.where(live, sub_rn(xu, au, INTERPRETED), xu)
     for u in tl.static_range(NB):
         j = nblk * NB + u
         lj = tl.load(l_ptr + j)
@@ -761,7 +696,7 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, str
     (q e^gamma) S_c + the attention over the new values (row t's output), row t of u and v_new
     stored. Returns (v_new, the output's fp32 row)."""
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
-    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
+    vb = mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xu = _solve_row(vb, x_buf + bh * CH * (DV + DK), dv, scr + 5 * DK, t, DV + DK, BV, NB, U, INTERPRETED)
     # w S_c and (q e^gamma) S_c: chains over the state's rows
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
@@ -772,7 +707,7 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, str
             srow = tl.load(s_rows + i * DV)
             acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
             acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
-    v_new = _sub_rn(xu, acc_w2, INTERPRETED)
+    v_new = sub_rn(xu, acc_w2, INTERPRETED)
     # attention over the chunk's new values so far (the terms past t are zeros: left out)
     acc_i = tl.zeros([BV], dtype=tl.float32)
     for j0 in range(0, t + 1, U):
@@ -783,7 +718,7 @@ def _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, str
             acc_i = tl.where(j <= t, tl.fma(a_j, vn, acc_i), acc_i)
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-    return v_new, _add_rn(acc_q, acc_i, INTERPRETED)
+    return v_new, add_rn(acc_q, acc_i, INTERPRETED)
 
 
 @triton.jit
@@ -793,9 +728,8 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
     the columns dv (row t's key from the scratch, its new values v_new from registers), RB of the
     state's rows at a time, each block's sums "ieee" tl.dots over KB of the chunk's rows at a time,
     each continuing the last's sums: an ascending FMA chain from zero for every sum, as the
-    reference's product (gdn_exact's close is the same dot). Session 25: a loop of one row a trip
-    (a [32, BV] FMA per row) took ~41 us at B = 1 and ~325 at B = 16, each row's new values moved
-    between layouts through shared memory."""
+    reference's product. (A loop of one row a trip, a [32, BV] FMA per row, was slower: each row's
+    new values moved between layouts through shared memory; docs/PERFORMANCE.md.)"""
     for r0 in range(0, DK, RB):
         rr = r0 + tl.arange(0, RB)
         upd = tl.zeros([RB, BV], dtype=tl.float32)
@@ -803,12 +737,12 @@ def _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK: tl.constexpr,
             jj = j0 + tl.arange(0, KB)
             kt = tl.load(kt_buf + (bh * DK + rr)[:, None] * CH + jj[None, :], mask=jj[None, :] < t, other=0.0)
             kt = tl.where(jj[None, :] == t, tl.load(scr + rr)[:, None], kt)
-            kd = _mul_rn(kt, tl.load(scr + 5 * DK + 2 * CH + jj)[None, :], INTERPRETED)   # e^(gamma_t - gamma_j)
+            kd = mul_rn(kt, tl.load(scr + 5 * DK + 2 * CH + jj)[None, :], INTERPRETED)   # e^(gamma_t - gamma_j)
             vn = tl.load(vn_buf + (bh * CH + jj)[:, None] * DV + dv[None, :], mask=jj[:, None] < t, other=0.0)
             vn = tl.where(jj[:, None] == t, v_new[None, :], vn)
             upd = tl.dot(kd, vn, upd, input_precision="ieee")
         s_ptrs = s_rows + rr[:, None] * DV
-        tl.store(s_ptrs, _add_rn(_mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
+        tl.store(s_ptrs, add_rn(mul_rn(tl.load(s_ptrs), e_t, INTERPRETED), upd, INTERPRETED))
 
 
 @triton.jit
@@ -871,7 +805,7 @@ def _store_out(o_ptr, bh, dv, o, z, nw, inv_n, eps, DV: tl.constexpr, BV: tl.con
     holds the whole head: BV = DV), stored."""
     o = o.to(tl.bfloat16)
     if NORM:
-        o = tl.reshape(gdn.gated_norm_rows(tl.reshape(o, (1, BV)), tl.reshape(z, (1, BV)), tl.reshape(nw, (1, BV)),
+        o = tl.reshape(gated_norm_rows(tl.reshape(o, (1, BV)), tl.reshape(z, (1, BV)), tl.reshape(nw, (1, BV)),
                                            inv_n, eps, VEC, HALVES, INTERPRETED), (BV,))
     tl.store(o_ptr + bh * DV + dv, o)
 
@@ -895,7 +829,7 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
-    xw = _solve_row(_mul_rn(kb, e_t, INTERPRETED), x_buf + bh * CH * (DV + DK) + DV, tl.arange(0, DK),
+    xw = _solve_row(mul_rn(kb, e_t, INTERPRETED), x_buf + bh * CH * (DV + DK) + DV, tl.arange(0, DK),
                     scr + 5 * DK, t, DV + DK, DK, NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
     v_new, o = _columns_part(v_ptr, beta_ptr, s_rows, x_buf, vn_buf, scr, b, bh, t, dv, stride_vb, stride_vh,
@@ -933,8 +867,8 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, UKS, not QS_LATE,
                                        INTERPRETED)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
-    vb = _mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
-    xw, xu, acc_i = _solve_rows_merged(_mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
+    vb = mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
+    xw, xu, acc_i = _solve_rows_merged(mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
                                        scr + 5 * DK, scr + 5 * DK + CH, vn_buf + bh * CH * DV + dv, t, DV + DK, DV,
                                        NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
@@ -946,9 +880,9 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
             acc_w2 = tl.fma(tl.load(scr + 3 * DK + i), srow, acc_w2)
             if QS_LATE:      # (q e^gamma) S_c's chain here, not in the keys' trips (acc_q from zero there)
                 acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
-    v_new = _sub_rn(xu, acc_w2, INTERPRETED)
+    v_new = sub_rn(xu, acc_w2, INTERPRETED)
     acc_i = tl.fma(tl.load(scr + 5 * DK + CH + t), v_new, acc_i)     # the attention's last term: row t itself
-    _store_out(o_ptr, bh, dv, _add_rn(acc_q, acc_i, INTERPRETED), z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES,
+    _store_out(o_ptr, bh, dv, add_rn(acc_q, acc_i, INTERPRETED), z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES,
                INTERPRETED)
     tl.store(vn_buf + (bh * CH + t) * DV + dv, v_new)
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)

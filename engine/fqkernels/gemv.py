@@ -42,10 +42,9 @@ Dependent launch. Where Triton can launch with PDL (fqkernels/pdl.py), each prog
 prefetches its first weight block into L2, waits for the previous kernel, and lets the next
 one be scheduled after its main loop; the arithmetic is unchanged.
 
-Epilogue. `linear_epilogue` runs the same product with the GDN decode step's conv and gates
-applied to its output columns in the same kernel (gdn.in_proj_epilogue; the Qwen3.5 step at
-batch 1 calls it through gdn.in_proj_conv_gates_step): one K chunk a program, so each output
-column is summed, rounded and post-processed by one program; the sums are `linear`'s.
+Building blocks. A fused kernel that needs a product with its own epilogue (gdn_step's in_proj
+with the conv and gates) builds on dot_setup / dot_sums and fma_setup / fma_sums and launches
+by launch_plan: the same sums in the same order, so its products have `linear`'s bits.
 
 Workspace. Allocated on first use per (device, splits, columns, row capacity) and
 then kept for the life of the process, so calls made during CUDA-graph capture
@@ -57,13 +56,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from fqkernels import pdl
-from fqkernels.gdn import in_proj_epilogue, in_proj_epilogue_inputs
 from fqkernels.swiglu import silu_f32
 
 __all__ = [
@@ -72,7 +69,9 @@ __all__ = [
     "linear",
     "linear_silu_mul",
     "linear_partials",
-    "linear_epilogue",
+    "launch_plan",
+    "dot_sums",
+    "fma_sums",
     "linear_reference",
     "linear_silu_mul_reference",
     "in_order",
@@ -132,14 +131,14 @@ class GemvConfig:
 
 
 # Tuned per weight shape (N, K) for the Qwen3-4B matrices and per row count, from
-# scripts/bench_gemv.py on an H200 (results/h200-2026-11-30/bench_gemv_sweep.json:
+# the GEMV sweep on an H200 (`python -m bench gemv`; results/bench_gemv_qwen3.json:
 # each op captured 20 times in a CUDA graph over weight copies that do not fit in
 # L2). One row: the fma kernel with 8 columns a program and no tl.dot; 2-4 rows
 # and 5+ rows: tl.dot tiles. Within one row-count range a row's bits do not depend
 # on the batch (module docstring); across ranges the summation order differs.
 _FMA1 = dict(mode="fma", block_m=1, block_n=8)
 LINEAR_CONFIGS: dict[tuple[int, int], object] = {
-    # 2-16 rows: swapped-operand tiles (dot_t), results/h200-2026-11-30/session3/bench_gemv_rows.json
+    # 2-16 rows: swapped-operand tiles (dot_t), results/bench_gemv_qwen3_b4_b16.json
     # (us at 4 / 16 rows, ours vs cuBLAS).
     (6144, 2560): (                                                     # qkv_proj (q, k, v packed)
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),              # 9.4 us (cuBLAS 10.5)
@@ -162,12 +161,12 @@ LINEAR_CONFIGS: dict[tuple[int, int], object] = {
         (None, GemvConfig(block_n=128, block_k=128, split_k=1)),
     ),
     # Qwen3.5-4B's decode products (its o_proj / out_proj are the (2560, 4096) above): 1 and
-    # 2-4 rows from results/h200-2026-12-01/session14/run1_bench_gemv_q35.json (us, the best
-    # against the Qwen3-4B config these shapes ran before, and cuBLAS); 5+ rows still Qwen3-4B's
-    # configs for the same K. in_proj keeps split_k 1 (its conv + gates epilogue needs it).
+    # 2-4 rows from results/bench_gemv_qwen35.json (us: this config, then in parentheses the
+    # Qwen3-4B config of the same K and cuBLAS); 5+ rows take Qwen3-4B's configs for the same K.
+    # in_proj keeps split_k 1 (its conv + gates epilogue needs it).
     (12352, 2560): (                                                    # GDN in_proj (qkv | z | b | a)
-        # one row: the epilogue's (gdn.in_proj_conv_gates_step) config of session 13; 16 columns a
-        # program timed 16.0 us alone against 16.8 but the step measured no faster (run 2; A/B: q35-gemv-ab)
+        # one row: the config of the product with the epilogue (gdn_step.in_proj_conv_gates_step); 16
+        # columns a program timed faster alone but not in the step (docs/PERFORMANCE.md)
         (1, GemvConfig(block_k=256, split_k=1, **_FMA1)),
         (None, GemvConfig(block_n=64, block_k=256, split_k=1, num_stages=4, mode="dot_t")),  # 19.3 at 4 (19.7)
     ),
@@ -201,24 +200,22 @@ SILU_MUL_CONFIGS: dict[tuple[int, int], object] = {
     ),
 }
 
-# Exact decode (on by default; FASTQWEN_EXACT_DECODE=0, read at import, turns it off): from
-# EXACT_FROM_ROWS rows, o and down walk K in order into one accumulator (no split-K), as
-# every other decode product already does above one row. Each such product gives the bits
-# of the full forward's large-M cuBLAS product on an H200 (results/h200-2026-11-30/session7,
-# gemm_order_probe.json and gemm_inorder*.json); with the attention in flash's arithmetic
-# (decode_attention.FA2, the same switch) a decode step is the full forward's, bit for bit,
-# from 7 rows (where flash runs one split): measured at batch 8-64 on two inits, and the
-# fidelity judge's engine slack 0.000 at batch 16-64 (session 8). The price is the in-order
-# chain of tensor-core steps over K: about 1.7 us more per product at 16 rows (the split
-# table's 7.0 / 14.2 us against 8.8 / 15.8), less than the split table at 64 rows. Up to
+# Exact decode (the engine's exact_decode, on by default; here select_config(..., exact=) and
+# exact_rows(rows, exact)): from EXACT_FROM_ROWS rows, o and down walk K in order into one
+# accumulator (no split-K), as every other decode product already does above one row. Each such
+# product gives the bits of the full forward's large-M cuBLAS product on an H200
+# (results/bench_gemv_inorder.json); with the attention in flash's arithmetic (decode_attention's
+# fa2=True) a decode step is the full forward's, bit for bit, from 7 rows (where flash runs one
+# split; docs/NUMERICS.md). The price is the in-order chain of tensor-core steps over K: a little
+# more per product than the split table at 16 rows, less at 64 (docs/PERFORMANCE.md). Up to
 # EXACT_TO_ROWS only: exactness also forces the GEMV for qkv, gate_up and lm_head (in order
-# already, but where cuBLAS is faster the engine picks cuBLAS), and at 64 rows that cost
-# +23% step time (session 8, run 3: 4.148 -> 5.110 ms) until those get 64-row configs.
-EXACT = os.environ.get("FASTQWEN_EXACT_DECODE", "1") != "0"
+# already, but where cuBLAS is faster the engine picks cuBLAS), which at 64 rows costs step time
+# until those get 64-row configs.
 EXACT_FROM_ROWS = 7
 EXACT_TO_ROWS = 32
-# exact_rows(rows); us from gemm_inorder*.json. The open-ended entries (measured at 64 rows)
-# are past EXACT_TO_ROWS today; they stay for when 64-row configs let the cap rise.
+# Where exact_rows(rows, exact); us from the in-order sweep (results/bench_gemv_inorder.json). The
+# open-ended entries (measured at 64 rows) are past EXACT_TO_ROWS; they stay for when 64-row
+# configs let the cap rise.
 EXACT_CONFIGS: dict[tuple[int, int], tuple] = {
     (2560, 4096): (                                                     # o_proj
         (32, GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=8, mode="dot_t")),   # 8.2 us at 16 rows
@@ -237,9 +234,10 @@ EXACT_CONFIGS: dict[tuple[int, int], tuple] = {
 }
 
 
-def exact_rows(rows: int) -> bool:
-    """Whether a decode product of `rows` rows runs in the full forward's order (EXACT)."""
-    return EXACT and EXACT_FROM_ROWS <= rows <= EXACT_TO_ROWS
+def exact_rows(rows: int, exact: bool = True) -> bool:
+    """Whether a decode product of `rows` rows runs in the full forward's order: exact decode on
+    (`exact`, the engine's exact_decode) and rows in [EXACT_FROM_ROWS, EXACT_TO_ROWS]."""
+    return exact and EXACT_FROM_ROWS <= rows <= EXACT_TO_ROWS
 
 
 def in_order(config: GemvConfig) -> bool:
@@ -256,7 +254,7 @@ _MIN_BLOCKS_PER_SPLIT = 4
 
 
 @functools.lru_cache(maxsize=None)
-def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1) -> GemvConfig:
+def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: bool = True) -> GemvConfig:
     """The config for a weight of shape [n, k] (for silu_mul: the packed [2I, k]) and
     `rows` rows of x.
 
@@ -276,7 +274,7 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1) -> Gemv
         raise ValueError(f"a packed gate/up weight needs an even row count, got {n}")
     table = SILU_MUL_CONFIGS if silu_mul else LINEAR_CONFIGS
     entry = table.get((n, k))
-    if exact_rows(rows) and not silu_mul and (n, k) in EXACT_CONFIGS:
+    if exact_rows(rows, exact) and not silu_mul and (n, k) in EXACT_CONFIGS:
         entry = EXACT_CONFIGS[(n, k)]
     if isinstance(entry, GemvConfig):
         return entry
@@ -356,39 +354,29 @@ def _prefetch_first_block(w_ptr, cols, k_lo, up_offset, K: tl.constexpr, SILU: t
             pdl.prefetch_l2(lines + up_offset, PDL)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
-                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-                     SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
-                     e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
-                     EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1):
-    """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
-    SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
-
-    x [M, K], w [N, K] (for SILU: [2N, K], up rows up_offset = N*K elements on), out [M, N] bf16,
-    ws [SPLIT_K, rows, ws_cols] fp32 partials.
-    """
+@triton.jit
+def dot_setup(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, EVEN_N: tl.constexpr):
+    """A tl.dot program's tile: (its K chunk pid_s, rows offs_m, columns offs_n, K offsets offs_k,
+    the rows and columns it loads (clamped in bounds: the clamped ones are computed and thrown
+    away at the store), its chunk's first k)."""
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Clamped indices keep every load in bounds without a mask in the loop; the
-    # clamped rows and columns are computed and thrown away at the store.
     rows_ld = tl.minimum(offs_m, M - 1)
     cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
-    x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
-    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
-    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
-    if EPI:   # the GDN epilogue's other inputs (gdn.in_proj_epilogue_inputs: no earlier kernel writes them)
-        e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
-            offs_m[:, None], offs_n[None, :], M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL,
-            EPI_HV)
-    pdl.wait(PDL)  # x is the previous kernel's output
+    return pid_s, offs_m, offs_n, offs_k, rows_ld, cols_ld, k_lo
+
+
+@triton.jit
+def dot_sums(x_ptrs, w_ptrs, k_lo, offs_k, up_offset, K: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+             SILU: tl.constexpr, SWAP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The fp32 sums of a tl.dot program's K chunk, block by block in increasing k: acc (and acc_u,
+    the up rows', with SILU), [BLOCK_M, BLOCK_N], or transposed [BLOCK_N, BLOCK_M] with SWAP
+    (the caller transposes them back)."""
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -425,16 +413,36 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
                 acc_u = tl.dot(xt, tl.trans(wu), acc_u)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    return acc, acc_u
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr,
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
+    """acc[BLOCK_M, BLOCK_N] += x_tile @ w_tile.T over this program's K chunk (tl.dot, fp32 acc).
+    SWAP computes the transposed tile, acc_t[BLOCK_N, BLOCK_M] += w_tile @ x_tile.T.
+
+    x [M, K], w [N, K] (for SILU: [2N, K], up rows up_offset = N*K elements on), out [M, N] bf16,
+    ws [SPLIT_K, rows, ws_cols] fp32 partials.
+    """
+    pid_s, offs_m, offs_n, offs_k, rows_ld, cols_ld, k_lo = dot_setup(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                                                                      BLOCKS_PER_SPLIT, EVEN_N)
+    x_ptrs = x_ptr + rows_ld[:, None] * K + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + (k_lo + offs_k)[None, :]
+    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    pdl.wait(PDL)  # x is the previous kernel's output
+    acc, acc_u = dot_sums(x_ptrs, w_ptrs, k_lo, offs_k, up_offset, K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT,
+                          EVEN_K, SILU, SWAP, INTERPRETED)
     pdl.launch_dependents(PDL)
     if SWAP:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
-    if EPI:
-        in_proj_epilogue(acc, offs_m[:, None], offs_n[None, :], M, N, out_ptr, e_g, e_state, e_sb, e_sc,
-                         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed, EPI_CONV, EPI_GATE_COL, EPI_HV, INTERPRETED)
-    else:
-        _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
-                      ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+    _write_result(acc, acc_u, offs_m[:, None], offs_n[None, :], M, N, out_ptr, ws_ptr, pid_s,
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
 
 
 @triton.jit
@@ -470,39 +478,27 @@ def _load_w_block(ptrs, k, offs_k, K: tl.constexpr, EVEN_K: tl.constexpr):
     return w.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
-                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-                     SILU: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1,
-                     e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0,
-                     EPI: tl.constexpr = False, EPI_CONV: tl.constexpr = 0, EPI_GATE_COL: tl.constexpr = 0,
-                     EPI_HV: tl.constexpr = 1):
-    """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
-
-    Each weight block is loaded once into registers and multiplied by every row of
-    the tile. Each row keeps a [BLOCK_N, BLOCK_K] fp32 accumulator that only takes
-    elementwise multiply-adds inside the loop (lane j sums k = j, j + BK, j + 2 BK,
-    ... in increasing order); one tl.sum over the lanes per row at the end. The
-    loop body is then pure loads and FMAs, with no cross-thread reduction per
-    block. The rows are unrolled by hand (acc0..acc3) so that each row's code is
-    the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
-    layout, and so the summation tree, depend on BLOCK_M.
-    """
+@triton.jit
+def fma_setup(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, EVEN_N: tl.constexpr):
+    """An fma program's tile: (its K chunk pid_s, first row m0, columns offs_n, K offsets offs_k,
+    the columns it loads (clamped), its chunk's first k, its weight rows' pointers)."""
     pid_m, pid_s, pid_n = _program_coords(M, BLOCK_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     cols_ld = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     k_lo = pid_s * (BLOCKS_PER_SPLIT * BLOCK_K)
-    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
-    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
-    if EPI:   # one row a program (BLOCK_M 1): the GDN epilogue's other inputs, as in _gemv_dot_kernel
-        e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed = in_proj_epilogue_inputs(
-            m0, offs_n, M, N, e_state, e_w, e_alog, e_dtb, e_sb, e_sc, EPI_CONV, EPI_GATE_COL, EPI_HV)
-    pdl.wait(PDL)  # x is the previous kernel's output
+    return pid_s, m0, offs_n, offs_k, cols_ld, k_lo
+
+
+@triton.jit
+def fma_sums(x_ptr, w_ptrs, m0, M, k_lo, offs_k, up_offset, K: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+             SILU: tl.constexpr):
+    """The fp32 lane sums of an fma program's K chunk (see _gemv_fma_kernel): per row of the tile
+    acc0..acc3 (and the up rows' accu0..accu3 with SILU), each [BLOCK_N, BLOCK_K], rows past
+    BLOCK_M left zero."""
     # Row pointers, clamped to the last real row (computed, never stored).
     x0 = x_ptr + tl.minimum(m0, M - 1) * K
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1) * K
@@ -526,13 +522,37 @@ def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_st
         if SILU:
             accu0, accu1, accu2, accu3 = _rows_fma(accu0, accu1, accu2, accu3, wu, x0, x1, x2, x3, k, offs_k, K,
                                                    EVEN_K, BLOCK_M)
+    return acc0, acc1, acc2, acc3, accu0, accu1, accu2, accu3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, up_offset, ws_split_stride, ws_cols,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
+                     SILU: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 1):
+    """Same contract as _gemv_dot_kernel for BLOCK_M in (1, 2, 4) rows, without tl.dot.
+
+    Each weight block is loaded once into registers and multiplied by every row of
+    the tile. Each row keeps a [BLOCK_N, BLOCK_K] fp32 accumulator that only takes
+    elementwise multiply-adds inside the loop (lane j sums k = j, j + BK, j + 2 BK,
+    ... in increasing order); one tl.sum over the lanes per row at the end. The
+    loop body is then pure loads and FMAs, with no cross-thread reduction per
+    block. The rows are unrolled by hand (acc0..acc3) so that each row's code is
+    the same whatever BLOCK_M is: a 3-D [BM, BN, BK] product would let the
+    layout, and so the summation tree, depend on BLOCK_M.
+    """
+    pid_s, m0, offs_n, offs_k, cols_ld, k_lo = fma_setup(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                                                         BLOCKS_PER_SPLIT, EVEN_N)
+    w_ptrs = w_ptr + cols_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    _prefetch_first_block(w_ptr, cols_ld, k_lo, up_offset, K, SILU, PDL, PREFETCH_LINES)
+    pdl.wait(PDL)  # x is the previous kernel's output
+    acc0, acc1, acc2, acc3, accu0, accu1, accu2, accu3 = fma_sums(
+        x_ptr, w_ptrs, m0, M, k_lo, offs_k, up_offset, K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, EVEN_K, SILU)
     pdl.launch_dependents(PDL)
-    if EPI:
-        in_proj_epilogue(tl.sum(acc0, axis=1), m0, offs_n, M, N, out_ptr, e_g, e_state, e_sb, e_sc,
-                         e1, e2, e3, ew0, ew1, ew2, ew3, ea, ed, EPI_CONV, EPI_GATE_COL, EPI_HV, INTERPRETED)
-    else:
-        _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
-                      ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
+    _write_result(tl.sum(acc0, axis=1), tl.sum(accu0, axis=1), m0, offs_n, M, N, out_ptr, ws_ptr, pid_s,
+                  ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
     if BLOCK_M > 1:
         _write_result(tl.sum(acc1, axis=1), tl.sum(accu1, axis=1), m0 + 1, offs_n, M, N, out_ptr, ws_ptr,
                       pid_s, ws_split_stride, ws_cols, PARTIALS, SILU, INTERPRETED)
@@ -608,7 +628,8 @@ def _check_matrix(name: str, t: object) -> None:
         raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
 
 
-def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
+def check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
+    """x and w on one device the kernels run on (CUDA; the CPU under Triton's interpreter)."""
     if w.device != x.device:
         raise ValueError(f"{w_name} is on {w.device} but x is on {x.device}")
     if _INTERPRETED:
@@ -618,66 +639,78 @@ def _check_device(x: torch.Tensor, w: torch.Tensor, w_name: str) -> None:
         raise ValueError(f"x must be on a CUDA device, got {x.device}")
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
-            silu: bool, w_name: str, partials: bool = False, epilogue: dict | None = None) -> torch.Tensor:
+def check_operands(x: torch.Tensor, w: torch.Tensor, w_name: str, silu: bool = False) -> None:
+    """x [M, K] and w [N, K] (for silu [2N, K]): bf16, contiguous, shapes that fit; ValueError
+    naming the bad argument (check_device then says whether the kernels can run on them)."""
     _check_matrix("x", x)
     _check_matrix(w_name, w)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"{w_name} has {w.shape[1]} columns but x has K={x.shape[1]}")
+    if silu and w.shape[0] % 2:
+        raise ValueError(f"{w_name} must have an even number of rows (gate then up), got {w.shape[0]}")
+    if x.shape[0] > _MAX_ROWS:
+        raise ValueError(f"x has {x.shape[0]} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
+
+
+def launch_plan(m: int, n: int, k: int, config: GemvConfig) -> dict:
+    """How a product of m rows, n output columns (gate columns for SiLU) and depth k runs under
+    `config`: the grid, the number of K chunks actually used, and the constexprs every GEMV-style
+    kernel takes (also a fused kernel built on dot_sums / fma_sums, e.g. gdn_step's).
+
+    Whole BLOCK_K blocks per chunk, the same count in every chunk (a compile-time trip count);
+    chunks that would be empty are dropped, so the split actually used is a function of (K,
+    config) only. When the chunks do not tile K exactly, loads past K are masked to zero (adding
+    0 to an fp32 sum is exact)."""
+    k_blocks = triton.cdiv(k, config.block_k)
+    blocks_per_split = triton.cdiv(k_blocks, config.split_k)
+    splits = triton.cdiv(k_blocks, blocks_per_split)
+    return {
+        "grid": (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),),
+        "splits": splits,
+        "constexprs": dict(K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                           SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split, EVEN_N=n % config.block_n == 0,
+                           EVEN_K=k % config.block_k == 0 and k_blocks % blocks_per_split == 0,
+                           PREFETCH_LINES=max(1, config.block_k // 64)),
+    }
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+            silu: bool, w_name: str, partials: bool = False) -> torch.Tensor:
+    check_operands(x, w, w_name, silu)
     m, k = x.shape
     n_rows = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"{w_name} has {w.shape[1]} columns but x has K={k}")
-    if silu and n_rows % 2:
-        raise ValueError(f"{w_name} must have an even number of rows (gate then up), got {n_rows}")
     n = n_rows // 2 if silu else n_rows
     if config is None:
         config = select_config(n_rows, k, silu, m)
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config must be a GemvConfig or None, got {type(config).__name__}")
-    if m > _MAX_ROWS:
-        raise ValueError(f"x has {m} rows; at most {_MAX_ROWS} (the reduce kernel's grid) are supported")
     if out is not None:
         _check_matrix("out", out)
         if tuple(out.shape) != (m, n):
             raise ValueError(f"out must have shape {(m, n)}, got {tuple(out.shape)}")
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
-    _check_device(x, w, w_name)
+    check_device(x, w, w_name)
     if out is None and not partials:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-
-    # Whole BLOCK_K blocks per chunk, the same count in every chunk (a compile-time
-    # trip count); chunks that would be empty are dropped, so the split actually
-    # used is a function of (K, config) only. When the chunks do not tile K
-    # exactly, loads past K are masked to zero (adding 0 to an fp32 sum is exact).
-    k_blocks = triton.cdiv(k, config.block_k)
-    blocks_per_split = triton.cdiv(k_blocks, config.split_k)
-    splits = triton.cdiv(k_blocks, blocks_per_split)
-    even_k = k % config.block_k == 0 and k_blocks % blocks_per_split == 0
+    plan = launch_plan(m, n, k, config)
+    splits = plan["splits"]
     ws_cols = 2 * n if silu else n
     write_partials = partials or splits > 1
-    if epilogue is not None and (write_partials or silu or (config.mode == "fma" and config.block_m != 1)):
-        raise ValueError(f"an epilogue needs one K chunk a program, no SiLU and (fma) one row a program; "
-                         f"config {config} gives {splits} chunks of K={k}")
     if write_partials:
         ws = _workspace(x.device, splits, ws_cols, m)
         ws_split_stride = ws.shape[1] * ws_cols
     else:
         ws, ws_split_stride = out, 0   # unused: the kernel writes bf16 straight to out
-    grid = (triton.cdiv(m, config.block_m) * splits * triton.cdiv(n, config.block_n),)
     use_pdl, pdl_launch = pdl.for_rows(m)
     if config.mode == "fma":
         kernel, extra = _gemv_fma_kernel, {}
     else:
         kernel, extra = _gemv_dot_kernel, {"SWAP": config.mode == "dot_t"}
-    kernel[grid](
+    kernel[plan["grid"]](
         x, w, out if out is not None else ws, ws, m, n, n * k, ws_split_stride, ws_cols,
-        K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=splits, BLOCKS_PER_SPLIT=blocks_per_split,
-        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, PARTIALS=write_partials,
-        SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
-        PREFETCH_LINES=max(1, config.block_k // 64),
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch,
-        **_epilogue_args(epilogue),
+        PARTIALS=write_partials, SILU=silu, INTERPRETED=_INTERPRETED, PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **plan["constexprs"], **extra, **pdl_launch,
     )
     if partials:
         return ws[:, :m]   # [splits, m, ws_cols] fp32, rows at their workspace stride
@@ -712,26 +745,6 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None 
     valid until the next call with the same (device, S, N, row capacity).
     """
     return _launch(x, w, None, config, silu=False, w_name="w", partials=True)
-
-
-_EPILOGUE_ARGS = {"g_ptr": "e_g", "conv_state_ptr": "e_state", "conv_w_ptr": "e_w", "a_log_ptr": "e_alog",
-                  "dt_bias_ptr": "e_dtb", "stride_sb": "e_sb", "stride_sc": "e_sc", "CONV_DIM": "EPI_CONV",
-                  "GATE_COL": "EPI_GATE_COL", "HV": "EPI_HV"}
-
-
-def _epilogue_args(epilogue: dict | None) -> dict:
-    if epilogue is None:
-        return {}
-    if set(epilogue) != set(_EPILOGUE_ARGS):
-        raise ValueError(f"epilogue must have the keys {sorted(_EPILOGUE_ARGS)}, got {sorted(epilogue)}")
-    return {"EPI": True, **{_EPILOGUE_ARGS[name]: value for name, value in epilogue.items()}}
-
-
-def linear_epilogue(x: torch.Tensor, w: torch.Tensor, epilogue: dict, config: GemvConfig | None = None) -> torch.Tensor:
-    """`linear` with the GDN decode step's conv and gates applied to the product in the same
-    kernel (gdn.in_proj_epilogue, whose arguments `epilogue` names; gdn.in_proj_conv_gates_step
-    builds them). The same sums as `linear` with the same config; it needs split_k 1."""
-    return _launch(x, w, None, config, silu=False, w_name="w", epilogue=epilogue)
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,

@@ -36,19 +36,18 @@ Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 ro
 block); the pick never depends on how many candidates there are, only the time does (every row a
 candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 4) bytes more, kept beside w.
 
-Measured on an H200 (session 31, results/PERF_LOG.md; synthetic 4B checkpoints): the same pick as
-the GEMV's argmax at every one of 96 decode states a model; candidates a step median 45 / 40 (max
-342 / 308) on Qwen3.5-4B / Qwen3-4B; the tail 291 -> 205 us / 181 -> 129 us (the int8 pass ~50 / ~30
-us over the time to read its bytes, cause open); the batch-1 step -73 to -87 / -46 to -52 us.
+On an H200 (synthetic 4B checkpoints) the pick equals the GEMV's argmax at every one of 96
+decode states a model; the candidates a step and the time saved: docs/PERFORMANCE.md
+(results/bench_lm_screen_qwen3.json, results/bench_lm_screen_qwen35.json).
 
-FASTQWEN_LM_SCREEN=0 (read at import) turns it off: the decode step then runs the LM head's
-product and the argmax kernels as before. The int8 pass's launch: FASTQWEN_LM_SCREEN_PLAN, e.g.
-"rows=16,block_k=512,warps=4" (ScreenPlan).
+The Triton op set builds a model's screen (for_model) and the model runs it at one sequence;
+model.screen = None turns it off (the bench's --no-lm-screen arm): the decode step then runs the
+LM head's product and the argmax kernels. The int8 pass's launch: a ScreenPlan (PLAN unless
+LmScreen is given one, or with_plan), whose text form is e.g. "rows=16,block_k=512,warps=4".
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -58,9 +57,8 @@ import triton.language as tl
 from fqkernels import gemv, pdl
 from fqkernels.gemv import _load_w_block, _row_fma
 
-__all__ = ["ENABLED", "ScreenPlan", "LmScreen", "quantize_rows", "bound_coefficient", "screened_argmax_reference"]
+__all__ = ["ScreenPlan", "LmScreen", "quantize_rows", "bound_coefficient", "screened_argmax_reference"]
 
-ENABLED = os.environ.get("FASTQWEN_LM_SCREEN", "1") != "0"
 _NONE = tl.constexpr(2 ** 31 - 1)     # "no index yet", as fqkernels.argmax
 _MAGIC = tl.constexpr(0x4B000000)      # the fp32 bits of 2^23: (2^23 + byte) exactly, from the byte's bits
 _MAGIC_OFFSET = tl.constexpr(8388736.0)  # 2^23 + 128: the stored byte is Q + 128
@@ -70,9 +68,8 @@ _REL = tl.constexpr(2.0 ** -8)         # the bound's relative term (covers the b
 @dataclass(frozen=True)
 class ScreenPlan:
     """The int8 pass's launch: rows a program, K elements a loop trip, warps, num_stages; the
-    refine's blocks of the GEMV's config a program (groups). Session 31 (H200): 15 plans of the
-    int8 pass from 2 to 64 rows, 128 to 1024 bytes a trip, 1 to 8 warps and 1 to 3 stages all
-    within 1 us of each other (results/PERF_LOG.md)."""
+    refine's blocks of the GEMV's config a program (groups). The int8 pass's time barely depends on
+    its plan on an H200 (results/bench_lm_screen_qwen35_plans.json; docs/PERFORMANCE.md)."""
     rows: int = 16
     block_k: int = 512
     warps: int = 4
@@ -98,7 +95,7 @@ class ScreenPlan:
         return plan
 
 
-PLAN = ScreenPlan.from_text(os.environ.get("FASTQWEN_LM_SCREEN_PLAN"))
+PLAN = ScreenPlan()
 
 
 def bound_coefficient(K: int) -> float:
@@ -175,8 +172,8 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
     for k in range(0, K, BLOCK_K):
         b = tl.load(q_ptrs + k, eviction_policy="evict_first")
         # Q exactly, from the byte's bits: the fp32 with bits 0x4B0000bb is 2^23 + bb, minus 2^23 + 128
-        # (x Q is exact in fp32). The same time as a PRMT an element or shifts and masks in PTX
-        # (session 31): the conversion does not bound the pass.
+        # (x Q is exact in fp32). The same time as a PRMT an element or shifts and masks in PTX:
+        # the conversion does not bound the pass.
         f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
         xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
         acc += f * xv[None, :]
@@ -346,7 +343,7 @@ class LmScreen:
 
 
 def for_model(w: torch.Tensor) -> LmScreen | None:
-    """The screen for a model's LM head on a CUDA device when ENABLED and supported, else None."""
-    if not ENABLED or w.device.type != "cuda" or unsupported(w) is not None:
+    """The screen for a model's LM head on a CUDA device where it is supported, else None."""
+    if w.device.type != "cuda" or unsupported(w) is not None:
         return None
     return LmScreen(w)

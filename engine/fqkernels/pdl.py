@@ -15,9 +15,10 @@ needs), the small kernels right after their wait.
 Launching with PDL needs Triton's `launch_pdl` launch option (Triton 3.4+; our
 GPU's 3.6) and an sm_90+ GPU. Where it is missing (the platform's Triton 3.1, the
 CPU interpreter) the kernels compile without the instructions and launch as
-before: same results, no overlap. FASTQWEN_NO_PDL=1 turns it off.
+before: same results, no overlap. FASTQWEN_NO_PDL=1 or the engine's pdl=False turns it off
+(set_enabled).
 
-Early reads (EARLY, on; FASTQWEN_PDL_EARLY=0 turns them off): the attention's decode kernels
+Early reads (EARLY, on; a module setting, False turns them off): the attention's decode kernels
 read the step's positions and lengths before the wait (and the RoPE tables' rows at them, and
 ask L2 for the cached K/V lines a program will read), so their loads no longer wait for the
 previous kernel. Valid because no kernel of a decode step writes positions or lengths: they are
@@ -25,10 +26,9 @@ advanced between steps by a kernel launched without PDL (DecodeRunner's add, Log
 copied in from the host, and such a kernel lets its dependents start only once it has completed.
 The K/V lines are only prefetched (no data comes back before the wait), so the new position's
 row, which the kernel just before writes, is read after it as always. Same bits either way
-(the H200's GPU tests, session 30). Measured (session 30, graphed decode steps): at one row the
-Qwen3-4B's step -19 us and the Qwen3.5-4B's -6 us (with the exact GDN step's early reads); at 4 and
-16 rows the Qwen3-4B's +77 / +29 us (the K/V tiles asked of L2 by every program at once, beside the
-previous product's tail), so they run at up to EARLY_MAX_ROWS rows (FASTQWEN_PDL_EARLY_ROWS, 1).
+(the GPU tests). They shorten a graphed decode step at one row and lengthen it at 4 and 16 rows
+(the K/V tiles asked of L2 by every program at once, beside the previous product's tail;
+docs/PERFORMANCE.md), so they run at up to EARLY_MAX_ROWS rows (1).
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ __all__ = ["ENABLED", "LAUNCH", "MAX_ROWS", "EARLY", "EARLY_MAX_ROWS", "for_rows
            "start", "prefetch_l2", "prefetch"]
 
 
-def _enabled() -> bool:
-    if os.environ.get("FASTQWEN_NO_PDL") == "1" or os.environ.get("TRITON_INTERPRET") == "1":
+def available() -> bool:
+    """Whether this Triton and GPU can launch with PDL (Triton 3.4+, sm_90+, not the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -55,20 +56,31 @@ def _enabled() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-ENABLED: bool = _enabled()
+# FASTQWEN_NO_PDL=1 (the engine's pdl=False sets the same through set_enabled) launches plainly.
+ENABLED: bool = os.environ.get("FASTQWEN_NO_PDL") != "1" and available()
 # Launch keyword arguments for a kernel compiled with PDL=ENABLED.
 LAUNCH: dict = {"launch_pdl": True} if ENABLED else {}
+
+
+def set_enabled(on: bool) -> bool:
+    """Launch the decode kernels with PDL from now on (where available()) or not; returns the
+    setting in effect. Process-wide: PDL is how kernels are launched, not a model's property; a
+    CUDA graph captured before keeps the launches it captured."""
+    global ENABLED, LAUNCH
+    ENABLED = bool(on) and available()
+    LAUNCH = {"launch_pdl": True} if ENABLED else {}
+    return ENABLED
 # Decode-sized launches only. In a prefill (thousands of rows) the kernel before a
 # norm or RoPE launch is often a cuBLAS GEMM that signals its dependents early; our
-# many-program grid then sat resident in its wait beside the GEMM's later waves:
-# TTFT at (4, 2048) +6.7 ms with PDL there (results/PERF_LOG.md, session 3).
+# many-program grid then sat resident in its wait beside the GEMM's later waves, and
+# TTFT rose with PDL there (docs/PERFORMANCE.md).
 MAX_ROWS = 64
 
 
-# The attention's decode kernels' early reads (module note); read at each launch, so a script may
-# set it between launches (a kernel compiled for each setting).
-EARLY: bool = os.environ.get("FASTQWEN_PDL_EARLY", "1") == "1"
-EARLY_MAX_ROWS: int = int(os.environ.get("FASTQWEN_PDL_EARLY_ROWS", "1"))
+# The decode kernels' early reads (module note), at up to EARLY_MAX_ROWS sequences; read at each
+# launch (an A/B may set EARLY between launches: a kernel is compiled for each setting).
+EARLY: bool = True
+EARLY_MAX_ROWS: int = 1
 
 
 def early(flag: bool | None, rows: int) -> bool:
@@ -100,8 +112,7 @@ def launch_dependents(ON: tl.constexpr):
 @triton.jit
 def start(ON: tl.constexpr):
     """A small kernel's prologue: wait for the previous kernel, then let the next be scheduled.
-    (The next first, before the wait, was measured slower in the Qwen3.5-4B decode step: up to
-    37 us a step at batch 4; PERF_LOG, session 26.)"""
+    (The next first, before the wait, was measured slower in the Qwen3.5-4B decode step.)"""
     wait(ON)
     launch_dependents(ON)
 

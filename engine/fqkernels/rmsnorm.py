@@ -31,7 +31,7 @@ the 32 lanes are combined by a warp shuffle tree; the mean is that sum times
 float32(1 / N). Which loads and which tree (halves first, or adjacent pairs first) differ
 between torch versions, so `torch_order` compares the installed torch's own mean with each
 candidate once per width and the kernel sums that way (on torch 2.11: 4-wide from 128
-elements, halves first, results/PERF_LOG.md, session 5). The kernel holds the row as
+elements, halves first). The kernel holds the row as
 [blocks, 128]; column c (lane c // 4, accumulator c % 4 for 4-wide loads) is summed over
 the blocks in program order by a tree of `tl.split`s that only moves values, so the
 order is the program's on any Triton, not the compiler's choice for a tl.sum. Every row,
@@ -39,16 +39,14 @@ in a decode step of any batch or in a prefill, is then normalized with the bits 
 forward gives the same input row (GPU tests). Why: with Triton's own tl.sum (the other
 kernel, `_rmsnorm_kernel`) the decode logits at batch 16-64 were ~5% further from the
 full forward (mean max |diff|) than native's, and swapping in this order was the one op
-change that closed it (results/h200-2026-11-30/session5 and session6). It costs nothing
-measurable per decode step (session 6). The torch-order kernel compiles without FMA
+change that closed it (docs/NUMERICS.md). It costs nothing measurable per decode step
+(docs/PERFORMANCE.md). The torch-order kernel compiles without FMA
 contraction (enable_fp_fusion=False) so that the mean times 1/N and the + eps stay two
-roundings, as in the reference. FASTQWEN_TORCH_ORDER_NORM=0 selects the tl.sum kernel
-(the engine's norm before session 6), which also serves rows wider than 64 x 128 and any
-width whose torch order is none of the kernel's (on torch 2.11 none matches at 8,192,
-session 7's GPU tests; no Qwen3 norm is that wide).
+roundings, as in the reference. TORCH_ORDER = False selects the tl.sum kernel, which also
+serves rows wider than 64 x 128 and any width whose torch order is none of the kernel's (on
+torch 2.11 none matches at 8,192, by the GPU tests; no Qwen3 norm is that wide).
 """
 import functools
-import os
 
 import torch
 import triton
@@ -57,9 +55,9 @@ import triton.language as tl
 from fqkernels import pdl
 
 
-# FASTQWEN_TORCH_ORDER_NORM=0 (read at import): sum the squares with Triton's tl.sum, the
-# engine's norm before session 6, instead of in the installed torch's order (module doc).
-TORCH_ORDER: bool = os.environ.get("FASTQWEN_TORCH_ORDER_NORM", "1") != "0"
+# Norms sum their squares in the installed torch's order (module doc); False sends every norm to
+# the tl.sum kernel (scripts/compile_kernels.py builds that kernel this way; an A/B of the norms).
+TORCH_ORDER: bool = True
 # Widest row the torch-order kernel takes (64 blocks of 128); wider rows use tl.sum.
 TORCH_ORDER_MAX_N = 64 * 128
 
@@ -135,7 +133,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, N, eps,
                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                     GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ONE_PLUS: tl.constexpr = False,
                     HEADS: tl.constexpr = 1):
-    """FASTQWEN_TORCH_ORDER_NORM=0's kernel: the mean of squares is Triton's tl.sum.
+    """The tl.sum kernel (TORCH_ORDER = False, and widths the torch-order kernel does not take):
+    the mean of squares is Triton's tl.sum.
     SPLITS == 0: r is bf16; SPLITS >= 1: r is SPLITS fp32 partials, stride_split apart.
     GATHER: x's row is first copied from row ids[row] of `table` (the embedding lookup).
     HEADS > 1 (no residual, no gather): program `row` normalizes head row % HEADS of x's row
@@ -242,8 +241,8 @@ def _rmsnorm_torch_order_kernel(x_ptr, r_ptr, w_ptr, out_ptr, ids_ptr, table_ptr
     offs = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < N
     # a decode step's launch (PDL) loads the weight before the wait (no kernel writes it): its HBM
-    # round trip under the previous kernel's tail, not after this row's sums (session 28: with the
-    # gated norm's and the prologues', -40 to -75 us a Qwen3.5 step); a prompt's, after the sums
+    # round trip under the previous kernel's tail, not after this row's sums (with the gated norm's
+    # and the prologues', a shorter Qwen3.5 step: docs/PERFORMANCE.md); a prompt's, after the sums
     if PDL:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     pdl.start(PDL)
@@ -306,7 +305,7 @@ def torch_order(n: int, device: torch.device) -> tuple[bool, bool, bool]:
     CUDA `pow(2).mean(-1)` does for 16 rows or more (every forward of the reference), and
     whether one matched. Measured, not assumed: ATen's lane tree and its vectorization
     threshold differ between torch versions (halves first and 4-wide from 128 elements on
-    torch 2.11, results/PERF_LOG.md session 5). Found by comparing torch's mean with each
+    torch 2.11). Found by comparing torch's mean with each
     candidate on 64 random rows; with no match, the 2.11 order is used (and reported)."""
     key = (n, str(device))
     if device.type == "cuda" and not torch.cuda.is_available():

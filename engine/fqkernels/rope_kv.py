@@ -14,7 +14,7 @@ Grid: (T, H + KVH), one program per (token, q-or-k head).
 
 Paged caches (block_table, as vLLM's): the caches are page pools [P, KVH, PAGE, D]
 and position p of sequence b lives in page block_table[b, p // PAGE] at offset
-p % PAGE; only the store address changes (PAGED=False compiles as before).
+p % PAGE; only the store address changes (PAGED=False compiles none of it in).
 
 Why `_round_bf16` instead of `.to(tl.bfloat16).to(tl.float32)`: measured on an
 H200 (Triton 3.6), the cast pair before the sum was not honoured: the two
@@ -150,7 +150,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, seq_len: int,
         page = _check_block_table("qk_norm_rope_store", block_table, T // seq_len, k_cache, v_cache)
         paged = dict(table_ptr=block_table, stride_tb=block_table.stride(0), PAGED=True, PAGE=page)
     else:
-        paged = {}   # table_ptr, stride_tb None (constexprs): the unpaged kernel's arguments as before
+        paged = {}   # table_ptr, stride_tb None (constexprs): the unpaged kernel's arguments
     if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == D):
         raise ValueError("cos/sin tables must be contiguous [max_pos, head_dim]")
     if q_out is None:
@@ -293,7 +293,7 @@ def rope_store_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError(f"rope_store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}, "
                          f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, positions {tuple(positions.shape)}"
                          " do not fit")
-    paged = {}   # unpaged: table_ptr, stride_tb None (constexprs), the kernel's arguments as before
+    paged = {}   # unpaged: table_ptr, stride_tb None (constexprs), the unpaged kernel's arguments
     if block_table is not None:
         page = _check_block_table("rope_store_kv", block_table, B, k_cache, v_cache)
         paged = dict(table_ptr=block_table, stride_tb=block_table.stride(0), PAGED=True, PAGE=page)

@@ -75,11 +75,11 @@ class HybridShape:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "HybridShape":
-        from fastqwen import synth35
+        from fastqwen.checkpoint import qwen35_expected_tensors, qwen35_layer_types
 
         cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "qwen3_5" else cfg
-        specs = synth35.expected_tensors(cfg)
-        kinds = cfg.get("layer_types") or synth35._layer_types(int(cfg["num_hidden_layers"]))
+        specs = qwen35_expected_tensors(cfg)
+        kinds = cfg.get("layer_types") or qwen35_layer_types(int(cfg["num_hidden_layers"]))
         kh, kd, vh, vd = (int(cfg[k]) for k in ("linear_num_key_heads", "linear_key_head_dim",
                                                   "linear_num_value_heads", "linear_value_head_dim"))
         vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])

@@ -26,54 +26,6 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-# Memory a running server keeps beside the weights and the KV rows (the step graphs' buffers,
-# a prompt pass's activations, cuBLAS workspaces), when it sizes its slots on a GPU.
-HEADROOM_BYTES = 3 * 2**30
-DEFAULT_MAX_BATCH = 64
-
-
-def size_batch(requested: int | None, row_bytes: int, budget_bytes: int | None, max_model_len: int) -> int:
-    """Slots to open: `requested`, checked against the KV budget (bytes left for cache rows of
-    `row_bytes` each; None on the CPU: no limit), or with None the most that fit, at most
-    DEFAULT_MAX_BATCH (16 on the CPU). A request that cannot fit is an error naming both sizes."""
-    if budget_bytes is None:
-        return requested or 16
-    fits = max(0, budget_bytes // row_bytes)
-    if requested is None:
-        if fits < 1:
-            raise ValueError(f"no room for one slot of {max_model_len} tokens ({row_bytes / 2**30:.2f} GiB of KV "
-                             f"cache): {max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
-        return min(DEFAULT_MAX_BATCH, fits)
-    if requested > fits:
-        raise ValueError(f"--max-batch {requested} x --max-model-len {max_model_len} needs "
-                         f"{requested * row_bytes / 2**30:.1f} GiB of KV cache; {max(budget_bytes, 0) / 2**30:.1f} GiB "
-                         f"is left beside the weights (room for {fits})")
-    return requested
-
-
-def size_pages(block_size: int, max_batch: int | None, max_model_len: int, page_bytes: int, row_bytes: int,
-               budget_bytes: int | None, snapshots: int = 0) -> tuple[int, int]:
-    """(slots, KV pages) of the paged cache: `max_batch` slots (None: DEFAULT_MAX_BATCH, 16 on the
-    CPU), each holding `row_bytes` of its own (Qwen3.5's GDN states), `snapshots` more of those
-    (Qwen3.5's state snapshots for shared prefixes, fq_slots), and as many pages of
-    `block_size` positions as the budget holds beside them, at most every slot's max_model_len
-    worth. Too little for one request of max_model_len positions is an error naming the sizes."""
-    if block_size < 1 or max_model_len % block_size:
-        raise ValueError(f"--max-model-len {max_model_len} must be a multiple of --block-size {block_size}")
-    per_request = max_model_len // block_size
-    if budget_bytes is None:
-        rows = max_batch or 16
-        return rows, rows * per_request
-    rows = max_batch or DEFAULT_MAX_BATCH
-    states = (rows + 1 + snapshots) * row_bytes    # the slots' rows, the staging row, the snapshots (fq_slots)
-    pages = min(rows * per_request, max(0, budget_bytes - states) // page_bytes)
-    if pages < per_request:
-        raise ValueError(f"{rows} slots and one request of --max-model-len {max_model_len} need "
-                         f"{(states + per_request * page_bytes) / 2**30:.2f} GiB of cache; "
-                         f"{max(budget_bytes, 0) / 2**30:.2f} GiB is left beside the weights")
-    return rows, pages
-
-
 def _engine_module():
     """The engine folder's Engine (the repository's engine/, the folder a user submits)."""
     folder = pathlib.Path(__file__).resolve().parents[2] / "engine"
@@ -113,29 +65,12 @@ class Server:
         self.engine = _engine_module().Engine(self.model_dir)
         limit = int(self.engine.cfg.max_position_embeddings)
         self.max_model_len = min(limit, max_model_len or 4096)
-        budget = None
-        if self.engine.device.type == "cuda":
-            import torch
-
-            total = torch.cuda.get_device_properties(self.engine.device).total_memory
-            cap = total * (memory_fraction or 1.0)
-            budget = int(cap - torch.cuda.memory_reserved(self.engine.device) - HEADROOM_BYTES)
-        model = self.engine.model
-        self.block_size = block_size or None
-        self.num_blocks = None
-        if self.block_size is None:      # the slots' rows, and one more: the staging row of a chunked prefill
-            row = model.cache_bytes(1, self.max_model_len)
-            max_batch = size_batch(max_batch, row, None if budget is None else budget - row, self.max_model_len)
-        else:
-            import fq_slots        # the engine folder's, on the path since the engine's import
-
-            snapshots = fq_slots.state_snapshots_for(model, self.block_size, share_prefixes, state_snapshots) or 0
-            max_batch, self.num_blocks = size_pages(self.block_size, max_batch, self.max_model_len,
-                                                    model.page_bytes(self.block_size),
-                                                    getattr(model, "row_bytes", lambda: 0)(), budget, snapshots)
-        self.max_batch = max_batch
+        plan = self.engine.plan_slots(self.max_model_len, max_slots=max_batch, page_size=block_size or None,
+                                      share_prefixes=share_prefixes, state_snapshots=state_snapshots,
+                                      memory_fraction=memory_fraction)
+        self.block_size, self.num_blocks, self.max_batch = plan["page_size"], plan["num_pages"], plan["max_slots"]
         self.metrics = Metrics(self.name)
-        self.scheduler = Scheduler(self.engine, self.codec, max_batch, self.max_model_len, max_waiting, seed,
+        self.scheduler = Scheduler(self.engine, self.codec, self.max_batch, self.max_model_len, max_waiting, seed,
                                    self.metrics, block_size=self.block_size, num_blocks=self.num_blocks,
                                    prefill_chunk=prefill_chunk, share_prefixes=share_prefixes,
                                    state_snapshots=state_snapshots)

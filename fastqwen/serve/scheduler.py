@@ -16,8 +16,8 @@ nothing runs go in whole.
 The loop runs one step ahead of the host. Each step's tokens are sampled on the device, kept
 there as the next step's input (`Slots.step_rows`) and copied back to the host without
 waiting; the next step is queued before the host turns the previous step's tokens into
-text and events, so the GPU never waits for that work (on a GPU: at one stream the host's
-part was 0.5 ms of a 3.1 ms token, session 10). The cost: a request that ends (an end token,
+text and events, so the GPU never waits for that work (measured at one stream: the host's
+part was 0.5 ms of a 3.1 ms token). The cost: a request that ends (an end token,
 a stop string, max_tokens, a cancel) has already been given one more step, whose token is
 dropped. A step whose every request is known to end at the token in flight (max_tokens, the
 slot's room) is not queued ahead.
@@ -155,7 +155,7 @@ class Scheduler:
                 busy = False
             if self.metrics is not None:
                 self.metrics.gauges(len(self.running), self.num_waiting, self.kv_usage)
-                hits = self.slots.pool.hit_tokens
+                hits = self.slots.stats()["prefix_hit_tokens"]
                 if hits > self._hit_tokens:
                     self.metrics.prefix_hits(hits - self._hit_tokens)
                     self._hit_tokens = hits
@@ -197,7 +197,7 @@ class Scheduler:
             return False
         for req in group:
             self._prepare(req)
-        row = len(self.slots.keys)
+        row = len(self.slots.running)
         began = time.monotonic()
         logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
                                         [self._reserve(r) for r in group])
@@ -214,8 +214,9 @@ class Scheduler:
 
     def _pass_done(self, began: float) -> None:
         """A prompt pass that ended in first tokens (on the host now): its time, by how it ran."""
-        if self.metrics is not None and self.slots.last_pass is not None:
-            self.metrics.pass_done(self.slots.last_pass, time.monotonic() - began)
+        last_pass = self.slots.stats()["last_pass"]
+        if self.metrics is not None and last_pass is not None:
+            self.metrics.pass_done(last_pass, time.monotonic() - began)
 
     def _prepare(self, req: Request) -> None:
         """What a request needs once it has a slot: its detokenizer and its sampling generator."""
@@ -236,7 +237,7 @@ class Scheduler:
         if logits is None:
             return True
         self._staged = None
-        row = len(self.slots.keys) - 1
+        row = len(self.slots.running) - 1
         first = sample(logits[None], [req.params], [req.generator])
         self._tokens[row:row + 1].copy_(first)
         token = int(first[0])
@@ -268,7 +269,7 @@ class Scheduler:
         return self.slots.room(req.id) >= 1 and len(req.output) + in_flight < req.params.max_tokens
 
     def _queue_step(self) -> tuple:
-        ids = list(self.slots.keys)
+        ids = list(self.slots.running)
         reqs = [self.running[i] for i in ids]
         n = len(ids)
         logits = self.slots.step_rows(self._tokens[:n])

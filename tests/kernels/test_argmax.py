@@ -3,9 +3,9 @@ row, ties to the lowest index, NaN rows, -inf rows, every part boundary.
 
 Which tests run where:
   pinned stack, no GPU      the plan, argument errors, the sm_90 compile
-  TRITON_INTERPRET=1        + the kernels on CPU tensors (run with /work/venv-dev:
-                              cd /work/main && PYTHONPATH=. TRITON_INTERPRET=1 \\
-                              /work/venv-dev/bin/python -m pytest tests/kernels/test_argmax.py)
+  TRITON_INTERPRET=1        + the kernels on CPU tensors (an environment with Triton >= 3.4:
+                              PYTHONPATH=. TRITON_INTERPRET=1 \\
+                              python -m pytest tests/kernels/test_argmax.py)
   a CUDA device             + the kernels on the GPU, against CUDA's torch.argmax (marked gpu)
 """
 from __future__ import annotations

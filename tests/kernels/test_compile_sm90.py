@@ -58,7 +58,7 @@ def test_every_engine_kernel_launch_compiles_for_sm90(tmp_path):
     assert {s["scenario"].split(": ")[0] for s in specs if not s["scenario"].startswith(ck.EXTRA)} == \
         set(ck.DEFAULT_MODELS)
     # and the launches outside that sweep: the Qwen3.5 decode step's kernels, the FA2 attention path
-    assert any(s["kernel"] == "gdn._decode_step_kernel" for s in specs)
+    assert any(s["kernel"] == "gdn_step._decode_step_kernel" for s in specs)
     assert any(s["kernel"] == "decode_attention._split_kernel" and s["constants"].get("D") == 256 for s in specs)
     assert any(s["kernel"] == "decode_attention._split_kernel" and s["constants"].get("FA2_PATH") for s in specs)
     assert not any(s["pdl"] or s["constants"].get("PDL") for s in specs)

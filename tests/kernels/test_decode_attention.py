@@ -3,7 +3,7 @@
 Three tiers, each checking against an independent float64 computation too:
 - always (any CPU, the pinned stack): the pure-torch reference, the split plan and
   the wrapper's argument checks;
-- TRITON_INTERPRET=1 with Triton >= 3.4 (the dev env): the kernels' logic on CPU
+- TRITON_INTERPRET=1 with Triton >= 3.4: the kernels' logic on CPU
   tensors at small shapes;
 - CUDA (marked gpu): the kernels at the real shapes, determinism and CUDA graph replay.
 """
@@ -307,8 +307,8 @@ def test_plan_covers_capacity_exactly_once(capacity, num_splits):
     if num_splits is not None:
         assert plan.num_splits <= num_splits
     # G = 4 padded to the 16 rows tl.dot needs; to 64 where the FA2 path runs (one split)
-    fa2 = sys.modules["fqkernels.decode_attention"].FA2 and plan.num_splits == 1
-    assert plan.block_g == (64 if fa2 else 16)
+    assert plan.block_g == (64 if plan.num_splits == 1 else 16)
+    assert decode_attention_plan(2, 32, 8, capacity, 128, num_splits, fa2=False).block_g == 16
 
 
 def _bad_call(case: str) -> dict:
@@ -572,19 +572,18 @@ def test_fa2_path_matches_reference_interpreted(interpreter_fixes, monkeypatch, 
     same bounds of the reference and float64 as the default path, windows and empty rows too."""
     import fqkernels.decode_attention as da
 
-    monkeypatch.setattr(da, "FA2", True)
     q, k, v, lengths_t = _make_inputs(3, 16, 4, 320, 128, lengths, "cpu", seed=12)
     assert da.fa2_applies(da.decode_attention_plan(3, 16, 4, 320, 128, num_splits=1), True, 128)
     _check_kernel(q, k, v, lengths_t, 128**-0.5, 1, None, window)
 
 
-def test_fa2_path_applies_only_where_flash_runs_one_split_of_64_key_tiles(monkeypatch):
+def test_fa2_path_applies_only_where_flash_runs_one_split_of_64_key_tiles():
+    """fa2 (the engine's exact decode) takes flash's arithmetic where a launch fits it: one split of
+    64-key tiles at head_dim 128; fa2=False never."""
     import fqkernels.decode_attention as da
 
-    monkeypatch.setattr(da, "FA2", False)
-    plan = da.decode_attention_plan(16, 32, 8, 1024, 128)
-    assert plan.num_splits == 1 and not da.fa2_applies(plan, True, 128) and plan.block_g == 16
-    monkeypatch.setattr(da, "FA2", True)
+    plan = da.decode_attention_plan(16, 32, 8, 1024, 128, fa2=False)
+    assert plan.num_splits == 1 and not da.fa2_applies(plan, True, 128, fa2=False) and plan.block_g == 16
     plan = da.decode_attention_plan(16, 32, 8, 1024, 128)
     assert plan.block_g == 64                                                # rows, so warps split rows
     assert da.fa2_applies(plan, True, 128) and not da.fa2_applies(plan, False, 128)
@@ -721,7 +720,6 @@ def test_paged_fa2_path_matches_unpaged_bits_interpreted(interpreter_fixes, monk
     tile or once for the split (page_ids): the unpaged path's bits."""
     import fqkernels.decode_attention as da
 
-    monkeypatch.setattr(da, "FA2", True)
     capacity = 384
     q, k, v, lengths_t = _make_inputs(3, 16, 4, capacity, 128, lengths, "cpu", seed=32, window=window)
     assert da.fa2_applies(da.decode_attention_plan(3, 16, 4, capacity, 128, num_splits=1), True, 128)
@@ -733,7 +731,7 @@ def test_paged_fa2_path_matches_unpaged_bits_interpreted(interpreter_fixes, monk
         decode_attention(q, kp, vp, lengths_t, 128**-0.5, out=out, plan=plan, window=window, block_table=table)
         assert torch.equal(out, plain), f"page_ids={page_ids!r}"
         assert bool(torch.isfinite(out).all())
-    # without a plan the paged FA2 path takes "split" (measured faster there, session 13)
+    # without a plan the paged FA2 path takes "split" (measured faster there: docs/PERFORMANCE.md)
     seen = []
     real = da._page_ids_vector
     monkeypatch.setattr(da, "_page_ids_vector", lambda plan, *a: seen.append(plan.page_ids) or real(plan, *a))

@@ -7,12 +7,28 @@ under Triton's CPU interpreter (>= 3.4) the logic, within rounding (the interpre
 are not the GPU's chains)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
-from .test_gdn_exact import DEV, pytestmark  # noqa: F401 - the same runs: a GPU, or the interpreter (>= 3.4)
-from fqkernels import gdn, gdn_exact_step as step  # noqa: E402 - on the path test_gdn_exact puts it
+from engine_modules import ENGINE_DIR
+
+if str(ENGINE_DIR) not in sys.path:
+    sys.path.insert(0, str(ENGINE_DIR))
+
+from fqkernels import gdn_exact_step as step  # noqa: E402
+from fqkernels import gdn_norm, gdn_ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
+                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -39,7 +55,7 @@ def test_the_reference_step_is_the_rules_last_row():
     D, Hk, Hv = 32, 2, 4
     q, k, v, g, beta, state = _sequence(1, 9, Hk, Hv, D, seed=5)
     o, s = step.chunk_step_reference(q, k, v, g, beta, state)
-    want, want_s = gdn.delta_rule_chunked_reference(gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta,
+    want, want_s = gdn_ref.delta_rule_chunked_reference(gdn_ref.expand_heads(q, Hv), gdn_ref.expand_heads(k, Hv), v, g, beta,
                                                     state=state)
     assert torch.equal(o, want[:, -1]) and torch.equal(s, want_s)
 
@@ -68,14 +84,13 @@ def test_fused_steps_are_the_full_forwards_rows_across_a_chunk(D, block_v, tile,
     register cap, the close's blocks (state rows, chunk rows a dot), the position read before PDL's
     wait with the lines asked of L2 or L1 (each step's rows are the previous launch's writes), the
     merged form's schedules (MergedPlan: the passes at other rows a trip, (q e^gamma) S_c in the w S_c
-    pass, the solve's own block in the earlier blocks' last trip: at 8 rows a trip one block a trip,
-    the own block a trip of its own; at 32 four)."""
+    pass)."""
     B, T, Hk, Hv = 2, 70, 2, 4
     if "merged" in extra:
         extra = dict(extra, merged=step.MergedPlan.from_text(extra["merged"]))
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=D + 1)
-    want, _, at_64 = gdn.delta_rule_chunked_reference(
-        gdn.expand_heads(q, Hv), gdn.expand_heads(k, Hv), v, g, beta, state=state, capture=1)
+    want, _, at_64 = gdn_ref.delta_rule_chunked_reference(
+        gdn_ref.expand_heads(q, Hv), gdn_ref.expand_heads(k, Hv), v, g, beta, state=state, capture=1)
     rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=block_v)
     S = state.clone()
     pos0 = torch.zeros(B, dtype=torch.int64, device=DEV)
@@ -113,7 +128,7 @@ def test_fused_step_at_different_rows_and_wrong_shapes(form):
     got = _fused_steps(pick(q), pick(k), pick(v), pick(g), pick(beta), S, rows,
                        torch.tensor([10, 0], dtype=torch.int64, device=DEV), n, tile=64, form=form)
     for b, T in ((0, 10 + n), (1, n)):
-        want, _ = gdn.delta_rule_chunked_reference(gdn.expand_heads(q[b:b + 1, :T], Hv), gdn.expand_heads(
+        want, _ = gdn_ref.delta_rule_chunked_reference(gdn_ref.expand_heads(q[b:b + 1, :T], Hv), gdn_ref.expand_heads(
             k[b:b + 1, :T], Hv), v[b:b + 1, :T], g[b:b + 1, :T], beta[b:b + 1, :T], state=state[b:b + 1])
         _same(got[b], want[0, T - n:], f"sequence {b}")
     with pytest.raises(ValueError, match="state"):
@@ -139,7 +154,7 @@ def test_the_gated_norm_in_the_step_is_the_gated_norm_kernels(form):
         rows, S = step.ChunkRows(B, Hv, D, D, DEV, block_v=D), state.clone()
         kw = {"norm": (z, w, 1e-6)} if normed else {}
         outs[normed] = _fused_steps(q, k, v, g, beta, S, rows, pos0, n, tile=64, form=form, **kw)
-    want = torch.stack([gdn.gated_rmsnorm(outs[False][:, i].reshape(-1, D), z, w, 1e-6).reshape(B, Hv, D)
+    want = torch.stack([gdn_norm.gated_rmsnorm(outs[False][:, i].reshape(-1, D), z, w, 1e-6).reshape(B, Hv, D)
                         for i in range(n)], 1)
     _same(outs[True], want, "the normed rows")
     rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=64)
@@ -150,10 +165,11 @@ def test_the_gated_norm_in_the_step_is_the_gated_norm_kernels(form):
 @pytest.mark.parametrize("order", sorted(step.SUM_ORDERS))
 def test_the_replicas_compute_torchs_functions(order):
     """The l2 norm's and the cumulative sum's replicas: torch's function (each sum order is a
-    candidate for torch's bits, within rounding here: gpu_exact_step.py says which one matches)."""
+    candidate for torch's bits, within rounding here; torch_sum_order names the one that matches
+    on a GPU)."""
     g_ = torch.Generator().manual_seed(order)
     x = torch.randn(6, 128, generator=g_).to(DEV)
-    got, want = step.torch_rows(x, "l2norm", sum_order=order), gdn.l2_normalize(x)
+    got, want = step.torch_rows(x, "l2norm", sum_order=order), gdn_ref.l2_normalize(x)
     assert (got - want).abs().max().item() <= 1e-6, f"l2 norm, sum order {order}"
     g = (-F.softplus(torch.randn(6, 64, generator=g_)) * 0.1).to(DEV)
     for tile in (32, 64):

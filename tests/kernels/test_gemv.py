@@ -4,9 +4,9 @@ kernels on a GPU.
 
 Which tests run where:
   pinned stack, no GPU      references, configs, argument errors, sm_90 compile
-  TRITON_INTERPRET=1        + the kernels on small shapes (run with /work/venv-dev:
-                              cd /work/main && PYTHONPATH=. TRITON_INTERPRET=1 \\
-                              /work/venv-dev/bin/python -m pytest tests/kernels/test_gemv.py)
+  TRITON_INTERPRET=1        + the kernels on small shapes (an environment with Triton >= 3.4:
+                              PYTHONPATH=. TRITON_INTERPRET=1 \\
+                              python -m pytest tests/kernels/test_gemv.py)
   a CUDA device             + the kernels on the Qwen3-4B shapes (marked gpu)
 """
 from __future__ import annotations
@@ -195,15 +195,10 @@ def test_linear_silu_mul_reference_is_the_models_op_sequence():
 # ----------------------------------------------------------------------------- configs and arguments
 
 @pytest.mark.parametrize("name", sorted(SHAPES_4B))
-def test_4b_shapes_have_mask_free_table_configs(name, monkeypatch):
+def test_4b_shapes_have_mask_free_table_configs(name):
     """The split table (exact decode off; test_exact_decode_puts_every_4b_product_in_order
     checks what replaces o and down from 7 rows when it is on)."""
-    monkeypatch.setattr(gemv, "EXACT", False)
-    select_config.cache_clear()
-    try:
-        _check_table(name)
-    finally:
-        select_config.cache_clear()     # no config chosen with the switch off outlives the test
+    _check_table(name)
 
 
 def _check_table(name):
@@ -216,7 +211,7 @@ def _check_table(name):
     assert limits[-1] is None and limits[:-1] == sorted(limits[:-1]), "ranges must rise and end open"
     cols = n // 2 if silu else n
     for rows in (1, 2, 4, 5, 16, 64):
-        cfg = select_config(n, k, silu, rows)
+        cfg = select_config(n, k, silu, rows, exact=False)
         want = next(c for r, c in ranges if r is None or rows <= r)
         assert cfg is want, f"rows={rows}"
         k_blocks = k // cfg.block_k
@@ -245,30 +240,25 @@ def test_q35_shapes_take_mask_free_table_configs(name):
         assert rows == 1 or cfg.mode in ("dot", "dot_t")
 
 
-def test_exact_decode_puts_every_4b_product_in_order(monkeypatch):
-    """FASTQWEN_EXACT_DECODE: from EXACT_FROM_ROWS to EXACT_TO_ROWS rows every 4B decode product
-    walks K in order (what gives the full forward's bits,
-    test_gpu_in_order_products_give_the_full_forwards_bits); outside that range, and with the
-    switch off, o and down keep their split-K configs."""
-    try:
-        for exact in (True, False):
-            monkeypatch.setattr(gemv, "EXACT", exact)
-            select_config.cache_clear()
-            for name, (n, k) in SHAPES_4B.items():
-                for rows in range(gemv.EXACT_FROM_ROWS, 65):
-                    cfg = select_config(n, k, name == "gate_up", rows)
-                    assert gemv.exact_rows(rows) == (exact and rows <= gemv.EXACT_TO_ROWS)
-                    assert gemv.in_order(cfg) or (not gemv.exact_rows(rows) and name in ("o", "down")), \
-                        (name, rows, cfg)
-                    assert k % cfg.block_k == 0 and (n // 2 if name == "gate_up" else n) % cfg.block_n == 0
-            assert not gemv.in_order(select_config(*SHAPES_4B["down"], False, 4))
-            # Qwen3.5-4B's products (fq_qwen35._Products forces these in order, as fq_ops does)
-            for name, (n, k) in SHAPES_Q35.items():
-                for rows in range(gemv.EXACT_FROM_ROWS, gemv.EXACT_TO_ROWS + 1):
-                    cfg = select_config(n, k, name == "gate_up", rows)
-                    assert gemv.in_order(cfg) or (not exact and name == "down"), (name, rows, cfg)
-    finally:
-        select_config.cache_clear()
+def test_exact_decode_puts_every_4b_product_in_order():
+    """Exact decode (the engine's exact_decode): from EXACT_FROM_ROWS to EXACT_TO_ROWS rows every 4B
+    decode product walks K in order (what gives the full forward's bits,
+    test_gpu_in_order_products_give_the_full_forwards_bits); outside that range, and with exact
+    decode off, o and down keep their split-K configs."""
+    for exact in (True, False):
+        for name, (n, k) in SHAPES_4B.items():
+            for rows in range(gemv.EXACT_FROM_ROWS, 65):
+                cfg = select_config(n, k, name == "gate_up", rows, exact=exact)
+                assert gemv.exact_rows(rows, exact) == (exact and rows <= gemv.EXACT_TO_ROWS)
+                assert gemv.in_order(cfg) or (not gemv.exact_rows(rows, exact) and name in ("o", "down")), \
+                    (name, rows, cfg)
+                assert k % cfg.block_k == 0 and (n // 2 if name == "gate_up" else n) % cfg.block_n == 0
+        assert not gemv.in_order(select_config(*SHAPES_4B["down"], False, 4, exact=exact))
+        # Qwen3.5-4B's products (the op set takes these on the GEMV in order at exact decode's rows)
+        for name, (n, k) in SHAPES_Q35.items():
+            for rows in range(gemv.EXACT_FROM_ROWS, gemv.EXACT_TO_ROWS + 1):
+                cfg = select_config(n, k, name == "gate_up", rows, exact=exact)
+                assert gemv.in_order(cfg) or (not exact and name == "down"), (name, rows, cfg)
 
 
 def test_select_config_rejects_zero_rows():
@@ -357,12 +347,6 @@ def _aot_compile(kernel, signature: dict, constants: dict, aligned: tuple, num_w
 MAIN_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
             "up_offset": "i32", "ws_split_stride": "i32", "ws_cols": "i32"}
 MAIN_ALIGNED = ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "N", "up_offset", "ws_split_stride", "ws_cols")
-# The GDN epilogue's arguments: off (what a plain launch binds by default), or on at Qwen3.5-4B's in_proj
-EPI_OFF = dict(e_g=None, e_state=None, e_w=None, e_alog=None, e_dtb=None, e_sb=0, e_sc=0, EPI=False, EPI_CONV=0,
-               EPI_GATE_COL=0, EPI_HV=1)
-EPI_SIG = {"e_g": "*fp32", "e_state": "*bf16", "e_w": "*bf16", "e_alog": "*bf16", "e_dtb": "*bf16",
-           "e_sb": "i32", "e_sc": "i32"}
-EPI_ON = dict(EPI=True, EPI_CONV=8192, EPI_GATE_COL=8192 + 4096, EPI_HV=32)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -380,7 +364,7 @@ def test_kernels_compile_for_sm90(name, mode, silu):
     constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      BLOCKS_PER_SPLIT=k_blocks // cfg.split_k, EVEN_N=cols % cfg.block_n == 0, EVEN_K=True,
                      PARTIALS=cfg.split_k > 1, SILU=silu, INTERPRETED=False,
-                     PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_OFF)
+                     PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64))
     if mode == "fma":
         kernel = gemv._gemv_fma_kernel
     else:
@@ -406,20 +390,23 @@ def test_kernels_compile_for_sm90(name, mode, silu):
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_the_gdn_epilogue_compiles_for_sm90(rows):
-    """in_proj's product with the GDN step's conv and gates in its epilogue (gdn.in_proj_conv_gates_step)
-    at Qwen3.5-4B's in_proj and the table's config for that many rows: the libdevice calls and the
-    correctly rounded divisions (SiLU, sigmoid) compile on this Triton."""
+    """in_proj's product with the GDN step's conv and gates in its epilogue (gdn_step's kernel, on
+    this module's dot_sums / fma_sums) at Qwen3.5-4B's in_proj and the table's config for that many
+    rows: the libdevice calls and the correctly rounded divisions (SiLU, sigmoid) compile on this
+    Triton."""
+    from fqkernels import gdn_step
+
     n, k = 12352, 2560
     cfg = select_config(n, k, False, rows)
     assert cfg.split_k == 1
-    constants = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
-                     BLOCKS_PER_SPLIT=k // cfg.block_k, EVEN_N=n % cfg.block_n == 0, EVEN_K=True, PARTIALS=False,
-                     SILU=False, INTERPRETED=False, PDL=True, PREFETCH_LINES=max(1, cfg.block_k // 64), **EPI_ON)
-    if cfg.mode == "fma":
-        kernel = gemv._gemv_fma_kernel
-    else:
-        kernel, constants["SWAP"] = gemv._gemv_dot_kernel, cfg.mode == "dot_t"
-    compiled = _aot_compile(kernel, dict(MAIN_SIG, **EPI_SIG), constants, MAIN_ALIGNED + ("e_g", "e_state", "e_w"),
+    plan = gemv.launch_plan(rows, n, k, cfg)
+    constants = dict(plan["constexprs"], FMA=cfg.mode == "fma", SWAP=cfg.mode == "dot_t", CONV_DIM=8192,
+                     GATE_COL=8192 + 4096, HV=32, INTERPRETED=False, PDL=True)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "g_ptr": "*fp32", "conv_state_ptr": "*bf16",
+           "conv_w_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16", "M": "i32", "N": "i32",
+           "stride_sb": "i32", "stride_sc": "i32"}
+    compiled = _aot_compile(gdn_step._in_proj_conv_gates_kernel, sig, constants,
+                            ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "conv_state_ptr", "conv_w_ptr", "N"),
                             cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
     # libdevice inlined (3.6's PTX keeps its labels, so a call is what is looked for); the sigmoid's division
@@ -634,7 +621,7 @@ def test_gpu_in_order_products_give_the_full_forwards_bits(name, rows):
     """A product that walks K in order into one fp32 accumulator per output (tensor-core
     tiles, no split-K; either operand on the MMA's row side) gives, row for row, the bits of
     cuBLAS's product over many rows (the reference's full forward) on an H200; a split-K
-    config does not (results/h200-2026-11-30/session7: gemm_order_probe.json, gemm_inorder*.json)."""
+    config does not (results/bench_gemv_inorder.json)."""
     n, k = SHAPES_4B[name]
     big = 512 if name == "lm_head" else 2048
     x, w = _gpu_inputs(big, n, k, seed=rows)
@@ -678,7 +665,7 @@ def test_swapped_dot_compiles_for_sm90(name, silu):
     cfg = GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")
     constants = dict(K=k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BLOCKS_PER_SPLIT=k // 256,
                      EVEN_N=cols % 64 == 0, EVEN_K=True, PARTIALS=True, SILU=silu, INTERPRETED=False, SWAP=True,
-                     PDL=False, PREFETCH_LINES=2, **EPI_OFF)
+                     PDL=False, PREFETCH_LINES=2)
     ptx = _aot_compile(gemv._gemv_dot_kernel, MAIN_SIG, constants, MAIN_ALIGNED, cfg.num_warps,
                        cfg.num_stages).asm["ptx"]
     assert "mma" in ptx

@@ -201,18 +201,29 @@ def test_argument_errors():
 @needs_gpu
 @pytest.mark.parametrize("V", [151936, 248320])
 def test_gpu_real_heads(V):
+    """The real heads' shapes: the pick is the GEMV's argmax on random rows, and on exact ties planted
+    in the head (the winner's row copied a few rows before and after it, the screen rebuilt from the
+    planted head so its int8 copy holds them): the first index, the lower twin, must win; then with
+    every row refined (an infinite bound), each logit the refine's own against the GEMV's."""
     K = 2560
     w = (torch.randn(V, K, device=DEV) * 0.02).to(torch.bfloat16)
     screen = lm_screen.LmScreen(w)
     assert screen.config == gemv.select_config(V, K, False, 1)
-    counts = []
+    counts, ties = [], 0
     for t in range(64):
         x = (torch.randn(1, K, device=DEV) * (0.3 + t / 16)).to(torch.bfloat16)
-        if t % 8 == 7:       # a near-tie at the top: the winner's row again a few rows on
+        if t % 8 == 7:
             top = int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0])
-            w[min(top + 3, V - 1)] = w[top]
+            low, high = max(top - 5, 0), min(top + 3, V - 1)
+            w[low] = w[top]
+            w[high] = w[top]
+            screen = lm_screen.LmScreen(w)
+            want = int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0])
+            assert want == low, "twins of the winner are exact ties: the first one must be the pick"
+            ties += 1
         assert int(screen.argmax(x)[0]) == int(torch.argmax(gemv.linear(x, w).float(), dim=-1)[0]), f"step {t}"
         counts.append(screen.candidates_for(x))
+    assert ties == 8
     screen.c1 = math.inf                 # every row refined: all of its logits against the GEMV's pick
     for t in range(16):
         x = (torch.randn(1, K, device=DEV) * 0.05).to(torch.bfloat16)

@@ -31,11 +31,11 @@ DEV = torch.device("cuda")
 @pytest.mark.parametrize("torch_order", [True, False])
 @pytest.mark.parametrize("rows,n", [(1, 2560), (16, 2560), (7, 1000), (64, 4096), (3, 128), (2, 9000)])
 def test_rmsnorm_and_add_rmsnorm(monkeypatch, rows, n, torch_order):
-    """Both kernels (torch's summation order, the default; Triton's tl.sum, FASTQWEN_TORCH_ORDER_NORM=0)
+    """Both kernels (torch's summation order, the default; Triton's tl.sum, rmsnorm.TORCH_ORDER = False)
     within one bf16 ulp of the reference; rows wider than the torch-order kernel takes use tl.sum.
     The tl.sum kernel's mean may differ from torch's in its last bit; the normalized value then
     moves an ulp before the weight multiplies it and the product rounds again, so its outputs
-    may move two ulps (seen once at 64 x 4096 on the H200, session 8)."""
+    may move two ulps (seen once at 64 x 4096 on the H200)."""
     import fqkernels.rmsnorm as rn
 
     monkeypatch.setattr(rn, "TORCH_ORDER", torch_order)

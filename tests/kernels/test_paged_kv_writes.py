@@ -28,7 +28,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 KERNELS = not (DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)))
-# the kernel tests (@pytest.mark.gpu, selected by the GPU sessions' `-m gpu`, and @needs_kernels):
+# the kernel tests (@pytest.mark.gpu, selected by `-m gpu` on a GPU machine, and @needs_kernels):
 # on a GPU, or under the interpreter; the references' and the argument checks' tests run anywhere
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
 
@@ -359,9 +359,9 @@ def test_fused_qwen35_prologue_is_the_separate_kernels(interpreter_bf16_rounding
     """Qwen3.5's decode prologue in one kernel (rope_kv.qk_norm_partial_rope_store): each head's
     (1 + w) norm, its partial RoPE at the sequence's position, the key and value into the
     caches (rows, or pages through a block table), the same bits as the separate kernels the
-    model ran before (rmsnorm with one_plus on the q and k heads read in place, partial_rope at
-    the positions, rope_store_kv), every other cache entry untouched; early: the position and its
-    RoPE rows read before PDL's wait, the same bits."""
+    model runs where the fused one does not apply (rmsnorm with one_plus on the q and k heads read
+    in place, partial_rope at the positions, rope_store_kv), every other cache entry untouched;
+    early: the position and its RoPE rows read before PDL's wait, the same bits."""
     from fqkernels.rmsnorm import rmsnorm
     from fqkernels.rope_kv import partial_rope, qk_norm_partial_rope_store
 

@@ -21,10 +21,15 @@ needs_compiler = pytest.mark.skipif(gemv._INTERPRETED, reason="the interpreter d
 
 
 def test_off_without_a_gpu_or_when_asked(monkeypatch):
+    """PDL is on only where this Triton and GPU have it; set_enabled(False) (the engine's pdl=False,
+    FASTQWEN_NO_PDL=1) turns it off, and on again only where available."""
     if not torch.cuda.is_available() or gemv._INTERPRETED:
-        assert not pdl.ENABLED and pdl.LAUNCH == {}
-    monkeypatch.setenv("FASTQWEN_NO_PDL", "1")
-    assert pdl._enabled() is False
+        assert not pdl.ENABLED and pdl.LAUNCH == {} and not pdl.available()
+    monkeypatch.setattr(pdl, "ENABLED", pdl.ENABLED)
+    monkeypatch.setattr(pdl, "LAUNCH", pdl.LAUNCH)
+    assert pdl.set_enabled(False) is False and pdl.LAUNCH == {} and pdl.for_rows(1) == (False, {})
+    assert pdl.set_enabled(True) is pdl.available()
+    assert (pdl.LAUNCH == {"launch_pdl": True}) is pdl.available()
 
 
 def _assert_pdl(ptx: str) -> None:
@@ -123,8 +128,8 @@ def test_pdl_only_for_decode_sized_launches(monkeypatch):
 @needs_compiler
 def test_the_small_kernels_trigger_the_next_after_their_wait():
     """pdl.start: the residual norms, the output gate and the gated norm wait for the kernel before,
-    then let the next be scheduled (the other order was measured slower: PERF_LOG, session 26)."""
-    from fqkernels import gdn
+    then let the next be scheduled (the other order was measured slower: docs/PERFORMANCE.md)."""
+    from fqkernels import gdn_norm
 
     base = {"x_ptr": "*bf16", "r_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
             "table_ptr": "*bf16"}
@@ -143,7 +148,7 @@ def test_the_small_kernels_trigger_the_next_after_their_wait():
             _aot_compile(swiglu._sigmoid_gate_mul_kernel, gate_sig, dict(D=256, BLOCK_D=256, INTERPRETED=False,
                                                                          PDL=True), ("x_ptr", "g_ptr", "out_ptr"),
                          1, 1).asm["ptx"],
-            _aot_compile(gdn._gated_rmsnorm_kernel, gated_sig, dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True,
+            _aot_compile(gdn_norm._gated_rmsnorm_kernel, gated_sig, dict(D=128, ROWS=1, VEC=True, HALVES=True, PDL=True,
                                                                     INTERPRETED=False),
                          ("x_ptr", "z_ptr", "out_ptr"), 1, 1).asm["ptx"]]
     for ptx in ptxs:
@@ -153,7 +158,7 @@ def test_the_small_kernels_trigger_the_next_after_their_wait():
 
 def test_early_reads_only_up_to_early_max_rows(monkeypatch):
     """pdl.early: a launch's own flag where given, else the module's EARLY at up to EARLY_MAX_ROWS rows
-    (session 30: the early reads cost the Qwen3-4B's step at 4 and 16 rows)."""
+    (the early reads cost the Qwen3-4B's step at 4 and 16 rows: docs/PERFORMANCE.md)."""
     from fqkernels import pdl
 
     monkeypatch.setattr(pdl, "EARLY", True)

@@ -1,5 +1,5 @@
-"""Qwen3.5's decode step on its triton backend (fq_qwen35: fqkernels.decode_attention and the
-GDN step kernels) against the torch backend (the references, Transformers 5.17's bits on the
+"""Qwen3.5's decode step on the Triton op set (fq_qwen35: fqkernels.decode_attention and the
+GDN step kernels) against the torch op set (the references, Transformers 5.17's bits on the
 CPU: tests/test_engine_qwen35_cpu.py), teacher-forced on the tiny preset past a GDN chunk:
 the prompt pass (its rule and norms on the kernels) and the decode logits and states within
 the kernels' fp32-order noise. Under
@@ -19,7 +19,10 @@ from engine_modules import ENGINE_DIR
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
+import fq_config  # noqa: E402
 import fq_qwen35  # noqa: E402
+import fq_weights  # noqa: E402
+from fq_ops import TorchOps, TritonOps  # noqa: E402
 
 from fastqwen import synth35  # noqa: E402
 
@@ -45,8 +48,14 @@ def tiny(tmp_path_factory):
     # cached decode moves 0.19-0.25 from its full forward, fastqwen/synth35.py).
     path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35k") / "tiny", seed=3, progress=False,
                               init="transformers")
-    cfg = fq_qwen35.Qwen35Config.from_dir(str(path))
-    return cfg, fq_qwen35.load_weights(str(path), cfg, DEV)
+    cfg = fq_config.Qwen35Config.from_dir(str(path))
+    return cfg, fq_weights.load_qwen35_weights(str(path), cfg, DEV, pack=False)
+
+
+def _model(cfg, w, backend: str, exact_decode: bool = True):
+    """A Qwen3.5 model over the torch or the Triton op set (its own copy of the weights dict)."""
+    ops = TritonOps(exact_decode) if backend == "triton" else TorchOps(exact_decode)
+    return fq_qwen35.Qwen35Model(cfg, dict(w), DEV, ops, exact_decode=exact_decode)
 
 
 def _forced(model, seq, n=N):
@@ -65,8 +74,8 @@ def _forced(model, seq, n=N):
 def test_triton_step_tracks_the_reference(tiny):
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
-    ref, conv_ref, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
-    got, conv_got, state_got = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton"), seq)
+    ref, conv_ref, state_ref = _forced(_model(cfg, w, "torch"), seq)
+    got, conv_got, state_got = _forced(_model(cfg, w, "triton"), seq)
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
@@ -80,7 +89,7 @@ def test_triton_step_tracks_the_reference(tiny):
 
 def test_exact_decode_triton_tracks_the_exact_reference(tiny):
     """Exact GDN decode (exact_decode: the full forward's rows, fqkernels.gdn_exact_step) on both
-    backends: the triton one's prompt tail and steps through fused_step, the torch one's through
+    op sets: the Triton one's prompt tail and steps through fused_step, the torch one's through
     the reference's chunked rule (tests/test_gdn_exact_decode_cpu.py: the full forward's bits on
     the CPU); within the same bounds, and the states the caches keep (the chunk's start) too. On
     a GPU the decode crosses a chunk boundary (the close); under the interpreter 6 steps (each
@@ -88,8 +97,8 @@ def test_exact_decode_triton_tracks_the_exact_reference(tiny):
     cfg, w = tiny
     n = N if DEV.type == "cpu" else 70
     seq = torch.randint(0, cfg.vocab_size, (B, S + n), generator=torch.Generator().manual_seed(4)).to(DEV)
-    ref, _, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch", exact_decode=True), seq, n)
-    got, _, state_got = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton", exact_decode=True), seq, n)
+    ref, _, state_ref = _forced(_model(cfg, w, "torch", True), seq, n)
+    got, _, state_got = _forced(_model(cfg, w, "triton", True), seq, n)
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
@@ -98,39 +107,38 @@ def test_exact_decode_triton_tracks_the_exact_reference(tiny):
 
 
 def _all_products_on_the_gemv(model, rows):
-    for name, w in model.w.items():
-        for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items():
-            if name.endswith(suffix):
-                model.ops.use_gemv[(fused, rows) + tuple(w.shape)] = True
+    model.ops.force_gemv(model.decode_products(), rows)
 
 
 @pytest.mark.parametrize("rows", [1, B])
 def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
     """Every decode product through our GEMV (what tune picks where it is faster), at one row
-    in_proj's with the conv and gates in its epilogue (gdn.in_proj_conv_gates_step): the same
+    in_proj's with the conv and gates in its epilogue (gdn_step.in_proj_conv_gates_step): the same
     bounds as on cuBLAS."""
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (rows, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
-    ref, _, state_ref = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    ref, _, state_ref = _forced(_model(cfg, w, "torch"), seq)
+    model = _model(cfg, w, "triton")
     _all_products_on_the_gemv(model, rows)
     assert len(model.ops.use_gemv) >= 6
     calls = []
     real_linear, real_silu = model.ops._gemv.linear, model.ops._gemv.linear_silu_mul
 
     class _Counting:      # the GEMV, counting its calls
-        linear = staticmethod(lambda x, w: calls.append("linear") or real_linear(x, w))
-        linear_silu_mul = staticmethod(lambda x, w: calls.append("silu_mul") or real_silu(x, w))
+        linear = staticmethod(lambda x, w, **kw: calls.append("linear") or real_linear(x, w, **kw))
+        linear_silu_mul = staticmethod(lambda x, w, **kw: calls.append("silu_mul") or real_silu(x, w, **kw))
         select_config = staticmethod(model.ops._gemv.select_config)
 
-    real_fused = fq_qwen35.gdn.in_proj_conv_gates_step
-    monkeypatch.setattr(fq_qwen35.gdn, "in_proj_conv_gates_step",
+    from fqkernels import gdn_step
+
+    real_fused = gdn_step.in_proj_conv_gates_step
+    monkeypatch.setattr(gdn_step, "in_proj_conv_gates_step",
                         lambda *a, **k: calls.append("in_proj_epilogue") or real_fused(*a, **k))
     model.ops._gemv = _Counting
     got, _, state_got = _forced(model, seq)
-    want = {"linear", "silu_mul"} | ({"in_proj_epilogue"} if rows == 1 and fq_qwen35.FUSE_IN_PROJ else set())
+    want = {"linear", "silu_mul"} | ({"in_proj_epilogue"} if rows == 1 else set())
     assert want <= set(calls), "a product kind never went through the GEMV"
-    assert ("in_proj_epilogue" in calls) == (rows == 1 and fq_qwen35.FUSE_IN_PROJ)
+    assert ("in_proj_epilogue" in calls) == (rows == 1)
     diff = (got - ref).abs().max().item()
     spread = ref.std().item()
     assert diff <= 0.02 * spread + 0.07, f"decode logits differ by {diff} (logit spread {spread:.2f})"
@@ -139,7 +147,7 @@ def test_triton_step_on_the_gemv_tracks_the_reference(tiny, monkeypatch, rows):
 
 @pytest.mark.parametrize("on_gemv", [False, True], ids=["cublas", "gemv"])
 def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
-    """The triton backend's q | k | v (one packed matrix): in decode one product whose column
+    """The Triton op set's q | k | v (one packed matrix): in decode one product whose column
     slices are q_proj's, k_proj's and v_proj's outputs: on our GEMV bit for bit (the pack's
     config, given to the separate products too: a column's sum does not depend on the other
     columns), on cuBLAS within a BF16 ulp (another shape may take another kernel); in a prompt
@@ -148,7 +156,7 @@ def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
     from fqkernels import gemv
 
     cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    model = _model(cfg, w, "triton")
     p = f"model.layers.{next(iter(model.attn_slot))}.self_attn."
     packed = model.w[p + "qkv_proj.weight"]
     assert not any(p + f"{n}_proj.weight" in model.w for n in "qkv"), "the originals stay after packing"
@@ -158,7 +166,7 @@ def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
     h = torch.randn(B, 1, cfg.hidden_size, generator=gen).bfloat16().to(DEV)
     rows = h.reshape(B, -1)
     config = gemv.select_config(*packed.shape, False, B)
-    for got, name in zip(model._qkv_proj(p, h), "qkv"):
+    for got, name in zip(model.ops.linear_parts(h, packed, model.qkv_sizes), "qkv"):
         sep = w[p + f"{name}_proj.weight"]
         assert got.shape == (B, 1, sep.shape[0])
         if on_gemv:
@@ -166,31 +174,34 @@ def test_the_packed_qkv_product_is_the_three_products(tiny, on_gemv):
         else:
             want = torch.nn.functional.linear(h, sep).float()
             assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 1e-30).all(), name
-    prompt = torch.randn(B, fq_qwen35._Products.GEMV_MAX_ROWS, cfg.hidden_size, generator=gen).bfloat16().to(DEV)
-    for got, name in zip(model._qkv_proj(p, prompt), "qkv"):
+    prompt = torch.randn(B, TritonOps.GEMV_MAX_ROWS, cfg.hidden_size, generator=gen).bfloat16().to(DEV)
+    for got, name in zip(model.ops.linear_parts(prompt, packed, model.qkv_sizes), "qkv"):
         assert torch.equal(got, torch.nn.functional.linear(prompt, w[p + f"{name}_proj.weight"])), name
 
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="times products on a GPU")
 def test_tune_times_every_decode_product(tiny):
     cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
-    report = model.ops.tune(model.w, B)
-    assert set(report) == {k.rsplit(".", 1)[0] for k in fq_qwen35._DECODE_PRODUCTS}
-    want = {(fused, B) + tuple(w.shape) for name, w in model.w.items()
-            for suffix, fused in fq_qwen35._DECODE_PRODUCTS.items() if name.endswith(suffix)}
+    model = _model(cfg, w, "triton")
+    products = model.decode_products()
+    report = model.ops.tune(products, B)
+    assert set(report) == {p.name for p in products} and len(products) == 7
+    want = {(p.silu, B) + tuple(w.shape) for p in products for w in p.weights}
     assert set(model.ops.use_gemv) == want
     assert all(len(t) == 2 and min(t) > 0 for t in report.values()), report
 
 
 def test_a_wrong_gdn_step_is_caught(tiny, monkeypatch):
-    """The comparison above can fail: a decay applied twice in the kernel path is far off."""
+    """The comparison above can fail: a decay applied twice in the kernel path (the recurrent
+    step's) is far off."""
+    from fqkernels import gdn_step
+
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(4)).to(DEV)
-    ref, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, w, DEV, backend="torch"), seq)
-    real = fq_qwen35.gdn.decode_step
-    monkeypatch.setattr(fq_qwen35.gdn, "decode_step", lambda q, k, v, g, beta, state: real(q, k, v, 2 * g, beta, state))
-    got, _, _ = _forced(fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton"), seq)
+    ref, _, _ = _forced(_model(cfg, w, "torch", False), seq)
+    real = gdn_step.decode_step
+    monkeypatch.setattr(gdn_step, "decode_step", lambda q, k, v, g, beta, state: real(q, k, v, 2 * g, beta, state))
+    got, _, _ = _forced(_model(cfg, w, "triton", False), seq)
     assert (got[:, 1:] - ref[:, 1:]).abs().max().item() > 0.02 * ref[:, 1:].std().item() + 0.07
 
 
@@ -203,7 +214,7 @@ def test_the_step_replays_as_a_graph(tiny, exact):
     seq = torch.randint(0, cfg.vocab_size, (B, S + N), generator=torch.Generator().manual_seed(5)).to(DEV)
     toks = {}
     for graph in (False, True):
-        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton", exact_decode=exact)
+        model = _model(cfg, w, "triton", exact)
         model.ensure_rope(S + N)
         model.allocate_cache(B, S + N)
         with torch.inference_mode():
@@ -225,7 +236,7 @@ def test_the_prompt_pass_replays_as_a_graph(tiny):
     from fq_decode import PrefillGraph
 
     cfg, w = tiny
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    model = _model(cfg, w, "triton")
     model.ensure_rope(S + N)
     model.allocate_cache(B, S + N)
     gen = torch.Generator().manual_seed(6)
@@ -249,7 +260,7 @@ def test_the_prompt_pass_replays_as_a_graph(tiny):
 
 
 def test_the_prompt_mlp_in_row_slices_is_the_whole_one(tiny, monkeypatch):
-    """The triton backend's prompt pass runs its MLP over row slices past MLP_ROWS tokens (the
+    """The Triton op set's prompt pass runs its MLP over row slices past MLP_ROWS tokens (the
     activations' bound): the same logits as unsliced within the products' rounding (a slice's
     product may pick another kernel for its row count), the same greedy tokens."""
     cfg, w = tiny
@@ -257,8 +268,8 @@ def test_the_prompt_mlp_in_row_slices_is_the_whole_one(tiny, monkeypatch):
     out = {}
     for rows in (None, 50):                        # 2 x 70 = 140 prompt rows: three slices of <= 50
         if rows:
-            monkeypatch.setattr(fq_qwen35, "MLP_ROWS", rows)
-        model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+            monkeypatch.setattr(TritonOps, "MLP_ROWS", rows)
+        model = _model(cfg, w, "triton")
         model.ensure_rope(S)
         model.allocate_cache(B, S)
         with torch.inference_mode():
@@ -269,13 +280,13 @@ def test_the_prompt_mlp_in_row_slices_is_the_whole_one(tiny, monkeypatch):
 
 
 def test_triton_prompt_in_chunks_tracks_the_whole_prompt(tiny):
-    """The triton backend's prompt pass continued from cached states (prefill_logits with start:
+    """The Triton op set's prompt pass continued from cached states (prefill_logits with start:
     the conv and the chunked rule from the rows' states, the attention over the cached keys):
     a 70-token prompt as 64 + 6 gives the last logits and the states of the whole pass within
     the kernels' fp32-order noise, and the same argmax."""
     cfg, w = tiny
     seq = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(5)).to(DEV)
-    model = fq_qwen35.Qwen35Model(cfg, dict(w), DEV, backend="triton")
+    model = _model(cfg, w, "triton")
     model.ensure_rope(S + 1)
     model.allocate_cache(B, S + 1)
     with torch.inference_mode():

@@ -1,8 +1,9 @@
 """The order the RMSNorm kernel sums its squares in (fqkernels/rmsnorm.py, module doc):
 the pure-torch emulation against an independent scalar loop of ATen's reduce kernel,
 always; the Triton kernel against the emulation bit for bit under the CPU interpreter
-(Triton >= 3.4), the torch-order kernel (the default). On a GPU, tests/kernels/test_norm_rope_swiglu.py checks that torch's
-own mean equals the emulation and that the kernels give the reference's bits."""
+(Triton >= 3.4), the torch-order kernel (the default). On a GPU,
+tests/kernels/test_norm_rope_swiglu.py checks that torch's own mean equals the emulation and that
+the kernels give the reference's bits."""
 from __future__ import annotations
 
 import os
@@ -121,7 +122,7 @@ def test_kernel_mean_of_squares_is_the_emulation_interpreted(interpreter_bf16_ro
                     reason="needs TRITON_INTERPRET=1 and Triton >= 3.4 (Triton 3.1's interpreter is broken)")
 @pytest.mark.parametrize("rows,n", [(5, 2560), (3, 1000), (2, 9000)])
 def test_tl_sum_kernel_interpreted(interpreter_bf16_rounding, monkeypatch, rows, n):
-    """FASTQWEN_TORCH_ORDER_NORM=0's kernel (and rows wider than the torch-order kernel takes):
+    """The tl.sum kernel (rmsnorm.TORCH_ORDER = False, and rows wider than the torch-order kernel takes):
     the residual stream exact, the output within one bf16 ulp of the reference (another
     summation order moves the mean by an ulp or so, which rarely moves an output)."""
     monkeypatch.setattr(rn, "TORCH_ORDER", n > rn.TORCH_ORDER_MAX_N)

@@ -24,7 +24,7 @@ from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference  # noq
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-# the kernel tests: selected by the GPU sessions' `-m gpu`, and run under the interpreter too
+# the kernel tests: selected by `-m gpu` on a GPU machine, and run under the interpreter too
 needs_kernels = pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
                                    reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
 

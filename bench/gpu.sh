@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU machine's side of a measurement call: installs the carried wheels, records the commit, then
+# runs its arguments in order, each a named stage or a shell command, everything written under $OUT.
+#
+#   bash bench/gpu.sh STAGE|COMMAND ...
+#   e.g. bash bench/gpu.sh kernels "python3 -m bench gemv --out \$OUT/bench_gemv.json" judge-public
+#
+# The machine gets a copy of the working tree without .git: write `git rev-parse HEAD > .commit` first.
+# Carried wheels (each folder named in the call's carry where needed; pip download them for Python 3.12):
+#   .whl        the judge's Qwen3 reference: transformers 4.51.3, tokenizers 0.21.1, huggingface_hub 0.30.2
+#   .whl_serve  the server's libraries (FastAPI, uvicorn, prometheus-client and their needs), for `bench serve`
+#   .whl_fla    flash-linear-attention (fla-core, einops), for a GDN comparison against fla
+# Stages:
+#   kernels           the GPU kernel and engine tests (pytest -m gpu) -> pytest_gpu.log
+#   judge-public      the judge, official, the public workloads, synthetic Qwen3-4B -> judge_public.json/.png
+#   judge-public-q35  the same on a synthetic Qwen3.5-4B -> judge_public_q35.json/.png
+#   judge-ab, judge-ab-q35  the same with an earlier engine folder as a third, never-gated side in the
+#                     same run (--baseline .base/engine: carry .base, made here with
+#                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
+#   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
+#   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
+#   fidelity-q35      the same on a synthetic Qwen3.5-4B -> fidelity_qwen35.json
+# Any other argument runs as a command (bash -c), e.g. a `python3 -m bench ENTRY ... --out $OUT/FILE.json`.
+# $OUT brings back at most 8 files, 2 folders deep; this script's own log is gpu.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+install() {   # FOLDER TARGET: FOLDER's wheels into TARGET, once per machine
+  [ -d "$1" ] || return 0
+  [ -f "$2/.done" ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl \
+    && touch "$2/.done"
+}
+checkpoint() {   # PRESET -> its synthetic checkpoint's folder, made on the GPU once per machine (as bench does)
+  python3 -c "import sys; from bench.runner import resolve_model; print(resolve_model(sys.argv[1]))" "$1"
+}
+q35_site() {   # the machine's own Transformers 5.x: the Qwen3.5 reference's environment (fastqwen/refenv.py)
+  PYTHONPATH= python3 -c "import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))"
+}
+judge() {   # NAME MODEL_DIR: the judge, official (5 samples, every gate), on the public workloads
+  [ -n "$2" ] || { echo "gpu.sh: no checkpoint for judge_$1"; return 1; }
+  timeout 560 python3 -m fastqwen.cli judge --engine engine --official --workloads public --model "$2" \
+    --out "$OUT/judge_$1.json" --chart "$OUT/judge_$1.png" 2>&1 | tail -60
+}
+
+judge_ab() {   # NAME MODEL_DIR: judge() with .base/engine as the baseline side (the before/after A/B)
+  [ -d .base/engine ] || { echo "gpu.sh: judge-ab needs an earlier engine/ in .base/engine (carry .base)"; return 1; }
+  [ -n "$2" ] || { echo "gpu.sh: no checkpoint for judge_ab_$1"; return 1; }
+  timeout 590 python3 -m fastqwen.cli judge --engine engine --baseline .base/engine --official --workloads public \
+    --model "$2" --out "$OUT/judge_ab_$1.json" --chart "$OUT/judge_ab_$1.png" 2>&1 | tail -60
+}
+
+main() {
+  install .whl /tmp/site && install .whl_serve /tmp/serve_site && install .whl_fla /tmp/fla_site \
+    || { echo "gpu.sh: the carried wheels did not install"; return 1; }
+  # The machine's own Transformers is 5.x; the judge's Qwen3 reference needs the carried 4.51.3 first on
+  # the path (a bare `python3 -m fastqwen.cli judge` there replays native on the wrong version).
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  # Off the path: only the server's processes (bench/serve.py) and an fla arm load these.
+  export BENCH_SERVE_SITE=/tmp/serve_site BENCH_FLA_SITE=/tmp/fla_site
+  # The judge's reports and bench's headers read the commit from here (no .git on this machine).
+  export FASTQWEN_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+  echo "commit $FASTQWEN_COMMIT; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
+  for stage in "$@"; do
+    echo "== $stage $(date -u +%T)"
+    case $stage in
+      kernels) timeout 540 python3 -m pytest -q -rf --tb=line -m gpu tests/kernels tests/test_engine_gpu.py 2>&1 \
+                 | tail -40 > "$OUT/pytest_gpu.log"
+               cat "$OUT/pytest_gpu.log" ;;
+      judge-public) judge public "$(checkpoint qwen3-4b)" ;;
+      judge-public-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge public_q35 "$(checkpoint qwen3.5-4b)" ;;
+      judge-ab) judge_ab public "$(checkpoint qwen3-4b)" ;;
+      judge-ab-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge_ab public_q35 "$(checkpoint qwen3.5-4b)" ;;
+      gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
+      fidelity) timeout 560 python3 -m bench fidelity --model qwen3-4b --out "$OUT/fidelity_qwen3.json" ;;
+      fidelity-q35) FASTQWEN_QWEN35_SITE=$(q35_site) timeout 560 python3 -m bench fidelity --model qwen3.5-4b \
+                      --out "$OUT/fidelity_qwen35.json" ;;
+      *) bash -c "$stage" ;;
+    esac
+  done
+}
+
+# Piped through tee, not `exec > >(tee)`: the log is whole when the call returns.
+main "$@" 2>&1 | tee -a "$OUT/gpu.log"
