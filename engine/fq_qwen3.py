@@ -127,25 +127,27 @@ class Qwen3Model:
         Writes K/V for positions [0, S) of every sequence."""
         return self.ops.argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None
-                       ) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None,
+                       all_positions: bool = False) -> torch.Tensor:
         """BF16 logits [B, vocab] of the last prompt position; fills the cache like prefill,
         in cache rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
         [start, start + S) of sequences whose first `start` positions those rows already hold
         (a prompt prefilled in chunks): their queries attend to the cached keys as well.
-        snapshot: None (Qwen3's whole state is its K/V; Qwen3.5's model keeps snapshots)."""
+        snapshot: None (Qwen3's whole state is its K/V; Qwen3.5's model keeps snapshots). all_positions:
+        the logits of every position, [B, S, vocab] (a prompt's own log-likelihood: a server's echo)."""
         if snapshot is not None:
             raise ValueError("prefill_logits: a Qwen3 model keeps no state snapshots (its K/V is its whole state)")
         B, S = ids.shape
         group = max(1, PREFILL_TOKENS // (start + S))
-        return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0, start) for b0 in range(0, B, group)])
+        return torch.cat([self._prefill_group(ids[b0:b0 + group], row + b0, start, all_positions)
+                          for b0 in range(0, B, group)])
 
-    def _prefill_group(self, ids: torch.Tensor, b0: int, start: int = 0) -> torch.Tensor:
+    def _prefill_group(self, ids: torch.Tensor, b0: int, start: int = 0, all_positions: bool = False) -> torch.Tensor:
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         nb, S = ids.shape
         positions = torch.full((nb,), start, dtype=torch.int32, device=self.device)
         x, h = ops.embed_rmsnorm(ids.reshape(-1), self.w.embed, self.w.layers[0].input_norm, eps)
-        last = len(self.w.layers) - 1
+        last = len(self.w.layers) - 1 if not all_positions else -1     # -1: no layer narrows to the last rows
         paged = self.block_table is not None
         for i, layer in enumerate(self.w.layers):
             if paged and not start:   # the prompt's K/V in rows of their own, then into the rows' pages
@@ -181,7 +183,8 @@ class Qwen3Model:
             h = ops.linear_add_rmsnorm(attn, layer.o, x, layer.post_norm, eps)
             del attn
             h = self._prefill_mlp(h, layer, x, self._next_norm(i))
-        return ops.linear(h, self.w.lm_head)
+        logits = ops.linear(h, self.w.lm_head)
+        return logits.view(nb, S, -1) if all_positions else logits
 
     def _prefill_mlp(self, h: torch.Tensor, layer, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """x <- x + down(SwiGLU(gate_up(h))) in place; returns RMSNorm(x) * norm. Rows are

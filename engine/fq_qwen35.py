@@ -209,8 +209,8 @@ class Qwen35Model:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.argmax(self.prefill_logits(ids))
 
-    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None
-                       ) -> torch.Tensor:
+    def prefill_logits(self, ids: torch.Tensor, row: int = 0, start: int = 0, snapshot: tuple | None = None,
+                       all_positions: bool = False) -> torch.Tensor:
         """Last-position BF16 logits [B, vocab] of fresh prompts ids [B, S]; fills every cache
         in rows [row, row + B) (a slot's own row: fq_slots). start > 0: ids are positions
         [start, start + S) of sequences whose first `start` positions those rows already hold
@@ -218,7 +218,8 @@ class Qwen35Model:
         states, the attention layers' queries see the cached keys too. snapshot (position,
         indices): each sequence's GDN states after `position` are also kept as snapshot
         indices[b] (allocate_snapshots; a list, or an int64 tensor on the device), position - start
-        a multiple of snapshot_granule in (0, S): the states the pass has there anyway."""
+        a multiple of snapshot_granule in (0, S): the states the pass has there anyway. all_positions:
+        the logits of every position, [B, S, vocab] (a prompt's own log-likelihood: a server's echo)."""
         B, S = ids.shape
         if snapshot is not None:
             at, indices = snapshot
@@ -235,7 +236,7 @@ class Qwen35Model:
         cos, sin = self.cos[None, start:start + S], self.sin[None, start:start + S]     # [1, S, r]
         try:
             h = self._layers(ids, lambda i, h: self._gdn_prompt(i, h, rows, start),
-                             lambda i, h: self._attention_prompt(i, h, cos, sin, rows, start))
+                             lambda i, h: self._attention_prompt(i, h, cos, sin, rows, start), all_positions)
         finally:
             self._capture = None
         return self._logits(h)
@@ -257,11 +258,11 @@ class Qwen35Model:
         return self._layers(tokens[:, None], lambda i, h: self._gdn_step(i, h, positions),
                             lambda i, h: self._attention_step(i, h, positions, lengths))
 
-    def _layers(self, ids: torch.Tensor, gdn, attention) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, gdn, attention, all_positions: bool = False) -> torch.Tensor:
         """Every decoder layer over the embeddings of ids [B, T]: the mixer (gdn(i, h) or
         attention(i, h)), then the MLP, each residual add and the norm after it one op (the
         embedding lookup and the first norm too). Returns the final norm's output at each
-        sequence's last position, [B, hidden]."""
+        sequence's last position, [B, hidden] (all_positions: at every position, [B, T, hidden])."""
         ops, eps, L = self.ops, self.cfg.rms_norm_eps, self.cfg.num_layers
         ln = lambda i, kind: self.w[f"model.layers.{i}.{kind}.weight"]  # noqa: E731
         table = self.w["model.embed_tokens.weight"]
@@ -277,7 +278,7 @@ class Qwen35Model:
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
             mlp = ops.mlp(h, self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"])
             h = ops.add_rmsnorm(x, mlp.reshape(x.shape), nxt, eps, one_plus=True).view(shape)
-        return h[:, -1]
+        return h if all_positions else h[:, -1]
 
     # ---- pieces ----------------------------------------------------------------------
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -443,14 +443,17 @@ class Slots:
         position's logits [vocab]. reserve: as admit_group's."""
         return self.admit_group([key], [prompt], None if reserve is None else [reserve])[0]
 
-    def admit_group(self, keys: list, prompts: list, reserve: list | None = None) -> torch.Tensor:
+    def admit_group(self, keys: list, prompts: list, reserve: list | None = None,
+                    all_positions: bool = False) -> torch.Tensor:
         """Prefill prompts of one length together (one prompt pass, as Engine.generate's) into
         the next free rows; returns their last positions' logits [len(keys), vocab]. reserve:
         the positions each request may hold, prompt included (None: max_len each; more than
         max_len counts as max_len); room() counts against it, and in the paged form the
-        request takes the pages for it now."""
+        request takes the pages for it now. all_positions: the logits of every prompt position,
+        [len(keys), length, vocab] (a prompt's own log-likelihood); the pass is then one eager pass
+        over the whole prompts (nothing shared, no snapshot)."""
         reserve = self._check_new(keys, prompts, reserve)
-        if self.use_graphs and len(keys) == 1 and self._staged is None:
+        if self.use_graphs and len(keys) == 1 and self._staged is None and not all_positions:
             # One prompt with graphs (a GPU): through the staging row as one chunk of all its rest
             # after its shared prefix (begin, prefill_next), so its pass is that (length, start)'s
             # ChunkGraph from the shape's second pass on (_chunk_pass), a prefix hit's rest too;
@@ -465,12 +468,13 @@ class Slots:
             return logits[None]
         length = len(prompts[0])
         row = len(self.keys)
-        taken = [self._take_pages(row + j, r, p) for j, (r, p) in enumerate(zip(reserve, prompts))]
+        taken = [self._take_pages(row + j, r, p, share=not all_positions) for j, (r, p) in enumerate(zip(reserve, prompts))]
         pages = [t[0] for t in taken]
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
         # where each prompt's pass keeps a state snapshot (Qwen3.5; 0: none), taken after every
         # shared prefix's snapshot is back in its row (_take_pages: a new one may reuse an old one's room)
-        points = [self.pool.snapshot_point(prompt, start) for prompt, (_, start) in zip(prompts, taken)]
+        points = [0 if all_positions else self.pool.snapshot_point(prompt, start)
+                  for prompt, (_, start) in zip(prompts, taken)]
         if len(set(points)) > 1 and not any(t[1] for t in taken):
             # one pass takes one position's snapshots: where the prompts' (one length) last whole
             # pages end, for all of them
@@ -489,8 +493,8 @@ class Slots:
         try:
             with torch.inference_mode():
                 if not any(t[1] for t in taken):     # nothing shared: one prompt pass (one length: one point)
-                    logits = self.model.prefill_logits(ids, row=row,
-                                                       snapshot=(points[0], snaps) if points[0] else None)
+                    logits = self.model.prefill_logits(ids, row=row, snapshot=(points[0], snaps) if points[0] else None,
+                                                       all_positions=all_positions)
                 else:                                # each prompt's rest after its shared prefix
                     logits = torch.cat([self.model.prefill_logits(
                         ids[j:j + 1, start:], row=row + j, start=start,
@@ -540,13 +544,13 @@ class Slots:
             raise SlotError(f"{need} KV pages needed for {len(keys)} request(s), {self.free_pages} free")
         return reserve
 
-    def _take_pages(self, row: int, reserve: int, prompt: list) -> tuple:
+    def _take_pages(self, row: int, reserve: int, prompt: list, share: bool = True) -> tuple:
         """The pages for `reserve` positions, into row's block table (paged form; else none): the
-        kept pages of the prompt's shared prefix first, and with snapshots the prefix's GDN states
-        put into the row. Returns (pages, prompt positions shared)."""
+        kept pages of the prompt's shared prefix first (unless not `share`), and with snapshots the
+        prefix's GDN states put into the row. Returns (pages, prompt positions shared)."""
         if self.page_size is None:
             return [], 0
-        shared = self.pool.lookup(prompt)
+        shared = self.pool.lookup(prompt) if share else []
         if shared and self.pool.snapshots:
             with torch.inference_mode():
                 self.model.load_snapshot(self.pool.snapshot_of(shared[-1]), row)

@@ -613,3 +613,36 @@ def test_plan_slots_and_the_slots_counters(qwen3):
     stats = slots.stats()
     assert slots.running == ("a", "b") and stats["running"] == 2 and stats["kv_usage"] > 0
     assert stats["prefix_hit_tokens"] == 64 and stats["last_pass"] in ("group", "eager")
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen35"])
+def test_a_prompt_admitted_with_every_positions_logits(model, request):
+    """admit_group(all_positions=True), a prompt's own log-likelihood (a server's echo): the logits
+    of every prompt position, [G, length, vocab], each row within rounding of a pass over that
+    prefix alone and with its argmax; the last row the plain admission's logits; nothing shared
+    even where a kept prefix matches (its positions' logits are needed); then the request decodes
+    the tokens it gets alone."""
+    engine = request.getfixturevalue(model)
+    vocab = 4096 if model == "qwen3" else 1024
+    prompt = _prompt(70, 91, vocab)
+    alone = [s[0] for s in engine.generate([prompt], 4)]
+    slots = engine.slots(2, 256, page_size=64)
+    plain = slots.admit("p", prompt, reserve=80)
+    slots.retire("p")
+    hits = slots.stats()["prefix_hit_tokens"]
+    every = slots.admit_group(["e"], [prompt], [80], all_positions=True)
+    assert every.shape == (1, 70, vocab)
+    assert slots.stats()["prefix_hit_tokens"] == hits, "an echo admission shared a kept prefix"
+    last = (every[0, -1].float() - plain.float()).abs().max().item()
+    assert last <= 0.02 * plain.float().std().item() + 0.07 and int(every[0, -1].argmax()) == int(plain.argmax())
+    for t in (0, 9, 40, 63, 64):
+        with torch.inference_mode():
+            ref = engine.model.prefill_logits(torch.tensor([prompt[:t + 1]]), row=1)[0].float()
+        diff = (every[0, t].float() - ref).abs().max().item()
+        assert diff <= 0.02 * ref.std().item() + 0.07, (t, diff)
+        assert int(every[0, t].argmax()) == int(ref.argmax()), t
+    out = [int(every[0, -1].argmax())]
+    while len(out) < 4:
+        out.append(int(slots.step({"e": out[-1]})["e"].argmax()))
+    assert out == alone
+    slots.retire("e")
