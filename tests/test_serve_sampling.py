@@ -28,10 +28,53 @@ def test_defaults_and_openai_names():
     ({"n": 2}, "n must be 1"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
     ({"logprobs": 3}, "logprobs is not supported"),
+    ({"seed": 2**63}, "seed must be <= 9223372036854775807, got 9223372036854775808"),
+    ({"seed": -2**63 - 1}, "seed must be >= -9223372036854775808"),
+    ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"n": True}, "n must be an integer, got true"),
+    ({"max_tokens": 8.0}, "max_tokens must be an integer, got 8.0"),
+    ({"temperature": True}, "temperature must be a number, got true"),
+    ({"temperature": float("nan")}, "temperature must be finite"),
+    ({"top_k": 10**30}, None),
+    ({"stop": ["a", 5]}, "stop must be a string or a list of strings"),
+    ({"stop": [""]}, "stop takes at most 4 non-empty strings"),
+    ({"ignore_eos": "yes"}, 'ignore_eos must be true or false, got "yes"'),
+    ({"echo": True}, "echo is not supported"),
 ])
 def test_bad_parameters_are_named(body, match):
-    with pytest.raises(SamplingError, match=match):
+    """Each bad value is a SamplingError naming the parameter (its `param`) and the value as JSON."""
+    if match is None:          # a value within the checks: taken as it is
         SamplingParams.from_request(body, max_model_len=4096)
+        return
+    with pytest.raises(SamplingError, match=match) as info:
+        SamplingParams.from_request(body, max_model_len=4096)
+    assert info.value.param == next(iter(body))
+
+
+def test_seeds_take_the_whole_signed_64_bit_range():
+    """OpenAI's and vLLM's range for seed; each end makes a generator, and seeds repeat their draws."""
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0))
+    for seed in (-2**63, -1, 0, 2**63 - 1):
+        p = SamplingParams.from_request({"seed": seed, "temperature": 1.0})
+        draws = [sample(logits, [p], [make_generator(p, torch.device("cpu"), None)]).item() for _ in range(2)]
+        assert p.seed == seed and draws[0] == draws[1]
+
+
+def test_neutral_values_of_unsupported_parameters_pass():
+    """What clients send by default for parameters the server does not implement is accepted."""
+    SamplingParams.from_request({"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None,
+                                 "echo": False, "best_of": 1, "n": 1, "suffix": None, "top_logprobs": 0})
+
+
+def test_show_is_bounded_json():
+    from fastqwen.serve.sampling import show
+
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert show(True) == "true" and show("no") == '"no"' and show("a\ud800") == '"a\\ud800"'
+    assert show(list(range(10**6))).endswith('"..."]') and len(show("x" * 10**7)) <= 83
+    assert show(deep) == '[[[["..."]]]]'
 
 
 def _gens(n, seed=0):
@@ -75,6 +118,23 @@ def test_draws_follow_the_softmax():
     # a low temperature sharpens: the top token's share grows
     cold = sample(logits, [SamplingParams(temperature=0.25)] * 4000, _gens(4000, 5000))
     assert (cold == 0).float().mean() > 0.9
+
+
+def test_a_row_whose_generator_fails_leaves_the_others_exact():
+    """sample(failed=...): a row whose own draw raises is reported there; the other rows draw
+    exactly what they draw without it (their generators advance the same)."""
+    logits = torch.randn(4, 200, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3, 4)] + [SamplingParams(temperature=0.0)]
+    logits = torch.cat([logits, logits[:1]])
+    want = sample(logits, params, _gens(5))
+    gens = _gens(5)
+    gens[2] = object()                               # not a generator: its row's draw raises
+    failed = {}
+    got = sample(logits, params, gens, failed=failed)
+    assert list(failed) == [2] and isinstance(failed[2], TypeError)
+    assert got[[0, 1, 3, 4]].tolist() == want[[0, 1, 3, 4]].tolist()
+    with pytest.raises(TypeError):
+        sample(logits, params, gens)
 
 
 def test_rows_of_one_call_keep_their_own_parameters():

@@ -96,3 +96,73 @@ def test_special_tokens_are_not_in_the_text(folder):
     det = codec.detokenizer()
     out = "".join(det.push(i) for i in codec.encode("hi<|im_end|>")) + det.flush()
     assert out == "hi"
+
+
+def test_no_token_stands_for_more_characters_than_the_longest(folder):
+    """TextCodec.longest_token bounds every token's text, so a text of more than n times it has
+    more than n tokens (the server's check before tokenizing)."""
+    codec = TextCodec(folder)
+    assert all(len(codec.decode([i], skip_special_tokens=False)) <= codec.longest_token
+               for i in range(codec.vocab_size))
+    text = "Words of every length, ünïcödé, 中文, spaces    and <|im_end|> too. " * 50
+    assert len(codec.encode(text)) >= len(text) / codec.longest_token
+
+
+def _whole_decode_reference(codec, ids, stop):
+    """The detokenizer as it was, decoding the whole output every token (with its hold-back
+    clamped at the text's start: it sliced from the end when the longest stop string was
+    longer than the text, and streamed the start of a stop string): (text, stopped)."""
+    text, hold = "", max((len(s) for s in stop), default=1) - 1
+    for n in range(1, len(ids) + 1):
+        full = codec.decode(ids[:n])
+        cuts = [at for s in stop if (at := full.find(s, max(0, len(text) - len(s) + 1))) != -1]
+        if cuts:
+            return full[:min(cuts)] if full[:min(cuts)].startswith(text) else text, True
+        full = full.rstrip("\ufffd")
+        upto = full[:max(0, len(full) - hold)]
+        if len(upto) > len(text) and upto.startswith(text):
+            text = upto
+    full = codec.decode(ids)
+    return (full if full.startswith(text) else text), False
+
+
+def test_incremental_text_is_the_whole_decodes(folder):
+    """The incremental detokenizer gives what decoding the whole output every token gave, on 400
+    seeded random sequences (bytes that split characters, special tokens, stop strings cut from
+    the text itself or absent)."""
+    import random
+
+    codec = TextCodec(folder)
+    rng = random.Random(11)
+    for _ in range(400):
+        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randint(1, 60))]
+        whole, stop = codec.decode(ids), ()
+        if whole and rng.random() < 0.5:                 # a stop string cut from the text itself
+            at = rng.randrange(len(whole))
+            stop = (whole[at:at + rng.randint(1, 4)],)
+        if rng.random() < 0.3:
+            stop += ("never-there",)
+        # (U+FFFD in a stop string never matches: a partial character is not matched until it completes)
+        stop = tuple(s for s in stop if "\ufffd" not in s)
+        det = codec.detokenizer(stop)
+        pieces = []
+        for i in ids:
+            pieces.append(det.push(i))
+            if det.stopped:
+                break
+        pieces.append(det.flush())
+        assert ("".join(pieces), det.stopped) == _whole_decode_reference(codec, ids, stop), (ids, stop)
+
+
+def test_a_stop_string_longer_than_the_text_so_far_holds_it_all(folder):
+    """A stop string longer than the text so far holds the whole text back: the start of a stop
+    string that then completes is never streamed."""
+    codec = TextCodec(folder)
+    ids = codec.encode(",nsnnttasps dde")
+    det = codec.detokenizer(stop=("tasp", "never-there"))
+    pieces = []
+    for i in ids:
+        pieces.append(det.push(i))
+        if det.stopped:
+            break
+    assert det.stopped and "".join(pieces) == ",nsnnt" and not any("ta" in p for p in pieces)

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Qwen3.5 with --block-size a multiple of 64: how many snapshots of the GDN layers' "
                         "states to keep for shared prefixes (each one sequence's states, ~52 MB on the 4B; "
                         "default 8; 0: Qwen3.5 prompts share nothing)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                        help="the largest request body taken, in bytes (default 8 MiB); a larger one is answered "
+                        "413 before it is read")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM or SIGINT: seconds the requests in flight may run on while new ones get "
+                        "503; those still running then end with an error and their usage so far (default 30)")
 
 
 def default_model() -> pathlib.Path:
@@ -61,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{str(folder)!r} has no tokenizer.json (fastqwen synth writes one)")
     for name, value, lo in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
                             ("--max-waiting", args.max_waiting, 1), ("--block-size", args.block_size, 0),
-                            ("--prefill-chunk", args.prefill_chunk, 0), ("--state-snapshots", args.state_snapshots, 0)):
+                            ("--prefill-chunk", args.prefill_chunk, 0), ("--state-snapshots", args.state_snapshots, 0),
+                            ("--max-request-bytes", args.max_request_bytes, 1),
+                            ("--drain-timeout", args.drain_timeout, 0)):
         if value is not None and value < lo:
             raise UserError(f"{name} must be >= {lo}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -73,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
               args.served_model_name, args.max_waiting, args.block_size or None, args.prefill_chunk or None,
-              not args.no_prefix_sharing, args.state_snapshots)
+              not args.no_prefix_sharing, args.state_snapshots, max_request_bytes=args.max_request_bytes,
+              drain_timeout=args.drain_timeout)
     except ValueError as exc:       # a size that cannot fit (the slots' KV rows, the engine's limits)
         raise UserError(str(exc)) from None
     return 0

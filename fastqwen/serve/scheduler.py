@@ -6,6 +6,13 @@ left in its slot. Events go back to each request's asyncio queue on the server's
 
 A request the client abandons (`cancel`) leaves its slot at the next step.
 
+Failures are kept to the request they belong to: a request whose own work raises (its
+detokenizer, its stop checks, its sampling row, its event delivery) ends alone with an error
+event, and the others go on with exactly the tokens they get alone. Only a failing engine call
+(a prompt pass, a step, a retirement: one computation shared by every running request) ends
+every request in flight. `abort_all` (the server's shutdown) ends every request with an error
+event and its tokens so far.
+
 With `prefill_chunk` at most that many prompt tokens are prefilled between two decode steps
 while others run: a longer prompt is prefilled in chunks of that many tokens, one chunk between
 two steps (fq_slots.Slots.begin / prefill_next), and shorter prompts of one length go in whole
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -35,6 +43,8 @@ import torch
 
 from fastqwen.serve.sampling import SamplingParams, make_generator, sample
 
+log = logging.getLogger("fastqwen.serve")
+
 
 class QueueFull(RuntimeError):
     """More requests waiting than the server takes (the HTTP side answers 429)."""
@@ -42,14 +52,17 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class Event:
-    """What a request gets: new text and token ids, and at the end its finish reason."""
+    """What a request gets: new text and token ids, and at the end its finish reason
+    ("error": `error` says why and `status` is the HTTP status it stands for, 500 a failure,
+    503 the server shutting down)."""
     text: str = ""
     token_ids: list = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    status: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)                      # compared and hashed as itself
 class Request:
     prompt: list
     params: SamplingParams
@@ -110,6 +123,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._stop = False
+        self._abort: str | None = None               # abort_all's message, until the loop has ended them
         self.thread = threading.Thread(target=self._loop, name="fastqwen-scheduler", daemon=True)
         self.thread.start()
 
@@ -131,6 +145,17 @@ class Scheduler:
         req.cancelled = True
         self._wake.set()
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight or waiting with an error event (status 503) and the tokens
+        it has had (the server shutting down); from any thread."""
+        self._abort = message
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        """No request running, staged or waiting."""
+        return not self.running and self.num_waiting == 0
+
     def close(self) -> None:
         self._stop = True
         self._wake.set()
@@ -148,17 +173,24 @@ class Scheduler:
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
+            busy = False
             try:
+                if self._abort is not None:
+                    message, self._abort = self._abort, None
+                    self._fail_all(message, status=503, waiting=True)
                 busy = self._admit() | self._step()
-            except Exception as exc:  # noqa: BLE001 - the requests in flight end with the error; the loop goes on
-                self._fail_all(f"{type(exc).__name__}: {exc}")
-                busy = False
-            if self.metrics is not None:
-                self.metrics.gauges(len(self.running), self.num_waiting, self.kv_usage)
-                hits = self.slots.stats()["prefix_hit_tokens"]
-                if hits > self._hit_tokens:
-                    self.metrics.prefix_hits(hits - self._hit_tokens)
-                    self._hit_tokens = hits
+            except Exception as exc:  # noqa: BLE001 - an engine call: the requests in flight end with the error
+                log.exception("the engine failed; every request in flight ends with the error")
+                self._fail_all(f"{type(exc).__name__}: {exc}"[:300])
+            try:
+                if self.metrics is not None:
+                    self.metrics.gauges(len(self.running), self.num_waiting, self.kv_usage)
+                    hits = self.slots.stats()["prefix_hit_tokens"]
+                    if hits > self._hit_tokens:
+                        self.metrics.prefix_hits(hits - self._hit_tokens)
+                        self._hit_tokens = hits
+            except Exception:  # noqa: BLE001 - the metrics never stop the loop
+                log.exception("updating the metrics failed")
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -180,7 +212,8 @@ class Scheduler:
             if not self.slots.fits([self._reserve(first)]):
                 return False           # it waits for pages (paged cache)
             self._held.remove(first)
-            self._prepare(first)
+            if not self._prepare(first):
+                return True
             self.slots.begin(first.id, first.prompt, self._reserve(first))
             self._staged = first
             return self._prefill_staged()
@@ -195,21 +228,28 @@ class Scheduler:
             group.append(req)
         if not group:                  # the first waits for pages (paged cache)
             return False
-        for req in group:
-            self._prepare(req)
+        for req in list(group):
+            if not self._prepare(req):
+                self._held.remove(req)
+                group.remove(req)
+        if not group:
+            return True
         row = len(self.slots.running)
         began = time.monotonic()
         logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
                                         [self._reserve(r) for r in group])
         for req in group:
             self._held.remove(req)
-        firsts = sample(logits, [r.params for r in group], [r.generator for r in group])
+            self.running[req.id] = req
+        firsts, failed = self._sample(logits, group)
         self._tokens[row:row + len(group)].copy_(firsts)
         tokens = firsts.tolist()
         self._pass_done(began)
         for req, tok in zip(group, tokens):
-            self.running[req.id] = req
-            self._emit(req, tok)
+            if req in failed:
+                self._fail(req, failed[req])
+            else:
+                self._emit(req, tok)
         return True
 
     def _pass_done(self, began: float) -> None:
@@ -218,10 +258,30 @@ class Scheduler:
         if self.metrics is not None and last_pass is not None:
             self.metrics.pass_done(last_pass, time.monotonic() - began)
 
-    def _prepare(self, req: Request) -> None:
-        """What a request needs once it has a slot: its detokenizer and its sampling generator."""
-        req.detok = self.codec.detokenizer(req.params.stop)
-        req.generator = make_generator(req.params, self.device, self.server_generator)
+    def _prepare(self, req: Request) -> bool:
+        """What a request needs once it has a slot: its detokenizer and its sampling generator.
+        False: that failed, and the request has ended with the error (it never took its slot)."""
+        try:
+            req.detok = self.codec.detokenizer(req.params.stop)
+            req.generator = make_generator(req.params, self.device, self.server_generator)
+        except Exception as exc:  # noqa: BLE001 - this request's own parameters: it ends alone
+            self._fail(req, exc)
+            return False
+        return True
+
+    def _sample(self, logits, reqs: list) -> tuple:
+        """Each row's token (sampling.sample) and {request: exception} for the rows whose own
+        draw failed (their tokens meaningless; the other rows' draws are as without them)."""
+        failed = {}
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], failed=failed)
+        return tokens, {reqs[row]: exc for row, exc in failed.items()}
+
+    def _fail(self, req: Request, exc, status: int = 500) -> None:
+        """One request's own failure: it ends alone with an error event (its slot freed)."""
+        message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, str):
+            log.error("request %d failed alone: %s", req.id, message, exc_info=exc)
+        self._finish(req, "error", message[:300], status)
 
     def _prefill_staged(self) -> bool:
         """The staged request's next chunk; after its last it runs, its first token sampled and sent."""
@@ -238,12 +298,15 @@ class Scheduler:
             return True
         self._staged = None
         row = len(self.slots.running) - 1
-        first = sample(logits[None], [req.params], [req.generator])
+        self.running[req.id] = req
+        first, failed = self._sample(logits[None], [req])
         self._tokens[row:row + 1].copy_(first)
         token = int(first[0])
         self._pass_done(began)
-        self.running[req.id] = req
-        self._emit(req, token)
+        if failed:
+            self._fail(req, failed[req])
+        else:
+            self._emit(req, token)
         return True
 
     def _step(self) -> bool:
@@ -273,7 +336,7 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         n = len(ids)
         logits = self.slots.step_rows(self._tokens[:n])
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens, failed = self._sample(logits, reqs)
         self._tokens[:n].copy_(tokens)
         host, self._turn = self._host[self._turn], 1 - self._turn
         host[:n].copy_(tokens, non_blocking=True)
@@ -281,6 +344,8 @@ class Scheduler:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
+        for req, exc in failed.items():      # their rows' tokens are never handed out (not running)
+            self._fail(req, exc)
         return ids, host, event
 
     def _hand_out(self, pending: tuple, ahead: set) -> None:
@@ -305,20 +370,24 @@ class Scheduler:
             req.latencies.append(now - req.last_token)
         req.last_token = now
         req.output.append(token)
-        finish = None
-        if token in self.codec.stop_token_ids and not req.params.ignore_eos:
-            text, finish = req.detok.flush(), "stop"
-        else:
-            text = req.detok.push(token)
-            if req.detok.stopped:
-                finish = "stop"
-            elif len(req.output) >= req.params.max_tokens or self.slots.room(req.id) + ahead <= 0:
-                text, finish = text + req.detok.flush(), "length"
-        req.send(Event(text=text, token_ids=[token]))
+        try:
+            finish = None
+            if token in self.codec.stop_token_ids and not req.params.ignore_eos:
+                text, finish = req.detok.flush(), "stop"
+            else:
+                text = req.detok.push(token)
+                if req.detok.stopped:
+                    finish = "stop"
+                elif len(req.output) >= req.params.max_tokens or self.slots.room(req.id) + ahead <= 0:
+                    text, finish = text + req.detok.flush(), "length"
+            req.send(Event(text=text, token_ids=[token]))
+        except Exception as exc:  # noqa: BLE001 - this request's text or delivery: it ends alone
+            self._fail(req, exc)
+            return
         if finish is not None:
             self._finish(req, finish)
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None, status: int | None = None) -> None:
         if self.running.get(req.id) is req:
             del self.running[req.id]
             moved = self.slots.retire(req.id)
@@ -326,18 +395,40 @@ class Scheduler:
                 last, row = moved
                 self._tokens[row].copy_(self._tokens[last])
         req.finish_reason = reason
-        if self.metrics is not None:
-            self.metrics.finished(req)
-        req.send(Event(finish_reason=reason, error=error))
+        try:
+            if self.metrics is not None:
+                self.metrics.finished(req)
+        except Exception:  # noqa: BLE001 - the metrics never keep a request from ending
+            log.exception("counting request %d failed", req.id)
+        try:
+            req.send(Event(finish_reason=reason, error=error, status=status if reason == "error" else None))
+        except Exception:  # noqa: BLE001 - its listener is gone: nothing more to tell it
+            log.exception("ending request %d: its event could not be delivered", req.id)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500, waiting: bool = False) -> None:
+        """Every request in flight ends with an error event (an engine call failed, or the
+        server shuts down); waiting: those queued for a slot too."""
         self._pending = None
-        for req in list(self.running.values()):
-            self._finish(req, "error", message)
-        if self._staged is not None:                  # a prompt whose chunked prefill failed
-            req, self._staged = self._staged, None
-            self.slots.retire(req.id)
-            self._finish(req, "error", message)
-        for req in [r for r in self._held if r.detok is not None]:    # a group whose prompt pass failed
+        ended = list(self.running.values())
+        if self._staged is not None:                  # a prompt being prefilled in chunks
+            ended.append(self._staged)
+        # a group whose prompt pass failed (prepared, not running), or with `waiting` every one queued
+        while waiting and not self.waiting.empty():
+            self._held.append(self.waiting.get())
+        held = [r for r in self._held if waiting or r.detok is not None]
+        for req in held:
             self._held.remove(req)
-            self._finish(req, "error", message)
+        for req in ended + held:
+            try:
+                if req is self._staged:
+                    self._staged = None
+                    self.slots.retire(req.id)
+                self._finish(req, "error", message, status)
+            except Exception:  # noqa: BLE001 - its slot could not be freed; it ends all the same
+                log.exception("retiring request %d failed", req.id)
+                self.running.pop(req.id, None)
+                req.finish_reason = "error"
+                try:
+                    req.send(Event(finish_reason="error", error=message, status=status))
+                except Exception:  # noqa: BLE001 - nobody to tell
+                    pass

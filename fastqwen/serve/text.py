@@ -65,6 +65,10 @@ class TextCodec:
             raise FileNotFoundError(f"{folder}: no tokenizer.json (fastqwen synth writes one; a released "
                                     "checkpoint carries its own)")
         self.tokenizer = Tokenizer.from_file(str(path))
+        # The most characters one token stands for (a byte-level vocabulary writes one symbol a
+        # byte, and a character is at least a byte): a text of more than n times this has more
+        # than n tokens, which the server checks before tokenizing it.
+        self.longest_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.chat_template = config.get("chat_template")
@@ -91,8 +95,9 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text as the model reads it (special tokens written in it are recognized;
-        no BOS is added: Qwen's tokenizers add none)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        no BOS is added: Qwen's tokenizers add none). The batch form without character offsets:
+        the same ids, in less time and memory."""
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -130,40 +135,60 @@ class TextCodec:
 class Detokenizer:
     """One request's output text, token by token: push(id) returns the text that is final so
     far (never half a UTF-8 character, never what could still turn out to start a stop
-    string); `stopped` once a stop string appeared, the text then ending before it."""
+    string); `stopped` once a stop string appeared, the text then ending before it.
+
+    Each push decodes only the tokens since the text last ended in a whole character, with the
+    piece before them (vLLM's incremental detokenizing: a tokenizer's decoding of a token may
+    depend on the one before), so the 4,000th token costs what the first did; decoding the
+    whole output every token cost 0.9 ms a token at 4,000 tokens, on the thread every request's
+    step waits for."""
 
     def __init__(self, codec: TextCodec, stop: tuple = ()):
         self.codec, self.stop = codec, tuple(stop)
         self.ids: list[int] = []
-        self.text = ""          # emitted so far
+        self.text = ""          # emitted so far: a prefix of _full
         self.stopped = False
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._full = ""         # the text of ids[:_read], whole characters
+        self._prefix = self._read = 0     # ids[_prefix:_read]: the tokens of _full's last piece
+
+    def _advance(self, final: bool) -> None:
+        """The text of the tokens past _read onto _full, once it ends in a whole character
+        (final: as it is)."""
+        if self._read == len(self.ids):
+            return
+        before = self.codec.decode(self.ids[self._prefix:self._read])
+        after = self.codec.decode(self.ids[self._prefix:])
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self._full += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""
         self.ids.append(int(token_id))
-        full = self.codec.decode(self.ids)
+        self._advance(final=False)
         cut = None
         for s in self.stop:
-            at = full.find(s, max(0, len(self.text) - len(s) + 1))
+            at = self._full.find(s, max(0, len(self.text) - len(s) + 1))
             if at != -1 and (cut is None or at < cut):
                 cut = at
         if cut is not None:
             self.stopped = True
-            return self._emit(full[:cut])
-        full = full.rstrip("\ufffd")        # a character whose bytes are not all here yet
-        return self._emit(full[:len(full) - self._hold] if self._hold else full)
+            return self._emit(cut)
+        return self._emit(len(self._full) - self._hold)
 
     def flush(self) -> str:
         """At the end: what push held back (a possible stop-string start, a partial character)."""
         if self.stopped:
             return ""
-        return self._emit(self.codec.decode(self.ids))
+        self._advance(final=True)
+        return self._emit(len(self._full))
 
-    def _emit(self, upto: str) -> str:
-        if len(upto) <= len(self.text) or not upto.startswith(self.text):
+    def _emit(self, upto: int) -> str:
+        """_full's text up to `upto` not emitted yet."""
+        if upto <= len(self.text):
             return ""
-        new = upto[len(self.text):]
-        self.text = upto
+        new = self._full[len(self.text):upto]
+        self.text += new
         return new
