@@ -12,7 +12,7 @@ export PIP_NO_CACHE_DIR=1
 free_gb() { df -Pk . | awk 'NR == 2 {printf "%.1f", $4 / 1048576}'; }
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformers, fastqwen, fastapi, uvicorn, \
-    prometheus_client, openai, httpx, lm_eval, tenacity" >/dev/null 2>&1; then
+    prometheus_client, openai, httpx, lm_eval, tenacity, llguidance" >/dev/null 2>&1; then
   echo "setting up .venv (torch 2.5.1 brings several GB of CUDA libraries; a few minutes;" \
        "$(free_gb) GB free here, ~7 GB needed)" >&2
   "$PY" -m venv .venv
@@ -21,7 +21,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformer
       tokenizers==0.21.1 numpy pytest matplotlib
   # the serving front (fastqwen serve) and its tests: the OpenAI client drives it
   .venv/bin/python -m pip install -q fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 \
-      httpx==0.28.1 openai==3.57.0 jinja2==3.1.6
+      httpx==0.28.1 openai==3.57.0 jinja2==3.1.6 llguidance==1.9.1
   # lm-evaluation-harness over HTTP (its API models); datasets and the hub kept where
   # Transformers 4.51.3 works (huggingface-hub < 1)
   .venv/bin/python -m pip install -q "lm-eval[api]==0.4.13" datasets==3.6.0 "fsspec[http]==2025.3.0" \
