@@ -12,11 +12,13 @@ ChatML with Qwen's special tokens.
   the vocabulary is full (training all 151,643 of the 4B's takes 20 s, 248,294 for Qwen3.5
   47 s; this takes about a second). The same vocabulary size gives the same tokenizer byte
   for byte.
-- Special tokens: Qwen's 26 (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ... `</think>`),
-  in Qwen's order. Where the config's bos_token_id leaves room below the vocabulary size,
-  they start there (Qwen3-4B: 151,643-151,668, Qwen's own ids); otherwise they take the top
-  26 ids, with `<|endoftext|>` on the config's bos id and `<|im_end|>` on its eos id when
-  those lie in that block (the tiny preset: 4094 and 4095).
+- Special tokens: Qwen's 26 added tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...
+  `</think>`), in Qwen's order, flagged `special` as Qwen's are (the tool-call, thinking and
+  code-completion tags are not: decoding without special tokens keeps them). Where the config's
+  bos_token_id leaves room below the vocabulary size, they start there (Qwen3-4B:
+  151,643-151,668, Qwen's own ids); otherwise they take the top 26 ids, with `<|endoftext|>`
+  on the config's bos id and `<|im_end|>` on its eos id when those lie in that block (the tiny
+  preset: 4094 and 4095).
 - The regular tokens fill every id below the special tokens; ids above them (Qwen3-4B's
   unused embedding rows past 151,668) decode to nothing, as a released tokenizer does.
 """
@@ -33,6 +35,13 @@ SPECIAL_TOKENS = (
     "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
     "</tool_response>", "<think>", "</think>",
 )
+# The added tokens Qwen's released tokenizers mark `special: false` (tokenizer.json and
+# tokenizer_config.json): text the model writes and a reader parses (tool calls, thinking, code
+# completion markers), which decoding with skip_special_tokens keeps.
+NOT_SPECIAL = frozenset((
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+))
 # Qwen2's pre-tokenizer split (contractions, letters, single digits, punctuation runs, newlines, spaces).
 SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -136,7 +145,11 @@ def build(vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | 
         if tok.get_vocab_size(with_added_tokens=True) != idx:   # ids in a block are consecutive
             raise RuntimeError(f"special token {name} would get id {tok.get_vocab_size(with_added_tokens=True)}, "
                                f"not {idx}")
-        tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+        token = AddedToken(name, special=name not in NOT_SPECIAL, normalized=False)
+        if token.special:
+            tok.add_special_tokens([token])
+        else:
+            tok.add_tokens([token])
     return tok
 
 
@@ -161,7 +174,7 @@ def write(out_dir: str | pathlib.Path, vocab_size: int, bos_token_id: int | None
         "split_special_tokens": False,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True}
+                                          "single_word": False, "special": t not in NOT_SPECIAL}
                                  for t, i in sorted(specials.items(), key=lambda kv: kv[1])},
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

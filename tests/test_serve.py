@@ -186,25 +186,36 @@ def test_bench_serve_measures_every_request(server, tmp_path):
     assert main(["bench-serve", "--url", server[1], "--prefix-len", "-1", "--no-progress"]) == 2
 
 
-def test_lm_eval_runs_a_local_task_against_the_server(server, tmp_path, tiny_model):
-    """lm-evaluation-harness's local-completions model on the server: a committed jsonl task
-    (tests/fixtures/lmeval), generation scored by exact match; every document answered."""
+def test_lm_eval_runs_local_tasks_against_the_server(server, tmp_path, tiny_model, monkeypatch):
+    """lm-evaluation-harness's local-completions model on the server, from another working
+    directory (the tasks find their data beside their yaml), with the checkpoint's own tokenizer
+    (no hub): a multiple-choice task (log-likelihoods: completions with echo and logprobs) and a
+    generation task (tests/fixtures/lmeval); every document answered. Each choice's score is the
+    sum of its tokens' log-probabilities, which the server's echo gives."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    src = __import__("pathlib").Path(__file__).parent / "fixtures" / "lmeval"
-    data = tmp_path / "fastqwen_local.jsonl"
-    data.write_text((src / "fastqwen_local.jsonl").read_text())
-    (tmp_path / "fastqwen_local.yaml").write_text(
-        (src / "fastqwen_local.yaml").read_text().replace("test: fastqwen_local.jsonl", f"test: {data}"))
-    args = (f"model=tiny,base_url={server[1]}/v1/completions,tokenizer_backend=None,tokenized_requests=False,"
+    fixtures = __import__("pathlib").Path(__file__).resolve().parent / "fixtures" / "lmeval"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = (f"model=tiny,base_url={server[1]}/v1/completions,tokenizer={tiny_model},tokenizer_backend=huggingface,"
             "num_concurrent=4,max_retries=1")
-    results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["fastqwen_local"],
-                                      task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
-    task = results["results"]["fastqwen_local"]
-    assert 0.0 <= task["exact_match,none"] <= 1.0
-    samples = results["samples"]["fastqwen_local"]
-    assert len(samples) == 6 and all(isinstance(s["resps"][0][0], str) for s in samples)
+    results = lm_eval.simple_evaluate(model="local-completions", model_args=args,
+                                      tasks=["fastqwen_choice", "fastqwen_local"],
+                                      task_manager=TaskManager(include_path=str(fixtures)), log_samples=True)
+    assert 0.0 <= results["results"]["fastqwen_local"]["exact_match,none"] <= 1.0
+    assert 0.0 <= results["results"]["fastqwen_choice"]["acc,none"] <= 1.0
+    generated = results["samples"]["fastqwen_local"]
+    assert len(generated) == 6 and all(isinstance(s["resps"][0][0], str) for s in generated)
+    scored = results["samples"]["fastqwen_choice"]
+    assert len(scored) == 6 and all(len(s["resps"]) == 3 for s in scored)
+    doc = scored[0]
+    context = server[0].codec.encode(f"Q: {doc['doc']['question']}\nA:")
+    answer = server[0].codec.encode(" " + doc["doc"]["choices"][0])
+    echo = httpx.post(server[1] + "/v1/completions", json={"prompt": context + answer, "max_tokens": 1,
+                                                            "logprobs": 1, "echo": True, "temperature": 0}).json()
+    own = sum(echo["choices"][0]["logprobs"]["token_logprobs"][len(context):len(context) + len(answer)])
+    assert abs(doc["resps"][0][0][0] - own) < 1e-4
 
 
 def _metric(url, name, **labels):

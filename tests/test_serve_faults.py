@@ -251,8 +251,14 @@ FUZZED = {"model": ["tiny"], "prompt": ["x", [1, 2, 3], ["hey"], [[5, 6]]], "max
           "max_completion_tokens": [2, None], "temperature": [0, 0.5, 1.7], "top_p": [0.1, 1], "top_k": [-1, 0, 5],
           "seed": [0, -1, 2**63 - 1, -2**63], "stop": ["a", ["\n", "zz"], []], "stream": [True, False],
           "stream_options": [None, {"include_usage": True}], "n": [1], "ignore_eos": [True, False],
-          "presence_penalty": [0], "logit_bias": [{}], "logprobs": [None, 0], "echo": [False], "suffix": [None],
-          "best_of": [1], "user": ["someone"],
+          "presence_penalty": [0], "logit_bias": [{}], "logprobs": [None, 0, 3, True], "top_logprobs": [0, 2],
+          "echo": [False, True], "suffix": [None], "best_of": [1], "user": ["someone"],
+          "response_format": [{"type": "json_object"}, {"type": "text"},
+                              {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}],
+          "tools": [[{"type": "function", "function": {"name": "f", "parameters": {
+              "type": "object", "properties": {"x": {"type": "integer"}}}}}]],
+          "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
+          "parallel_tool_calls": [True, False],
           "messages": [[{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]}
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from fastqwen.serve import logprobs
@@ -23,6 +24,41 @@ def test_rows_are_log_softmax_with_the_greedy_token_the_maximum():
     sampled = torch.tensor([3, 4, 5])
     assert [lp for lp, _ in logprobs.rows(logits, sampled, top=0)] == [want[r, t].item() for r, t in enumerate([3, 4, 5])]
     assert all(top == [] for _, top in logprobs.rows(logits, sampled, top=0))
+
+
+@pytest.mark.parametrize("top", [1, 2, 7])
+def test_the_top_tokens_are_a_stable_sorts_with_many_ties(top):
+    """device_rows' top tokens are a stable descending sort's (value desc, lower id first on
+    ties), on bf16 logits (many ties), on rows masked to a few tokens (the rest -inf, fewer than
+    `top` finite) and on an all-equal row; their values the log_softmax's."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, 300, generator=g) * 2).to(torch.bfloat16).float()
+    logits[1] = torch.randint(0, 3, (300,), generator=g).float()         # three values only
+    logits[2] = float("-inf")
+    logits[2, [250, 7, 99]] = torch.tensor([1.0, 1.0, 0.5])               # a masked row
+    logits[3] = 0.0
+    tokens = logits.argmax(-1)
+    chosen, ids, values = logprobs.device_rows(logits, tokens, top)
+    want = torch.log_softmax(logits, -1)
+    order = torch.sort(want, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, order.indices[:, :top]) and torch.equal(values, order.values[:, :top])
+    assert torch.equal(chosen, want.gather(1, tokens[:, None])[:, 0])
+    assert torch.equal(ids[:, 0], tokens)                                 # the greedy token leads
+
+
+def test_rows_each_keep_their_own_count():
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(6))
+    out = logprobs.host_rows(*logprobs.device_rows(logits, logits.argmax(-1), 4), tops=[1, 4])
+    assert [len(top) for _, top in out] == [1, 4]
+
+
+def test_a_long_prompt_is_scored_in_pieces():
+    """prompt_rows over more rows than it takes at once equals one pass over them all."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 50, (logprobs.PROMPT_ROWS_AT_ONCE * 2 + 5,), generator=g).tolist()
+    logits = torch.randn(len(prompt), 50, generator=g)
+    out = logprobs.prompt_rows(logits, prompt, top=2)
+    assert out[0] is None and out[1:] == logprobs.rows(logits[:-1], torch.tensor(prompt[1:]), 2)
 
 
 def test_minus_infinity_is_floored_for_json():
@@ -58,7 +94,7 @@ def test_the_two_shapes():
     text_of = {1: "a", 2: "bc", 3: "d"}.__getitem__
     out = logprobs.completion_logprobs(text_of, [3, 1, 2], entries)
     assert out == {"tokens": ["d", "a", "bc"], "token_logprobs": [None, -0.5, -2.0],
-                   "top_logprobs": [None, {"a": -0.5, "bc": -1.5}, {"a": -0.1}], "text_offset": [0, 1, 2]}
+                   "top_logprobs": [None, {"a": -0.5, "bc": -1.5}, {"a": -0.1, "bc": -2.0}], "text_offset": [0, 1, 2]}
 
     class Text:
         bytes_of = staticmethod(lambda t: {1: b"a", 2: b"\xe6"}[t])

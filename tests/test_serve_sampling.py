@@ -27,7 +27,10 @@ def test_defaults_and_openai_names():
     ({"stop": 5}, "stop must be a string or a list"),
     ({"n": 2}, "n must be 1"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
-    ({"logprobs": 3}, "logprobs is not supported"),
+    ({"logprobs": 21}, "logprobs must be <= 20"),
+    ({"logprobs": True}, "logprobs must be an integer, got true"),
+    ({"echo": "yes"}, 'echo must be true or false, got "yes"'),
+    ({"top_logprobs": 2}, "top_logprobs is not supported"),
     ({"seed": 2**63}, "seed must be <= 9223372036854775807, got 9223372036854775808"),
     ({"seed": -2**63 - 1}, "seed must be >= -9223372036854775808"),
     ({"seed": 1.5}, "seed must be an integer, got 1.5"),
@@ -39,7 +42,6 @@ def test_defaults_and_openai_names():
     ({"stop": ["a", 5]}, "stop must be a string or a list of strings"),
     ({"stop": [""]}, "stop takes at most 4 non-empty strings"),
     ({"ignore_eos": "yes"}, 'ignore_eos must be true or false, got "yes"'),
-    ({"echo": True}, "echo is not supported"),
 ])
 def test_bad_parameters_are_named(body, match):
     """Each bad value is a SamplingError naming the parameter (its `param`) and the value as JSON."""
@@ -49,6 +51,33 @@ def test_bad_parameters_are_named(body, match):
     with pytest.raises(SamplingError, match=match) as info:
         SamplingParams.from_request(body, max_model_len=4096)
     assert info.value.param == next(iter(body))
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"logprobs": 3}, "logprobs must be true or false, got 3"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be <= 20"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs must be >= 0"),
+    ({"top_logprobs": 2}, r"top_logprobs \(2\) needs logprobs set to true"),
+    ({"echo": True}, "echo is not supported"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+])
+def test_bad_chat_logprobs_are_named(body, match):
+    with pytest.raises(SamplingError, match=match) as info:
+        SamplingParams.from_request(body, max_model_len=4096, chat=True)
+    assert info.value.param == ("top_logprobs" if "top_logprobs" in body else next(iter(body)))
+
+
+def test_logprobs_of_each_endpoint():
+    """Chat: logprobs a boolean, top_logprobs the alternatives; completions: logprobs the
+    alternatives, echo the prompt first (max_tokens 0 only with it)."""
+    chat = SamplingParams.from_request({"logprobs": True, "top_logprobs": 3}, chat=True)
+    assert (chat.logprobs, chat.echo, chat.prompt_logprobs) == (3, False, False)
+    assert SamplingParams.from_request({"logprobs": True}, chat=True).logprobs == 0
+    assert SamplingParams.from_request({"logprobs": False, "top_logprobs": 0}, chat=True).logprobs is None
+    legacy = SamplingParams.from_request({"logprobs": 2, "echo": True, "max_tokens": 0})
+    assert (legacy.logprobs, legacy.echo, legacy.prompt_logprobs, legacy.max_tokens) == (2, True, True, 0)
+    assert not SamplingParams.from_request({"echo": True}).prompt_logprobs
+    assert SamplingParams.from_request({}).logprobs is None
 
 
 def test_seeds_take_the_whole_signed_64_bit_range():
@@ -64,6 +93,7 @@ def test_neutral_values_of_unsupported_parameters_pass():
     """What clients send by default for parameters the server does not implement is accepted."""
     SamplingParams.from_request({"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None,
                                  "echo": False, "best_of": 1, "n": 1, "suffix": None, "top_logprobs": 0})
+    SamplingParams.from_request({"echo": False, "logprobs": False, "top_logprobs": 0}, chat=True)
 
 
 def test_show_is_bounded_json():

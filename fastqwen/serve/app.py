@@ -5,6 +5,12 @@ POST /v1/chat/completions (messages through the checkpoint's chat template), bot
 `stream`; GET /metrics (Prometheus). Each choice carries the generated `token_ids` besides
 the text, so a client can check them.
 
+Beyond sampling: log-probabilities in OpenAI's shapes (chat `logprobs` / `top_logprobs`,
+completions `logprobs` and `echo`: logprobs.py), structured output (`response_format` on both
+endpoints: grammar.py) and tools (chat `tools`, `tool_choice`, `parallel_tool_calls`: tools.py,
+Qwen's <tool_call> format parsed into OpenAI `tool_calls`, streamed as `delta.tool_calls`). A
+parameter the server does not implement is a 400 naming it unless its value asks for nothing.
+
 Every error is OpenAI's shape, {"error": {"message", "type", "param", "code"}}, FastAPI's own
 404 / 405 included: 400 a bad request (every parameter is checked into a typed value before the
 scheduler sees it), 404 another model's name or path, 405 a wrong method, 408 a body that does
@@ -34,8 +40,11 @@ import threading
 import time
 import uuid
 
+from fastqwen.serve.grammar import GrammarError, response_format_spec
+from fastqwen.serve.logprobs import chat_logprobs, completion_logprobs
 from fastqwen.serve.sampling import Fields, SamplingError, SamplingParams, show
 from fastqwen.serve.text import TextError
+from fastqwen.serve.tools import ToolError, ToolStream, parse_tool_calls, prepare_messages, tools_from_request
 
 log = logging.getLogger("fastqwen.serve")
 
@@ -49,6 +58,12 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # free pages go back to the system after it (malloc_trim): tokenizing a long text leaves tens
 # of MB free but held in each thread's heap that did it (docs/SERVING.md).
 LARGE_BODY_BYTES = 256 * 2**10
+# An echo with logprobs has the logits of every prompt position (bf16, prompt x vocab) at once:
+# a prompt longer than this many bytes of them is refused (1 GiB: 3,533 tokens of Qwen3's
+# 151,936-token vocabulary, 2,165 of Qwen3.5's 248,320; any tiny preset's context).
+ECHO_LOGITS_BYTES = 2**30
+# Request fields of chat alone (tools), refused on /v1/completions rather than ignored.
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                408: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 499: "invalid_request_error", 500: "server_error",
@@ -104,16 +119,19 @@ class Server:
                  served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0,
                  memory_fraction: float | None = None, block_size: int | None = None,
                  prefill_chunk: int | None = None, share_prefixes: bool = True,
-                 state_snapshots: int | None = None):
+                 state_snapshots: int | None = None, max_echo_tokens: int | None = None):
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
         row of max_model_len positions per slot. prefill_chunk: the most prompt tokens prefilled
         between two decode steps while requests run, a longer prompt in chunks of it
         (scheduler.py); None or 0: whole prompts.
         share_prefixes: with block_size, prompts that start alike share those pages (Qwen3.5: with
         block_size a multiple of 64, through state_snapshots of its GDN states, None: fq_slots'
-        default)."""
+        default). max_echo_tokens: the longest prompt an echo with logprobs takes (None: as many
+        as ECHO_LOGITS_BYTES of its logits hold)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from fastqwen.serve.grammar import Grammars
+        from fastqwen.serve.logprobs import TokenText
         from fastqwen.serve.metrics import Metrics
         from fastqwen.serve.scheduler import Scheduler
         from fastqwen.serve.text import TextCodec
@@ -127,6 +145,18 @@ class Server:
         # A token never covers more characters than the longest one in the vocabulary, so a text
         # longer than this has at least max_model_len tokens: refused before it is tokenized.
         self.max_prompt_chars = self.max_model_len * self.codec.longest_token
+        vocab = int(self.engine.cfg.vocab_size)
+        self.max_echo_tokens = min(self.max_model_len - 1, max_echo_tokens or max(1, ECHO_LOGITS_BYTES // (2 * vocab)))
+        self.token_text = TokenText(self.codec.tokenizer)
+        # the grammar library's view of the tokenizer, built here (the loading thread), not at a
+        # request; a tokenizer it cannot take leaves structured output refused with the reason
+        try:
+            self.grammars, self.grammar_error = Grammars.for_codec(self.codec, vocab).prepare(), None
+        except ImportError as exc:
+            self.grammars, self.grammar_error = None, (f"structured output and tool_choice need llguidance ({exc}): "
+                                                       "pip install 'fastqwen[serve]'")
+        except (ValueError, RuntimeError) as exc:
+            self.grammars, self.grammar_error = None, str(exc)
         plan = self.engine.plan_slots(self.max_model_len, max_slots=max_batch, page_size=block_size or None,
                                       share_prefixes=share_prefixes, state_snapshots=state_snapshots,
                                       memory_fraction=memory_fraction)
@@ -135,7 +165,7 @@ class Server:
         self.scheduler = Scheduler(self.engine, self.codec, self.max_batch, self.max_model_len, max_waiting, seed,
                                    self.metrics, block_size=self.block_size, num_blocks=self.num_blocks,
                                    prefill_chunk=prefill_chunk, share_prefixes=share_prefixes,
-                                   state_snapshots=state_snapshots)
+                                   state_snapshots=state_snapshots, grammars=self.grammars)
         # tokenizing and chat templates, off the event loop (tokenizers releases the GIL while it
         # works); large inputs one at a time in a thread of their own
         self.text_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -162,9 +192,10 @@ class Server:
         except SamplingError as exc:
             raise ApiError(400, str(exc), exc.param) from None
 
-    def _params(self, body: dict) -> SamplingParams:
+    def _params(self, body: dict, chat: bool) -> SamplingParams:
         try:
-            params = SamplingParams.from_request(body, default_max_tokens=16, max_model_len=self.max_model_len)
+            params = SamplingParams.from_request(body, default_max_tokens=16, max_model_len=self.max_model_len,
+                                                 chat=chat)
         except SamplingError as exc:
             raise ApiError(400, str(exc), exc.param) from None
         for stop in params.stop:
@@ -180,6 +211,52 @@ class Server:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
         include_usage = self._fields(options or {}, lambda f: f.boolean("include_usage", False), "stream_options.")
         return stream, include_usage
+
+    def _structure(self, body: dict, chat: bool) -> tuple:
+        """(the chat request's tools.ToolSet or None, the grammar.GrammarSpec its output must
+        follow or None): response_format, or a tool_choice that forces a call."""
+        if not chat:
+            for name in CHAT_ONLY:
+                if body.get(name) is not None:
+                    raise ApiError(400, f"{name} is only supported on /v1/chat/completions", name)
+        try:
+            toolset = tools_from_request(body) if chat else None
+            spec = response_format_spec(body.get("response_format"))
+        except (GrammarError, ToolError) as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+        forced = toolset.grammar_spec() if toolset is not None else None
+        if forced is not None and spec is not None:
+            raise ApiError(400, "response_format cannot be used with a tool_choice that forces a tool call "
+                           f"({show(body.get('tool_choice'))}): the output is the call", "response_format")
+        return toolset, spec or forced
+
+    def _compile(self, spec):
+        """spec's compiled grammar (in the text pool: a new schema takes milliseconds), None for
+        none; a schema the grammar library refuses is a 400 naming the parameter it came from."""
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ApiError(400, f"{spec.param.split('.')[0]} is not supported with this checkpoint's tokenizer: "
+                           f"{self.grammar_error}", spec.param)
+        try:
+            return self.grammars.compile(spec)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+
+    def completion_request(self, body: dict, spec) -> tuple:
+        """(the prompt's token ids, its compiled grammar or None), in the text pool."""
+        return self.completion_prompt(body), self._compile(spec)
+
+    def chat_request(self, body: dict, toolset, spec) -> tuple:
+        """(the messages' token ids, the compiled grammar or None), in the text pool."""
+        return self.chat_prompt(body, toolset), self._compile(spec)
+
+    def echo_text(self, body: dict, ids: list) -> str:
+        """The prompt as an echo gives it back: its text as sent, or its token ids decoded."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else self.codec.decode(ids, skip_special_tokens=False)
 
     def completion_prompt(self, body: dict) -> list:
         """The prompt's token ids (in the text pool: it may tokenize)."""
@@ -202,8 +279,10 @@ class Server:
                            f"got {show(prompt)}", "prompt")
         return self._check_ids(ids, "prompt")
 
-    def chat_prompt(self, body: dict) -> list:
-        """The messages through the chat template, as token ids (in the text pool)."""
+    def chat_prompt(self, body: dict, toolset=None) -> list:
+        """The messages through the chat template, as token ids (in the text pool); with the
+        tools of `toolset` (tools.py) in the prompt, and assistant tool calls and tool results
+        written as the template expects."""
         messages = body.get("messages")
         if isinstance(messages, list):
             chars = 0
@@ -218,7 +297,11 @@ class Server:
             if chars > self.max_prompt_chars:
                 raise self._too_long("messages", f"{chars} characters")
         try:
-            text = self.codec.render_chat(messages, add_generation_prompt=True)
+            messages, render_kwargs = prepare_messages(messages, toolset, self.codec.chat_template)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+        try:
+            text = self.codec.render_chat(messages, add_generation_prompt=True, **render_kwargs)
         except TextError as exc:
             raise ApiError(400, str(exc), "messages") from None
         if len(text) > self.max_prompt_chars:
@@ -241,13 +324,13 @@ class Server:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param)
         return ids
 
-    def submit(self, ids: list, params: SamplingParams) -> "Handle":
+    def submit(self, ids: list, params: SamplingParams, grammar=None) -> "Handle":
         from fastqwen.serve.scheduler import QueueFull
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
-            req = self.scheduler.submit(ids, params, loop, events)
+            req = self.scheduler.submit(ids, params, loop, events, grammar=grammar)
         except QueueFull as exc:
             self.metrics.reject(429)
             raise ApiError(429, f"the server is busy: {exc}; retry later") from None
@@ -495,7 +578,7 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
     async def models():
         srv = state.server
         return {"object": "list", "data": [{"id": srv.name, "object": "model", "created": srv.created,
-                                            "owned_by": "fastqwen", "root": srv.model_dir,
+                                            "owned_by": "fastqwen", "root": str(pathlib.Path(srv.model_dir).resolve()),
                                             "max_model_len": srv.max_model_len,
                                             "vocab_size": int(srv.engine.cfg.vocab_size)}]}
 
@@ -510,12 +593,19 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
         body = await body_of(request)
         srv._check_model(body)
         stream, usage_in_stream = srv._stream_options(body)
-        params = srv._params(body)
-        prompt = srv.chat_prompt if chat else srv.completion_prompt
+        params = srv._params(body, chat)
+        toolset, spec = srv._structure(body, chat)
         pool = srv.large_pool if request.state.large else srv.text_pool
-        ids = await asyncio.get_running_loop().run_in_executor(pool, prompt, body)
+        work = ((lambda: srv.chat_request(body, toolset, spec)) if chat else
+                (lambda: srv.completion_request(body, spec)))
+        ids, grammar = await asyncio.get_running_loop().run_in_executor(pool, work)
+        if params.prompt_logprobs and len(ids) > srv.max_echo_tokens:
+            raise ApiError(400, f"echo with logprobs scores every prompt position: this server takes at most "
+                           f"{srv.max_echo_tokens} prompt tokens for it, the prompt has {len(ids)}", "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        echo = srv.echo_text(body, ids) if params.echo else None
+        parse_tools = toolset is not None and toolset.in_prompt
 
         def usage(n_out: int) -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
@@ -525,9 +615,21 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
             what = "the server shut down before the request finished" if status == 503 else "the request failed"
             return ApiError(status, f"{what}: {event.error}", usage=usage(n_out))
 
+        def logprobs_of(token_ids: list, entries: list, offset: int = 0):
+            """The tokens' log-probabilities in the endpoint's shape (None: not asked)."""
+            if params.logprobs is None:
+                return None
+            if chat:
+                return chat_logprobs(srv.token_text, token_ids, entries)
+            return completion_logprobs(srv.token_text.text_of, token_ids, entries, offset)
+
+        def prompt_part(event) -> tuple:
+            """An echo's prompt tokens and their entries (None each where the request did not ask)."""
+            return ids, (event.prompt_logprobs or [None] * len(ids))
+
         if state.aborted:
             raise ApiError(503, "the server is shutting down; retry later")
-        handle, streaming = srv.submit(ids, params), False
+        handle, streaming = srv.submit(ids, params, grammar), False
         try:
             # the first event (or the client gone) before any response goes out
             first = await _unless_gone(request, handle.next())
@@ -541,15 +643,27 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
                 events = await _unless_gone(request, rest(first))
                 text = "".join(e.text for e in events)
                 token_ids = [t for e in events for t in e.token_ids]
+                entries = [x for e in events for x in (e.logprobs or [None] * len(e.token_ids))]
                 finish = events[-1].finish_reason
                 if finish == "error":
                     raise failure(events[-1], len(token_ids))
                 if chat:
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "finish_reason": finish, "token_ids": token_ids, "logprobs": None}
+                    message = {"role": "assistant", "content": text}
+                    if parse_tools:
+                        parsed = parse_tool_calls(text, toolset.names)
+                        if parsed.tool_calls:
+                            message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                            finish = parsed.finish_reason
+                    choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": token_ids,
+                              "logprobs": logprobs_of(token_ids, entries)}
                 else:
+                    if echo is not None:
+                        head, head_entries = prompt_part(first)
+                        text, token_ids_all, entries = echo + text, head + token_ids, head_entries + entries
+                    else:
+                        token_ids_all = token_ids
                     choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": token_ids,
-                              "logprobs": None}
+                              "logprobs": logprobs_of(token_ids_all, entries)}
                 return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                         "model": srv.name, "choices": [choice], "usage": usage(len(token_ids))}
             streaming = True
@@ -561,30 +675,56 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
 
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text, token_ids, finish, role=False):
+        def chunk(text, token_ids, finish, role=False, logprobs=None, tool_calls=None):
             if chat:
-                delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role \
-                    else {}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": token_ids}
+                delta = {"role": "assistant"} if role else {}
+                if text or role:
+                    delta["content"] = text
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                          "token_ids": token_ids}
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": token_ids}
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                          "token_ids": token_ids}
             payload = {"id": rid, "object": kind, "created": created, "model": srv.name, "choices": [choice]}
             return f"data: {json.dumps(payload)}\n\n"
 
         async def sse():
-            event, first_chunk, n_out = first, True, 0
+            event, first_chunk, n_out, offset = first, True, 0, 0
+            calls = ToolStream(toolset.names) if parse_tools else None
             try:
+                if echo is not None:             # the prompt first, in a chunk of its own
+                    head, head_entries = prompt_part(first)
+                    shaped = logprobs_of(head, head_entries)
+                    offset = sum(map(len, shaped["tokens"])) if shaped else 0
+                    yield chunk(echo, [], None, logprobs=shaped)
                 while True:
                     n_out += len(event.token_ids)
                     if event.finish_reason == "error":
                         err = failure(event, n_out)
                         yield f"data: {json.dumps(_error_body(err.status, err.message, usage=err.usage))}\n\n"
                         break
-                    if event.text or event.token_ids or first_chunk:
-                        yield chunk(event.text, event.token_ids, None, role=first_chunk)
+                    text = calls.push(event.text) if calls is not None else event.text
+                    if text or event.token_ids or first_chunk:
+                        shaped = None
+                        if event.token_ids:
+                            shaped = logprobs_of(event.token_ids, event.logprobs or [None] * len(event.token_ids),
+                                                 offset)
+                            offset += sum(map(len, shaped["tokens"])) if shaped and not chat else 0
+                        yield chunk(text, event.token_ids, None, role=first_chunk, logprobs=shaped)
                         first_chunk = False
                     if event.finish_reason is not None:
-                        yield chunk("", [], event.finish_reason)
+                        finish = event.finish_reason
+                        if calls is not None:
+                            parsed = calls.finish()
+                            if parsed.content:
+                                yield chunk(parsed.content, [], None)
+                            if parsed.tool_calls:
+                                yield chunk("", [], None, tool_calls=[
+                                    dict(call, index=i) for i, call in enumerate(parsed.tool_calls)])
+                                finish = parsed.finish_reason
+                        yield chunk("", [], finish)
                         break
                     event = await handle.next()
                 if usage_in_stream:

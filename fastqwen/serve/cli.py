@@ -47,15 +47,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_model() -> pathlib.Path:
     """The judge's tiny checkpoint (fastqwen/judge/cli.py default_model), with the tokenizer synth
-    writes added when the cached copy predates it."""
+    writes (re)written when the cached copy predates it or flags the tool-call tags special
+    (Qwen's are not: the server's tool-call parser reads them in the decoded text)."""
     import json
 
     from fastqwen import tokenizer
     from fastqwen.judge.cli import default_model as judge_default
 
     folder = judge_default()
-    if not (folder / "tokenizer.json").is_file():
-        tokenizer.write_for_config(folder, json.loads((folder / "config.json").read_text()))
+    path = folder / "tokenizer.json"
+    stale = not path.is_file() or any(t.get("special") for t in json.loads(path.read_text()).get("added_tokens", [])
+                                      if t.get("content") in tokenizer.NOT_SPECIAL)
+    if stale:        # written beside it, then moved in: a reader never sees half a file
+        import os
+        import shutil
+        import tempfile
+
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
+        try:
+            tokenizer.write_for_config(staging, json.loads((folder / "config.json").read_text()))
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                os.replace(staging / name, folder / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

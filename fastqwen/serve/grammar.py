@@ -244,15 +244,25 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows=None) -> torch
         raise ValueError(f"a bitmask of {bitmask.shape[-1]} words covers {bitmask.shape[-1] * 32} tokens, "
                          f"the logits have {vocab}")
     if rows is None:
-        mask = bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
+        mask = to_device(bitmask[:logits.shape[0]], logits.device)
         logits.masked_fill_(~unpack(mask, vocab), float("-inf"))
         return logits
     index = torch.as_tensor(list(rows), dtype=torch.long)
     if len(index):
-        mask = bitmask[index.to(bitmask.device)].to(logits.device, non_blocking=True)
-        index = index.to(logits.device)
+        mask = to_device(bitmask[index.to(bitmask.device)], logits.device)
+        index = to_device(index, logits.device)
         logits[index] = logits[index].masked_fill(~unpack(mask, vocab), float("-inf"))
     return logits
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of a CPU tensor on `device`, made without the host waiting for the device's queued
+    work (a plain .to() waits for the stream: a step in flight), from a pinned copy of its own
+    (the caller may change `tensor` at once)."""
+    if device.type != "cuda":
+        return tensor.to(device, copy=True)
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+    return staged.to(device, non_blocking=True)
 
 
 class Grammars:

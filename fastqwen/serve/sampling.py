@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastqwen.serve.logprobs import MAX_TOP_LOGPROBS
+
 MAX_STOP = 4
 # OpenAI's and vLLM's range for `seed` (a signed 64-bit integer); torch's manual_seed takes all of it.
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
@@ -31,9 +33,12 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 # and ignored, as clients send them by default); any other value is a 400 naming the parameter.
 UNSUPPORTED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "best_of": (1,), "suffix": ("",), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
 }
+# ... and those of one endpoint only (the other endpoint's logprobs fields: chat's top_logprobs is
+# completions' logprobs; vLLM's chat echo repeats the last message, which this server does not)
+UNSUPPORTED_CHAT = {"echo": (False,)}
+UNSUPPORTED_COMPLETIONS = {"top_logprobs": (0,)}
 
 
 class SamplingError(ValueError):
@@ -167,24 +172,49 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple = field(default_factory=tuple)
     ignore_eos: bool = False     # vLLM's extension: run to max_tokens past end tokens (benchmarks)
+    logprobs: int | None = None  # each token's log-probability and this many top alternatives; None: none
+    echo: bool = False           # completions: the prompt first (with its log-probabilities if logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def prompt_logprobs(self) -> bool:
+        """The prompt's own log-probabilities are wanted (echo with logprobs): its prompt pass
+        gives the logits of every position."""
+        return self.echo and self.logprobs is not None
+
     @classmethod
-    def from_request(cls, body: dict, default_max_tokens: int = 16, max_model_len: int | None = None):
-        """The parameters of an OpenAI-style request body; SamplingError names a bad one."""
+    def from_request(cls, body: dict, default_max_tokens: int = 16, max_model_len: int | None = None,
+                     chat: bool = False):
+        """The parameters of an OpenAI-style request body (chat: /v1/chat/completions', else
+        /v1/completions'); SamplingError names a bad one.
+
+        Log-probabilities: chat's `logprobs` (a boolean) and `top_logprobs` (0-20, only with
+        logprobs true, as OpenAI and vLLM require); completions' `logprobs` (0-20 alternatives:
+        vLLM's bound, OpenAI's legacy API took 5) and `echo` (the prompt first; max_tokens 0 then
+        returns the prompt alone, as OpenAI's legacy API did)."""
         f = Fields(body)
-        max_tokens = f.integer("max_tokens", default_max_tokens, lo=1)
-        max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
+        if chat:
+            wanted = f.boolean("logprobs", False)
+            top = f.integer("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+            if top and not wanted:
+                raise SamplingError(f"top_logprobs ({top}) needs logprobs set to true", "top_logprobs")
+            logprobs, echo = ((top or 0) if wanted else None), False
+        else:
+            logprobs = f.integer("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+            echo = f.boolean("echo", False)
+        least = 0 if echo else 1
+        max_tokens = f.integer("max_tokens", default_max_tokens, lo=least)
+        max_tokens = f.integer("max_completion_tokens", max_tokens, lo=least)
         if max_model_len is not None and max_tokens > max_model_len:
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             raise SamplingError(f"{name} must be <= {max_model_len} (the model's context), got {max_tokens}", name)
         n = f.integer("n", 1)
         if n != 1:
             raise SamplingError(f"n must be 1 (one choice a request), got {show(n)}", "n")
-        for name, neutral in UNSUPPORTED.items():
+        for name, neutral in {**UNSUPPORTED, **(UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETIONS)}.items():
             f.unsupported(name, neutral)
         return cls(max_tokens=max_tokens,
                    temperature=f.number("temperature", 1.0, lo=0, hi=2),
@@ -192,7 +222,7 @@ class SamplingParams:
                    top_k=f.integer("top_k", -1, lo=-1),
                    seed=f.integer("seed", None, lo=SEED_MIN, hi=SEED_MAX),
                    stop=f.strings("stop", MAX_STOP),
-                   ignore_eos=f.boolean("ignore_eos", False))
+                   ignore_eos=f.boolean("ignore_eos", False), logprobs=logprobs, echo=echo)
 
 
 def make_generator(params: SamplingParams, device: torch.device, server: torch.Generator) -> torch.Generator:

@@ -28,6 +28,20 @@ part was 0.5 ms of a 3.1 ms token). The cost: a request that ends (an end token,
 a stop string, max_tokens, a cancel) has already been given one more step, whose token is
 dropped. A step whose every request is known to end at the token in flight (max_tokens, the
 slot's room) is not queued ahead.
+
+Log-probabilities (logprobs.py) are computed on the device from a step's logits, for the rows of
+the requests that asked only (one log_softmax over those rows), and copied back with the step's
+tokens, behind the same event: no other wait. A request that wants its prompt's own
+log-probabilities (echo with logprobs) has a prompt pass of its own that gives the logits of
+every position (`admit_group(all_positions=True)`: never in chunks, sharing no prefix).
+
+Structured output (grammar.py): a request with a grammar has a matcher; before each of its
+tokens is sampled, its logits row is masked to the tokens the matcher allows, so greedy and
+sampled picks obey it, and every token it emits advances the matcher; the request finishes
+("stop") once the grammar is complete. A step with such a row cannot run ahead of the host
+fully: its forward is queued, then the host waits for the step in flight's tokens, advances the
+matchers by them, fills the masks (while the forward runs) and queues the masking and the
+sampling. Steps without a grammar row take the path above, unchanged.
 """
 from __future__ import annotations
 
@@ -41,6 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastqwen.serve import logprobs as lp
+from fastqwen.serve.grammar import apply_masks, to_device
 from fastqwen.serve.sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger("fastqwen.serve")
@@ -52,14 +68,18 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class Event:
-    """What a request gets: new text and token ids, and at the end its finish reason
-    ("error": `error` says why and `status` is the HTTP status it stands for, 500 a failure,
-    503 the server shutting down)."""
+    """What a request gets: new text and token ids (with their log-probabilities when it asked:
+    logprobs.rows() items), and at the end its finish reason ("error": `error` says why and
+    `status` is the HTTP status it stands for, 500 a failure, 503 the server shutting down).
+    The first event of a request that asked for its prompt's log-probabilities carries them
+    (logprobs.prompt_rows())."""
     text: str = ""
     token_ids: list = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     status: int | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)                      # compared and hashed as itself
@@ -78,6 +98,9 @@ class Request:
     detok: object = None
     generator: object = None
     latencies: list = field(default_factory=list)    # seconds between tokens after the first
+    grammar: object = None       # a compiled grammar (grammar.Grammars.compile) its output must follow
+    matcher: object = None       # its position in the grammar (made with its slot)
+    fed: int = 0                 # tokens the matcher has been given
 
     def send(self, event: Event) -> None:
         try:
@@ -91,14 +114,16 @@ class Scheduler:
 
     def __init__(self, engine, codec, max_batch: int, max_len: int, max_waiting: int = 256, seed: int = 0,
                  metrics=None, block_size: int | None = None, num_blocks: int | None = None,
-                 prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None):
+                 prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None,
+                 grammars=None):
         """block_size: the paged KV cache (pages of block_size positions, num_blocks of them; a
         request takes those its prompt and max_tokens need); None: a row of max_len positions
         per slot. prefill_chunk: the most prompt tokens prefilled between two decode steps while
         requests run (module doc); None or 0: whole prompts, any number at once. share_prefixes:
         with block_size, requests whose prompts start alike share those pages (fq_slots, where
         the model allows; a Qwen3.5 model keeps state_snapshots of its GDN states for it, None:
-        fq_slots' default)."""
+        fq_slots' default). grammars: the grammar.Grammars of the codec's tokenizer, for requests
+        with a grammar (None: the server takes none)."""
         self.prefill_chunk = prefill_chunk or None
         self._staged: Request | None = None          # the request being prefilled in chunks
         self.chunks = 0                              # chunks prefilled so far (a prompt in several counts each)
@@ -120,6 +145,8 @@ class Scheduler:
         pinned = self.device.type == "cuda"
         self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
+        self.grammars = grammars
+        self._bitmask = grammars.new_bitmask(max_batch) if grammars is not None else None
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._stop = False
@@ -132,11 +159,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self.waiting.qsize() + len(self._held) + (self._staged is not None)
 
-    def submit(self, prompt: list, params: SamplingParams, loop, events) -> Request:
+    def submit(self, prompt: list, params: SamplingParams, loop, events, grammar=None) -> Request:
+        """A request into the queue; grammar: a compiled grammar (grammar.Grammars.compile) its
+        output must follow."""
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (the server takes {self.max_waiting})")
+        if grammar is not None and self.grammars is None:
+            raise ValueError("this scheduler has no grammars: it takes no request with a grammar")
         req = Request(prompt=list(prompt), params=params, loop=loop, events=events, id=next(self._ids),
-                      arrived=time.monotonic())
+                      arrived=time.monotonic(), grammar=grammar)
         self.waiting.put(req)
         self._wake.set()
         return req
@@ -167,8 +198,9 @@ class Scheduler:
         return self.slots.kv_usage
 
     def _reserve(self, req: Request) -> int:
-        """Positions a request may hold: its prompt and max_tokens (the last token is never cached)."""
-        return min(self.max_len, len(req.prompt) + req.params.max_tokens)
+        """Positions a request may hold: its prompt and max_tokens (the last token is never cached;
+        an echo of the prompt alone, max_tokens 0, holds one more as any admission must)."""
+        return min(self.max_len, len(req.prompt) + max(1, req.params.max_tokens))
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -197,7 +229,8 @@ class Scheduler:
 
     def _admit(self) -> bool:
         """Waiting requests into free slots, in arrival order; those of the first one's prompt
-        length that fit go in together (one prompt pass)."""
+        length that fit go in together (one prompt pass). A request that wants its prompt's
+        log-probabilities goes alone, in one whole pass."""
         while not self.waiting.empty():
             self._held.append(self.waiting.get())
         for req in [r for r in self._held if r.cancelled]:
@@ -208,6 +241,10 @@ class Scheduler:
         if not self._held or not self.slots.free:
             return False
         first = self._held[0]
+        if first.params.prompt_logprobs:
+            if not self.slots.fits([self._reserve(first)]):
+                return False           # it waits for pages (paged cache)
+            return self._admit_group([first], all_positions=True)
         if self.prefill_chunk and self.running and len(first.prompt) > self.prefill_chunk:
             if not self.slots.fits([self._reserve(first)]):
                 return False           # it waits for pages (paged cache)
@@ -222,12 +259,18 @@ class Scheduler:
         # no longer than the budget, else it went in chunks above)
         most = self.prefill_chunk // n if self.prefill_chunk and self.running else len(self._held)
         group = []
-        for req in (r for r in self._held if len(r.prompt) == n):     # in arrival order, while they fit
+        for req in (r for r in self._held if len(r.prompt) == n and not r.params.prompt_logprobs):
             if len(group) >= most or not self.slots.fits([self._reserve(r) for r in group + [req]]):
-                break
+                break                  # in arrival order, while they fit
             group.append(req)
         if not group:                  # the first waits for pages (paged cache)
             return False
+        return self._admit_group(group)
+
+    def _admit_group(self, group: list, all_positions: bool = False) -> bool:
+        """One prompt pass for the group (held requests of one prompt length that fit), their
+        first tokens sampled and sent. all_positions: a group of one that wants its prompt's
+        log-probabilities (the pass gives every position's logits)."""
         for req in list(group):
             if not self._prepare(req):
                 self._held.remove(req)
@@ -237,19 +280,30 @@ class Scheduler:
         row = len(self.slots.running)
         began = time.monotonic()
         logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
-                                        [self._reserve(r) for r in group])
+                                        [self._reserve(r) for r in group], all_positions=all_positions)
         for req in group:
             self._held.remove(req)
             self.running[req.id] = req
-        firsts, failed = self._sample(logits, group)
+        prompt_entries, failed = None, {}
+        if all_positions:
+            req = group[0]
+            try:
+                prompt_entries = lp.prompt_rows(logits[0], req.prompt, req.params.logprobs)
+            except Exception as exc:  # noqa: BLE001 - this request's own work: it ends alone
+                failed[req] = exc
+            logits = logits[:, -1]
+        firsts, failed_first, entries = self._first_tokens(logits, group)
+        failed.update(failed_first)
         self._tokens[row:row + len(group)].copy_(firsts)
         tokens = firsts.tolist()
         self._pass_done(began)
-        for req, tok in zip(group, tokens):
+        for req, tok, entry in zip(group, tokens, entries):
             if req in failed:
                 self._fail(req, failed[req])
+            elif req.params.max_tokens == 0:
+                self._echo_only(req, prompt_entries)
             else:
-                self._emit(req, tok)
+                self._emit(req, tok, entry=entry, prompt=prompt_entries)
         return True
 
     def _pass_done(self, began: float) -> None:
@@ -259,11 +313,14 @@ class Scheduler:
             self.metrics.pass_done(last_pass, time.monotonic() - began)
 
     def _prepare(self, req: Request) -> bool:
-        """What a request needs once it has a slot: its detokenizer and its sampling generator.
-        False: that failed, and the request has ended with the error (it never took its slot)."""
+        """What a request needs once it has a slot: its detokenizer, its sampling generator and
+        its grammar's matcher. False: that failed, and the request has ended with the error (it
+        never took its slot)."""
         try:
             req.detok = self.codec.detokenizer(req.params.stop)
             req.generator = make_generator(req.params, self.device, self.server_generator)
+            if req.grammar is not None:
+                req.matcher = self.grammars.matcher(req.grammar)
         except Exception as exc:  # noqa: BLE001 - this request's own parameters: it ends alone
             self._fail(req, exc)
             return False
@@ -275,6 +332,56 @@ class Scheduler:
         failed = {}
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], failed=failed)
         return tokens, {reqs[row]: exc for row, exc in failed.items()}
+
+    def _first_tokens(self, logits, reqs: list) -> tuple:
+        """The first tokens after a prompt pass (logits [len(reqs), vocab]): masked by the
+        requests' fresh matchers, sampled, with the log-probabilities of those that asked (on the
+        host: the caller reads the tokens there anyway). Returns (tokens on the device,
+        {request: exception}, each request's entry or None)."""
+        masked = [row for row, req in enumerate(reqs) if req.matcher is not None]
+        failed = self._mask(logits, reqs, masked) if masked else {}
+        tokens, failed_draws = self._sample(logits, reqs)
+        failed.update(failed_draws)
+        entries = [None] * len(reqs)
+        asked = [row for row, req in enumerate(reqs) if req.params.logprobs is not None]
+        if asked:
+            try:
+                rows = self._queue_logprobs(logits, tokens, reqs, asked, wait=True)
+                for row, entry in zip(asked, self._host_logprobs(rows)):
+                    entries[row] = entry
+            except Exception as exc:  # noqa: BLE001 - the askers' own work: they end alone
+                failed.update({reqs[row]: exc for row in asked if reqs[row] not in failed})
+        return tokens, failed, entries
+
+    def _mask(self, logits, reqs: list, masked: list) -> dict:
+        """Mask logits rows `masked` (of reqs' rows) to the tokens their matchers allow next;
+        returns {request: exception} for those rows if that failed (their grammars' own work)."""
+        try:
+            self.grammars.fill([req.matcher for req in reqs], self._bitmask)
+            with torch.inference_mode():          # the engine's logits are inference tensors
+                apply_masks(logits, self._bitmask, masked)
+        except Exception as exc:  # noqa: BLE001 - the grammar rows' own work: they end alone
+            return {reqs[row]: exc for row in masked}
+        return {}
+
+    def _queue_logprobs(self, logits, tokens, reqs: list, asked: list, wait: bool = False) -> tuple:
+        """The askers' log-probabilities (logprobs.device_rows over their rows only), queued on
+        the device with their copies to the host; _host_logprobs reads them once the step's
+        event has passed (wait: the copies are done on return). Returns (asked rows, each one's
+        top count, the three host tensors)."""
+        top = max(reqs[row].params.logprobs for row in asked)
+        if len(asked) < len(reqs):
+            index = to_device(torch.tensor(asked, dtype=torch.int64), logits.device)
+            logits, tokens = logits[index], tokens[index]
+        found = lp.device_rows(logits, tokens, top)
+        host = tuple(None if t is None else t.to("cpu", non_blocking=not wait) for t in found)
+        return asked, [reqs[row].params.logprobs for row in asked], host
+
+    @staticmethod
+    def _host_logprobs(queued: tuple) -> list:
+        """_queue_logprobs' result as one logprobs.rows() entry per asked row."""
+        _, tops, (chosen, ids, values) = queued
+        return lp.host_rows(chosen, ids, values, tops)
 
     def _fail(self, req: Request, exc, status: int = 500) -> None:
         """One request's own failure: it ends alone with an error event (its slot freed)."""
@@ -299,14 +406,14 @@ class Scheduler:
         self._staged = None
         row = len(self.slots.running) - 1
         self.running[req.id] = req
-        first, failed = self._sample(logits[None], [req])
+        first, failed, (entry,) = self._first_tokens(logits[None], [req])
         self._tokens[row:row + 1].copy_(first)
         token = int(first[0])
         self._pass_done(began)
         if failed:
             self._fail(req, failed[req])
         else:
-            self._emit(req, token)
+            self._emit(req, token, entry=entry)
         return True
 
     def _step(self) -> bool:
@@ -336,33 +443,93 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         n = len(ids)
         logits = self.slots.step_rows(self._tokens[:n])
-        tokens, failed = self._sample(logits, reqs)
+        masked = [row for row, req in enumerate(reqs) if req.matcher is not None]
+        failed = {}
+        if masked:
+            # the forward is queued; its rows' masks need the tokens of the step in flight first
+            failed.update(self._feed_pending())
+            failed.update(self._mask(logits, reqs, masked))
+        tokens, failed_draws = self._sample(logits, reqs)
+        failed.update(failed_draws)
         self._tokens[:n].copy_(tokens)
         host, self._turn = self._host[self._turn], 1 - self._turn
         host[:n].copy_(tokens, non_blocking=True)
+        asked = [row for row, req in enumerate(reqs) if req.params.logprobs is not None]
+        queued_logprobs = None
+        if asked:
+            try:
+                queued_logprobs = self._queue_logprobs(logits, tokens, reqs, asked)
+            except Exception as exc:  # noqa: BLE001 - the askers' own work: they end alone
+                failed.update({reqs[row]: exc for row in asked if reqs[row] not in failed})
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         for req, exc in failed.items():      # their rows' tokens are never handed out (not running)
-            self._fail(req, exc)
-        return ids, host, event
+            if req.finish_reason is None:
+                self._fail(req, exc)
+        return ids, host, event, queued_logprobs
 
-    def _hand_out(self, pending: tuple, ahead: set) -> None:
-        """A finished step's tokens to their requests (those still running); `ahead`: the ids
-        the step queued after it includes (their slots hold one more position already)."""
-        ids, host, event = pending
+    def _feed_pending(self) -> dict:
+        """Wait for the step in flight's tokens and give them to their requests' matchers (before
+        the next step's masks); returns {request: exception} for a matcher that raised."""
+        failed = {}
+        if self._pending is None:
+            return failed
+        ids, host, event, _ = self._pending
         if event is not None:
             event.synchronize()
         for rid, tok in zip(ids, host[:len(ids)].tolist()):
             req = self.running.get(rid)
-            if req is not None:
-                self._emit(req, tok, ahead=rid in ahead)
+            if req is not None and req.matcher is not None and req.fed == len(req.output):
+                try:
+                    self._feed(req, tok)
+                except Exception as exc:  # noqa: BLE001 - this request's grammar: it ends alone
+                    failed[req] = exc
+        return failed
 
-    def _emit(self, req: Request, token: int, ahead: bool = False) -> None:
-        """A request's new token: text, the stop checks, the event, the slot freed at the end.
-        ahead: a step after this token's is already queued for the request (its room counts
-        it)."""
+    def _feed(self, req: Request, token: int) -> None:
+        """Advance the request's matcher by its token (never refused under its mask)."""
+        if not req.matcher.accept(token):
+            log.warning("request %d: its grammar refused token %d (%s)", req.id, token, req.matcher.error)
+        req.fed += 1
+
+    def _hand_out(self, pending: tuple, ahead: set) -> None:
+        """A finished step's tokens to their requests (those still running); `ahead`: the ids
+        the step queued after it includes (their slots hold one more position already)."""
+        ids, host, event, queued_logprobs = pending
+        if event is not None:
+            event.synchronize()
+        entries = {}
+        if queued_logprobs is not None:
+            try:
+                found = self._host_logprobs(queued_logprobs)
+                entries = {ids[row]: entry for row, entry in zip(queued_logprobs[0], found)}
+            except Exception as exc:  # noqa: BLE001 - the askers' own work: they end alone
+                for row in queued_logprobs[0]:
+                    req = self.running.get(ids[row])
+                    if req is not None:
+                        self._fail(req, exc)
+        for rid, tok in zip(ids, host[:len(ids)].tolist()):
+            req = self.running.get(rid)
+            if req is not None:
+                self._emit(req, tok, ahead=rid in ahead, entry=entries.get(rid))
+
+    def _echo_only(self, req: Request, prompt) -> None:
+        """A request for its prompt alone (echo, max_tokens 0): the prompt's log-probabilities
+        (if it asked), then the end, reason "length"."""
+        try:
+            req.send(Event(prompt_logprobs=prompt))
+        except Exception as exc:  # noqa: BLE001 - its delivery: it ends alone
+            self._fail(req, exc)
+            return
+        self._finish(req, "length")
+
+    def _emit(self, req: Request, token: int, ahead: bool = False, entry=None, prompt=None) -> None:
+        """A request's new token: its grammar advanced, text, the stop checks, the event, the slot
+        freed at the end. ahead: a step after this token's is already queued for the request (its
+        room counts it). entry: the token's log-probabilities (logprobs.rows() item) if it asked;
+        prompt: its prompt's (the first token of a request that asked)."""
         now = time.monotonic()
         if req.first_token is None:
             req.first_token = now
@@ -371,6 +538,11 @@ class Scheduler:
         req.last_token = now
         req.output.append(token)
         try:
+            complete = False
+            if req.matcher is not None:
+                if req.fed < len(req.output):
+                    self._feed(req, token)
+                complete = req.matcher.is_terminated()
             finish = None
             if token in self.codec.stop_token_ids and not req.params.ignore_eos:
                 text, finish = req.detok.flush(), "stop"
@@ -378,9 +550,12 @@ class Scheduler:
                 text = req.detok.push(token)
                 if req.detok.stopped:
                     finish = "stop"
+                elif complete:                     # the grammar's value is whole: nothing may follow
+                    text, finish = text + req.detok.flush(), "stop"
                 elif len(req.output) >= req.params.max_tokens or self.slots.room(req.id) + ahead <= 0:
                     text, finish = text + req.detok.flush(), "length"
-            req.send(Event(text=text, token_ids=[token]))
+            req.send(Event(text=text, token_ids=[token], logprobs=None if entry is None else [entry],
+                           prompt_logprobs=prompt))
         except Exception as exc:  # noqa: BLE001 - this request's text or delivery: it ends alone
             self._fail(req, exc)
             return
