@@ -22,6 +22,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "prefill": ("bench.prefill", "per-kernel device time of a decode step and a prefill (torch.profiler)"),
     "memory": ("bench.memory", "peak memory per shape, each in a fresh process"),
     "serve": ("bench.serve", "the server under load at 1 / 4 / 16 streams (bench-serve) beside generate()"),
+    "startup": ("bench.startup", "the server from process start to ready, with an empty and a filled compile cache"),
     "fidelity": ("bench.fidelity", "which op moves the logits: teacher-forced variants against native's full forward"),
 }
 

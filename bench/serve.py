@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from bench.runner import (REPO, BenchError, Column, add_model_argument, build_en
                           positive_int, resolve_model)
 
 COLUMNS = [Column("kind", width=6, left=True), Column("streams", width=7), Column("requests", width=8),
+           Column("ready_s", "ready s", fmt="{:.1f}"), Column("slots", width=6), Column("running_peak", "peak", width=5),
            Column("output_tok_s", "out tok/s", fmt="{:.1f}"), Column("ttft_ms", "TTFT ms", fmt="{:.2f}"),
            Column("ttft_p99_ms", "TTFT p99", fmt="{:.2f}"), Column("tpot_ms", "TPOT ms", fmt="{:.3f}"),
            Column("itl_p99_ms", "ITL p99", fmt="{:.3f}"), Column("failed", width=6),
@@ -45,6 +47,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=0, help="the server's chunked prefill (default 0)")
     parser.add_argument("--server-timeout-s", type=positive_int, default=600,
                         help="for the server to answer /health (default 600)")
+    parser.add_argument("--max-batch", type=positive_int, default=None,
+                        help="the server's slot cap (default: the most streams)")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="the server's GPU memory cap in GiB (its --gpu-memory-fraction of the device's total); "
+                             "with more streams than fit, the extra requests wait for a slot (default: no cap)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the generate() rows (only the server's)")
 
 
 def _ms(value):
@@ -111,19 +119,45 @@ def _wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
     raise BenchError(f"the server did not answer /health in {timeout_s} s: {log.read_text()[-2000:]}")
 
 
+def _memory_fraction(gib: float) -> float:
+    import torch
+
+    if not gpu_visible():
+        raise BenchError("--memory-gib needs a GPU (it is a fraction of the device's memory)")
+    return gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+
+
+def _slots(log: Path) -> int | None:
+    """The slot count from the server's "ready" line: what its memory plan admits at once."""
+    found = re.search(r"ready on \S+ \((\d+) slots", log.read_text())
+    return int(found.group(1)) if found else None
+
+
+def _running_peak(url: str) -> float | None:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^fastqwen:num_requests_running_peak\{[^}]*\} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "fastqwen.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--max-batch", str(max(args.streams)), "--max-model-len", str(args.max_model_len)]
+           "--max-batch", str(args.max_batch or max(args.streams)), "--max-model-len", str(args.max_model_len)]
     cmd += ["--block-size", str(args.block_size)] if args.block_size else []
     cmd += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
+    cmd += ["--gpu-memory-fraction", f"{_memory_fraction(args.memory_gib):.6f}"] if args.memory_gib else []
     log = tmp / "server.log"
     env = _env()
+    began = time.monotonic()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_healthy(proc, url, log, args.server_timeout_s)
+        report.add({"kind": "ready", "ready_s": time.monotonic() - began, "slots": _slots(log),
+                    "memory_gib": args.memory_gib, "server_log": log.read_text()[-1000:]})
         for seed, streams in enumerate(args.streams, start=10):
             out = tmp / f"bench_serve_{streams}.json"
             requests = streams * args.waves
@@ -142,7 +176,7 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
                         "output_len": args.output_len, "output_tok_s": r["output_throughput"],
                         "ttft_ms": _ms(r["ttft_s"]["median"]), "ttft_p99_ms": _ms(r["ttft_s"]["p99"]),
                         "tpot_ms": _ms(r["tpot_s"]["median"]), "itl_p99_ms": _ms(r["itl_s"]["p99"]),
-                        "failed": r["failed"], "bench_serve": r})
+                        "failed": r["failed"], "running_peak": _running_peak(url), "bench_serve": r})
     finally:
         proc.terminate()
         try:
@@ -162,6 +196,7 @@ def run(args, report) -> None:
         raise BenchError(f"--prompt-len {args.prompt_len} + --output-len {args.output_len} exceeds "
                          f"--max-model-len {args.max_model_len}")
     model_dir = resolve_model(args.model)
-    engine_rows(model_dir, args, report)
+    if not args.no_engine:
+        engine_rows(model_dir, args, report)
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         server_rows(model_dir, args, report, Path(tmp))

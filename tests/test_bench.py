@@ -247,11 +247,30 @@ def test_memory_runs_each_shape_in_a_fresh_process(tmp_path, capsys, bench_cache
 def test_serve_loads_the_server_beside_generate(tmp_path, capsys, bench_cache):
     doc = run_entry(["serve", "--model", "tiny", "--streams", "1,2", "--waves", "1", "--prompt-len", "8",
                      "--output-len", "3", "--engine-reps", "1"], tmp_path, capsys)
-    assert [(r["kind"], r["streams"]) for r in doc["rows"]] == [
-        ("engine", 1), ("engine", 2), ("server", 1), ("server", 2)]
+    assert [(r["kind"], r.get("streams")) for r in doc["rows"]] == [
+        ("engine", 1), ("engine", 2), ("ready", None), ("server", 1), ("server", 2)]
     server = [r for r in doc["rows"] if r["kind"] == "server"]
     assert all(r["bench_serve"]["completed"] == r["requests"] and r["failed"] == 0 for r in server), server
-    assert all(r["output_tok_s"] > 0 for r in doc["rows"])
+    assert all(r["output_tok_s"] > 0 for r in doc["rows"] if r["kind"] != "ready")
+    [ready] = [r for r in doc["rows"] if r["kind"] == "ready"]
+    assert ready["ready_s"] > 0 and ready["slots"] == 2
+    # the peak is the server's own gauge: never more requests at once than streams or slots
+    assert [r["running_peak"] for r in server][-1] <= 2
+
+
+def test_serve_with_a_slot_cap_below_the_streams_queues_the_rest(tmp_path, capsys, bench_cache):
+    doc = run_entry(["serve", "--model", "tiny", "--no-engine", "--streams", "4", "--max-batch", "2", "--waves", "1",
+                     "--prompt-len", "8", "--output-len", "3"], tmp_path, capsys)
+    ready, server = doc["rows"]
+    assert ready["slots"] == 2
+    assert server["bench_serve"]["completed"] == 4 and server["failed"] == 0
+    assert server["running_peak"] == 2
+
+
+def test_startup_times_a_cold_then_a_warm_server_start(tmp_path, capsys, bench_cache):
+    doc = run_entry(["startup", "--model", "tiny", "--max-model-len", "64", "--max-batch", "2"], tmp_path, capsys)
+    assert [r["start"] for r in doc["rows"]] == ["cold", "warm"]
+    assert all("error" not in r and 0 < r["server_s"] < r["ready_s"] and r["slots"] == 2 for r in doc["rows"])
 
 
 # ---------------------------------------------------------------- gdn: plans and the best one

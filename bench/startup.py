@@ -1,0 +1,118 @@
+"""`fastqwen serve` from process start to its first /health 200, cold and warm.
+
+Each start is a fresh process on a free port with its own TRITON_CACHE_DIR: "cold" an empty folder
+(every kernel compiled, as on a machine that never ran fastqwen), then --warm-starts more starts
+reusing the folder the cold start filled (Triton's on-disk cache, the only compile cache the engine
+relies on; a machine keeps it in ~/.triton/cache between processes). The row gives the time to
+ready as a client sees it and the server's own figure from its "ready" line (model load, memory
+plan, warmup and graph capture; the rest is Python start-up and imports). With --profile, one more
+start (warm cache) builds the server's state in a child process under cProfile: the functions that
+take the start-up's time, by cumulative seconds.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.runner import REPO, BenchError, Column, add_model_argument, positive_int, resolve_model
+from bench.serve import _env, _free_port, _slots, _wait_healthy
+
+COLUMNS = [Column("start", width=6, left=True), Column("ready_s", "ready s", fmt="{:.1f}"),
+           Column("server_s", "server s", fmt="{:.1f}"), Column("slots", width=6),
+           Column("error", width=30, left=True)]
+
+
+def add_arguments(parser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--warm-starts", type=positive_int, default=1, help="starts after the cold one (default 1)")
+    parser.add_argument("--max-batch", type=positive_int, default=16, help="the server's (default 16)")
+    parser.add_argument("--max-model-len", type=positive_int, default=4096, help="the server's (default 4096)")
+    parser.add_argument("--server-timeout-s", type=positive_int, default=300,
+                        help="for the server to answer /health (default 300)")
+    parser.add_argument("--profile", action="store_true", help="one more warm start under cProfile")
+
+
+def profile_child(model_dir: str, max_batch: int, max_model_len: int, out: str, top: int = 40) -> None:
+    """In a fresh process: the server's state built under cProfile; the top functions by cumulative time."""
+    import cProfile
+    import pstats
+
+    began = time.monotonic()
+    from fastqwen.serve.app import Server
+    imported = time.monotonic() - began
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.monotonic()
+    Server(model_dir, max_batch, max_model_len)
+    built = time.monotonic() - t0
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(((v[3], v[2], v[1], f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}") for k, v in stats.stats.items()),
+                  reverse=True)[:top]
+    Path(out).write_text(json.dumps({"import_s": imported, "server_s": built,
+                                     "top": [{"cum_s": c, "tot_s": t, "calls": n, "fn": f} for c, t, n, f in rows]}))
+
+
+def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "fastqwen.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len)]
+    env = _env()
+    env["TRITON_CACHE_DIR"] = str(cache)
+    began = time.monotonic()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", log, args.server_timeout_s)
+        ready = time.monotonic() - began
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    found = re.search(r"loaded in ([0-9.]+) s", text)
+    return {"ready_s": ready, "server_s": float(found.group(1)) if found else None, "slots": _slots(log),
+            "cache_files": sum(1 for p in cache.rglob("*") if p.is_file())}
+
+
+def run(args, report) -> None:
+    from bench import runner
+
+    if args.engine is not None and runner.ENGINE_DIR != (REPO / "engine").resolve():
+        raise BenchError("the server runs the repository's engine/: --engine is not for this entry")
+    model_dir = resolve_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
+        cache = Path(tmp) / "triton"
+        cache.mkdir()
+        for i in range(1 + args.warm_starts):
+            start = "cold" if i == 0 else "warm"
+            try:
+                row = _start(model_dir, args, cache, Path(tmp) / f"server_{i}.log")
+            except BenchError as exc:
+                report.add({"start": start, "error": str(exc)[-2000:]})
+                continue
+            report.add({"start": start, "model": str(model_dir), **row})
+        if args.profile:
+            out = Path(tmp) / "profile.json"
+            env = _env()
+            env["TRITON_CACHE_DIR"] = str(cache)
+            code = (f"from bench.startup import profile_child; profile_child({str(model_dir)!r}, {args.max_batch}, "
+                    f"{args.max_model_len}, {str(out)!r})")
+            done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=args.server_timeout_s)
+            if out.is_file():
+                prof = json.loads(out.read_text())
+                report.add({"start": "profile", "server_s": prof["server_s"], "import_s": prof["import_s"],
+                            "top": prof["top"]})
+                for r in prof["top"][:25]:
+                    report.note(f"  {r['cum_s']:8.2f} {r['tot_s']:8.2f} {r['calls']:7d}  {r['fn']}")
+            else:
+                report.add({"start": "profile", "error": (done.stderr or done.stdout)[-2000:]})
