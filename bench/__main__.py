@@ -18,6 +18,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "attention": ("bench.attention", "the decode-attention kernel against SDPA per batch and context"),
     "gdn": ("bench.gdn", "the GDN prompt pass's kernels per plan against the torch reference and fla"),
     "lm-screen": ("bench.lm_screen", "the screened LM-head pick against GEMV + argmax: picks, candidates, time"),
+    "spec": ("bench.spec", "speculative decoding against plain decode: the oracle's speed curve and the drafters"),
     "step": ("bench.step", "the graphed decode step per batch size on a checkpoint"),
     "prefill": ("bench.prefill", "per-kernel device time of a decode step and a prefill (torch.profiler)"),
     "memory": ("bench.memory", "peak memory per shape, each in a fresh process"),

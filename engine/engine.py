@@ -20,11 +20,17 @@ deployment can change through the environment variable beside each):
                         attention at 7-32 sequences, Qwen3.5's GDN rule at every batch (native's
                         noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
+  speculation   "off"   exact speculative decoding (fq_spec): "ngram" (prompt lookup), "recycle"
+                        (token recycling), "oracle:<a>" (measurement: drafts from a recorded
+                        plain run, right with probability a); the same tokens as "off". Qwen3
+                        only; the verify runs eagerly             FASTQWEN_SPECULATION=ngram
+  speculative_tokens 4  tokens drafted per verify (1-16)
 
 An explicit keyword argument wins over the environment.
 """
 import gc
 import os
+import time
 
 import torch
 
@@ -33,6 +39,7 @@ from fq_decode import DecodeRunner, PrefillGraph
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
+from fq_spec import OracleDrafter, SpecStats, accept, make_drafter, parse_speculation
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl
 
@@ -69,12 +76,17 @@ def _option(value, env: str, from_env, default):
 
 class Engine:
     def __init__(self, model_path: str, *, backend: str | None = None, graphs: bool | None = None,
-                 pdl: bool | None = None, exact_decode: bool | None = None):
+                 pdl: bool | None = None, exact_decode: bool | None = None, speculation: str | None = None,
+                 speculative_tokens: int | None = None):
         backend = _option(backend, "FASTQWEN_BACKEND", str, "auto")
         graphs = _option(graphs, "FASTQWEN_NO_GRAPHS", lambda v: v != "1", True)
         pdl = _option(pdl, "FASTQWEN_NO_PDL", lambda v: v != "1", True)
         exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
+        self.spec = parse_speculation(_option(speculation, "FASTQWEN_SPECULATION", str, "off"), speculative_tokens)
         self.cfg = config_for(model_path)
+        if self.spec.on and isinstance(self.cfg, Qwen35Config):
+            raise ValueError(f"speculation {self.spec.mode!r}: a Qwen3.5 model has no verify pass yet (its GDN "
+                             f"state would need rolling back); use speculation='off'")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in
         # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
@@ -101,6 +113,8 @@ class Engine:
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
+        self._drafter = make_drafter(self.spec) if self.spec.on else None
+        self._spec_stats = SpecStats()
 
     def describe(self) -> dict:
         """What runs: the model family, its op set, whether the decode step and prompts are graphs,
@@ -110,6 +124,7 @@ class Engine:
         out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
                "decode_graph": self.use_graphs, "prefill_graphs": self.use_prefill_graphs,
                "pdl": _pdl.ENABLED, "exact_decode": self.exact_decode,
+               "speculation": self.spec.mode if not self.spec.on else f"{self.spec.mode} (k={self.spec.k})",
                # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
                "lm_screen": self.model.screen is not None}
         if qwen35:
@@ -235,8 +250,17 @@ class Engine:
         """Yield `max_new_tokens` lists of greedy token ids, one id per sequence, in order."""
         ids = self._check(input_ids, max_new_tokens)
         self._close_slots()
+        if self.spec.on:
+            self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1 + 2 * self.spec.k)
+            return self._generate_spec(ids, max_new_tokens)
         self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
         return self._generate(ids, max_new_tokens)
+
+    def spec_stats(self) -> dict:
+        """The last generate() call's speculation (fq_spec.SpecStats): drafted and accepted tokens,
+        acceptance, verify passes, tokens per verify row, host seconds drafting / verifying /
+        recording (the oracle's plain run). All zero with speculation off."""
+        return self._spec_stats.as_dict()
 
     def _check_memory(self, batch: int, positions: int) -> None:
         """A KV cache that cannot fit is a clear error, not an out-of-memory crash mid-call."""
@@ -251,7 +275,7 @@ class Engine:
                              f"{(free + held) / 2**30:.1f} GiB is available on the device")
 
     # ---- the loop -----------------------------------------------------------------
-    def _prepare(self, batch: int, capacity: int) -> DecodeRunner:
+    def _prepare_cache(self, batch: int, capacity: int) -> None:
         model = self.model
         if model.ensure_rope(capacity):
             self._drop_graphs()
@@ -260,6 +284,10 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             model.allocate_cache(batch, _rounded_capacity(capacity))
+
+    def _prepare(self, batch: int, capacity: int) -> DecodeRunner:
+        self._prepare_cache(batch, capacity)
+        model = self.model
         if self._runner is None:
             self._tune(batch)
             self._runner = DecodeRunner(model, batch, self.use_graphs)
@@ -349,3 +377,72 @@ class Engine:
                 runner.step()
                 tokens = runner.tokens.tolist()
             yield tokens
+
+    # ---- speculation: draft, verify, keep the target's picks (fq_spec) ---------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _generate_spec(self, ids: torch.Tensor, steps: int):
+        """Speculative generation, eager: per verify each sequence's last token and k drafts run as
+        k + 1 decode rows (the model's verify_logits), and each sequence keeps the picks up to its
+        first rejected draft. Tokens are yielded position by position once every sequence has
+        them. Sequences past `steps` tokens verify in place (the same positions again)."""
+        spec, drafter = self.spec, self._drafter
+        batch, prompt = ids.shape
+        stats = self._spec_stats = SpecStats(mode=spec.mode, k=spec.k)
+        prompts = ids.tolist()
+        if isinstance(drafter, OracleDrafter):
+            missing = drafter.missing(prompts, steps)
+            if missing:
+                began = time.perf_counter()
+                plain = [[] for _ in missing]
+                for tokens in self._generate(ids[missing], steps):
+                    for seq, token in zip(plain, tokens):
+                        seq.append(token)
+                for b, seq in zip(missing, plain):
+                    drafter.record(prompts[b], seq)
+                stats.record_s = time.perf_counter() - began
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                self._prepare_cache(batch, prompt + steps - 1 + 2 * spec.k)
+                self._tune(batch)      # the verify launches its products as the plain B-row step does
+                first = self._prefill(ids.to(self.device)).tolist()
+            out = [[t] for t in first]
+            drafter.start(prompts, int(self.cfg.vocab_size))
+            yield [seq[0] for seq in out]
+            done = 1
+            positions = [prompt] * batch     # where each sequence's last token goes
+            while done < steps:
+                began = time.perf_counter()
+                drafts = drafter.draft(out, spec.k)
+                stats.draft_s += time.perf_counter() - began
+                began = time.perf_counter()
+                rows = [[seq[-1]] + d for seq, d in zip(out, drafts)]
+                with torch.inference_mode():
+                    logits = self.model.verify_logits(
+                        torch.tensor(rows, dtype=torch.int64).to(self.device),
+                        torch.tensor(positions, dtype=torch.int32).to(self.device))
+                    picks = self.model.ops.argmax(logits.view(batch * (spec.k + 1), -1)).view(batch, -1).tolist()
+                stats.verify_s += time.perf_counter() - began
+                stats.verify_steps += 1
+                for b in range(batch):
+                    if len(out[b]) >= steps:
+                        continue
+                    kept = accept(drafts[b], picks[b])
+                    out[b].extend(kept)
+                    positions[b] += len(kept)
+                    stats.drafted += spec.k
+                    stats.accepted += len(kept) - 1
+                    stats.verified_rows += 1
+                    stats.emitted += len(kept)
+                drafter.observe(rows, picks)
+                while done < steps and all(len(seq) > done for seq in out):
+                    yield [seq[done] for seq in out]
+                    done += 1
+        finally:
+            self._sync()
+            if gc_was_enabled:
+                gc.enable()

@@ -22,6 +22,7 @@ Ops, by who calls them (Qwen3: fq_qwen3; Qwen3.5: fq_qwen35):
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,20 @@ class TorchOps:
 
     def __init__(self, exact_decode: bool = True):
         self.exact_decode = exact_decode
+        # a speculative verify's rows: its decode ops choose their launch (GEMV config, attention
+        # plan) as the plain step of this many rows does, so each row's sums run in that step's
+        # order (fq_spec); None: by their own row count
+        self.rows_as = None
+
+    @contextlib.contextmanager
+    def planned_as(self, rows: int):
+        """Inside: decode ops launched as for a step of `rows` rows (a verify's B * (k + 1) rows
+        computed in the B-row step's arithmetic). The references' rows never depend on the count."""
+        before, self.rows_as = self.rows_as, rows
+        try:
+            yield
+        finally:
+            self.rows_as = before
 
     # ---- products ----------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -268,7 +283,9 @@ class TritonOps(TorchOps):
         return bool(self.use_gemv.get((silu, rows) + tuple(w.shape)))
 
     def gemv_config(self, rows: int, w: torch.Tensor, silu: bool = False):
-        """Our GEMV's config for w at `rows` rows where the products run it, else None (cuBLAS)."""
+        """Our GEMV's config for w at `rows` rows (rows_as where set) where the products run it,
+        else None (cuBLAS)."""
+        rows = self.rows_as or rows
         if not self._on_gemv(silu, rows, w):
             return None
         return self._gemv.select_config(w.shape[0], w.shape[1], silu, rows, exact=self.exact_decode)
@@ -399,6 +416,12 @@ class TritonOps(TorchOps):
         from fqkernels.decode_attention import decode_attention
 
         paged = {} if block_table is None else {"block_table": block_table}
+        if self.rows_as is not None:
+            from fqkernels.decode_attention import decode_attention_plan
+
+            capacity = k_cache.shape[2] * (block_table.shape[1] if block_table is not None else 1)
+            paged["plan"] = decode_attention_plan(self.rows_as, q.shape[1], k_cache.shape[1], capacity, q.shape[2],
+                                                  fa2=self.exact_decode)
         return decode_attention(q, k_cache, v_cache, lengths, scale, window=window, fa2=self.exact_decode, **paged)
 
     # ---- Qwen3.5 gated attention --------------------------------------------------------

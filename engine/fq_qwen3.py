@@ -214,12 +214,33 @@ class Qwen3Model:
         """BF16 logits [B, vocab] of one decode step (the step `decode` takes the argmax of)."""
         return self.ops.linear(self._decode_hidden(tokens, positions, lengths), self.w.lm_head)
 
-    def _decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """A decode step up to the LM head: the final norm's output [B, hidden]."""
+    def verify_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A speculative verify: tokens [B, T] int64 at positions [B] int32 .. + T - 1 of cache rows
+        [0, B) -> BF16 logits [B, T, vocab]. Each of the B * T rows is a decode step's row at its
+        own position (its K/V written, then attention over its row's first position + 1 keys,
+        which include the verify's earlier rows): row (b, j) computes what the one-row step of
+        sequence b at positions[b] + j computes, so a kept draft's logits are the plain decode's.
+        Writes K/V at every row's position; a rejected draft's are overwritten later."""
+        B, T = tokens.shape
+        pos = (positions.view(B, 1) + torch.arange(T, dtype=torch.int32, device=positions.device)).reshape(-1)
+        rows = torch.arange(B, device=self.device).repeat_interleave(T)
+        if self.block_table is not None:
+            table = self.block_table[rows]
+        else:
+            # the row form read as pages of a whole row each: row b is page b
+            table = rows.to(torch.int32).view(-1, 1)
+        with self.ops.planned_as(B):
+            h = self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
+            return self.ops.linear(h, self.w.lm_head).view(B, T, -1)
+
+    def _decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                       table: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step up to the LM head: the final norm's output [B, hidden]. table: a block
+        table of the B rows over the caches as page pools (verify_logits: rows sharing a cache row)."""
         c, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         B = tokens.shape[0]
         x, h = ops.embed_rmsnorm(tokens, self.w.embed, self.w.layers[0].input_norm, eps)
-        paged = self._paged(B)
+        paged = self._paged(B) if table is None else {"block_table": table}
         for i, layer in enumerate(self.w.layers):
             kc, vc = (self.k_cache[i], self.v_cache[i]) if paged else (self.k_cache[i, :B], self.v_cache[i, :B])
             qkv = ops.linear(h, layer.qkv)

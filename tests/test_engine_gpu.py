@@ -280,3 +280,41 @@ def test_qwen35_slots_graphed_admission_keeps_the_eager_tokens_and_snapshots(qwe
     assert graphed[0] == eager[0]
     for (gs, gc), (es, ec) in zip(graphed[1], eager[1]):
         assert torch.equal(gs, es) and torch.equal(gc, ec)
+
+
+# ---- speculation: a verify's rows are the plain step's bits (fq_spec) ---------------------------
+@pytest.mark.parametrize("batch", [1, 4, 9])
+def test_verify_rows_equal_the_plain_decode_steps_bits(engine, batch):
+    model, P, T = engine.model, 40, 5
+    ids = torch.tensor(_prompts(batch, P, seed=batch))
+    tokens = torch.tensor(_prompts(batch, T, seed=batch + 100)).cuda()
+    engine._close_slots()
+    try:
+        with torch.inference_mode():
+            engine._prepare_cache(batch, P + T)
+            engine._tune(batch)
+            model.prefill_logits(ids.cuda())
+            verify = model.verify_logits(tokens, torch.full((batch,), P, dtype=torch.int32, device="cuda"))
+            steps = []
+            for j in range(T):
+                pos = torch.full((batch,), P + j, dtype=torch.int32, device="cuda")
+                steps.append(model.decode_logits(tokens[:, j].contiguous(), pos, pos + 1))
+        assert torch.equal(verify, torch.stack(steps, dim=1))
+    finally:
+        engine._drop_graphs()
+
+
+@pytest.mark.parametrize("mode,batch", [("ngram", 1), ("oracle:0.7", 1), ("oracle:0.7", 4), ("recycle", 9)])
+def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
+    from fq_spec import make_drafter, parse_speculation
+
+    prompts = _prompts(batch, 64, seed=7 * batch)
+    want = list(engine.generate(prompts, 40))
+    before = engine.spec, engine._drafter
+    engine.spec = parse_speculation(mode)
+    engine._drafter = make_drafter(engine.spec)
+    try:
+        assert list(engine.generate(prompts, 40)) == want
+        assert engine.spec_stats()["verify_steps"] > 0
+    finally:
+        engine.spec, engine._drafter = before

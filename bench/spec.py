@@ -1,0 +1,79 @@
+"""Speculative decoding against plain decode on one engine, per batch: the oracle's speed curve
+(drafts from a recorded plain run, each right with probability a) and the model-free drafters.
+
+One engine is built with the engine options given; its speculation is switched per arm (the same
+weights, caches and tuning, so the arms' tokens are comparable bit for bit). Per batch: random
+prompts of --prompt tokens, a plain generate() of --steps tokens (warmup, then --reps timed: the
+median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
+and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
+verify, and whether the arm's tokens equal plain's.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options, gpu_visible,
+                          int_list, positive_int, resolve_model)
+
+COLUMNS = [Column("batch", width=5), Column("arm", width=12, left=True), Column("k", width=3),
+           Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.2f}"),
+           Column("acceptance", "accept", fmt="{:.2f}"), Column("tokens_per_verify", "tok/verify", fmt="{:.2f}"),
+           Column("verify_ms", "verify ms", fmt="{:.2f}"), Column("same_tokens", "same", width=5)]
+
+
+def add_arguments(parser) -> None:
+    add_model_argument(parser)
+    add_engine_arguments(parser)
+    parser.add_argument("--batches", type=int_list, default=[1, 4, 16], help="default 1,4,16")
+    parser.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens (default 512)")
+    parser.add_argument("--steps", type=positive_int, default=128, help="tokens generated a call (default 128)")
+    parser.add_argument("--k", type=positive_int, default=4, help="drafts a verify (default 4)")
+    parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle",
+                        help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle)")
+    parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
+
+
+def _timed(eng, prompts, steps, reps, sync):
+    times, tokens = [], None
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        tokens = list(eng.generate(prompts, steps))
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), tokens
+
+
+def run(args, report) -> None:
+    import torch
+
+    model_dir = resolve_model(args.model)
+    eng = build_engine(model_dir, engine_options(args))
+    spec_mod = __import__("fq_spec")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    parsed = {a: spec_mod.parse_speculation(a, args.k) for a in arms}      # a bad arm fails before any work
+    report.note(f"# {model_dir}: {eng.describe()}")
+    sync = torch.cuda.synchronize if gpu_visible() else (lambda: None)
+    plain_spec = spec_mod.parse_speculation("off")
+    for batch in args.batches:
+        prompts = torch.randint(0, eng.cfg.vocab_size, (batch, args.prompt),
+                                generator=torch.Generator().manual_seed(batch)).tolist()
+        eng.spec, eng._drafter = plain_spec, None
+        list(eng.generate(prompts, args.steps))
+        plain_s, plain_tokens = _timed(eng, prompts, args.steps, args.reps, sync)
+        plain_tok_s = batch * args.steps / plain_s
+        report.add({"batch": batch, "arm": "plain", "k": 0, "tok_s": plain_tok_s, "vs_plain": 1.0,
+                    "same_tokens": True})
+        for arm in arms:
+            eng.spec = parsed[arm]
+            eng._drafter = spec_mod.make_drafter(eng.spec)
+            list(eng.generate(prompts, args.steps))             # the oracle records here; compiles, tunes
+            seconds, tokens = _timed(eng, prompts, args.steps, args.reps, sync)
+            st = eng.spec_stats()
+            report.add({"batch": batch, "arm": arm, "k": args.k, "tok_s": batch * args.steps / seconds,
+                        "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
+                        "tokens_per_verify": st["tokens_per_verify"],
+                        "verify_ms": 1e3 * st["verify_s"] / max(1, st["verify_steps"]),
+                        "same_tokens": tokens == plain_tokens, "stats": st})
+        eng.spec, eng._drafter = plain_spec, None

@@ -1,0 +1,177 @@
+"""Exact speculative decoding on the CPU reference path (tiny Qwen3): a verify row's logits are the
+plain decode step's bits, speculation on or off gives the same tokens for every drafter, the
+drafters propose what their definitions say, and the statistics add up."""
+import pytest
+import torch
+
+from engine_modules import ENGINE_DIR, load_engine_module
+
+engine_module = load_engine_module(ENGINE_DIR, "fastqwen_engine_spec_under_test")
+
+import fq_spec  # noqa: E402  (on the path once the engine module is loaded)
+
+
+def _prompts(batch, length, seed, vocab=1000):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen35_tiny_model(tmp_path_factory):
+    from fastqwen import synth35
+
+    return synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35spec") / "tiny", seed=3, progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    return engine_module.Engine(str(tiny_model))
+
+
+# ---- the option -------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,mode,accept", [("off", "off", 1.0), ("ngram", "ngram", 1.0), ("Recycle", "recycle", 1.0),
+                                               ("oracle:0.7", "oracle", 0.7), ("oracle:0", "oracle", 0.0)])
+def test_speculation_values_parse(value, mode, accept):
+    spec = fq_spec.parse_speculation(value)
+    assert (spec.mode, spec.accept, spec.k) == (mode, accept, fq_spec.DEFAULT_K)
+
+
+@pytest.mark.parametrize("value,k,message", [("fast", None, "'fast' is not one of"),
+                                             ("oracle:1.5", None, r"in \[0, 1\]"), ("oracle:x", None, r"in \[0, 1\]"),
+                                             ("mtp", None, "not available in this engine yet"),
+                                             (3, None, "must be a string"), ("ngram", 0, "speculative_tokens"),
+                                             ("ngram", 17, "speculative_tokens"), ("ngram", True, "speculative_tokens")])
+def test_a_bad_speculation_value_is_an_error_naming_it(value, k, message):
+    with pytest.raises(ValueError, match=message):
+        fq_spec.parse_speculation(value, k)
+
+
+def test_the_environment_sets_speculation_and_a_keyword_wins(tiny_model, monkeypatch):
+    monkeypatch.setenv("FASTQWEN_SPECULATION", "ngram")
+    assert engine_module.Engine(str(tiny_model)).spec.mode == "ngram"
+    assert engine_module.Engine(str(tiny_model), speculation="off").spec.mode == "off"
+    monkeypatch.setenv("FASTQWEN_SPECULATION", "nonsense")
+    with pytest.raises(ValueError, match="nonsense"):
+        engine_module.Engine(str(tiny_model))
+
+
+def test_qwen35_refuses_speculation_with_the_reason(qwen35_tiny_model):
+    with pytest.raises(ValueError, match="Qwen3.5 model has no verify pass"):
+        engine_module.Engine(str(qwen35_tiny_model), speculation="ngram")
+
+
+# ---- acceptance and the drafters ---------------------------------------------------------------
+@pytest.mark.parametrize("drafts,picks,kept", [([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 3], [1, 5, 3, 4], [1, 5]),
+                                               ([9, 2, 3], [1, 2, 3, 4], [1]), ([], [7], [7])])
+def test_accept_keeps_the_agreeing_prefix_and_the_targets_next_pick(drafts, picks, kept):
+    assert fq_spec.accept(drafts, picks) == kept
+
+
+def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
+    d = fq_spec.NgramDrafter()
+    d.start([[1, 2, 3, 4, 9, 1, 2, 3, 5, 6]], 100)
+    # tail (2, 3) last seen before at index 5 -> followed by 5, 6, then the sequence's own tail
+    assert d.draft([[1, 2, 3]], 3) == [[5, 6, 1]]
+    d.start([[10, 11, 12]], 100)
+    assert d.draft([[13]], 2) == [[13, 13]]        # nothing to match: the last token repeated
+
+
+def test_recycle_chains_the_targets_latest_picks_from_confirmed_rows():
+    d = fq_spec.RecycleDrafter()
+    d.start([[1]], 100)
+    assert d.draft([[4]], 2) == [[4, 4]]
+    # row 4 -> 7 (kept: the next row's input is 7), 7 -> 8 (the draft 9 after it was wrong: stop)
+    d.observe([[4, 7, 9]], [[7, 8, 2]])
+    assert d.next[0] == {4: 7, 7: 8}
+    assert d.draft([[4]], 3) == [[7, 8, 4]]
+
+
+def test_the_oracle_replays_its_recording_and_corrupts_at_the_asked_rate():
+    right = fq_spec.OracleDrafter(1.0)
+    right.record([1, 2], [5, 6, 7, 8])
+    right.start([[1, 2]], 50)
+    assert right.draft([[5]], 2) == [[6, 7]]
+    assert right.draft([[5, 6, 7]], 3) == [[8, 7, 7]]       # past the recording: padded
+    wrong = fq_spec.OracleDrafter(0.0)
+    wrong.record([1, 2], list(range(40)))
+    wrong.start([[1, 2]], 50)
+    drafted = wrong.draft([[0]], 16)[0]
+    assert all(t != r and 0 <= t < 50 for t, r in zip(drafted, range(1, 17)))
+    half = fq_spec.OracleDrafter(0.5, seed=3)
+    record = list(range(1, 4001))
+    half.record([1], record)
+    half.start([[1]], 5000)
+    right = total = 0
+    for m in range(1, 3984, 16):
+        drafted = half.draft([record[:m]], 16)[0]
+        right += sum(t == r for t, r in zip(drafted, record[m:m + 16]))
+        total += 16
+    assert 0.45 < right / total < 0.55
+
+
+# ---- verify rows are the decode step's bits ------------------------------------------------
+@pytest.mark.parametrize("paged", [False, True])
+def test_verify_rows_equal_the_one_row_decode_steps_bit_for_bit(plain, paged):
+    model = plain.model
+    B, P, T = 3, 9, 5
+    ids = torch.tensor(_prompts(B, P, seed=11))
+    tokens = torch.tensor(_prompts(B, T, seed=12))
+    with torch.inference_mode():
+        if paged:
+            model.allocate_paged_cache(B, 3 * B, 16, 32)
+            for b in range(B):
+                model.block_table[b, :2] = torch.tensor([3 * b + 2, 3 * b], dtype=torch.int32)
+        else:
+            model.allocate_cache(B, 32)
+        model.ensure_rope(32)
+        model.prefill_logits(ids)
+        verify = model.verify_logits(tokens, torch.full((B,), P, dtype=torch.int32))
+        steps = [model.decode_logits(tokens[:, j].contiguous(), torch.full((B,), P + j, dtype=torch.int32),
+                                     torch.full((B,), P + j + 1, dtype=torch.int32)) for j in range(T)]
+    plain._drop_graphs()
+    model.allocate_cache(1, 2)
+    assert torch.equal(verify, torch.stack(steps, dim=1))
+
+
+# ---- generate: the same tokens, on or off ------------------------------------------------------
+@pytest.mark.parametrize("mode", ["ngram", "recycle", "oracle:1.0", "oracle:0.6", "oracle:0.0"])
+def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
+    prompts = _prompts(3, 12, seed=5)
+    prompts[1] = [5, 6, 7, 8] * 3            # a repeating prompt: prompt lookup has something to find
+    want = list(plain.generate(prompts, 30))
+    eng = engine_module.Engine(str(tiny_model), speculation=mode, speculative_tokens=3)
+    got = list(eng.generate(prompts, 30))
+    assert got == want
+    st = eng.spec_stats()
+    assert st["mode"] == mode.split(":")[0] and st["k"] == 3
+    assert st["emitted"] == st["verified_rows"] + st["accepted"]
+    assert st["drafted"] == 3 * st["verified_rows"] and st["verify_steps"] >= (30 - 1) / 4
+    if mode == "oracle:1.0":                # every draft right: k + 1 tokens a verify (the last one's
+        # drafts run past the 30 recorded tokens: padding)
+        assert st["verify_steps"] == -(-(30 - 1) // 4) and st["record_s"] > 0
+        assert st["accepted"] >= st["drafted"] - 3 * 2
+    if mode == "oracle:0.0":                # every draft wrong: one token a verify, as plain decode
+        assert st["accepted"] == 0 and st["verify_steps"] == 29
+
+
+def test_the_oracle_records_once_then_replays(tiny_model):
+    eng = engine_module.Engine(str(tiny_model), speculation="oracle:1.0")
+    prompts = _prompts(2, 7, seed=8)
+    first = list(eng.generate(prompts, 10))
+    assert eng.spec_stats()["record_s"] > 0
+    assert list(eng.generate(prompts, 10)) == first
+    assert eng.spec_stats()["record_s"] == 0.0
+
+
+def test_spec_stats_are_empty_with_speculation_off_and_describe_names_the_mode(plain, tiny_model):
+    list(plain.generate(_prompts(1, 5, seed=1), 3))
+    assert plain.spec_stats()["drafted"] == 0 and plain.spec_stats()["acceptance"] is None
+    assert plain.describe()["speculation"] == "off"
+    assert engine_module.Engine(str(tiny_model), speculation="ngram").describe()["speculation"] == "ngram (k=4)"
+
+
+def test_batch_one_long_run_keeps_the_plain_tokens(plain, tiny_model):
+    prompts = _prompts(1, 20, seed=21)
+    want = list(plain.generate(prompts, 64))
+    eng = engine_module.Engine(str(tiny_model), speculation="recycle", speculative_tokens=6)
+    assert list(eng.generate(prompts, 64)) == want
