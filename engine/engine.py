@@ -35,7 +35,7 @@ import time
 import torch
 
 from fq_config import Qwen35Config, config_for
-from fq_decode import DecodeRunner, PrefillGraph
+from fq_decode import DecodeRunner, PrefillGraph, VerifyGraph
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
@@ -109,6 +109,7 @@ class Engine:
         qwen35 = isinstance(self.model, Qwen35Model)
         self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
+        self._verify = None       # the VerifyGraph over the current cache, when speculating
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
@@ -301,6 +302,7 @@ class Engine:
     def _drop_graphs(self) -> None:
         """Forget every captured graph: they point at the cache and RoPE tables being replaced."""
         self._runner = None
+        self._verify = None
         self._prefill_graphs = {}
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -384,9 +386,10 @@ class Engine:
             torch.cuda.synchronize()
 
     def _generate_spec(self, ids: torch.Tensor, steps: int):
-        """Speculative generation, eager: per verify each sequence's last token and k drafts run as
-        k + 1 decode rows (the model's verify_logits), and each sequence keeps the picks up to its
-        first rejected draft. Tokens are yielded position by position once every sequence has
+        """Speculative generation: per verify each sequence's last token and k drafts run as k + 1
+        decode rows (the model's verify_logits; on a GPU one CUDA graph a (batch, k)), and each
+        sequence keeps the picks up to its first rejected draft; the host drafts and accepts
+        between verifies. Tokens are yielded position by position once every sequence has
         them. Sequences past `steps` tokens verify in place (the same positions again)."""
         spec, drafter = self.spec, self._drafter
         batch, prompt = ids.shape
@@ -409,6 +412,9 @@ class Engine:
             with torch.inference_mode():
                 self._prepare_cache(batch, prompt + steps - 1 + 2 * spec.k)
                 self._tune(batch)      # the verify launches its products as the plain B-row step does
+                verify = self._verify
+                if verify is None or verify.tokens.shape != (batch, spec.k + 1):
+                    verify = self._verify = VerifyGraph(self.model, batch, spec.k, self.use_graphs)
                 first = self._prefill(ids.to(self.device)).tolist()
             out = [[t] for t in first]
             drafter.start(prompts, int(self.cfg.vocab_size))
@@ -422,10 +428,9 @@ class Engine:
                 began = time.perf_counter()
                 rows = [[seq[-1]] + d for seq, d in zip(out, drafts)]
                 with torch.inference_mode():
-                    logits = self.model.verify_logits(
-                        torch.tensor(rows, dtype=torch.int64).to(self.device),
-                        torch.tensor(positions, dtype=torch.int32).to(self.device))
-                    picks = self.model.ops.argmax(logits.view(batch * (spec.k + 1), -1)).view(batch, -1).tolist()
+                    verify.tokens.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+                    verify.positions.copy_(torch.tensor(positions, dtype=torch.int32), non_blocking=True)
+                    picks = verify.run().tolist()
                 stats.verify_s += time.perf_counter() - began
                 stats.verify_steps += 1
                 for b in range(batch):

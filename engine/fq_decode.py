@@ -13,6 +13,9 @@ matches and whose length fits reuses it.
 A `LogitsStep` is the step continuous batching runs (fq_slots): the first rows of the
 cache, each at its own position, logits out for the caller to sample from.
 
+A `VerifyGraph` is a speculative verify (fq_spec) of one (batch, k): the last tokens and k drafts
+of each sequence in, the target's picks at every row out.
+
 A `PrefillGraph` does the same for the prefill of one (batch, prompt length):
 the first call of that shape runs eagerly and then captures; later calls copy
 their ids into the static buffer and replay. It removes the host's per-kernel
@@ -163,3 +166,29 @@ class LogitsStep:
         else:
             self._step()
         return self.logits
+
+
+class VerifyGraph:
+    """A speculative verify of `batch` sequences with k drafts each over static buffers: tokens
+    [batch, k + 1] int64 and positions [batch] int32 written by the caller, picks [batch, k + 1]
+    int64 (the target's argmax after each row's prefix) read after run(). On a GPU one CUDA graph;
+    capture it before the prompt pass that its warm-up rows' K/V writes would corrupt."""
+
+    def __init__(self, model, batch: int, k: int, use_graph: bool):
+        dev = model.device
+        self.model = model
+        self.tokens = torch.zeros((batch, k + 1), dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.picks = None
+        self.graph = _capture_step(self._step) if use_graph else None
+
+    def _step(self) -> None:
+        logits = self.model.verify_logits(self.tokens, self.positions)
+        self.picks = self.model.ops.argmax(logits.view(-1, logits.shape[-1])).view(self.tokens.shape)
+
+    def run(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        return self.picks

@@ -223,7 +223,7 @@ class Qwen3Model:
         Writes K/V at every row's position; a rejected draft's are overwritten later."""
         B, T = tokens.shape
         pos = (positions.view(B, 1) + torch.arange(T, dtype=torch.int32, device=positions.device)).reshape(-1)
-        rows = torch.arange(B, device=self.device).repeat_interleave(T)
+        rows = torch.arange(B, device=self.device).view(B, 1).expand(B, T).reshape(-1)    # graph-safe
         if self.block_table is not None:
             table = self.block_table[rows]
         else:
