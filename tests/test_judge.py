@@ -225,3 +225,20 @@ def test_gpu_work_left_after_the_last_yield_is_candidate_error(tiny_model, tmp_p
     assert codes(report) == ["candidate_error"]
     assert "GPU work left running" in detail(report, "candidate_error")
     assert any(p["flagged"] for p in report["results"][0]["engine"]["pending_gpu"])
+
+
+def test_the_report_carries_the_engines_speculation_figures(tiny_model, tmp_path, monkeypatch):
+    """The repository's engine speculating (its deployment variable): each sample and the side's
+    summary carry drafted / accepted / verify figures; every draft of oracle:1 is kept but the
+    padding past the recording, and the tokens still pass every gate."""
+    from engine_modules import ENGINE_DIR
+
+    monkeypatch.setenv("FASTQWEN_SPECULATION", "oracle:1")
+    report = judge(ENGINE_DIR, tiny_model, tmp_path, shapes=((2, 16, 9),), samples=2)
+    r = report["results"][0]
+    assert codes(report) == []
+    assert report["engine_switches"] == {"FASTQWEN_SPECULATION": "oracle:1"}
+    assert all(s["speculation"]["mode"] == "oracle" for s in r["engine"]["samples"])
+    total = r["engine"]["speculation"]
+    assert total["verified_rows"] == 2 * 2 * 2 and total["emitted"] >= 2 * 2 * 9
+    assert total["tokens_per_verify"] == total["emitted"] / total["verified_rows"] and total["acceptance"] > 0.5

@@ -120,6 +120,23 @@ def describe(engine: object) -> dict | None:
     return {str(k)[:200]: str(v)[:200] for k, v in list(info.items())[:20]}
 
 
+def spec_stats(engine: object) -> dict | None:
+    """The engine's speculation figures for the call that just ended (its optional `spec_stats()`:
+    drafted, accepted, verify passes, ...), numbers and short strings only; None without it or
+    when it fails (a report detail must not fail the run)."""
+    fn = getattr(engine, "spec_stats", None)
+    if not callable(fn):
+        return None
+    try:
+        info = fn()
+    except Exception:  # noqa: BLE001
+        return None
+    if not isinstance(info, dict):
+        return None
+    return {str(k)[:60]: v if isinstance(v, (int, float)) or v is None else str(v)[:60]
+            for k, v in list(info.items())[:20]}
+
+
 def _check_step(step: object, index: int) -> str | None:
     if type(step) is not list:
         return f"step {index}: yielded {type(step).__module__}.{type(step).__qualname__}, not a plain list"
@@ -148,7 +165,8 @@ def serve_generate(engine: object, channel: Channel, input_ids: list[list[int]],
         channel.send({"ev": "error", "kind": "raised", "detail": _traceback_tail(), "step": count})
         traceback.print_exc()
         return False
-    channel.send({"ev": "done", "steps": count, "pending": pending_gpu_work(), "memory": memory_snapshot()})
+    channel.send({"ev": "done", "steps": count, "pending": pending_gpu_work(), "memory": memory_snapshot(),
+                  "spec_stats": spec_stats(engine)})
     return True
 
 

@@ -188,11 +188,27 @@ class Side:
             "memory_gated_bytes": gated_memory(self.process.memory, device),
             "memory_limit_bytes": memory_limit,
             "pending_gpu": self.pending,
+            "speculation": speculation_summary(self.samples),
             "failure": None if self.ok else {"code": self.failure.code, "detail": self.failure.detail},
             "exit_code": self.exit_code,
             "log": str(self.process.log_path),
             "log_tail": self.process.log_tail(),
         }
+
+
+def speculation_summary(samples: list[dict]) -> dict | None:
+    """The timed samples' speculation figures summed: drafted and accepted tokens, verify passes,
+    emitted tokens, draft / verify seconds, and the acceptance and tokens per verify row they give;
+    None where the engine reported none."""
+    stats = [s["speculation"] for s in samples if s.get("speculation")]
+    if not stats:
+        return None
+    keys = ("drafted", "accepted", "verify_steps", "verified_rows", "emitted", "draft_s", "verify_s")
+    total = {k: sum(st.get(k) or 0 for st in stats) for k in keys}
+    total["mode"], total["k"] = stats[0].get("mode"), stats[0].get("k")
+    total["acceptance"] = total["accepted"] / total["drafted"] if total["drafted"] else None
+    total["tokens_per_verify"] = total["emitted"] / total["verified_rows"] if total["verified_rows"] else None
+    return total
 
 
 def gated_memory(snapshot: dict, device: str) -> int | None:
@@ -347,6 +363,9 @@ def run_workload(settings: JudgeSettings, wl: Workload, index: int, source: Prom
                 "went": POSITION_WORDS[position],
                 **{k: v for k, v in fig.__dict__.items()},
                 "step_arrivals_s": [round(t - gen.send_t, 7) for t in gen.arrivals],
+                # the engine's speculation figures for this call (acceptance, tokens per verify,
+                # draft / verify seconds), where it reports them
+                **({"speculation": gen.done["spec_stats"]} if gen.done.get("spec_stats") else {}),
             })
             for seq, emitted in enumerate(_emitted_sequences(gen)):
                 side.sequences.append((i, seq, prompts[seq], emitted))
