@@ -22,8 +22,8 @@ deployment can change through the environment variable beside each):
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
   speculation   "off"   exact speculative decoding (fq_spec): "ngram" (prompt lookup), "recycle"
                         (token recycling), "oracle:<a>" (measurement: drafts from a recorded
-                        plain run, right with probability a); the same tokens as "off". Qwen3
-                        only; the verify runs eagerly             FASTQWEN_SPECULATION=ngram
+                        plain run, right with probability a); the same tokens as "off"
+                        (Qwen3.5: with exact decode)              FASTQWEN_SPECULATION=ngram
   speculative_tokens 4  tokens drafted per verify (1-16)
 
 An explicit keyword argument wins over the environment.
@@ -84,9 +84,9 @@ class Engine:
         exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
         self.spec = parse_speculation(_option(speculation, "FASTQWEN_SPECULATION", str, "off"), speculative_tokens)
         self.cfg = config_for(model_path)
-        if self.spec.on and isinstance(self.cfg, Qwen35Config):
-            raise ValueError(f"speculation {self.spec.mode!r}: a Qwen3.5 model has no verify pass yet (its GDN "
-                             f"state would need rolling back); use speculation='off'")
+        if self.spec.on and isinstance(self.cfg, Qwen35Config) and not exact_decode:
+            raise ValueError(f"speculation {self.spec.mode!r} on a Qwen3.5 model needs exact_decode (its verify drops "
+                             f"rejected rows from the GDN chunk's rows; the recurrent step cannot)")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in
         # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
@@ -252,7 +252,7 @@ class Engine:
         ids = self._check(input_ids, max_new_tokens)
         self._close_slots()
         if self.spec.on:
-            self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1 + 2 * self.spec.k)
+            self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens + 2 * self.spec.k)
             return self._generate_spec(ids, max_new_tokens)
         self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
         return self._generate(ids, max_new_tokens)
@@ -410,11 +410,14 @@ class Engine:
         gc.disable()
         try:
             with torch.inference_mode():
-                self._prepare_cache(batch, prompt + steps - 1 + 2 * spec.k)
+                # a finished sequence verifies in place: its rows reach steps + k positions past its last
+                self._prepare_cache(batch, prompt + steps + 2 * spec.k)
                 self._tune(batch)      # the verify launches its products as the plain B-row step does
                 verify = self._verify
                 if verify is None or verify.tokens.shape != (batch, spec.k + 1):
-                    verify = self._verify = VerifyGraph(self.model, batch, spec.k, self.use_graphs)
+                    # Qwen3.5's verify keeps host-side state for commit_verify: eager
+                    graph = self.use_graphs and not isinstance(self.model, Qwen35Model)
+                    verify = self._verify = VerifyGraph(self.model, batch, spec.k, graph)
                 first = self._prefill(ids.to(self.device)).tolist()
             out = [[t] for t in first]
             drafter.start(prompts, int(self.cfg.vocab_size))
@@ -433,16 +436,21 @@ class Engine:
                     picks = verify.run().tolist()
                 stats.verify_s += time.perf_counter() - began
                 stats.verify_steps += 1
+                counts = [0] * batch            # rows each sequence keeps (a finished one: none)
+                before = list(positions)
                 for b in range(batch):
                     if len(out[b]) >= steps:
                         continue
                     kept = accept(drafts[b], picks[b])
+                    counts[b] = len(kept)
                     out[b].extend(kept)
                     positions[b] += len(kept)
                     stats.drafted += spec.k
                     stats.accepted += len(kept) - 1
                     stats.verified_rows += 1
                     stats.emitted += len(kept)
+                with torch.inference_mode():
+                    self.model.commit_verify(before, counts)
                 drafter.observe(rows, picks)
                 while done < steps and all(len(seq) > done for seq in out):
                     yield [seq[done] for seq in out]

@@ -258,6 +258,61 @@ class Qwen35Model:
         return self._layers(tokens[:, None], lambda i, h: self._gdn_step(i, h, positions),
                             lambda i, h: self._attention_step(i, h, positions, lengths))
 
+    # ---- speculation: a verify over k + 1 positions, then its rollback (fq_spec) -----------------
+    def verify_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A speculative verify: tokens [B, T] int64 at positions [B] int32 .. + T - 1 of cache rows
+        [0, B) -> BF16 logits [B, T, vocab], each row what the one-row decode step at its position
+        computes: the GDN layers run their T steps in turn (exact decode's rows: each row is the
+        full forward's from the chunk's start and the rows before it), the attention layers, MLPs
+        and the LM head over all B * T rows as the B-row step launches them. The GDN states end
+        past all T rows; commit_verify then keeps each sequence's accepted rows only."""
+        if not self.exact_decode:
+            raise ValueError("verify_logits: a Qwen3.5 verify needs exact decode (the recurrent step's state "
+                             "cannot drop rejected rows)")
+        B, T = tokens.shape
+        G = len(self.gdn_slot)
+        # what commit_verify rolls back to: the GDN states before the verify, the conv states after each row
+        self._verify_before = (self.conv_state[:, :B].clone(), self.state[:, :B].clone(),
+                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)])
+        self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
+                                        device=self.device)
+        pos = (positions.view(B, 1) + torch.arange(T, dtype=torch.int32, device=positions.device)).reshape(-1)
+        rows = torch.arange(B, device=self.device).view(B, 1).expand(B, T).reshape(-1)
+        table = self.block_table[rows] if self.block_table is not None else rows.to(torch.int32).view(-1, 1)
+        shape = (B, T, self.cfg.hidden_size)
+
+        def gdn(i, h):
+            outs = []
+            for j in range(T):
+                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), positions + j))
+                self._verify_conv[j, self.gdn_slot[i]] = self.conv_state[self.gdn_slot[i], :B]
+            return torch.cat(outs, dim=1)
+
+        def attention(i, h):
+            return self._attention_step(i, h.reshape(B * T, 1, -1), pos, pos + 1, table=table).view(shape)
+
+        with self.ops.planned_as(B):
+            h = self._layers(tokens, gdn, attention, all_positions=True)
+            return self._logits(h.reshape(B * T, -1)).view(B, T, -1)
+
+    def commit_verify(self, positions: list[int], kept: list[int]) -> None:
+        """After verify_logits at `positions`: sequence b keeps its first kept[b] rows (0: none).
+        Its conv state becomes the one after its last kept row. Where the verify closed a chunk at a
+        row it did not keep, the chunk's start state (exact decode advances it only at a close) and
+        the chunk's first rows (the next chunk's rows went there) are put back as they were. Other
+        rows past the kept ones are rewritten by the steps that reach their positions."""
+        conv_before, state_before, heads = self._verify_before
+        T = self._verify_conv.shape[0]
+        for b, (p, m) in enumerate(zip(positions, kept)):
+            self.conv_state[:, b] = self._verify_conv[m - 1, :, b] if m else conv_before[:, b]
+            close = (CHUNK - 1 - p) % CHUNK      # the row whose position ends a chunk
+            if m <= close < T:
+                # the chunk goes on: its start state, and its first rows that the next chunk's wrote over
+                self.state[:, b] = state_before[:, b]
+                for slot, head in enumerate(heads):
+                    self.rows[slot].put_head(head, b)
+        self._verify_before = self._verify_conv = None
+
     def _layers(self, ids: torch.Tensor, gdn, attention, all_positions: bool = False) -> torch.Tensor:
         """Every decoder layer over the embeddings of ids [B, T]: the mixer (gdn(i, h) or
         attention(i, h)), then the MLP, each residual add and the norm after it one op (the
@@ -305,14 +360,17 @@ class Qwen35Model:
             attn = gqa_causal_attention(q, k, v, self.scale)
         return self.ops.linear(self.ops.gate_mul(attn.transpose(1, 2), gate), self.w[p + "o_proj.weight"])
 
-    def _attention_step(self, i: int, h, positions, lengths):
+    def _attention_step(self, i: int, h, positions, lengths, table: torch.Tensor | None = None):
+        """table: a block table of h's rows over the caches as page pools (verify_logits' rows
+        sharing a cache row); None: the first B rows, paged through the model's own table."""
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         B = h.shape[0]
         slot = self.attn_slot[i]
         # the first B rows: this call's sequences (paged: the layer's pools, read through the table)
-        paged = self.block_table is not None
+        paged = self.block_table is not None or table is not None
         kc, vc = (self.k_cache[slot], self.v_cache[slot]) if paged else (self.k_cache[slot, :B], self.v_cache[slot, :B])
-        table = self.block_table[:B] if paged else None
+        if table is None and self.block_table is not None:
+            table = self.block_table[:B]
         q, gate = self.ops.gated_attention_qk(h, self.w[p + "qkv_proj.weight"], self.w[p + "q_norm.weight"],
                                               self.w[p + "k_norm.weight"], self.cos, self.sin, positions, kc, vc,
                                               c.rms_norm_eps, c.num_heads, c.num_kv_heads, block_table=table)

@@ -318,3 +318,27 @@ def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
         assert engine.spec_stats()["verify_steps"] > 0 and engine._verify.graph is not None
     finally:
         engine.spec, engine._drafter = before
+
+
+@pytest.fixture(scope="module")
+def engine35(tmp_path_factory):
+    from fastqwen import synth35
+
+    folder = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35gpu") / "tiny", seed=3, progress=False)
+    return load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(folder))
+
+
+@pytest.mark.parametrize("mode,batch,prompt", [("oracle:0.5", 1, 58), ("oracle:0.0", 3, 61), ("ngram", 2, 50)])
+def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, batch, prompt):
+    """Verifies that close a GDN chunk at a row they reject, then roll back (fq_qwen35.commit_verify)."""
+    from fq_spec import make_drafter, parse_speculation
+
+    prompts = _prompts(batch, prompt, seed=prompt)
+    want = list(engine35.generate(prompts, 40))
+    before = engine35.spec, engine35._drafter
+    engine35.spec = parse_speculation(mode)
+    engine35._drafter = make_drafter(engine35.spec)
+    try:
+        assert list(engine35.generate(prompts, 40)) == want
+    finally:
+        engine35.spec, engine35._drafter = before

@@ -1,5 +1,5 @@
-"""Exact speculative decoding on the CPU reference path (tiny Qwen3): a verify row's logits are the
-plain decode step's bits, speculation on or off gives the same tokens for every drafter, the
+"""Exact speculative decoding on the CPU reference path (tiny Qwen3 and Qwen3.5): a verify row's
+logits are the plain decode step's bits, speculation on or off gives the same tokens for every drafter, the
 drafters propose what their definitions say, and the statistics add up."""
 import pytest
 import torch
@@ -55,9 +55,9 @@ def test_the_environment_sets_speculation_and_a_keyword_wins(tiny_model, monkeyp
         engine_module.Engine(str(tiny_model))
 
 
-def test_qwen35_refuses_speculation_with_the_reason(qwen35_tiny_model):
-    with pytest.raises(ValueError, match="Qwen3.5 model has no verify pass"):
-        engine_module.Engine(str(qwen35_tiny_model), speculation="ngram")
+def test_qwen35_speculation_needs_exact_decode(qwen35_tiny_model):
+    with pytest.raises(ValueError, match="needs exact_decode"):
+        engine_module.Engine(str(qwen35_tiny_model), speculation="ngram", exact_decode=False)
 
 
 # ---- acceptance and the drafters ---------------------------------------------------------------
@@ -175,3 +175,50 @@ def test_batch_one_long_run_keeps_the_plain_tokens(plain, tiny_model):
     want = list(plain.generate(prompts, 64))
     eng = engine_module.Engine(str(tiny_model), speculation="recycle", speculative_tokens=6)
     assert list(eng.generate(prompts, 64)) == want
+
+
+# ---- Qwen3.5: the GDN layers' verify and its rollback ------------------------------------------
+@pytest.fixture(scope="module")
+def plain35(qwen35_tiny_model):
+    return engine_module.Engine(str(qwen35_tiny_model))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, paged):
+    """Positions 61-65: the verify closes the first chunk at its third row and goes on in the next."""
+    model = plain35.model
+    B, P, T = 2, 61, 5
+    ids = torch.tensor(_prompts(B, P, seed=31))
+    tokens = torch.tensor(_prompts(B, T, seed=32))
+    with torch.inference_mode():
+        if paged:
+            model.allocate_paged_cache(B, 8, 32, 128)
+            for b in range(B):
+                model.block_table[b, :3] = torch.tensor([b, 7 - b, 4 + b], dtype=torch.int32)
+        else:
+            model.allocate_cache(B, 128)
+        model.ensure_rope(128)
+        model.prefill_logits(ids)
+        conv, state = model.conv_state.clone(), model.state.clone()
+        verify = model.verify_logits(tokens, torch.full((B,), P, dtype=torch.int32))
+        model.commit_verify([P] * B, [0] * B)        # nothing kept: the states as before the verify
+        assert torch.equal(model.conv_state, conv) and torch.equal(model.state, state)
+        steps = [model.decode_logits(tokens[:, j].contiguous(), torch.full((B,), P + j, dtype=torch.int32),
+                                     torch.full((B,), P + j + 1, dtype=torch.int32)) for j in range(T)]
+    plain35._drop_graphs()
+    model.allocate_cache(1, 2)
+    assert torch.equal(verify, torch.stack(steps, dim=1))
+
+
+@pytest.mark.parametrize("prompt", [50, 58, 61])
+@pytest.mark.parametrize("mode", ["ngram", "oracle:0.5", "oracle:0.0"])
+def test_qwen35_speculation_emits_the_plain_tokens(plain35, qwen35_tiny_model, prompt, mode):
+    """Prompts ending 14, 6 and 3 positions before a chunk's end: verifies that close a chunk at a
+    row they then reject (oracle:0 rejects every draft), and ones that keep the close."""
+    prompts = _prompts(3, prompt, seed=prompt)
+    prompts[1] = ([5, 6, 7, 8] * 20)[:prompt]
+    want = list(plain35.generate(prompts, 30))
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation=mode)
+    assert list(eng.generate(prompts, 30)) == want
+    st = eng.spec_stats()
+    assert st["emitted"] == st["verified_rows"] + st["accepted"]

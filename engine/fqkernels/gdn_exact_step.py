@@ -225,6 +225,18 @@ class ChunkRows:
         for t in (self.X, self.VN, self.G, self.KT):
             t[dst] = t[src]
 
+    # the chunk-row axis of each buffer (KT holds its rows transposed)
+    ROW_AXES = (("X", 2), ("VN", 2), ("G", 2), ("KT", 3))
+
+    def head(self, n: int) -> list:
+        """A copy of every sequence's first n chunk rows (a speculative verify that runs past a chunk's
+        end writes the next chunk's rows there: put_head restores them)."""
+        return [getattr(self, name).narrow(axis, 0, n).clone() for name, axis in self.ROW_AXES]
+
+    def put_head(self, saved: list, b: int) -> None:
+        for (name, axis), rows in zip(self.ROW_AXES, saved):
+            getattr(self, name)[b].narrow(axis - 1, 0, rows.shape[axis]).copy_(rows[b])
+
 
 class ReferenceRows:
     """The torch reference's form of the chunk's rows: the step's own inputs at each row so far
@@ -252,6 +264,10 @@ class ReferenceRows:
     def copy_row(self, src: int, dst: int) -> None:
         for t in (self.q, self.k, self.v, self.g, self.beta):
             t[dst] = t[src]
+
+    ROW_AXES = (("q", 1), ("k", 1), ("v", 1), ("g", 1), ("beta", 1))
+    head = ChunkRows.head
+    put_head = ChunkRows.put_head
 
 
 def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):
