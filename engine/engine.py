@@ -21,7 +21,8 @@ deployment can change through the environment variable beside each):
                         noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
   speculation   "off"   exact speculative decoding (fq_spec): "ngram" (prompt lookup), "recycle"
-                        (token recycling), "oracle:<a>" (measurement: drafts from a recorded
+                        (token recycling), "mtp" (Qwen3.5's multi-token-prediction head),
+                        "oracle:<a>" (measurement: drafts from a recorded
                         plain run, right with probability a); the same tokens as "off"
                         (Qwen3.5: with exact decode)              FASTQWEN_SPECULATION=ngram
   speculative_tokens 4  tokens drafted per verify (1-16)
@@ -84,6 +85,9 @@ class Engine:
         exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
         self.spec = parse_speculation(_option(speculation, "FASTQWEN_SPECULATION", str, "off"), speculative_tokens)
         self.cfg = config_for(model_path)
+        if self.spec.mode == "mtp" and not isinstance(self.cfg, Qwen35Config):
+            raise ValueError("speculation 'mtp' needs a Qwen3.5 checkpoint with its multi-token-prediction head "
+                             "(a Qwen3 model has none)")
         if self.spec.on and isinstance(self.cfg, Qwen35Config) and not exact_decode:
             raise ValueError(f"speculation {self.spec.mode!r} on a Qwen3.5 model needs exact_decode (its verify drops "
                              f"rejected rows from the GDN chunk's rows; the recurrent step cannot)")
@@ -97,7 +101,9 @@ class Engine:
         ops = ops_for(backend, self.device, exact_decode)
         with torch.inference_mode():
             if isinstance(self.cfg, Qwen35Config):
-                weights = load_qwen35_weights(model_path, self.cfg, self.device)
+                # the MTP head: the mtp drafter's, and the oracle's where the checkpoint has one (its cost)
+                mtp = self.spec.mode == "mtp" or (self.spec.mode == "oracle" and self.cfg.mtp_layers > 0)
+                weights = load_qwen35_weights(model_path, self.cfg, self.device, mtp=mtp)
                 self.model = Qwen35Model(self.cfg, weights, self.device, ops, exact_decode=exact_decode)
             else:
                 weights = load_weights(model_path, self.cfg, self.device)
@@ -114,7 +120,7 @@ class Engine:
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
-        self._drafter = make_drafter(self.spec) if self.spec.on else None
+        self._drafter = make_drafter(self.spec, model=self.model) if self.spec.on else None
         self._spec_stats = SpecStats()
 
     def describe(self) -> dict:
@@ -420,13 +426,15 @@ class Engine:
                     verify = self._verify = VerifyGraph(self.model, batch, spec.k, graph)
                 first = self._prefill(ids.to(self.device)).tolist()
             out = [[t] for t in first]
-            drafter.start(prompts, int(self.cfg.vocab_size))
+            with torch.inference_mode():
+                drafter.start(prompts, int(self.cfg.vocab_size), first)
             yield [seq[0] for seq in out]
             done = 1
             positions = [prompt] * batch     # where each sequence's last token goes
             while done < steps:
                 began = time.perf_counter()
-                drafts = drafter.draft(out, spec.k)
+                with torch.inference_mode():
+                    drafts = drafter.draft(out, spec.k)
                 stats.draft_s += time.perf_counter() - began
                 began = time.perf_counter()
                 rows = [[seq[-1]] + d for seq, d in zip(out, drafts)]
@@ -451,7 +459,9 @@ class Engine:
                     stats.emitted += len(kept)
                 with torch.inference_mode():
                     self.model.commit_verify(before, counts)
-                drafter.observe(rows, picks)
+                    began = time.perf_counter()
+                    drafter.observe(rows, picks, before, counts)    # the MTP head's pass over the rows
+                    stats.draft_s += time.perf_counter() - began
                 while done < steps and all(len(seq) > done for seq in out):
                     yield [seq[done] for seq in out]
                     done += 1

@@ -236,6 +236,7 @@ class Qwen35Config:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    mtp_layers: int = 0          # the multi-token-prediction head's decoder layers (mtp_num_hidden_layers)
 
     model_type = "qwen3_5_text"
 
@@ -293,4 +294,5 @@ class Qwen35Config:
             conv_width=int(raw.get("linear_conv_kernel_dim", 4)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            mtp_layers=int(raw.get("mtp_num_hidden_layers") or 0),
         )

@@ -58,6 +58,13 @@ class Qwen35Model:
         self.gdn_slot = {i: n for n, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")}
         self.scale = cfg.head_dim ** -0.5
         c = cfg
+        # the multi-token-prediction head (mtp.*), where the engine loaded it (speculation "mtp"):
+        # its own K/V cache (mtp_k, mtp_v) beside the model's; keep_hidden: the last pass's
+        # final-normed states at every position stay in `hidden` (what the head reads)
+        self.has_mtp = "mtp.fc.weight" in weights
+        self.mtp_k = self.mtp_v = None
+        self.keep_hidden = self.has_mtp
+        self.hidden = None
         self.in_proj_sizes = (c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads)
         self.qkv_sizes = (2 * c.num_heads * c.head_dim, c.kv_size, c.kv_size)
         self._pack()
@@ -75,7 +82,7 @@ class Qwen35Model:
     def _pack(self) -> None:
         """The packed matrices (qwen35_pack_groups), made in the weights dict itself, each original
         dropped as its pack is made; packs the loader already made are kept as they are."""
-        for packed, names in qwen35_pack_groups(self.cfg).items():
+        for packed, names in qwen35_pack_groups(self.cfg, self.has_mtp).items():
             if packed not in self.w:
                 self.w[packed] = torch.cat([self.w.pop(n) for n in names])
 
@@ -86,7 +93,7 @@ class Qwen35Model:
                  "mlp.gate_up.weight": "silu_mul", "mlp.down_proj.weight": "linear", "lm_head.weight": "linear"}
         out = []
         for suffix, kind in kinds.items():
-            ws = [w for name, w in self.w.items() if name.endswith(suffix)]
+            ws = [w for name, w in self.w.items() if name.endswith(suffix) and not name.startswith("mtp.")]
             if ws:
                 out.append(DecodeProduct(suffix.rsplit(".", 1)[0], ws, kind))
         return out
@@ -204,6 +211,11 @@ class Qwen35Model:
         self.state = torch.zeros((len(self.gdn_slot), batch, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim),
                                  dtype=torch.float32, device=dev)
         self._allocate_rows(batch, capacity)
+        self.mtp_k = self.mtp_v = self.hidden = None
+        if self.has_mtp:
+            mtp_shape = (c.mtp_layers, batch, c.num_kv_heads, capacity, c.head_dim)
+            self.mtp_k = torch.zeros(mtp_shape, dtype=torch.bfloat16, device=dev)
+            self.mtp_v = torch.zeros(mtp_shape, dtype=torch.bfloat16, device=dev)
 
     # ---- forward passes ------------------------------------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -295,6 +307,36 @@ class Qwen35Model:
             h = self._layers(tokens, gdn, attention, all_positions=True)
             return self._logits(h.reshape(B * T, -1)).view(B, T, -1)
 
+    def mtp_draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The multi-token-prediction head over n rows per sequence of cache rows [0, B): row j
+        joins hidden[:, j] (a final-normed state, the target's at position positions + j - 1, or
+        the head's own output for a chained draft) and tokens[:, j] at position positions + j:
+        fc over both normed side by side, the head's decoder layers (gated attention over the
+        head's own K/V cache, written at those positions), its final norm, the LM head. Returns
+        (picks [B, n] int64: each row's guess at the token after tokens[:, j]; the rows' normed
+        outputs [B, n, hidden], a chained draft's hidden)."""
+        c, ops, eps, w = self.cfg, self.ops, self.cfg.rms_norm_eps, self.w
+        B, n = tokens.shape
+        pos = (positions.view(B, 1) + torch.arange(n, dtype=torch.int32, device=positions.device)).reshape(-1)
+        table = torch.arange(B, device=self.device).view(B, 1).expand(B, n).reshape(-1).to(torch.int32).view(-1, 1)
+        _, e = ops.embed_rmsnorm(tokens.reshape(-1), w["model.embed_tokens.weight"],
+                                 w["mtp.pre_fc_norm_embedding.weight"], eps, one_plus=True)
+        hn = ops.add_rmsnorm(torch.zeros_like(e), hidden.reshape(B * n, -1).contiguous(),
+                             w["mtp.pre_fc_norm_hidden.weight"], eps, one_plus=True)
+        fc = ops.linear(torch.cat([e, hn], dim=-1), w["mtp.fc.weight"])
+        x = torch.zeros_like(fc)                 # the head's residual stream
+        h = ops.add_rmsnorm(x, fc, w["mtp.layers.0.input_layernorm.weight"], eps, one_plus=True)
+        for L in range(c.mtp_layers):
+            p = f"mtp.layers.{L}."
+            attn = self._gated_attention(p + "self_attn.", h.view(B * n, 1, -1), pos, pos + 1, self.mtp_k[L],
+                                         self.mtp_v[L], table)
+            h = ops.add_rmsnorm(x, attn.reshape(x.shape), w[p + "post_attention_layernorm.weight"], eps, one_plus=True)
+            nxt = w[f"mtp.layers.{L + 1}.input_layernorm.weight"] if L + 1 < c.mtp_layers else w["mtp.norm.weight"]
+            mlp = ops.mlp(h, w[p + "mlp.gate_up.weight"], w[p + "mlp.down_proj.weight"])
+            h = ops.add_rmsnorm(x, mlp.reshape(x.shape), nxt, eps, one_plus=True)
+        picks = ops.argmax(self._logits(h)).view(B, n)
+        return picks, h.view(B, n, -1)
+
     def commit_verify(self, positions: list[int], kept: list[int]) -> None:
         """After verify_logits at `positions`: sequence b keeps its first kept[b] rows (0: none).
         Its conv state becomes the one after its last kept row. Where the verify closed a chunk at a
@@ -333,6 +375,8 @@ class Qwen35Model:
             nxt = ln(i + 1, "input_layernorm") if i + 1 < L else self.w["model.norm.weight"]
             mlp = ops.mlp(h, self.w[p + "gate_up.weight"], self.w[p + "down_proj.weight"])
             h = ops.add_rmsnorm(x, mlp.reshape(x.shape), nxt, eps, one_plus=True).view(shape)
+        if self.keep_hidden:
+            self.hidden = h
         return h if all_positions else h[:, -1]
 
     # ---- pieces ----------------------------------------------------------------------
@@ -363,7 +407,6 @@ class Qwen35Model:
     def _attention_step(self, i: int, h, positions, lengths, table: torch.Tensor | None = None):
         """table: a block table of h's rows over the caches as page pools (verify_logits' rows
         sharing a cache row); None: the first B rows, paged through the model's own table."""
-        c, p = self.cfg, f"model.layers.{i}.self_attn."
         B = h.shape[0]
         slot = self.attn_slot[i]
         # the first B rows: this call's sequences (paged: the layer's pools, read through the table)
@@ -371,6 +414,11 @@ class Qwen35Model:
         kc, vc = (self.k_cache[slot], self.v_cache[slot]) if paged else (self.k_cache[slot, :B], self.v_cache[slot, :B])
         if table is None and self.block_table is not None:
             table = self.block_table[:B]
+        return self._gated_attention(f"model.layers.{i}.self_attn.", h, positions, lengths, kc, vc, table)
+
+    def _gated_attention(self, p: str, h, positions, lengths, kc, vc, table):
+        """A gated attention layer's decode rows (weights under prefix p) over caches kc, vc."""
+        c = self.cfg
         q, gate = self.ops.gated_attention_qk(h, self.w[p + "qkv_proj.weight"], self.w[p + "q_norm.weight"],
                                               self.w[p + "k_norm.weight"], self.cos, self.sin, positions, kc, vc,
                                               c.rms_norm_eps, c.num_heads, c.num_kv_heads, block_table=table)

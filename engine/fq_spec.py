@@ -10,9 +10,14 @@ Drafters (any draft is safe: a wrong one is only rejected work):
               sequence's last n tokens (n = 3, 2, 1)
   recycle     token recycling: per sequence, the target's pick after each token at its latest
               verify, chained from the last token
+  mtp         Qwen3.5's multi-token-prediction head (the checkpoint's mtp.*): the target's
+              final-normed state and the next token through the head give a draft; the head's
+              own output and that draft, the next one (chained k times)
   oracle:<a>  measurement only: a plain run of the same prompts is recorded first (on a prompt
               not seen before, inside the call), then each draft is the recorded next token,
-              replaced by another with probability 1 - a: end-to-end speed at acceptance a
+              replaced by another with probability 1 - a: end-to-end speed at acceptance a; on a
+              checkpoint with an MTP head the head runs too and its drafts are then replaced (its
+              real cost in the measurement)
 
 This module is host-side bookkeeping (lists of ints); the models' verify pass is the device work.
 """
@@ -21,7 +26,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-MODES = ("off", "ngram", "recycle", "oracle")
+MODES = ("off", "ngram", "recycle", "mtp", "oracle")
 DEFAULT_K = 4
 MAX_K = 16
 
@@ -39,7 +44,7 @@ class Speculation:
 
 
 def parse_speculation(value, k: int | None = None) -> Speculation:
-    """"off" | "ngram" | "recycle" | "oracle:<a>" (0 <= a <= 1) -> Speculation; anything else is a
+    """"off" | "ngram" | "recycle" | "mtp" | "oracle:<a>" (0 <= a <= 1) -> Speculation; anything else is a
     ValueError naming the value. k: drafts per verify, 1..MAX_K (default DEFAULT_K)."""
     if k is None:
         k = DEFAULT_K
@@ -48,7 +53,7 @@ def parse_speculation(value, k: int | None = None) -> Speculation:
     if not isinstance(value, str):
         raise ValueError(f"speculation must be a string ({', '.join(MODES[:3])}, oracle:<a>), got {value!r}")
     text = value.strip().lower()
-    if text in ("off", "ngram", "recycle"):
+    if text in ("off", "ngram", "recycle", "mtp"):
         return Speculation(text, k)
     if text.startswith("oracle:"):
         try:
@@ -58,10 +63,10 @@ def parse_speculation(value, k: int | None = None) -> Speculation:
         if not 0.0 <= accept <= 1.0:
             raise ValueError(f"speculation {value!r}: the oracle's acceptance must be a number in [0, 1]")
         return Speculation("oracle", k, accept)
-    if text in ("auto", "mtp"):
-        raise ValueError(f"speculation {value!r} is not available in this engine yet (off, ngram, recycle, "
+    if text == "auto":
+        raise ValueError(f"speculation {value!r} is not available in this engine yet (off, ngram, recycle, mtp, "
                          f"oracle:<a> are)")
-    raise ValueError(f"speculation {value!r} is not one of off, ngram, recycle, oracle:<a>")
+    raise ValueError(f"speculation {value!r} is not one of off, ngram, recycle, mtp, oracle:<a>")
 
 
 @dataclass
@@ -93,15 +98,19 @@ class Drafter:
     the tokens emitted so far (`out[b]`, the last one not yet in the cache), observe() what the
     verify picked at each row."""
 
-    def start(self, prompts: list[list[int]], vocab: int) -> None:
+    def start(self, prompts: list[list[int]], vocab: int, first: list[int] | None = None) -> None:
+        """Before the first verify: the prompts, the vocabulary size, the first generated tokens
+        (the prompt pass has run)."""
         self.prompts, self.vocab = prompts, vocab
 
     def draft(self, out: list[list[int]], k: int) -> list[list[int]]:
         raise NotImplementedError
 
-    def observe(self, tokens: list[list[int]], picks: list[list[int]]) -> None:
-        """tokens[b]: the verify's input row of sequence b (its last token + drafts); picks[b][j]:
-        the target's pick after tokens[b][: j + 1]."""
+    def observe(self, tokens: list[list[int]], picks: list[list[int]], positions: list[int] | None = None,
+                kept: list[int] | None = None) -> None:
+        """After a verify at positions (each sequence's first row's): tokens[b] its input row (the
+        last token + drafts), picks[b][j] the target's pick after tokens[b][: j + 1], kept[b] the
+        rows it kept."""
 
 
 def _pad(draft: list[int], k: int, fill: int) -> list[int]:
@@ -140,7 +149,7 @@ class RecycleDrafter(Drafter):
     """Token recycling: per sequence a table token -> the target's latest pick after it (from every
     verify row), drafts chained from the last emitted token; a token never seen: the last token."""
 
-    def start(self, prompts, vocab):
+    def start(self, prompts, vocab, first=None):
         super().start(prompts, vocab)
         self.next = [dict() for _ in prompts]
 
@@ -154,7 +163,7 @@ class RecycleDrafter(Drafter):
             drafts.append(_pad(chain, k, emitted[-1]))
         return drafts
 
-    def observe(self, tokens, picks):
+    def observe(self, tokens, picks, positions=None, kept=None):
         for table, row, pick in zip(self.next, tokens, picks):
             # only the rows whose input prefix the target confirmed: row j's input is the
             # target's own when all drafts before it were accepted
@@ -168,8 +177,8 @@ class OracleDrafter(Drafter):
     """The recorded plain run's next tokens, each replaced (by a different token, drawn from a
     generator seeded per call) with probability 1 - accept."""
 
-    def __init__(self, accept: float, seed: int = 0):
-        self.accept, self.seed = accept, seed
+    def __init__(self, accept: float, seed: int = 0, inner: Drafter | None = None):
+        self.accept, self.seed, self.inner = accept, seed, inner
         self.recordings: dict[tuple, list[int]] = {}
 
     def missing(self, prompts: list[list[int]], steps: int) -> list[int]:
@@ -179,12 +188,20 @@ class OracleDrafter(Drafter):
     def record(self, prompt: list[int], tokens: list[int]) -> None:
         self.recordings[tuple(prompt)] = list(tokens)
 
-    def start(self, prompts, vocab):
+    def start(self, prompts, vocab, first=None):
         super().start(prompts, vocab)
         self.rng = random.Random(self.seed)
         self.records = [self.recordings.get(tuple(p), []) for p in prompts]
+        if self.inner is not None:
+            self.inner.start(prompts, vocab, first)
+
+    def observe(self, tokens, picks, positions=None, kept=None):
+        if self.inner is not None:
+            self.inner.observe(tokens, picks, positions, kept)
 
     def draft(self, out, k):
+        if self.inner is not None:      # its work is what is measured; its drafts are replaced
+            self.inner.draft(out, k)
         drafts = []
         for record, emitted in zip(self.records, out):
             m = len(emitted)
@@ -197,13 +214,65 @@ class OracleDrafter(Drafter):
         return drafts
 
 
-def make_drafter(spec: Speculation, seed: int = 0) -> Drafter:
+class MtpDrafter(Drafter):
+    """The model's multi-token-prediction head (Qwen35Model.mtp_draft). After the prompt pass it
+    runs over every prompt position (the head's K/V), after each verify over the verify's rows
+    (the target's states with its picks); the row of each sequence's last kept token gives the
+    first draft, and the head's own output chains the rest."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def start(self, prompts, vocab, first=None):
+        import torch
+
+        super().start(prompts, vocab)
+        dev = self.model.device
+        ids = torch.tensor(prompts, dtype=torch.int64, device=dev)
+        nxt = torch.cat([ids[:, 1:], torch.tensor(first, dtype=torch.int64, device=dev).view(-1, 1)], dim=1)
+        ones = torch.ones(len(prompts), dtype=torch.int32, device=dev)
+        picks, hidden = self.model.mtp_draft(nxt, self.model.hidden, ones)
+        self._ready(picks[:, -1], hidden[:, -1], ones * ids.shape[1])
+
+    def _ready(self, pick, hidden, position) -> None:
+        """The first draft of each sequence, the head's state after it, its last token's position."""
+        self.pick, self.state, self.position = pick, hidden, position
+
+    def draft(self, out, k):
+        import torch
+
+        chain, pick, state = [self.pick], self.pick, self.state
+        for i in range(1, k):
+            picks, hidden = self.model.mtp_draft(pick.view(-1, 1), state.unsqueeze(1), self.position + i)
+            pick, state = picks[:, 0], hidden[:, 0]
+            chain.append(pick)
+        return torch.stack(chain, dim=1).tolist()
+
+    def observe(self, tokens, picks, positions=None, kept=None):
+        import torch
+
+        dev = self.model.device
+        pos = torch.tensor(positions, dtype=torch.int32, device=dev)
+        heads, hidden = self.model.mtp_draft(torch.tensor(picks, dtype=torch.int64, device=dev), self.model.hidden,
+                                             pos + 1)
+        last = torch.tensor([max(0, m - 1) for m in kept], dtype=torch.int64, device=dev)
+        rows = torch.arange(len(kept), device=dev)
+        self._ready(heads[rows, last], hidden[rows, last], pos + last.to(torch.int32) + 1)
+
+
+def make_drafter(spec: Speculation, seed: int = 0, model=None) -> Drafter:
+    """The drafter of spec's mode; model: the target (the MTP head's owner, where it has one)."""
+    head = model is not None and getattr(model, "has_mtp", False)
     if spec.mode == "ngram":
         return NgramDrafter()
     if spec.mode == "recycle":
         return RecycleDrafter()
+    if spec.mode == "mtp":
+        if not head:
+            raise ValueError("speculation 'mtp' needs a model with its multi-token-prediction head loaded")
+        return MtpDrafter(model)
     if spec.mode == "oracle":
-        return OracleDrafter(spec.accept, seed)
+        return OracleDrafter(spec.accept, seed, inner=MtpDrafter(model) if head else None)
     raise ValueError(f"no drafter for speculation mode {spec.mode!r}")
 
 

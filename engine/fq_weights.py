@@ -172,9 +172,11 @@ _WRAPPED = "model.language_model."
 _SKIPPED = ("mtp.", "model.visual.", "visual.")
 
 
-def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device, pack: bool = True) -> dict:
+def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device, pack: bool = True,
+                        mtp: bool = False) -> dict:
     """name -> BF16 tensor on the device, text-model names (`model.layers.3.self_attn.q_proj.weight`);
-    the released wrapper's prefix is removed, its vision and MTP weights skipped (one line).
+    the released wrapper's prefix is removed, its vision weights skipped (one line), its MTP head
+    (`mtp.*`) loaded with mtp (a ValueError where the checkpoint has none), else skipped.
     pack: the model's packed matrices (qwen35_pack_groups: gate | up, a GDN layer's qkv | z | b | a,
     an attention layer's q | k | v) are each read straight into their place in one device tensor,
     so the load's peak is the weights themselves (packing after a load holds both copies)."""
@@ -185,7 +187,7 @@ def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device,
     for fname in files:
         with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
             for name in f.keys():
-                if name.startswith(_SKIPPED):
+                if name.startswith(_SKIPPED) and not (mtp and name.startswith("mtp.")):
                     skipped += 1
                     continue
                 where["model." + name[len(_WRAPPED):] if name.startswith(_WRAPPED) else name] = (fname, name)
@@ -195,7 +197,12 @@ def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device,
     missing = [n for n in _expected_names(cfg) if n not in where and not (n == "lm_head.weight" and tied)]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
-    groups = qwen35_pack_groups(cfg) if pack else {}
+    if mtp:
+        lacking = [n for n in _mtp_names(cfg) if n not in where]
+        if not cfg.mtp_layers or lacking:
+            raise ValueError(f"the checkpoint has no complete multi-token-prediction head (mtp_num_hidden_layers "
+                             f"{cfg.mtp_layers}" + (f"; {lacking[0]!r} missing)" if lacking else ")"))
+    groups = qwen35_pack_groups(cfg, mtp) if pack else {}
     packed_parts = {part for parts in groups.values() for part in parts}
     out = {}
     with ExitStack() as stack:
@@ -223,9 +230,14 @@ def load_qwen35_weights(model_dir: str, cfg: Qwen35Config, device: torch.device,
     return out
 
 
-def qwen35_pack_groups(cfg: Qwen35Config) -> dict:
-    """The packed matrices of a Qwen3.5 model: name -> the names stacked into it, in order."""
+def qwen35_pack_groups(cfg: Qwen35Config, mtp: bool = False) -> dict:
+    """The packed matrices of a Qwen3.5 model (and with mtp, of its MTP head's layers: q | k | v,
+    gate | up): name -> the names stacked into it, in order."""
     groups = {}
+    for n in range(cfg.mtp_layers if mtp else 0):
+        p = f"mtp.layers.{n}."
+        groups[p + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        groups[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         groups[p + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
@@ -235,6 +247,16 @@ def qwen35_pack_groups(cfg: Qwen35Config) -> dict:
         else:
             groups[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
     return groups
+
+
+def _mtp_names(cfg: Qwen35Config) -> list:
+    names = ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"]
+    for n in range(cfg.mtp_layers):
+        p = f"mtp.layers.{n}."
+        names += [p + "self_attn." + x + ".weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        names += [p + x + ".weight" for x in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                                               "post_attention_layernorm")]
+    return names
 
 
 def _expected_names(cfg: Qwen35Config) -> list:

@@ -216,6 +216,31 @@ def qwen35_expected_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return specs
 
 
+def mtp_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The multi-token-prediction head a released Qwen3.5 checkpoint carries beside the model
+    (`mtp.*`, config `mtp_num_hidden_layers`; none for Qwen3 or without the field): `fc` over the
+    normed embedding and hidden state side by side, its two norms, that many gated full-attention
+    decoder layers and a final norm. Not part of the model's own parameters (expected_tensors): the
+    plain decode never reads them."""
+    layers = int(config.get("mtp_num_hidden_layers") or 0) if config.get("model_type") in QWEN35_MODEL_TYPES else 0
+    if not layers:
+        return []
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    hd, heads, kvh = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    specs = [("mtp.fc.weight", (h, 2 * h)), ("mtp.pre_fc_norm_embedding.weight", (h,)),
+             ("mtp.pre_fc_norm_hidden.weight", (h,))]
+    for n in range(layers):
+        p, a = f"mtp.layers.{n}.", f"mtp.layers.{n}.self_attn."
+        specs += [(a + "q_proj.weight", (2 * heads * hd, h)), (a + "k_proj.weight", (kvh * hd, h)),
+                  (a + "v_proj.weight", (kvh * hd, h)), (a + "o_proj.weight", (h, heads * hd)),
+                  (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,)),
+                  (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                  (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                  (p + "post_attention_layernorm.weight", (h,))]
+    specs.append(("mtp.norm.weight", (h,)))
+    return specs
+
+
 def _read_index(index_path: pathlib.Path) -> dict[str, str]:
     index = _read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -308,7 +333,7 @@ def check_tensors(model_dir: str | pathlib.Path) -> dict[str, tuple[int, ...]]:
             if name not in weight_map:
                 raise UserError(f"tensor {name!r} in {where[name]!r} is missing from the index")
 
-    expected = dict(expected_tensors(cfg))
+    expected = dict(expected_tensors(cfg) + mtp_tensors(cfg))
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in found:
         expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     for name, shape in expected.items():

@@ -2,7 +2,9 @@
 
 The folder is what Transformers 5.17.0's `Qwen3_5ForCausalLM.save_pretrained` writes
 for a text model (model_type qwen3_5_text, tied embeddings: no lm_head tensor), in
-bf16, by fastqwen.synth_common's writer. Two weight families, as for Qwen3 (fastqwen.synth):
+bf16, by fastqwen.synth_common's writer, plus the multi-token-prediction head the released
+checkpoints carry (`mtp.*`, `mtp_num_hidden_layers: 1`; Transformers skips it on load; its
+random weights draft tokens the model rarely picks). Two weight families, as for Qwen3 (fastqwen.synth):
 
 - `transformers`: Transformers' own init (normal(0, 0.02) for every projection, the
   embedding and the conv; the (1 + w) norms' w at 0; the gated norm's plain weight at 1;
@@ -33,7 +35,7 @@ from __future__ import annotations
 import copy
 import pathlib
 
-from fastqwen.checkpoint import expected_tensors, qwen35_layer_types
+from fastqwen.checkpoint import expected_tensors, mtp_tensors, qwen35_layer_types
 from fastqwen.errors import UserError
 from fastqwen.synth_common import (check_device, check_final_norm_scale, check_seed, final_norm_for_gap, tensor_seed,
                                    vocab_row_factors, write_checkpoint)
@@ -67,6 +69,8 @@ def _config(**fields: object) -> dict:
         "initializer_range": STD,
         "linear_conv_kernel_dim": 4,
         "model_type": "qwen3_5_text",
+        # the released checkpoints' multi-token-prediction head (mtp.*): one decoder layer
+        "mtp_num_hidden_layers": 1,
         "pad_token_id": None,
         "partial_rotary_factor": 0.25,
         "rms_norm_eps": 1e-06,
@@ -154,6 +158,6 @@ def synthesize(preset: str, out_dir: str | pathlib.Path, seed: int = 0, device: 
                   **({"embedding_std": STD * EMBEDDING_STD_RATIO, "vocab_row_norm_sigma": VOCAB_ROW_NORM_SIGMA,
                       "qk_norm_weight": QK_NORM_WEIGHT} if init == "fastqwen" else {}),
                   "torch": torch.__version__}
-    return write_checkpoint(pathlib.Path(out_dir), cfg, dict(GENERATION_CONFIG), expected_tensors(cfg),
+    return write_checkpoint(pathlib.Path(out_dir), cfg, dict(GENERATION_CONFIG), expected_tensors(cfg) + mtp_tensors(cfg),
                             lambda name, shape: make_tensor(name, shape, seed, scale, device, init), provenance,
                             force=force, progress=progress)

@@ -38,7 +38,7 @@ def test_speculation_values_parse(value, mode, accept):
 
 @pytest.mark.parametrize("value,k,message", [("fast", None, "'fast' is not one of"),
                                              ("oracle:1.5", None, r"in \[0, 1\]"), ("oracle:x", None, r"in \[0, 1\]"),
-                                             ("mtp", None, "not available in this engine yet"),
+                                             ("auto", None, "not available in this engine yet"),
                                              (3, None, "must be a string"), ("ngram", 0, "speculative_tokens"),
                                              ("ngram", 17, "speculative_tokens"), ("ngram", True, "speculative_tokens")])
 def test_a_bad_speculation_value_is_an_error_naming_it(value, k, message):
@@ -53,6 +53,11 @@ def test_the_environment_sets_speculation_and_a_keyword_wins(tiny_model, monkeyp
     monkeypatch.setenv("FASTQWEN_SPECULATION", "nonsense")
     with pytest.raises(ValueError, match="nonsense"):
         engine_module.Engine(str(tiny_model))
+
+
+def test_mtp_needs_a_qwen35_checkpoint_with_its_head(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="a Qwen3 model has none"):
+        engine_module.Engine(str(tiny_model), speculation="mtp")
 
 
 def test_qwen35_speculation_needs_exact_decode(qwen35_tiny_model):
