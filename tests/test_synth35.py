@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastqwen import refenv, synth35
-from fastqwen.checkpoint import expected_tensors, qwen35_layer_types
+from fastqwen.checkpoint import expected_tensors, mtp_tensors, qwen35_layer_types
 from fastqwen.errors import UserError
 
 
@@ -45,7 +45,9 @@ def _weights(folder):
 
 def test_tiny_init_and_determinism(tiny, tmp_path):
     w = _weights(tiny)
-    assert set(w) == {n for n, _ in expected_tensors(json.loads((tiny / "config.json").read_text()))}
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1 and mtp_tensors(cfg)
+    assert set(w) == {n for n, _ in expected_tensors(cfg) + mtp_tensors(cfg)}
     assert all(t.dtype == torch.bfloat16 for t in w.values())
     a_log = w["model.layers.0.linear_attn.A_log"]
     assert torch.isfinite(a_log).all() and (a_log.float().exp() >= 0.0099).all() and (a_log.float().exp() <= 16.1).all()
