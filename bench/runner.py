@@ -50,9 +50,12 @@ class BenchError(Exception):
 # ---------------------------------------------------------------- header
 
 def commit() -> tuple[str | None, bool | None]:
-    """(HEAD, whether tracked files differ from it). Where the tree has no .git (the GPU machine
-    gets a copy of the working tree), the `.commit` file at the repository root, else
-    FASTQWEN_COMMIT; the difference is then unknown (None)."""
+    """(HEAD, whether tracked files differ from it). FASTQWEN_COMMIT first where it is set (the GPU
+    machine's script stamps the carried tree with it: a copy there may hold a stale .git of its
+    own); else git; else the `.commit` file at the repository root. The difference is unknown
+    (None) but from git."""
+    if os.environ.get("FASTQWEN_COMMIT"):
+        return os.environ["FASTQWEN_COMMIT"], None
     if (REPO / ".git").exists():
         try:
             head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -66,7 +69,7 @@ def commit() -> tuple[str | None, bool | None]:
     stamp = REPO / ".commit"
     if stamp.is_file() and stamp.read_text().strip():
         return stamp.read_text().strip(), None
-    return os.environ.get("FASTQWEN_COMMIT") or None, None
+    return None, None
 
 
 def gpu_visible() -> bool:

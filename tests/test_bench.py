@@ -74,14 +74,16 @@ def test_header_names_device_versions_commit_date_and_command():
         assert re.fullmatch(r"[0-9a-f]{40}", h["commit"]), h["commit"]
 
 
-def test_commit_without_git_reads_the_stamp_file_then_the_environment(tmp_path, monkeypatch):
+def test_commit_is_the_environments_stamp_first_then_git_then_the_stamp_file(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "REPO", tmp_path)          # a tree with no .git, as on the GPU machine
     monkeypatch.delenv("FASTQWEN_COMMIT", raising=False)
     assert runner.commit() == (None, None)
-    monkeypatch.setenv("FASTQWEN_COMMIT", "from-env")
-    assert runner.commit() == ("from-env", None)
     (tmp_path / ".commit").write_text("0123abc\n")
     assert runner.commit() == ("0123abc", None)
+    # the GPU script's stamp wins over a stale .git or .commit in the copied tree
+    (tmp_path / ".git").mkdir()
+    monkeypatch.setenv("FASTQWEN_COMMIT", "from-env")
+    assert runner.commit() == ("from-env", None)
 
 
 def test_report_writes_one_json_of_header_entry_args_rows_and_a_table(tmp_path, capsys):

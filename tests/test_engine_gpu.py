@@ -16,9 +16,9 @@ def engine(tiny_model):
     return load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(tiny_model))
 
 
-def _prompts(batch, length, seed):
+def _prompts(batch, length, seed, vocab=4096):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 4096, (batch, length), generator=g).tolist()
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
 def _slack(model_dir, prompts, steps):
@@ -333,7 +333,7 @@ def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, ba
     """Verifies that close a GDN chunk at a row they reject, then roll back (fq_qwen35.commit_verify)."""
     from fq_spec import make_drafter, parse_speculation
 
-    prompts = _prompts(batch, prompt, seed=prompt)
+    prompts = _prompts(batch, prompt, seed=prompt, vocab=engine35.cfg.vocab_size)
     want = list(engine35.generate(prompts, 40))
     before = engine35.spec, engine35._drafter
     engine35.spec = parse_speculation(mode)
