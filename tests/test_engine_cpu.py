@@ -291,4 +291,4 @@ def test_massive_activations_checkpoint_passes_the_margin(tmp_path, init):
 def test_engine_describes_what_runs(engines):
     info = engines[0].describe()
     assert info == {"family": "qwen3", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "pdl": False, "exact_decode": True, "lm_screen": False}
+                    "pdl": False, "exact_decode": True, "speculation": "off", "lm_screen": False}
