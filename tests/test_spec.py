@@ -227,3 +227,42 @@ def test_qwen35_speculation_emits_the_plain_tokens(plain35, qwen35_tiny_model, p
     assert list(eng.generate(prompts, 30)) == want
     st = eng.spec_stats()
     assert st["emitted"] == st["verified_rows"] + st["accepted"]
+
+
+@pytest.mark.parametrize("mode", ["mtp", "oracle:0.8"])
+def test_qwen35_mtp_head_drafts_and_the_plain_tokens_stay(plain35, qwen35_tiny_model, mode):
+    """The MTP head (the synthetic checkpoint's mtp.*) loaded for "mtp" and for the oracle, which
+    runs it and replaces its drafts; plain decode does not load it."""
+    prompts = _prompts(2, 58, seed=4)
+    want = list(plain35.generate(prompts, 24))
+    assert not plain35.model.has_mtp
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation=mode)
+    assert eng.model.has_mtp and eng.model.mtp_k is None
+    assert list(eng.generate(prompts, 24)) == want
+    st = eng.spec_stats()
+    assert st["draft_s"] > 0 and st["drafted"] == 4 * st["verified_rows"]
+    assert eng.model.mtp_k.shape[:2] == (eng.cfg.mtp_layers, 2)
+
+
+def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
+    """The drafter's k drafts after the prompt pass: the head's pick at the last prompt row, then
+    each chained row's pick (checked against mtp_draft called row by row)."""
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
+    model, drafter = eng.model, eng._drafter
+    prompts = _prompts(1, 20, seed=9)
+    with torch.inference_mode():
+        eng._prepare_cache(1, 64)
+        first = model.prefill(torch.tensor(prompts)).tolist()
+        drafter.start(prompts, eng.cfg.vocab_size, first)
+        drafts = drafter.draft([first], 3)[0]
+        # again by hand: the head over the prompt rows, then two chained rows
+        ids = torch.tensor(prompts)
+        nxt = torch.cat([ids[:, 1:], torch.tensor([first])], dim=1)
+        assert model.hidden.shape[1] == 20          # the prompt pass's states, every position
+        picks, hidden = model.mtp_draft(nxt, model.hidden, torch.ones(1, dtype=torch.int32))
+        chain, pick, state = [int(picks[0, -1])], picks[:, -1], hidden[:, -1]
+        for i in (1, 2):       # the last token (first) sits at position 20; chained rows at 21, 22
+            p2, h2 = model.mtp_draft(pick.view(1, 1), state.unsqueeze(1), torch.full((1,), 20 + i, dtype=torch.int32))
+            pick, state = p2[:, 0], h2[:, 0]
+            chain.append(int(pick[0]))
+    assert drafts == chain
