@@ -327,7 +327,10 @@ class Engine:
         # takes its own pool, so the two never count at once against peak memory.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        hidden = getattr(self.model, "hidden", None)     # the eager pass's states (an MTP head reads them)
         self._prefill_graphs[(batch, prompt)] = PrefillGraph(self.model, batch, prompt)
+        if hidden is not None:
+            self.model.hidden = hidden       # not the capture's: its buffer holds nothing until a replay
         return first
 
     def _host_buffer(self, steps: int, batch: int) -> torch.Tensor:
