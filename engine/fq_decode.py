@@ -93,11 +93,15 @@ class PrefillGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.first = model.prefill(self.ids)
+        # the model's final-normed states of the pass, where it keeps them (an MTP head reads them)
+        self.hidden = getattr(model, "hidden", None)
 
     def run(self, ids: torch.Tensor) -> torch.Tensor:
         """First generated tokens [B] (a static buffer: copy before the next run)."""
         self.ids.copy_(ids, non_blocking=True)
         self.graph.replay()
+        if self.hidden is not None:
+            self.model.hidden = self.hidden
         return self.first
 
 
