@@ -239,7 +239,8 @@ def test_backend_is_explicit(tiny, monkeypatch):
     eng = Engine(str(tiny))
     info = eng.describe()
     assert info == {"family": "qwen3.5", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
-                    "pdl": False, "exact_decode": True, "lm_screen": False, "gdn_prompt_rule": "reference",
+                    "pdl": False, "exact_decode": True, "speculation": "off", "lm_screen": False,
+                    "gdn_prompt_rule": "reference",
                     "gdn_decode": "full forward's rows"}
     monkeypatch.setenv("FASTQWEN_EXACT_DECODE", "0")
     assert Engine(str(tiny)).describe()["gdn_decode"] == "recurrent"
