@@ -54,9 +54,9 @@ def test_the_env_finder_finds_what_it_names():
     assert _env_reads(src) == {"FASTQWEN_X", "FASTQWEN_Y", "FASTQWEN_Z"}
 
 
-# How the work was done, never what the code is: "session 31", "sessions 5-6", "run 3" of a
-# measurement, "issue 12", a dated run folder, the retired log.
-HISTORY = re.compile(r"\b[Ss]essions? \d|\bsession\d|\b[Ii]ssues? \d+|\bh200-20\d\d-\d\d|(?<!:results/)PERF_LOG|"
+# How the work was done, never what the code is: a numbered session, run (of a measurement) or
+# issue, a dated run folder, the retired measurement log.
+HISTORY = re.compile(r"\b[Ss]essions? \d|\bsession\d|\b[Ii]ssues? \d+|\bh200-20\d\d-\d\d|(?<!:results/)PERF[_]LOG|"
                      r"\b[Rr]un \d+(?![\d.])(?! (?:samples?|steps?|times|tokens|layers|rows|positions|splits))")
 
 
@@ -70,8 +70,7 @@ def _tracked() -> list[pathlib.Path]:
 def test_no_tracked_file_speaks_of_the_development_history():
     found = []
     for path in _tracked():
-        if path.suffix not in (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml") \
-                or path.name == "test_layout.py":
+        if path.suffix not in (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml"):
             continue
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if HISTORY.search(line):
@@ -80,8 +79,9 @@ def test_no_tracked_file_speaks_of_the_development_history():
 
 
 def test_the_history_pattern_matches_what_it_names():
-    for text in ("the default since session 31", "sessions 5-6", "(issue 12)", "results/h200-2026-12-01/x",
-                 "see PERF_LOG", "run 3 of the judge"):
+    # joined here, so that this file holds none of what it forbids and is checked like every other
+    for text in ("the default since " + "session" + " 31", "sessions" + " 5-6", "(issue" + " 12)",
+                 "results/h200-" + "2026-12-01/x", "see PERF" + "_LOG", "run" + " 3 of the judge"):
         assert HISTORY.search(text), text
     for text in ("runs 5 samples", "an HTTP session", "the session fixture", "run 5 steps", "runs 4 splits",
                  "the platform runs Triton 3.1", "run 3.1's kernels"):
