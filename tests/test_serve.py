@@ -6,7 +6,6 @@ while the server goes on, and /metrics as Prometheus text."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,30 +16,16 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from serve_live import serving  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    from fastqwen.serve.app import Server, create_app
+    from fastqwen.serve.app import Server
 
     srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning")
-    web = uvicorn.Server(config)
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield srv, url
-    web.should_exit = True
-    thread.join(timeout=10)
-    srv.close()
+    with serving(srv) as url:
+        yield srv, url
 
 
 @pytest.fixture(scope="module")
