@@ -14,6 +14,7 @@ the load generator load no Transformers, so nothing of the judge's stack is shad
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -119,6 +120,25 @@ def _wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
     raise BenchError(f"the server did not answer /health in {timeout_s} s: {log.read_text()[-2000:]}")
 
 
+@contextlib.contextmanager
+def _server(cmd: list, env: dict, url: str, log: Path, timeout_s: float):
+    """`fastqwen serve` (cmd) started with its output in log; yields the seconds from the start to
+    its first /health 200, and stops it (politely, then by force) on exit."""
+    began = time.monotonic()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, url, log, timeout_s)
+        yield time.monotonic() - began
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _memory_fraction(gib: float) -> float:
     import torch
 
@@ -151,12 +171,8 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
     cmd += ["--gpu-memory-fraction", f"{_memory_fraction(args.memory_gib):.6f}"] if args.memory_gib else []
     log = tmp / "server.log"
     env = _env()
-    began = time.monotonic()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_healthy(proc, url, log, args.server_timeout_s)
-        report.add({"kind": "ready", "ready_s": time.monotonic() - began, "slots": _slots(log),
+    with _server(cmd, env, url, log, args.server_timeout_s) as ready_s:
+        report.add({"kind": "ready", "ready_s": ready_s, "slots": _slots(log),
                     "memory_gib": args.memory_gib, "server_log": log.read_text()[-1000:]})
         for seed, streams in enumerate(args.streams, start=10):
             out = tmp / f"bench_serve_{streams}.json"
@@ -177,13 +193,6 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
                         "ttft_ms": _ms(r["ttft_s"]["median"]), "ttft_p99_ms": _ms(r["ttft_s"]["p99"]),
                         "tpot_ms": _ms(r["tpot_s"]["median"]), "itl_p99_ms": _ms(r["itl_s"]["p99"]),
                         "failed": r["failed"], "running_peak": _running_peak(url), "bench_serve": r})
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run(args, report) -> None:

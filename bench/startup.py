@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.runner import REPO, BenchError, Column, add_model_argument, positive_int, resolve_model
-from bench.serve import _env, _free_port, _slots, _wait_healthy
+from bench.serve import _env, _free_port, _server, _slots
 
 COLUMNS = [Column("start", width=6, left=True), Column("ready_s", "ready s", fmt="{:.1f}"),
            Column("server_s", "server s", fmt="{:.1f}"), Column("slots", width=6),
@@ -64,19 +64,8 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len)]
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
-    began = time.monotonic()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}", log, args.server_timeout_s)
-        ready = time.monotonic() - began
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
+        pass
     text = log.read_text()
     found = re.search(r"loaded in ([0-9.]+) s", text)
     return {"ready_s": ready, "server_s": float(found.group(1)) if found else None, "slots": _slots(log),
