@@ -1,8 +1,9 @@
 """Speculative decoding against plain decode on one engine, per batch: the oracle's speed curve
 (drafts from a recorded plain run, each right with probability a) and the model-free drafters.
 
-One engine is built with the engine options given; its speculation is switched per arm (the same
-weights, caches and tuning, so the arms' tokens are comparable bit for bit). Per batch: random
+One engine is built with the engine options given (and Qwen3.5's MTP head where an arm is "mtp");
+its speculation is switched per arm by Engine.set_speculation (the same weights, caches and tuning,
+so the arms' tokens are comparable bit for bit). Per batch: random
 prompts of --prompt tokens, a plain generate() of --steps tokens (warmup, then --reps timed: the
 median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
 and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
@@ -49,25 +50,27 @@ def run(args, report) -> None:
     import torch
 
     model_dir = resolve_model(args.model)
-    eng = build_engine(model_dir, engine_options(args))
-    spec_mod = __import__("fq_spec")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    parsed = {a: spec_mod.parse_speculation(a, args.k) for a in arms}      # a bad arm fails before any work
+    options = engine_options(args)
+    if "mtp" in arms:                 # the engine loads the MTP head only when built with it
+        options["speculation"] = "mtp"
+    eng = build_engine(model_dir, options)
+    for arm in arms:                  # a bad arm fails before any work
+        eng.set_speculation(arm, args.k)
+    eng.set_speculation("off")
     report.note(f"# {model_dir}: {eng.describe()}")
     sync = torch.cuda.synchronize if gpu_visible() else (lambda: None)
-    plain_spec = spec_mod.parse_speculation("off")
     for batch in args.batches:
         prompts = torch.randint(0, eng.cfg.vocab_size, (batch, args.prompt),
                                 generator=torch.Generator().manual_seed(batch)).tolist()
-        eng.spec, eng._drafter = plain_spec, None
+        eng.set_speculation("off")
         list(eng.generate(prompts, args.steps))
         plain_s, plain_tokens = _timed(eng, prompts, args.steps, args.reps, sync)
         plain_tok_s = batch * args.steps / plain_s
         report.add({"batch": batch, "arm": "plain", "k": 0, "tok_s": plain_tok_s, "vs_plain": 1.0,
                     "same_tokens": True})
         for arm in arms:
-            eng.spec = parsed[arm]
-            eng._drafter = spec_mod.make_drafter(eng.spec)
+            eng.set_speculation(arm, args.k)
             list(eng.generate(prompts, args.steps))             # the oracle records here; compiles, tunes
             seconds, tokens = _timed(eng, prompts, args.steps, args.reps, sync)
             st = eng.spec_stats()
@@ -76,4 +79,4 @@ def run(args, report) -> None:
                         "tokens_per_verify": st["tokens_per_verify"],
                         "verify_ms": 1e3 * st["verify_s"] / max(1, st["verify_steps"]),
                         "same_tokens": tokens == plain_tokens, "stats": st})
-        eng.spec, eng._drafter = plain_spec, None
+        eng.set_speculation("off")

@@ -83,14 +83,9 @@ class Engine:
         graphs = _option(graphs, "FASTQWEN_NO_GRAPHS", lambda v: v != "1", True)
         pdl = _option(pdl, "FASTQWEN_NO_PDL", lambda v: v != "1", True)
         exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
-        self.spec = parse_speculation(_option(speculation, "FASTQWEN_SPECULATION", str, "off"), speculative_tokens)
         self.cfg = config_for(model_path)
-        if self.spec.mode == "mtp" and not isinstance(self.cfg, Qwen35Config):
-            raise ValueError("speculation 'mtp' needs a Qwen3.5 checkpoint with its multi-token-prediction head "
-                             "(a Qwen3 model has none)")
-        if self.spec.on and isinstance(self.cfg, Qwen35Config) and not exact_decode:
-            raise ValueError(f"speculation {self.spec.mode!r} on a Qwen3.5 model needs exact_decode (its verify drops "
-                             f"rejected rows from the GDN chunk's rows; the recurrent step cannot)")
+        self.spec = self._speculation(_option(speculation, "FASTQWEN_SPECULATION", str, "off"), speculative_tokens,
+                                      exact_decode)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The reference runs with TF32 off; bf16 products accumulate in fp32 in
         # our kernels, so ask cuBLAS for the same (no reduced-precision split-K).
@@ -122,6 +117,25 @@ class Engine:
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
         self._drafter = make_drafter(self.spec, model=self.model) if self.spec.on else None
         self._spec_stats = SpecStats()
+
+    def _speculation(self, value, k, exact_decode: bool):
+        """The parsed speculation option, or a ValueError where this checkpoint cannot run it."""
+        spec = parse_speculation(value, k)
+        if spec.mode == "mtp" and not isinstance(self.cfg, Qwen35Config):
+            raise ValueError("speculation 'mtp' needs a Qwen3.5 checkpoint with its multi-token-prediction head "
+                             "(a Qwen3 model has none)")
+        if spec.on and isinstance(self.cfg, Qwen35Config) and not exact_decode:
+            raise ValueError(f"speculation {spec.mode!r} on a Qwen3.5 model needs exact_decode (its verify drops "
+                             f"rejected rows from the GDN chunk's rows; the recurrent step cannot)")
+        return spec
+
+    def set_speculation(self, speculation: str, speculative_tokens: int | None = None) -> None:
+        """Another speculation mode for this loaded engine, its weights, caches and tuning kept (a
+        bench's arms then compare bit for bit). "mtp" only where the head was loaded (an engine
+        built with speculation "mtp", or "oracle" on a checkpoint with a head)."""
+        spec = self._speculation(speculation, speculative_tokens, self.exact_decode)
+        self._drafter = make_drafter(spec, model=self.model) if spec.on else None
+        self.spec = spec
 
     def describe(self) -> dict:
         """What runs: the model family, its op set, whether the decode step and prompts are graphs,

@@ -456,3 +456,12 @@ def test_fidelity_on_qwen35_teacher_forced_on_the_engines_tokens(tmp_path, capsy
     assert rows["exact_decode=off"]["exact_decode"] is False
     assert "gdn_chunk_rows" in rows["swap:gdn_prompt+gdn_step"]["swapped"]
     assert all(r["positions"] == 2 * 4 and r["max_abs"] < 0.5 for r in rows.values())
+
+
+def test_spec_times_each_arm_beside_plain_and_the_tokens_agree(tmp_path, capsys, bench_cache):
+    doc = run_entry(["spec", "--model", "tiny", "--batches", "2", "--prompt", "8", "--steps", "9", "--reps", "1",
+                     "--k", "3", "--arms", "ngram,oracle:1"], tmp_path, capsys)
+    assert [r["arm"] for r in doc["rows"]] == ["plain", "ngram", "oracle:1"]
+    assert all(r["same_tokens"] and r["tok_s"] > 0 for r in doc["rows"])
+    oracle = doc["rows"][2]
+    assert oracle["k"] == 3 and oracle["acceptance"] > 0.5 and oracle["stats"]["record_s"] == 0.0

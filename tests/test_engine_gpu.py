@@ -306,18 +306,14 @@ def test_verify_rows_equal_the_plain_decode_steps_bits(engine, batch):
 
 @pytest.mark.parametrize("mode,batch", [("ngram", 1), ("oracle:0.7", 1), ("oracle:0.7", 4), ("recycle", 9)])
 def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
-    from fq_spec import make_drafter, parse_speculation
-
     prompts = _prompts(batch, 64, seed=7 * batch)
     want = list(engine.generate(prompts, 40))
-    before = engine.spec, engine._drafter
-    engine.spec = parse_speculation(mode)
-    engine._drafter = make_drafter(engine.spec)
+    engine.set_speculation(mode)
     try:
         assert list(engine.generate(prompts, 40)) == want
         assert engine.spec_stats()["verify_steps"] > 0 and engine._verify.graph is not None
     finally:
-        engine.spec, engine._drafter = before
+        engine.set_speculation("off")
 
 
 @pytest.fixture(scope="module")
@@ -331,14 +327,10 @@ def engine35(tmp_path_factory):
 @pytest.mark.parametrize("mode,batch,prompt", [("oracle:0.5", 1, 58), ("oracle:0.0", 3, 61), ("ngram", 2, 50)])
 def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, batch, prompt):
     """Verifies that close a GDN chunk at a row they reject, then roll back (fq_qwen35.commit_verify)."""
-    from fq_spec import make_drafter, parse_speculation
-
     prompts = _prompts(batch, prompt, seed=prompt, vocab=engine35.cfg.vocab_size)
     want = list(engine35.generate(prompts, 40))
-    before = engine35.spec, engine35._drafter
-    engine35.spec = parse_speculation(mode)
-    engine35._drafter = make_drafter(engine35.spec)
+    engine35.set_speculation(mode)
     try:
         assert list(engine35.generate(prompts, 40)) == want
     finally:
-        engine35.spec, engine35._drafter = before
+        engine35.set_speculation("off")

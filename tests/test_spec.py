@@ -115,6 +115,28 @@ def test_the_oracle_replays_its_recording_and_corrupts_at_the_asked_rate():
 
 
 # ---- verify rows are the decode step's bits ------------------------------------------------
+def _allocate(model, B, capacity, paged=None):
+    """Caches of B rows of `capacity` positions; paged = (each row's pages {row: [page, ...]}, pages
+    in the pool, positions a page): the paged form, rows on pages out of order."""
+    if paged is None:
+        model.allocate_cache(B, capacity)
+    else:
+        tables, pool, page = paged
+        model.allocate_paged_cache(B, pool, page, capacity)
+        for b, pages in tables.items():
+            model.block_table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    model.ensure_rope(capacity)
+
+
+def _one_row_steps(model, tokens, P):
+    """The plain decode step's logits for tokens [B, T] at positions P .. P + T - 1, one step a
+    position: [B, T, vocab]."""
+    B, T = tokens.shape
+    steps = [model.decode_logits(tokens[:, j].contiguous(), torch.full((B,), P + j, dtype=torch.int32),
+                                 torch.full((B,), P + j + 1, dtype=torch.int32)) for j in range(T)]
+    return torch.stack(steps, dim=1)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_verify_rows_equal_the_one_row_decode_steps_bit_for_bit(plain, paged):
     model = plain.model
@@ -122,20 +144,13 @@ def test_verify_rows_equal_the_one_row_decode_steps_bit_for_bit(plain, paged):
     ids = torch.tensor(_prompts(B, P, seed=11))
     tokens = torch.tensor(_prompts(B, T, seed=12))
     with torch.inference_mode():
-        if paged:
-            model.allocate_paged_cache(B, 3 * B, 16, 32)
-            for b in range(B):
-                model.block_table[b, :2] = torch.tensor([3 * b + 2, 3 * b], dtype=torch.int32)
-        else:
-            model.allocate_cache(B, 32)
-        model.ensure_rope(32)
+        _allocate(model, B, 32, ({b: [3 * b + 2, 3 * b] for b in range(B)}, 3 * B, 16) if paged else None)
         model.prefill_logits(ids)
         verify = model.verify_logits(tokens, torch.full((B,), P, dtype=torch.int32))
-        steps = [model.decode_logits(tokens[:, j].contiguous(), torch.full((B,), P + j, dtype=torch.int32),
-                                     torch.full((B,), P + j + 1, dtype=torch.int32)) for j in range(T)]
+        steps = _one_row_steps(model, tokens, P)
     plain._drop_graphs()
     model.allocate_cache(1, 2)
-    assert torch.equal(verify, torch.stack(steps, dim=1))
+    assert torch.equal(verify, steps)
 
 
 # ---- generate: the same tokens, on or off ------------------------------------------------------
@@ -196,23 +211,16 @@ def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, 
     ids = torch.tensor(_prompts(B, P, seed=31))
     tokens = torch.tensor(_prompts(B, T, seed=32))
     with torch.inference_mode():
-        if paged:
-            model.allocate_paged_cache(B, 8, 32, 128)
-            for b in range(B):
-                model.block_table[b, :3] = torch.tensor([b, 7 - b, 4 + b], dtype=torch.int32)
-        else:
-            model.allocate_cache(B, 128)
-        model.ensure_rope(128)
+        _allocate(model, B, 128, ({b: [b, 7 - b, 4 + b] for b in range(B)}, 8, 32) if paged else None)
         model.prefill_logits(ids)
         conv, state = model.conv_state.clone(), model.state.clone()
         verify = model.verify_logits(tokens, torch.full((B,), P, dtype=torch.int32))
         model.commit_verify([P] * B, [0] * B)        # nothing kept: the states as before the verify
         assert torch.equal(model.conv_state, conv) and torch.equal(model.state, state)
-        steps = [model.decode_logits(tokens[:, j].contiguous(), torch.full((B,), P + j, dtype=torch.int32),
-                                     torch.full((B,), P + j + 1, dtype=torch.int32)) for j in range(T)]
+        steps = _one_row_steps(model, tokens, P)
     plain35._drop_graphs()
     model.allocate_cache(1, 2)
-    assert torch.equal(verify, torch.stack(steps, dim=1))
+    assert torch.equal(verify, steps)
 
 
 @pytest.mark.parametrize("prompt", [50, 58, 61])
@@ -266,3 +274,17 @@ def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
             pick, state = p2[:, 0], h2[:, 0]
             chain.append(int(pick[0]))
     assert drafts == chain
+
+
+def test_set_speculation_switches_a_loaded_engine(plain35, qwen35_tiny_model):
+    """One engine, its modes switched: the same tokens in each; "mtp" needs the head loaded."""
+    eng = engine_module.Engine(str(qwen35_tiny_model))
+    prompts = _prompts(2, 30, seed=6)
+    want = list(eng.generate(prompts, 12))
+    for mode in ("ngram", "oracle:0.5", "off"):
+        eng.set_speculation(mode, 3)
+        assert list(eng.generate(prompts, 12)) == want
+        assert eng.describe()["speculation"] == ("off" if mode == "off" else f"{mode.split(':')[0]} (k=3)")
+    with pytest.raises(ValueError, match="multi-token-prediction head loaded"):
+        eng.set_speculation("mtp")
+    assert eng.spec.mode == "off"            # a refused switch leaves the mode as it was
