@@ -14,6 +14,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def rows_of(positions: torch.Tensor, n: int, block_table: torch.Tensor | None = None) -> tuple:
+    """n decode rows for each of B sequences at positions [B] int32 .. + n - 1 (a speculative
+    verify, the MTP head's rows): (each row's position [B * n] int32, a block table [B * n, W]
+    int32 of the rows over the caches as page pools). block_table: the sequences' own (the paged
+    form); None: the row form, read as pages of a whole cache row each (row b is page b).
+    Graph-safe: no host reads."""
+    B = positions.shape[0]
+    pos = (positions.view(B, 1) + torch.arange(n, dtype=torch.int32, device=positions.device)).reshape(-1)
+    rows = torch.arange(B, device=positions.device).view(B, 1).expand(B, n).reshape(-1)
+    table = block_table[rows] if block_table is not None else rows.to(torch.int32).view(-1, 1)
+    return pos, table
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: int, seq_len: int, scale: float, last_only: bool = False,
                       window: int | None = None) -> torch.Tensor:

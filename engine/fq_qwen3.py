@@ -12,7 +12,7 @@ logits in BF16, argmax ties to the lowest index and NaN first (torch.argmax's ru
 """
 import torch
 
-from fq_attention import cached_kv, prefill_attention, prefix_attention, write_pages
+from fq_attention import cached_kv, prefill_attention, prefix_attention, rows_of, write_pages
 from fq_config import Qwen3Config
 from fq_ops import DecodeProduct
 from fq_weights import ModelWeights
@@ -222,13 +222,7 @@ class Qwen3Model:
         sequence b at positions[b] + j computes, so a kept draft's logits are the plain decode's.
         Writes K/V at every row's position; a rejected draft's are overwritten later."""
         B, T = tokens.shape
-        pos = (positions.view(B, 1) + torch.arange(T, dtype=torch.int32, device=positions.device)).reshape(-1)
-        rows = torch.arange(B, device=self.device).view(B, 1).expand(B, T).reshape(-1)    # graph-safe
-        if self.block_table is not None:
-            table = self.block_table[rows]
-        else:
-            # the row form read as pages of a whole row each: row b is page b
-            table = rows.to(torch.int32).view(-1, 1)
+        pos, table = rows_of(positions, T, self.block_table)
         with self.ops.planned_as(B):
             h = self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
             return self.ops.linear(h, self.w.lm_head).view(B, T, -1)

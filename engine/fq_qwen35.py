@@ -34,7 +34,7 @@ fq_slots shares a prompt prefix's pages with them.
 """
 import torch
 
-from fq_attention import cached_kv, gqa_causal_attention, gqa_prefix_attention, write_pages
+from fq_attention import cached_kv, gqa_causal_attention, gqa_prefix_attention, rows_of, write_pages
 from fq_config import Qwen35Config
 from fq_ops import DecodeProduct
 from fq_weights import qwen35_pack_groups
@@ -283,14 +283,16 @@ class Qwen35Model:
                              "cannot drop rejected rows)")
         B, T = tokens.shape
         G = len(self.gdn_slot)
-        # what commit_verify rolls back to: the GDN states before the verify, the conv states after each row
-        self._verify_before = (self.conv_state[:, :B].clone(), self.state[:, :B].clone(),
-                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)])
+        # What commit_verify rolls back to: the conv states before the verify and after each row; the
+        # recurrent states and the chunks' first rows only where a row of the verify closes a chunk
+        # (exact decode changes them nowhere else), so most verifies copy no recurrent state.
+        closes = any((CHUNK - 1 - p) % CHUNK < T for p in positions.tolist())
+        self._verify_before = (self.conv_state[:, :B].clone(),
+                               self.state[:, :B].clone() if closes else None,
+                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)] if closes else None)
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
-        pos = (positions.view(B, 1) + torch.arange(T, dtype=torch.int32, device=positions.device)).reshape(-1)
-        rows = torch.arange(B, device=self.device).view(B, 1).expand(B, T).reshape(-1)
-        table = self.block_table[rows] if self.block_table is not None else rows.to(torch.int32).view(-1, 1)
+        pos, table = rows_of(positions, T, self.block_table)
         shape = (B, T, self.cfg.hidden_size)
 
         def gdn(i, h):
@@ -317,8 +319,7 @@ class Qwen35Model:
         outputs [B, n, hidden], a chained draft's hidden)."""
         c, ops, eps, w = self.cfg, self.ops, self.cfg.rms_norm_eps, self.w
         B, n = tokens.shape
-        pos = (positions.view(B, 1) + torch.arange(n, dtype=torch.int32, device=positions.device)).reshape(-1)
-        table = torch.arange(B, device=self.device).view(B, 1).expand(B, n).reshape(-1).to(torch.int32).view(-1, 1)
+        pos, table = rows_of(positions, n)           # the head's cache: rows, never paged
         _, e = ops.embed_rmsnorm(tokens.reshape(-1), w["model.embed_tokens.weight"],
                                  w["mtp.pre_fc_norm_embedding.weight"], eps, one_plus=True)
         hn = ops.add_rmsnorm(torch.zeros_like(e), hidden.reshape(B * n, -1).contiguous(),
