@@ -52,18 +52,21 @@ judge_ab() {   # NAME MODEL_DIR: judge() with .base/engine as the baseline side 
     --model "$2" --out "$OUT/judge_ab_$1.json" --chart "$OUT/judge_ab_$1.png" 2>&1 | tail -60
 }
 
-kernels() {   # pytest -m gpu over the kernel and engine tests, five groups of files at once (Triton's
-  # compiles are CPU work and one process leaves the machine's cores idle; serially they outrun a call)
+kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files at once (Triton's compiles
+  # are CPU work that one process leaves mostly idle; serially they outrun a call). Each group is
+  # pytest arguments as shell words; the GDN prompt-pass plans compile most and get a group alone.
+  local plans="every_prefill_plan or bf16_pair"
   local groups=(
     "tests/kernels/test_decode_attention.py tests/kernels/test_argmax.py tests/kernels/test_paged_kv_writes.py"
     "tests/kernels/test_gemv.py tests/kernels/test_lm_screen.py tests/kernels/test_rmsnorm_order.py"
-    "tests/kernels/test_gdn_kernels.py tests/kernels/test_gdn_exact_step.py tests/kernels/test_gdn_exact_step_plan.py tests/kernels/test_sigmoid_gate.py"
+    "tests/kernels/test_gdn_kernels.py -k '$plans'"
+    "tests/kernels/test_gdn_kernels.py -k 'not ($plans)'"
+    "tests/kernels/test_gdn_exact_step.py tests/kernels/test_gdn_exact_step_plan.py tests/kernels/test_sigmoid_gate.py"
     "tests/kernels/test_qwen35_step.py tests/kernels/test_norm_rope_swiglu.py tests/kernels/test_pdl.py tests/kernels/test_compile_sm90.py"
     "tests/test_engine_gpu.py")
   local i
   for i in "${!groups[@]}"; do
-    # shellcheck disable=SC2086  # each group is a list of paths
-    timeout "${KERNELS_TIMEOUT_S:-480}" python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu ${groups[$i]} \
+    eval "timeout ${KERNELS_TIMEOUT_S:-480} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu ${groups[$i]}" \
       > "/tmp/pytest_gpu_$i.log" 2>&1 &
   done
   wait

@@ -465,3 +465,16 @@ def test_spec_times_each_arm_beside_plain_and_the_tokens_agree(tmp_path, capsys,
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in doc["rows"])
     oracle = doc["rows"][2]
     assert oracle["k"] == 3 and oracle["acceptance"] > 0.5 and oracle["stats"]["record_s"] == 0.0
+
+
+def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
+    """bench/gpu.sh's kernels stage lists its pytest groups by file: a GPU test file missing from
+    them would never run on the GPU."""
+    root = REPO
+    script = (root / "bench" / "gpu.sh").read_text()
+    stage = script[script.index("kernels() {"):script.index("main() {")]
+    named = set(re.findall(r"tests/[\w/]+\.py", stage))
+    files = {str(p.relative_to(root)) for p in (root / "tests" / "kernels").glob("test_*.py")}
+    files.add("tests/test_engine_gpu.py")
+    assert files - named == set(), sorted(files - named)
+    assert named - files == set(), sorted(named - files)

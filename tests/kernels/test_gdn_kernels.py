@@ -257,7 +257,7 @@ def test_chunked_prefill_within_the_oracles_gates(interpreter_fixes, monkeypatch
     float64 oracle's gates, outputs and final state, over T below, at and past a chunk (64), batch
     > 1, query heads shared, and a key repeated through the prompt; and close to the chunked
     reference."""
-    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, form=form))
+    monkeypatch.setattr(gdn_prefill, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, form=form))
     q, k, v, g, beta = _prefill_inputs(B, T, Hk, Hv, D, seed=T + D, repeat_keys=repeat)
     o, s = gdn_prefill.chunked_prefill(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), block_v=min(64, D))
     o, s = o.cpu(), s.cpu()
@@ -330,7 +330,7 @@ def test_chunked_prefill_captures_a_chunks_starting_state(interpreter_fixes, mon
     gdn_prefill.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
     assert torch.equal(got, alone)
     # one sequence a slice (the engine's plan's slices: FAST_PLAN names its own size)
-    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, slice_tokens=192))
+    monkeypatch.setattr(gdn_prefill, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, slice_tokens=192))
     got.fill_(float("nan"))
     gdn_prefill.chunked_prefill(*rest, block_v=32, capture=(2, got), **kw)
     assert torch.equal(got, alone)
@@ -366,8 +366,8 @@ def test_chunked_prefill_in_slices_is_one_call(interpreter_fixes, monkeypatch, s
     q, k, v, g, beta = _prefill_inputs(3, 70, 1, 2, 32, seed=11)
     args = [t.to(DEV) for t in (q, k, v, g, beta)]
     whole_o, whole_s = gdn_prefill.chunked_prefill(*args, block_v=32)
-    calls = spy_launches(gdn, "_chunk_solve_kernel")
-    monkeypatch.setattr(gdn, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, slice_tokens=128))
+    calls = spy_launches(gdn_prefill, "_chunk_solve_kernel")
+    monkeypatch.setattr(gdn_prefill, "DEFAULT_PLAN", dataclasses.replace(gdn_prefill.DEFAULT_PLAN, slice_tokens=128))
     o, s = gdn_prefill.chunked_prefill(*args, block_v=32)
     assert len(calls) == 3                      # three slices of one sequence each
     assert torch.equal(o, whole_o) and torch.equal(s, whole_s)

@@ -297,5 +297,8 @@ def test_triton_prompt_in_chunks_tracks_the_whole_prompt(tiny):
     spread = whole.std().item()
     assert (chunked - whole).abs().max().item() <= 0.02 * spread + 0.07
     assert torch.equal(chunked.argmax(-1), whole.argmax(-1))
-    assert torch.equal(model.conv_state, states[0])
+    # the conv state holds the last rows of in_proj's products, whose kernels the row count picks
+    # (140 rows against 12) in every layer up to it: the same noise as the logits, not the same bits
+    conv, conv_whole = model.conv_state.float(), states[0].float()
+    assert (conv - conv_whole).abs().max().item() <= 0.02 * conv_whole.abs().max().item() + 1e-3
     assert (model.state - states[1]).abs().max().item() <= 1e-4 * states[1].abs().max().item()
