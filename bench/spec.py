@@ -7,7 +7,8 @@ so the arms' tokens are comparable bit for bit). Per batch: random
 prompts of --prompt tokens, a plain generate() of --steps tokens (warmup, then --reps timed: the
 median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
 and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
-verify, and whether the arm's tokens equal plain's.
+verify, the device's milliseconds a draft and a verify (timed when their graphs were made), the
+plain steps "auto" took, and whether the arm's tokens equal plain's.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from bench.runner import (Column, add_engine_arguments, add_model_argument, buil
 COLUMNS = [Column("batch", width=5), Column("arm", width=12, left=True), Column("k", width=3),
            Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.2f}"),
            Column("acceptance", "accept", fmt="{:.2f}"), Column("tokens_per_verify", "tok/verify", fmt="{:.2f}"),
-           Column("verify_ms", "verify ms", fmt="{:.2f}"), Column("same_tokens", "same", width=5)]
+           Column("draft_ms", "draft ms", fmt="{:.3f}"), Column("verify_ms", "verify ms", fmt="{:.2f}"),
+           Column("plain_steps", "plain", width=5), Column("same_tokens", "same", width=5)]
 
 
 def add_arguments(parser) -> None:
@@ -30,8 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--steps", type=positive_int, default=128, help="tokens generated a call (default 128)")
     parser.add_argument("--k", type=positive_int, default=4, help="drafts a verify (default 4)")
-    parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle",
-                        help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle)")
+    parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
+                        help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
 
 
@@ -77,6 +79,6 @@ def run(args, report) -> None:
             report.add({"batch": batch, "arm": arm, "k": args.k, "tok_s": batch * args.steps / seconds,
                         "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
                         "tokens_per_verify": st["tokens_per_verify"],
-                        "verify_ms": 1e3 * st["verify_s"] / max(1, st["verify_steps"]),
+                        "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],
                         "same_tokens": tokens == plain_tokens, "stats": st})
         eng.set_speculation("off")

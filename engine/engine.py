@@ -20,11 +20,13 @@ deployment can change through the environment variable beside each):
                         attention at 7-32 sequences, Qwen3.5's GDN rule at every batch (native's
                         noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
-  speculation   "off"   exact speculative decoding (fq_spec): "ngram" (prompt lookup), "recycle"
-                        (token recycling), "mtp" (Qwen3.5's multi-token-prediction head),
-                        "oracle:<a>" (measurement: drafts from a recorded
-                        plain run, right with probability a); the same tokens as "off"
-                        (Qwen3.5: with exact decode)              FASTQWEN_SPECULATION=ngram
+  speculation   "off"   exact speculative decoding (fq_spec): "auto" (prompt lookup where the
+                        running acceptance and the measured costs say a verify pays, else
+                        plain steps), "ngram" (prompt lookup), "recycle" (token recycling),
+                        "mtp" (Qwen3.5's multi-token-prediction head), "oracle:<a>"
+                        (measurement: drafts from a recorded plain run, right with
+                        probability a); the same tokens as "off" (Qwen3.5: with exact
+                        decode)                                     FASTQWEN_SPECULATION=auto
   speculative_tokens 4  tokens drafted per verify (1-16)
 
 An explicit keyword argument wins over the environment.
@@ -36,11 +38,11 @@ import time
 import torch
 
 from fq_config import Qwen35Config, config_for
-from fq_decode import DecodeRunner, PrefillGraph, VerifyGraph
+from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
-from fq_spec import OracleDrafter, SpecStats, accept, make_drafter, parse_speculation
+from fq_spec import AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, parse_speculation
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl
 
@@ -110,12 +112,12 @@ class Engine:
         qwen35 = isinstance(self.model, Qwen35Model)
         self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
-        self._verify = None       # the VerifyGraph over the current cache, when speculating
+        self._spec = None         # the SpecRunner over the current cache, when speculating
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
-        self._drafter = make_drafter(self.spec, model=self.model) if self.spec.on else None
+        self._drafter = make_drafter(self.spec, int(self.cfg.vocab_size), model=self.model) if self.spec.on else None
         self._spec_stats = SpecStats()
 
     def _speculation(self, value, k, exact_decode: bool):
@@ -134,7 +136,7 @@ class Engine:
         bench's arms then compare bit for bit). "mtp" only where the head was loaded (an engine
         built with speculation "mtp", or "oracle" on a checkpoint with a head)."""
         spec = self._speculation(speculation, speculative_tokens, self.exact_decode)
-        self._drafter = make_drafter(spec, model=self.model) if spec.on else None
+        self._drafter = make_drafter(spec, int(self.cfg.vocab_size), model=self.model) if spec.on else None
         self.spec = spec
 
     def describe(self) -> dict:
@@ -322,7 +324,7 @@ class Engine:
     def _drop_graphs(self) -> None:
         """Forget every captured graph: they point at the cache and RoPE tables being replaced."""
         self._runner = None
-        self._verify = None
+        self._spec = None
         self._prefill_graphs = {}
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -408,81 +410,121 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _spec_runner_for(self, batch: int, prompt: int, steps: int) -> SpecRunner:
+        """The SpecRunner of this (batch, k, drafter) holding prompt + steps positions: kept across
+        calls, made (its graphs captured and timed) before this call's prompt pass."""
+        spec, runner = self.spec, self._spec
+        if (runner is None or runner.batch != batch or runner.k != spec.k or runner.drafter is not self._drafter
+                or runner.state.capacity < prompt + steps or ("plain" in runner.graphs) != (spec.mode == "auto")):
+            self._spec = None
+            state = SpecState(batch, _rounded_capacity(prompt + steps), spec.k, self.device)
+            runner = self._spec = SpecRunner(self.model, self._drafter, state, self.use_graphs,
+                                             plain=spec.mode == "auto")
+        return runner
+
+    def _record_oracle(self, ids: torch.Tensor, steps: int, stats: SpecStats) -> None:
+        """The oracle's plain run of the prompts it has not seen (not part of the timed loop's work)."""
+        drafter, prompts = self._drafter, ids.tolist()
+        drafter.set_prompts(prompts)
+        missing = drafter.missing(prompts, steps)
+        if missing:
+            began = time.perf_counter()
+            plain = [[] for _ in missing]
+            for tokens in self._generate(ids[missing], steps):
+                for seq, token in zip(plain, tokens):
+                    seq.append(token)
+            for b, seq in zip(missing, plain):
+                drafter.record(prompts[b], seq)
+            stats.record_s = time.perf_counter() - began
+
     def _generate_spec(self, ids: torch.Tensor, steps: int):
-        """Speculative generation: per verify each sequence's last token and k drafts run as k + 1
-        decode rows (the model's verify_logits; on a GPU one CUDA graph a (batch, k)), and each
-        sequence keeps the picks up to its first rejected draft; the host drafts and accepts
-        between verifies. Tokens are yielded position by position once every sequence has
-        them. Sequences past `steps` tokens verify in place (the same positions again)."""
-        spec, drafter = self.spec, self._drafter
+        """Speculative generation: each step is a verify (the drafter's k drafts and each sequence's
+        last token as k + 1 decode rows, the target's picks up to the first rejected draft kept,
+        all on the device: fq_decode.SpecRunner) or, for "auto" where verifies do not pay, a plain
+        decode step. The host reads each step's picks to yield them, and queues the next step
+        before reading the last where that step is needed whatever the last emitted. A sequence
+        that has its `steps` tokens emits nothing more (its verifies rewrite rows past its end)."""
+        spec = self.spec
         batch, prompt = ids.shape
         stats = self._spec_stats = SpecStats(mode=spec.mode, k=spec.k)
-        prompts = ids.tolist()
-        if isinstance(drafter, OracleDrafter):
-            missing = drafter.missing(prompts, steps)
-            if missing:
-                began = time.perf_counter()
-                plain = [[] for _ in missing]
-                for tokens in self._generate(ids[missing], steps):
-                    for seq, token in zip(plain, tokens):
-                        seq.append(token)
-                for b, seq in zip(missing, plain):
-                    drafter.record(prompts[b], seq)
-                stats.record_s = time.perf_counter() - began
+        if isinstance(self._drafter, OracleDrafter):
+            self._record_oracle(ids, steps, stats)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
             with torch.inference_mode():
-                # a finished sequence verifies in place: its rows reach steps + k positions past its last
+                # a finished sequence verifies in place: its rows reach k positions past its end
                 self._prepare_cache(batch, prompt + steps + 2 * spec.k)
                 self._tune(batch)      # the verify launches its products as the plain B-row step does
-                verify = self._verify
-                if verify is None or verify.tokens.shape != (batch, spec.k + 1):
-                    # Qwen3.5's verify keeps host-side state for commit_verify: eager
-                    graph = self.use_graphs and not isinstance(self.model, Qwen35Model)
-                    verify = self._verify = VerifyGraph(self.model, batch, spec.k, graph)
-                first = self._prefill(ids.to(self.device)).tolist()
+                runner = self._spec_runner_for(batch, prompt, steps)
+                for name, ms in runner.costs.items():
+                    setattr(stats, name, round(ms, 4))
+                dev_ids = ids.to(self.device)
+                first = self._prefill(dev_ids)
+                runner.state.start(dev_ids, first, steps)
+                self._drafter.start(runner.state, prompt, steps)
+                first = first.tolist()
+            yield first
+            policy = None
+            if spec.mode == "auto":
+                policy = AutoPolicy(spec.k, runner.costs["draft_ms"] + runner.costs["verify_ms"],
+                                    runner.costs["plain_ms"])
             out = [[t] for t in first]
-            with torch.inference_mode():
-                drafter.start(prompts, int(self.cfg.vocab_size), first)
-            yield [seq[0] for seq in out]
-            done = 1
-            positions = [prompt] * batch     # where each sequence's last token goes
+            remaining = [steps - 1] * batch          # as of the last step the host has read
+            queue = []                               # steps queued and not read: (verify?, host copy, event)
+            done, began = 1, time.perf_counter()
             while done < steps:
-                began = time.perf_counter()
-                with torch.inference_mode():
-                    drafts = drafter.draft(out, spec.k)
-                stats.draft_s += time.perf_counter() - began
-                began = time.perf_counter()
-                rows = [[seq[-1]] + d for seq, d in zip(out, drafts)]
-                with torch.inference_mode():
-                    verify.tokens.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
-                    verify.positions.copy_(torch.tensor(positions, dtype=torch.int32), non_blocking=True)
-                    picks = verify.run().tolist()
-                stats.verify_s += time.perf_counter() - began
-                stats.verify_steps += 1
-                counts = [0] * batch            # rows each sequence keeps (a finished one: none)
-                before = list(positions)
-                for b in range(batch):
-                    if len(out[b]) >= steps:
-                        continue
-                    kept = accept(drafts[b], picks[b])
-                    counts[b] = len(kept)
-                    out[b].extend(kept)
-                    positions[b] += len(kept)
-                    stats.drafted += spec.k
-                    stats.accepted += len(kept) - 1
-                    stats.verified_rows += 1
-                    stats.emitted += len(kept)
-                with torch.inference_mode():
-                    self.model.commit_verify(before, counts)
-                    began = time.perf_counter()
-                    drafter.observe(rows, picks, before, counts)    # the MTP head's pass over the rows
-                    stats.draft_s += time.perf_counter() - began
+                # queue the next step when the host has none queued, or when it is needed whatever
+                # the queued one emits (some sequence needs more than a step can give)
+                most = spec.k + 1 if (not queue or queue[-1][0]) else 1
+                if not queue or (len(queue) < 2 and max(remaining) > most):
+                    verify = policy is None or policy.verify_next()
+                    with torch.inference_mode():
+                        picks, emit = runner.verify() if verify else runner.plain()
+                        packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
+                        queue.append(self._spec_copy(packed, verify))
+                    if policy is not None and not verify:
+                        policy.observe_plain()
+                    continue
+                verify, host, event = queue.pop(0)
+                if event is not None:
+                    event.synchronize()
+                rows = host.tolist()
+                drafted = accepted = 0
+                for b, row in enumerate(rows):
+                    emit = row[-1]
+                    if emit:
+                        if verify:      # drafts count where a sequence had room for them
+                            drafted += min(spec.k, remaining[b] - 1)
+                            accepted += emit - 1
+                            stats.verified_rows += 1
+                            stats.emitted += emit
+                        out[b].extend(row[:emit])
+                        remaining[b] -= emit
+                if verify:
+                    stats.verify_steps += 1
+                    stats.drafted += drafted
+                    stats.accepted += accepted
+                    if policy is not None:
+                        policy.observe_verify(drafted, accepted)
+                else:
+                    stats.plain_steps += 1
                 while done < steps and all(len(seq) > done for seq in out):
                     yield [seq[done] for seq in out]
                     done += 1
+            stats.loop_s = time.perf_counter() - began
         finally:
             self._sync()
             if gc_was_enabled:
                 gc.enable()
+
+    def _spec_copy(self, packed: torch.Tensor, verify: bool) -> tuple:
+        """A step's packed picks and emit counts on their way to the host: (verify, host tensor,
+        the event after its copy; None on the CPU, where the copy is done)."""
+        if self.device.type != "cuda":
+            return verify, packed.clone(), None
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return verify, host, event

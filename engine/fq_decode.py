@@ -13,8 +13,8 @@ matches and whose length fits reuses it.
 A `LogitsStep` is the step continuous batching runs (fq_slots): the first rows of the
 cache, each at its own position, logits out for the caller to sample from.
 
-A `VerifyGraph` is a speculative verify (fq_spec) of one (batch, k): the last tokens and k drafts
-of each sequence in, the target's picks at every row out.
+A `SpecRunner` holds speculative decoding's steps (fq_spec) of one (batch, k): a draft, a verify
+with its acceptance and bookkeeping, and a plain step, each a graph over the same device state.
 
 A `PrefillGraph` does the same for the prefill of one (batch, prompt length):
 the first call of that shape runs eagerly and then captures; later calls copy
@@ -172,27 +172,67 @@ class LogitsStep:
         return self.logits
 
 
-class VerifyGraph:
-    """A speculative verify of `batch` sequences with k drafts each over static buffers: tokens
-    [batch, k + 1] int64 and positions [batch] int32 written by the caller, picks [batch, k + 1]
-    int64 (the target's argmax after each row's prefix) read after run(). On a GPU one CUDA graph;
-    capture it before the prompt pass that its warm-up rows' K/V writes would corrupt."""
+class SpecRunner:
+    """Speculative decoding's steps over one SpecState (fq_spec) of `batch` sequences and k drafts:
+    a draft (the drafter's, into a static [batch, k] buffer), a verify (the last token and the drafts
+    as k + 1 decode rows of the model's verify_logits, the target's picks, their acceptance, the
+    tokens emitted into the state, the model's rollback of rejected rows, the drafter's update) and
+    a plain step (one decode row a sequence, its pick emitted: speculation "auto" between
+    verifies). On a GPU each is one CUDA graph, captured before the prompt pass that its warm-up
+    rows' cache writes would corrupt, and each is timed there (draft_ms, verify_ms, plain_ms: what
+    the auto policy weighs). After a step the host reads picks [batch, k + 1] and emit [batch]: the
+    tokens each sequence emitted are picks[b, :emit[b]]."""
 
-    def __init__(self, model, batch: int, k: int, use_graph: bool):
-        dev = model.device
-        self.model = model
-        self.tokens = torch.zeros((batch, k + 1), dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.picks = None
-        self.graph = _capture_step(self._step) if use_graph else None
+    def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False):
+        from fq_spec import accept_rows, time_ms
 
-    def _step(self) -> None:
-        logits = self.model.verify_logits(self.tokens, self.positions)
-        self.picks = self.model.ops.argmax(logits.view(-1, logits.shape[-1])).view(self.tokens.shape)
+        self._accept_rows = accept_rows
+        self.model, self.drafter, self.state = model, drafter, state
+        self.batch, self.k = state.batch, state.k
+        drafter.prepare(state)
+        self.drafts = torch.zeros((self.batch, self.k), dtype=torch.int64, device=state.device)
+        self.picks = self.emit = None
+        self.plain_pick = torch.zeros((self.batch, 1), dtype=torch.int64, device=state.device)
+        self.plain_emit = None
+        steps = [("draft", self._draft), ("verify", self._verify)] + ([("plain", self._plain)] if plain else [])
+        self.graphs = {name: _capture_step(fn) if use_graph else None for name, fn in steps}
+        self.costs = {f"{name}_ms": time_ms(lambda n=name: self._run(n), state.device) for name, _ in steps}
 
-    def run(self) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
+    def _draft(self) -> None:
+        self.drafts.copy_(self.drafter.draft(self.state))
+
+    def _verify(self) -> None:
+        state, model = self.state, self.model
+        rows = torch.cat([state.last().view(-1, 1), self.drafts], dim=1)
+        positions = state.positions()
+        logits = model.verify_logits(rows, positions)
+        self.picks = model.ops.argmax(logits.view(-1, logits.shape[-1])).view(rows.shape)
+        self.matched, self.emit = self._accept_rows(self.drafts, self.picks, state.limit - state.length)
+        state.append(self.picks, self.emit)
+        model.commit_verify(positions, self.emit)
+        self.drafter.observe(state, rows, self.picks, self.emit)
+
+    def _plain(self) -> None:
+        state = self.state
+        positions = state.positions()
+        self.model.decode(state.last(), positions, positions + 1, out=self.plain_pick.view(-1))
+        self.plain_emit = (state.length < state.limit).to(torch.int64)
+        state.append(self.plain_pick, self.plain_emit)
+
+    def _run(self, name: str) -> None:
+        graph = self.graphs[name]
+        if graph is not None:
+            graph.replay()
         else:
-            self._step()
-        return self.picks
+            {"draft": self._draft, "verify": self._verify, "plain": self._plain}[name]()
+
+    def verify(self) -> tuple:
+        """A draft and a verify; returns the device's (picks [B, k + 1], emit [B])."""
+        self._run("draft")
+        self._run("verify")
+        return self.picks, self.emit
+
+    def plain(self) -> tuple:
+        """One plain decode step; returns the device's (picks [B, 1], emit [B])."""
+        self._run("plain")
+        return self.plain_pick, self.plain_emit

@@ -284,11 +284,13 @@ class TritonOps(TorchOps):
 
     def gemv_config(self, rows: int, w: torch.Tensor, silu: bool = False):
         """Our GEMV's config for w at `rows` rows (rows_as where set) where the products run it,
-        else None (cuBLAS)."""
-        rows = self.rows_as or rows
-        if not self._on_gemv(silu, rows, w):
+        else None (cuBLAS). A verify's rows (more than rows_as) share the weight loads where the
+        config allows it without changing a row's bits (gemv.shared_rows)."""
+        planned = self.rows_as or rows
+        if not self._on_gemv(silu, planned, w):
             return None
-        return self._gemv.select_config(w.shape[0], w.shape[1], silu, rows, exact=self.exact_decode)
+        config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode)
+        return self._gemv.shared_rows(config, rows, silu) if rows > planned else config
 
     def force_gemv(self, products: list, rows: int) -> None:
         """Every product in `products` on our GEMV at `rows` rows (what tune picks where it is faster;

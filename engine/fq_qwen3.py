@@ -227,9 +227,9 @@ class Qwen3Model:
             h = self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
             return self.ops.linear(h, self.w.lm_head).view(B, T, -1)
 
-    def commit_verify(self, positions: list[int], kept: list[int]) -> None:
-        """After verify_logits: nothing to roll back (a rejected row's K/V sits past the sequence's
-        length and is rewritten when its position comes again)."""
+    def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
+        """After verify_logits at positions [B], kept [B] rows each: nothing to roll back (a rejected
+        row's K/V sits past the sequence's length and is rewritten when its position comes again)."""
 
     def _decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                        table: torch.Tensor | None = None) -> torch.Tensor:

@@ -283,13 +283,11 @@ class Qwen35Model:
                              "cannot drop rejected rows)")
         B, T = tokens.shape
         G = len(self.gdn_slot)
-        # What commit_verify rolls back to: the conv states before the verify and after each row; the
-        # recurrent states and the chunks' first rows only where a row of the verify closes a chunk
-        # (exact decode changes them nowhere else), so most verifies copy no recurrent state.
-        closes = any((CHUNK - 1 - p) % CHUNK < T for p in positions.tolist())
-        self._verify_before = (self.conv_state[:, :B].clone(),
-                               self.state[:, :B].clone() if closes else None,
-                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)] if closes else None)
+        # What commit_verify rolls back to: the conv states before the verify and after each row;
+        # the recurrent states and the chunks' first rows (exact decode changes them only where a
+        # row closes a chunk). Copied every verify, so the verify reads nothing on the host.
+        self._verify_before = (self.conv_state[:, :B].clone(), self.state[:, :B].clone(),
+                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)])
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
         pos, table = rows_of(positions, T, self.block_table)
@@ -338,22 +336,24 @@ class Qwen35Model:
         picks = ops.argmax(self._logits(h)).view(B, n)
         return picks, h.view(B, n, -1)
 
-    def commit_verify(self, positions: list[int], kept: list[int]) -> None:
-        """After verify_logits at `positions`: sequence b keeps its first kept[b] rows (0: none).
-        Its conv state becomes the one after its last kept row. Where the verify closed a chunk at a
-        row it did not keep, the chunk's start state (exact decode advances it only at a close) and
-        the chunk's first rows (the next chunk's rows went there) are put back as they were. Other
-        rows past the kept ones are rewritten by the steps that reach their positions."""
+    def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
+        """After verify_logits at positions [B] int32: sequence b keeps its first kept[b] rows (kept
+        [B] int64; 0: none). Its conv state becomes the one after its last kept row. Where the
+        verify closed a chunk at a row it did not keep, the chunk's start state (exact decode
+        advances it only at a close) and the chunk's first rows (the next chunk's rows went there)
+        are put back as they were. Other rows past the kept ones are rewritten by the steps that
+        reach their positions. Graph-safe: selections on the device, no host reads."""
         conv_before, state_before, heads = self._verify_before
-        T = self._verify_conv.shape[0]
-        for b, (p, m) in enumerate(zip(positions, kept)):
-            self.conv_state[:, b] = self._verify_conv[m - 1, :, b] if m else conv_before[:, b]
-            close = (CHUNK - 1 - p) % CHUNK      # the row whose position ends a chunk
-            if m <= close < T:
-                # the chunk goes on: its start state, and its first rows that the next chunk's wrote over
-                self.state[:, b] = state_before[:, b]
-                for slot, head in enumerate(heads):
-                    self.rows[slot].put_head(head, b)
+        T, G, B = self._verify_conv.shape[:3]
+        seqs = torch.arange(B, device=kept.device)
+        after = self._verify_conv[(kept - 1).clamp(min=0), :, seqs].transpose(0, 1)   # [G, B, ...]
+        some = (kept > 0).view(1, B, *([1] * (after.dim() - 2)))
+        self.conv_state[:, :B].copy_(torch.where(some, after, conv_before))
+        close = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK      # the row whose position ends a chunk
+        back = (kept <= close) & (close < T)                           # that row was not kept
+        self.state[:, :B].copy_(torch.where(back.view(1, B, 1, 1, 1), state_before, self.state[:, :B]))
+        for slot, head in enumerate(heads):
+            self.rows[slot].narrow(0, B).put_head_where(head, back)
         self._verify_before = self._verify_conv = None
 
     def _layers(self, ids: torch.Tensor, gdn, attention, all_positions: bool = False) -> torch.Tensor:

@@ -14,19 +14,24 @@ Drafters (any draft is safe: a wrong one is only rejected work):
               final-normed state and the next token through the head give a draft; the head's
               own output and that draft, the next one (chained k times)
   oracle:<a>  measurement only: a plain run of the same prompts is recorded first (on a prompt
-              not seen before, inside the call), then each draft is the recorded next token,
-              replaced by another with probability 1 - a: end-to-end speed at acceptance a; on a
-              checkpoint with an MTP head the head runs too and its drafts are then replaced (its
-              real cost in the measurement)
+              not seen before, inside the call), then each draft is the recorded token, replaced
+              by another with probability 1 - a (drawn once per generated position, from a
+              generator seeded per call): end-to-end speed at acceptance a; on a checkpoint with
+              an MTP head the head runs too and its drafts are then replaced (its real cost)
+  auto        prompt lookup where it pays: the loop runs plain decode steps and verifies as the
+              running acceptance and the measured costs of both say (AutoPolicy)
 
-This module is host-side bookkeeping (lists of ints); the models' verify pass is the device work.
+Everything a verify does runs on the device over static buffers (SpecState), so one CUDA graph
+holds the draft, the verify, the acceptance and the bookkeeping (fq_decode.SpecRunner); the host
+reads each step's picks back to yield them.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
-MODES = ("off", "ngram", "recycle", "mtp", "oracle")
+import torch
+
+MODES = ("off", "auto", "ngram", "recycle", "mtp", "oracle")
 DEFAULT_K = 4
 MAX_K = 16
 
@@ -44,16 +49,16 @@ class Speculation:
 
 
 def parse_speculation(value, k: int | None = None) -> Speculation:
-    """"off" | "ngram" | "recycle" | "mtp" | "oracle:<a>" (0 <= a <= 1) -> Speculation; anything else is a
-    ValueError naming the value. k: drafts per verify, 1..MAX_K (default DEFAULT_K)."""
+    """"off" | "auto" | "ngram" | "recycle" | "mtp" | "oracle:<a>" (0 <= a <= 1) -> Speculation;
+    anything else is a ValueError naming the value. k: drafts per verify, 1..MAX_K (default DEFAULT_K)."""
     if k is None:
         k = DEFAULT_K
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise ValueError(f"speculative_tokens must be an int in [1, {MAX_K}], got {k!r}")
     if not isinstance(value, str):
-        raise ValueError(f"speculation must be a string ({', '.join(MODES[:3])}, oracle:<a>), got {value!r}")
+        raise ValueError(f"speculation must be a string ({', '.join(MODES[:5])}, oracle:<a>), got {value!r}")
     text = value.strip().lower()
-    if text in ("off", "ngram", "recycle", "mtp"):
+    if text in MODES[:5]:
         return Speculation(text, k)
     if text.startswith("oracle:"):
         try:
@@ -63,26 +68,27 @@ def parse_speculation(value, k: int | None = None) -> Speculation:
         if not 0.0 <= accept <= 1.0:
             raise ValueError(f"speculation {value!r}: the oracle's acceptance must be a number in [0, 1]")
         return Speculation("oracle", k, accept)
-    if text == "auto":
-        raise ValueError(f"speculation {value!r} is not available in this engine yet (off, ngram, recycle, mtp, "
-                         f"oracle:<a> are)")
-    raise ValueError(f"speculation {value!r} is not one of off, ngram, recycle, mtp, oracle:<a>")
+    raise ValueError(f"speculation {value!r} is not one of off, auto, ngram, recycle, mtp, oracle:<a>")
 
 
 @dataclass
 class SpecStats:
-    """One generate() call's speculation: drafts proposed and kept, verify passes, tokens they
-    emitted (accepted drafts + the target's own pick each), host seconds drafting and verifying
-    (the verify's include the device's work: the picks are read back each pass)."""
+    """One generate() call's speculation: drafts proposed and kept, verify passes and plain steps,
+    tokens the verifies emitted (accepted drafts + the target's own pick each), and the device's
+    milliseconds for one draft, one verify (with its acceptance) and one plain step, measured
+    when their graphs were made (spec_costs)."""
     mode: str = "off"
     k: int = 0
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
+    plain_steps: int = 0
     verified_rows: int = 0
     emitted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    plain_ms: float | None = None
+    loop_s: float = 0.0
     record_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -92,94 +98,208 @@ class SpecStats:
         return out
 
 
-# ---- drafters ------------------------------------------------------------------------------
+def expected_tokens(accept: float, k: int) -> float:
+    """Tokens one verify of k drafts emits per sequence when each draft is right with probability
+    `accept` independently: 1 + a + a^2 + ... + a^k."""
+    return float(k + 1) if accept >= 1.0 else (1.0 - accept ** (k + 1)) / (1.0 - accept)
+
+
+class AutoPolicy:
+    """speculation "auto": per step, a verify or a plain decode step, whichever emits more tokens
+    per millisecond at the running acceptance: a verify when expected_tokens(a, k) / verify_ms
+    beats 1 / plain_ms by `margin`. The acceptance is a running mean over the last verifies'
+    drafts (`window` of them, a prior of `prior` at the start). While verifies do not pay, a
+    probe verify every `probe` plain steps (doubling after each probe that did not pay, up to
+    `max_probe`) keeps the estimate current: its cost is bounded by (verify_ms - plain_ms) per
+    probe interval."""
+
+    def __init__(self, k: int, verify_ms: float, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
+                 window: int = 64, probe: int = 8, max_probe: int = 128):
+        if not (verify_ms > 0 and plain_ms > 0):
+            raise ValueError(f"AutoPolicy needs positive costs, got verify {verify_ms!r} ms, plain {plain_ms!r} ms")
+        self.k, self.verify_ms, self.plain_ms, self.margin = k, verify_ms, plain_ms, margin
+        self.window, self.first_probe, self.max_probe = window, probe, max_probe
+        self.drafted = float(window)
+        self.accepted = prior * window
+        self.probe = probe
+        self.since = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def pays(self) -> bool:
+        """Whether a verify beats a plain step at the running acceptance."""
+        return expected_tokens(self.acceptance, self.k) / self.verify_ms >= self.margin / self.plain_ms
+
+    def verify_next(self) -> bool:
+        """The next step's kind: True a verify, False a plain step."""
+        if self.pays():
+            return True
+        if self.since >= self.probe:
+            return True
+        return False
+
+    def observe_verify(self, drafted: int, accepted: int) -> None:
+        paid = self.pays()
+        # a running mean over about `window` drafts
+        keep = max(0.0, 1.0 - drafted / self.window)
+        self.drafted = self.drafted * keep + drafted
+        self.accepted = self.accepted * keep + accepted
+        if not paid:        # a probe
+            self.probe = self.first_probe if self.pays() else min(self.max_probe, self.probe * 2)
+        self.since = 0
+
+    def observe_plain(self) -> None:
+        self.since += 1
+
+
+# ---- the device state of one speculative call ---------------------------------------------------
+class SpecState:
+    """Static device buffers of a speculative generate over `batch` sequences of up to `capacity`
+    positions: seq [B, capacity + k + 1] int64 holds each sequence's prompt then its emitted tokens,
+    length [B] int64 how many, limit [B] int64 where it stops (prompt + steps); a step writes the
+    tokens it emitted into seq and advances length (never past limit). The rows past limit give
+    a finished sequence's verify somewhere to write."""
+
+    def __init__(self, batch: int, capacity: int, k: int, device):
+        self.batch, self.k, self.device = batch, k, device
+        self.seq = torch.zeros((batch, capacity + k + 1), dtype=torch.int64, device=device)
+        self.length = torch.ones(batch, dtype=torch.int64, device=device)
+        self.limit = torch.ones(batch, dtype=torch.int64, device=device)
+        self.steps = torch.arange(k + 1, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.seq.shape[1] - self.k - 1
+
+    def start(self, ids: torch.Tensor, first: torch.Tensor, steps: int) -> None:
+        """Prompts ids [B, P] and their first generated tokens [B]; `steps` tokens in all."""
+        B, P = ids.shape
+        if P + steps > self.capacity:
+            raise ValueError(f"SpecState: prompt {P} + {steps} steps exceeds its capacity {self.capacity}")
+        self.seq[:, :P].copy_(ids)
+        self.seq[:, P].copy_(first)
+        self.length.fill_(P + 1)
+        self.limit.fill_(P + steps)
+
+    def last(self) -> torch.Tensor:
+        """Each sequence's last token [B] (the next step's first input; not yet in the cache)."""
+        return self.seq.gather(1, (self.length - 1).view(-1, 1)).view(-1)
+
+    def positions(self) -> torch.Tensor:
+        """Where each last token goes in the cache, [B] int32."""
+        return (self.length - 1).to(torch.int32)
+
+    def append(self, picks: torch.Tensor, emit: torch.Tensor) -> None:
+        """seq[b, length[b] + j] = picks[b, j] for j < emit[b]; length += emit (graph-safe)."""
+        T = picks.shape[1]
+        idx = self.length.view(-1, 1) + self.steps[:T].view(1, -1)
+        keep = self.seq.gather(1, idx)
+        self.seq.scatter_(1, idx, torch.where(self.steps[:T].view(1, -1) < emit.view(-1, 1), picks, keep))
+        self.length.add_(emit)
+
+
+def accept_rows(drafts: torch.Tensor, picks: torch.Tensor, room: torch.Tensor) -> tuple:
+    """A verify's acceptance on the device: drafts [B, k], picks [B, k + 1] (picks[:, j] the target's
+    pick after row j) and room [B] (tokens a sequence may still emit) -> (matched [B]: the leading
+    drafts equal to the target's picks, emit [B]: the tokens it emits, matched + 1 capped by room).
+    The emitted tokens are picks[:, :emit]: the agreeing drafts, then the target's own next pick."""
+    matched = torch.cumprod((drafts == picks[:, :-1]).to(torch.int64), dim=1).sum(dim=1)
+    return matched, torch.minimum(matched + 1, room.clamp(min=0))
+
+
+# ---- drafters: graph-safe functions of the state ------------------------------------------------
 class Drafter:
-    """Per-sequence drafts. start() with each sequence's prompt, then per verify: draft(k) from
-    the tokens emitted so far (`out[b]`, the last one not yet in the cache), observe() what the
-    verify picked at each row."""
+    """Per-sequence drafts from the device state. start() after the prompt pass (eager, may read
+    the host), then per verify draft(state) -> [B, k] int64 and observe(state, rows, picks, kept)
+    with the verify's input rows [B, k + 1], picks [B, k + 1] and kept rows [B]: both graph-safe."""
 
-    def start(self, prompts: list[list[int]], vocab: int, first: list[int] | None = None) -> None:
-        """Before the first verify: the prompts, the vocabulary size, the first generated tokens
-        (the prompt pass has run)."""
-        self.prompts, self.vocab = prompts, vocab
+    def prepare(self, state: SpecState) -> None:
+        """The drafter's static buffers for this state (before any graph over them is captured)."""
 
-    def draft(self, out: list[list[int]], k: int) -> list[list[int]]:
+    def start(self, state: SpecState, prompt: int, steps: int) -> None:
+        """Before the first verify (the state holds the prompts and the first tokens)."""
+
+    def draft(self, state: SpecState) -> torch.Tensor:
         raise NotImplementedError
 
-    def observe(self, tokens: list[list[int]], picks: list[list[int]], positions: list[int] | None = None,
-                kept: list[int] | None = None) -> None:
-        """After a verify at positions (each sequence's first row's): tokens[b] its input row (the
-        last token + drafts), picks[b][j] the target's pick after tokens[b][: j + 1], kept[b] the
-        rows it kept."""
-
-
-def _pad(draft: list[int], k: int, fill: int) -> list[int]:
-    draft = draft[:k]
-    return draft + [fill] * (k - len(draft))
+    def observe(self, state: SpecState, rows: torch.Tensor, picks: torch.Tensor, kept: torch.Tensor) -> None:
+        """After a verify and its acceptance (the state already holds the emitted tokens)."""
 
 
 class NgramDrafter(Drafter):
     """Prompt lookup: the k tokens after the latest earlier occurrence of the last n tokens of the
-    prompt + output (n from max_n down to 1); none found: the last token repeated (a cheap guess,
-    right when the target loops on one token)."""
+    prompt + output (n from max_n down to 1), each past the sequence's end replaced by its last
+    token; no occurrence: the last token repeated (right when the target loops on one token)."""
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
 
-    def draft(self, out, k):
-        drafts = []
-        for prompt, emitted in zip(self.prompts, out):
-            seq = prompt + emitted
-            drafts.append(_pad(self._lookup(seq, k), k, seq[-1]))
-        return drafts
-
-    def _lookup(self, seq: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(seq) - 1), 0, -1):
-            tail = seq[-n:]
-            # the latest start i < len(seq) - n with seq[i:i + n] == tail
-            for i in range(len(seq) - n - 1, -1, -1):
-                if seq[i:i + n] == tail:
-                    found = seq[i + n:i + n + k]
-                    if found:
-                        return found
-        return []
+    def draft(self, state):
+        seq, length, k = state.seq, state.length, state.k
+        B, W = seq.shape
+        last = state.last()
+        cols = torch.arange(W, device=seq.device)
+        best = torch.full((B,), -1, dtype=torch.int64, device=seq.device)   # where the copy starts
+        for n in range(self.max_n, 0, -1):
+            # windows starting at i: seq[b, i:i + n] == the last n tokens, i + n < length (one follows)
+            tail = seq.gather(1, (length.view(-1, 1) - n + torch.arange(n, device=seq.device)).clamp(min=0))
+            windows = seq.unfold(1, n, 1)                                     # [B, W - n + 1, n]
+            match = (windows == tail.unsqueeze(1)).all(dim=2)
+            starts = cols[:W - n + 1].view(1, -1)
+            match &= (starts + n < length.view(-1, 1)) & (length.view(-1, 1) > n)
+            latest = torch.where(match, starts, -1).amax(dim=1)
+            best = torch.where((best < 0) & (latest >= 0), latest + n, best)
+        at = best.view(-1, 1) + state.steps[:k].view(1, -1)
+        found = (best.view(-1, 1) >= 0) & (at < length.view(-1, 1))
+        return torch.where(found, seq.gather(1, at.clamp(min=0, max=W - 1)), last.view(-1, 1))
 
 
 class RecycleDrafter(Drafter):
     """Token recycling: per sequence a table token -> the target's latest pick after it (from every
-    verify row), drafts chained from the last emitted token; a token never seen: the last token."""
+    verify row whose input the target confirmed), drafts chained from the last token; a token
+    never seen ends the chain, the rest the last token."""
 
-    def start(self, prompts, vocab, first=None):
-        super().start(prompts, vocab)
-        self.next = [dict() for _ in prompts]
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.table = None
 
-    def draft(self, out, k):
-        drafts = []
-        for table, emitted in zip(self.next, out):
-            chain, token = [], emitted[-1]
-            while len(chain) < k and token in table:
-                token = table[token]
-                chain.append(token)
-            drafts.append(_pad(chain, k, emitted[-1]))
-        return drafts
+    def prepare(self, state):
+        self.table = torch.full((state.batch, self.vocab), -1, dtype=torch.int64, device=state.device)
 
-    def observe(self, tokens, picks, positions=None, kept=None):
-        for table, row, pick in zip(self.next, tokens, picks):
-            # only the rows whose input prefix the target confirmed: row j's input is the
-            # target's own when all drafts before it were accepted
-            for j, (token, after) in enumerate(zip(row, pick)):
-                table[token] = after
-                if j + 1 < len(row) and row[j + 1] != after:
-                    break
+    def start(self, state, prompt, steps):
+        self.table.fill_(-1)
+
+    def draft(self, state):
+        last = state.last()
+        token, alive, out = last, torch.ones_like(last, dtype=torch.bool), []
+        for _ in range(state.k):
+            nxt = self.table.gather(1, token.view(-1, 1)).view(-1)
+            alive = alive & (nxt >= 0)
+            token = torch.where(alive, nxt, token)
+            out.append(torch.where(alive, nxt, last))
+        return torch.stack(out, dim=1)
+
+    def observe(self, state, rows, picks, kept):
+        # row j's input is the target's own token while every draft before it was accepted:
+        # rows 0 .. matched (the first rejected draft's row is the last one confirmed)
+        matched = torch.cumprod((rows[:, 1:] == picks[:, :-1]).to(torch.int64), dim=1).sum(dim=1)
+        for j in range(rows.shape[1]):        # in row order: a later row's pick wins, as on the host
+            at = rows[:, j:j + 1]
+            now = self.table.gather(1, at)
+            self.table.scatter_(1, at, torch.where((j <= matched).view(-1, 1), picks[:, j:j + 1], now))
 
 
 class OracleDrafter(Drafter):
-    """The recorded plain run's next tokens, each replaced (by a different token, drawn from a
-    generator seeded per call) with probability 1 - accept."""
+    """The recorded plain run's tokens, each replaced by another with probability 1 - accept: the
+    replacement for generated position m is drawn once per call (a generator seeded per call), so
+    a position drafted again by the next verify gets the same decision."""
 
-    def __init__(self, accept: float, seed: int = 0, inner: Drafter | None = None):
-        self.accept, self.seed, self.inner = accept, seed, inner
+    def __init__(self, accept: float, vocab: int, seed: int = 0, inner: Drafter | None = None):
+        self.accept, self.vocab, self.seed, self.inner = accept, vocab, seed, inner
         self.recordings: dict[tuple, list[int]] = {}
+        self.tokens = None
 
     def missing(self, prompts: list[list[int]], steps: int) -> list[int]:
         """Indices of prompts with no recording of at least `steps` tokens."""
@@ -188,30 +308,44 @@ class OracleDrafter(Drafter):
     def record(self, prompt: list[int], tokens: list[int]) -> None:
         self.recordings[tuple(prompt)] = list(tokens)
 
-    def start(self, prompts, vocab, first=None):
-        super().start(prompts, vocab)
-        self.rng = random.Random(self.seed)
-        self.records = [self.recordings.get(tuple(p), []) for p in prompts]
-        if self.inner is not None:
-            self.inner.start(prompts, vocab, first)
+    def set_prompts(self, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
 
-    def observe(self, tokens, picks, positions=None, kept=None):
+    def prepare(self, state):
+        B, W = state.seq.shape
+        self.tokens = torch.zeros((B, W), dtype=torch.int64, device=state.device)
+        self.prompt = torch.zeros(B, dtype=torch.int64, device=state.device)
+        self.recorded = torch.zeros(B, dtype=torch.int64, device=state.device)
         if self.inner is not None:
-            self.inner.observe(tokens, picks, positions, kept)
+            self.inner.prepare(state)
 
-    def draft(self, out, k):
+    def start(self, state, prompt, steps):
+        # the drafted token of generated position m: recorded[m] or its replacement, [B, W]
+        gen = torch.Generator().manual_seed(self.seed)
+        B, W = self.tokens.shape
+        table = torch.zeros((B, W), dtype=torch.int64)
+        for b, p in enumerate(self.prompts):
+            rec = torch.tensor(self.recordings.get(tuple(p), [])[:W], dtype=torch.int64)
+            table[b, :len(rec)] = rec
+        wrong = torch.rand((B, W), generator=gen) >= self.accept
+        other = (table + 1 + torch.randint(0, max(1, self.vocab - 1), (B, W), generator=gen)) % self.vocab
+        self.tokens.copy_(torch.where(wrong, other, table))
+        self.prompt.fill_(prompt)
+        self.recorded.copy_(torch.tensor([min(W, len(self.recordings.get(tuple(p), []))) for p in self.prompts]))
+        if self.inner is not None:
+            self.inner.start(state, prompt, steps)
+
+    def draft(self, state):
         if self.inner is not None:      # its work is what is measured; its drafts are replaced
-            self.inner.draft(out, k)
-        drafts = []
-        for record, emitted in zip(self.records, out):
-            m = len(emitted)
-            chain = []
-            for token in record[m:m + k]:
-                if self.rng.random() >= self.accept:
-                    token = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                chain.append(token)
-            drafts.append(_pad(chain, k, emitted[-1]))
-        return drafts
+            self.inner.draft(state)
+        m = (state.length - self.prompt).view(-1, 1) + state.steps[:state.k].view(1, -1)   # generated index
+        have = m < self.recorded.view(-1, 1)
+        got = self.tokens.gather(1, m.clamp(max=self.tokens.shape[1] - 1))
+        return torch.where(have, got, state.last().view(-1, 1))
+
+    def observe(self, state, rows, picks, kept):
+        if self.inner is not None:
+            self.inner.observe(state, rows, picks, kept)
 
 
 class MtpDrafter(Drafter):
@@ -223,66 +357,75 @@ class MtpDrafter(Drafter):
     def __init__(self, model):
         self.model = model
 
-    def start(self, prompts, vocab, first=None):
-        import torch
+    def prepare(self, state):
+        B, dev = state.batch, state.device
+        self.pick = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.state = torch.zeros((B, self.model.cfg.hidden_size), dtype=torch.bfloat16, device=dev)
+        self.position = torch.zeros(B, dtype=torch.int32, device=dev)
 
-        super().start(prompts, vocab)
-        dev = self.model.device
-        ids = torch.tensor(prompts, dtype=torch.int64, device=dev)
-        nxt = torch.cat([ids[:, 1:], torch.tensor(first, dtype=torch.int64, device=dev).view(-1, 1)], dim=1)
-        ones = torch.ones(len(prompts), dtype=torch.int32, device=dev)
+    def start(self, state, prompt, steps):
+        nxt = state.seq[:, 1:prompt + 1]            # each position's next token (the last: the first pick)
+        ones = torch.ones(state.batch, dtype=torch.int32, device=state.device)
         picks, hidden = self.model.mtp_draft(nxt, self.model.hidden, ones)
-        self._ready(picks[:, -1], hidden[:, -1], ones * ids.shape[1])
+        self._ready(picks[:, -1], hidden[:, -1], ones * prompt)
 
     def _ready(self, pick, hidden, position) -> None:
-        """The first draft of each sequence, the head's state after it, its last token's position."""
-        self.pick, self.state, self.position = pick, hidden, position
+        """The first draft of each sequence, the head's state after it, its last token's position
+        (static buffers: the graph reads them)."""
+        self.pick.copy_(pick)
+        self.state.copy_(hidden)
+        self.position.copy_(position)
 
-    def draft(self, out, k):
-        import torch
-
-        chain, pick, state = [self.pick], self.pick, self.state
-        for i in range(1, k):
-            picks, hidden = self.model.mtp_draft(pick.view(-1, 1), state.unsqueeze(1), self.position + i)
-            pick, state = picks[:, 0], hidden[:, 0]
+    def draft(self, state):
+        chain, pick, hstate = [self.pick], self.pick, self.state
+        for i in range(1, state.k):
+            picks, hidden = self.model.mtp_draft(pick.view(-1, 1), hstate.unsqueeze(1), self.position + i)
+            pick, hstate = picks[:, 0], hidden[:, 0]
             chain.append(pick)
-        return torch.stack(chain, dim=1).tolist()
+        return torch.stack(chain, dim=1)
 
-    def observe(self, tokens, picks, positions=None, kept=None):
-        import torch
-
-        dev = self.model.device
-        pos = torch.tensor(positions, dtype=torch.int32, device=dev)
-        heads, hidden = self.model.mtp_draft(torch.tensor(picks, dtype=torch.int64, device=dev), self.model.hidden,
-                                             pos + 1)
-        last = torch.tensor([max(0, m - 1) for m in kept], dtype=torch.int64, device=dev)
-        rows = torch.arange(len(kept), device=dev)
-        self._ready(heads[rows, last], hidden[rows, last], pos + last.to(torch.int32) + 1)
+    def observe(self, state, rows, picks, kept):
+        pos = state.positions() - kept.to(torch.int32)       # the verify's first row's position
+        heads, hidden = self.model.mtp_draft(picks, self.model.hidden, pos + 1)
+        last = (kept - 1).clamp(min=0)
+        at = torch.arange(kept.shape[0], device=kept.device)
+        self._ready(heads[at, last], hidden[at, last], pos + last.to(torch.int32) + 1)
 
 
-def make_drafter(spec: Speculation, seed: int = 0, model=None) -> Drafter:
+def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Drafter:
     """The drafter of spec's mode; model: the target (the MTP head's owner, where it has one)."""
     head = model is not None and getattr(model, "has_mtp", False)
-    if spec.mode == "ngram":
+    if spec.mode in ("ngram", "auto"):
         return NgramDrafter()
     if spec.mode == "recycle":
-        return RecycleDrafter()
+        return RecycleDrafter(vocab)
     if spec.mode == "mtp":
         if not head:
             raise ValueError("speculation 'mtp' needs a model with its multi-token-prediction head loaded")
         return MtpDrafter(model)
     if spec.mode == "oracle":
-        return OracleDrafter(spec.accept, seed, inner=MtpDrafter(model) if head else None)
+        return OracleDrafter(spec.accept, vocab, seed, inner=MtpDrafter(model) if head else None)
     raise ValueError(f"no drafter for speculation mode {spec.mode!r}")
 
 
-# ---- acceptance ------------------------------------------------------------------------------
-def accept(drafts: list[int], picks: list[int]) -> list[int]:
-    """The tokens one verify emits for a sequence: the target's picks up to and including the
-    first that differs from the draft before it (drafts[j] is checked against picks[j], the
-    target's pick after the row that ends with drafts[j - 1])."""
-    n = 0
-    while n < len(drafts) and drafts[n] == picks[n]:
-        n += 1
-    return picks[:n + 1]
+def time_ms(fn, device, reps: int = 3) -> float:
+    """Milliseconds one call of fn takes on `device` (CUDA events on a GPU, the host clock
+    elsewhere), the median of reps after one untimed call."""
+    import time
 
+    fn()
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]

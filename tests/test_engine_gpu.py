@@ -311,7 +311,7 @@ def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
     engine.set_speculation(mode)
     try:
         assert list(engine.generate(prompts, 40)) == want
-        assert engine.spec_stats()["verify_steps"] > 0 and engine._verify.graph is not None
+        assert engine.spec_stats()["verify_steps"] > 0 and engine._spec.graphs["verify"] is not None
     finally:
         engine.set_speculation("off")
 

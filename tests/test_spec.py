@@ -30,6 +30,7 @@ def plain(tiny_model):
 
 # ---- the option -------------------------------------------------------------------------------
 @pytest.mark.parametrize("value,mode,accept", [("off", "off", 1.0), ("ngram", "ngram", 1.0), ("Recycle", "recycle", 1.0),
+                                               ("auto", "auto", 1.0),
                                                ("oracle:0.7", "oracle", 0.7), ("oracle:0", "oracle", 0.0)])
 def test_speculation_values_parse(value, mode, accept):
     spec = fq_spec.parse_speculation(value)
@@ -38,7 +39,6 @@ def test_speculation_values_parse(value, mode, accept):
 
 @pytest.mark.parametrize("value,k,message", [("fast", None, "'fast' is not one of"),
                                              ("oracle:1.5", None, r"in \[0, 1\]"), ("oracle:x", None, r"in \[0, 1\]"),
-                                             ("auto", None, "not available in this engine yet"),
                                              (3, None, "must be a string"), ("ngram", 0, "speculative_tokens"),
                                              ("ngram", 17, "speculative_tokens"), ("ngram", True, "speculative_tokens")])
 def test_a_bad_speculation_value_is_an_error_naming_it(value, k, message):
@@ -65,53 +65,136 @@ def test_qwen35_speculation_needs_exact_decode(qwen35_tiny_model):
         engine_module.Engine(str(qwen35_tiny_model), speculation="ngram", exact_decode=False)
 
 
-# ---- acceptance and the drafters ---------------------------------------------------------------
-@pytest.mark.parametrize("drafts,picks,kept", [([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 3], [1, 5, 3, 4], [1, 5]),
-                                               ([9, 2, 3], [1, 2, 3, 4], [1]), ([], [7], [7])])
-def test_accept_keeps_the_agreeing_prefix_and_the_targets_next_pick(drafts, picks, kept):
-    assert fq_spec.accept(drafts, picks) == kept
+# ---- acceptance and the drafters (device state, here on the CPU) ------------------------------
+def _state(seqs, k, limit=None):
+    """A SpecState holding seqs (each sequence's prompt + emitted tokens)."""
+    width = max(len(x) for x in seqs) + 8
+    st = fq_spec.SpecState(len(seqs), width, k, "cpu")
+    for b, x in enumerate(seqs):
+        st.seq[b, :len(x)] = torch.tensor(x)
+        st.length[b] = len(x)
+        st.limit[b] = width if limit is None else limit[b]
+    return st
+
+
+@pytest.mark.parametrize("drafts,picks,room,matched,emit", [
+    ([1, 2, 3], [1, 2, 3, 4], 9, 3, 4), ([1, 2, 3], [1, 5, 3, 4], 9, 1, 2), ([9, 2, 3], [1, 2, 3, 4], 9, 0, 1),
+    ([1, 2, 3], [1, 2, 3, 4], 2, 3, 2), ([1, 2, 3], [1, 2, 3, 4], 0, 3, 0)])
+def test_accept_keeps_the_agreeing_prefix_and_the_targets_next_pick(drafts, picks, room, matched, emit):
+    m, e = fq_spec.accept_rows(torch.tensor([drafts]), torch.tensor([picks]), torch.tensor([room]))
+    assert (m.item(), e.item()) == (matched, emit)
+
+
+def test_the_state_appends_what_each_sequence_emits_and_stops_at_its_limit():
+    st = _state([[5, 6], [7]], k=2, limit=[4, 9])
+    st.append(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([2, 3]))
+    assert st.length.tolist() == [4, 4]
+    assert st.seq[0, :4].tolist() == [5, 6, 1, 2] and st.seq[1, :4].tolist() == [7, 4, 5, 6]
+    assert st.last().tolist() == [2, 6] and st.positions().tolist() == [3, 3]
+
+
+def _ngram_reference(seq, k, max_n=3):
+    """Prompt lookup as written: the k tokens after the latest earlier occurrence of the last n
+    tokens (n = max_n .. 1), padded with the last token."""
+    for n in range(min(max_n, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i:i + n] == tail:
+                found = seq[i + n:i + n + k]
+                return found + [seq[-1]] * (k - len(found))
+    return [seq[-1]] * k
 
 
 def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
     d = fq_spec.NgramDrafter()
-    d.start([[1, 2, 3, 4, 9, 1, 2, 3, 5, 6]], 100)
     # tail (2, 3) last seen before at index 5 -> followed by 5, 6, then the sequence's own tail
-    assert d.draft([[1, 2, 3]], 3) == [[5, 6, 1]]
-    d.start([[10, 11, 12]], 100)
-    assert d.draft([[13]], 2) == [[13, 13]]        # nothing to match: the last token repeated
+    assert d.draft(_state([[1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]], 3)).tolist() == [[5, 6, 1]]
+    assert d.draft(_state([[10, 11, 12, 13]], 2)).tolist() == [[13, 13]]   # nothing to match
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, v, (n,), generator=g).tolist() for v, n in [(3, 20), (5, 30), (8, 12), (2, 4), (4, 1)]]
+    for k in (1, 4, 7):
+        assert d.draft(_state(seqs, k)).tolist() == [_ngram_reference(x, k) for x in seqs]
 
 
 def test_recycle_chains_the_targets_latest_picks_from_confirmed_rows():
-    d = fq_spec.RecycleDrafter()
-    d.start([[1]], 100)
-    assert d.draft([[4]], 2) == [[4, 4]]
+    d = fq_spec.RecycleDrafter(100)
+    st = _state([[1, 4]], 2)
+    d.prepare(st)
+    d.start(st, 1, 10)
+    assert d.draft(st).tolist() == [[4, 4]]
     # row 4 -> 7 (kept: the next row's input is 7), 7 -> 8 (the draft 9 after it was wrong: stop)
-    d.observe([[4, 7, 9]], [[7, 8, 2]])
-    assert d.next[0] == {4: 7, 7: 8}
-    assert d.draft([[4]], 3) == [[7, 8, 4]]
+    d.observe(st, torch.tensor([[4, 7, 9]]), torch.tensor([[7, 8, 2]]), torch.tensor([2]))
+    assert {t: d.table[0, t].item() for t in (4, 7, 9)} == {4: 7, 7: 8, 9: -1}
+    st3 = _state([[1, 4]], 3)
+    assert d.draft(st3).tolist() == [[7, 8, 4]]
+    # a later row's pick wins for a token seen twice in one verify
+    d.observe(st, torch.tensor([[4, 4, 4]]), torch.tensor([[4, 4, 6]]), torch.tensor([3]))
+    assert d.table[0, 4].item() == 6
+
+
+def _oracle(accept, recordings, prompt, k, vocab=50, seed=0):
+    d = fq_spec.OracleDrafter(accept, vocab, seed=seed)
+    for p, rec in recordings.items():
+        d.record(list(p), rec)
+    d.set_prompts([list(p) for p in recordings])
+    return d
 
 
 def test_the_oracle_replays_its_recording_and_corrupts_at_the_asked_rate():
-    right = fq_spec.OracleDrafter(1.0)
-    right.record([1, 2], [5, 6, 7, 8])
-    right.start([[1, 2]], 50)
-    assert right.draft([[5]], 2) == [[6, 7]]
-    assert right.draft([[5, 6, 7]], 3) == [[8, 7, 7]]       # past the recording: padded
-    wrong = fq_spec.OracleDrafter(0.0)
-    wrong.record([1, 2], list(range(40)))
-    wrong.start([[1, 2]], 50)
-    drafted = wrong.draft([[0]], 16)[0]
+    right = _oracle(1.0, {(1, 2): [5, 6, 7, 8]}, 2, 2)
+    st = _state([[1, 2, 5]], 2)
+    right.prepare(st)
+    right.start(st, 2, 4)
+    assert right.draft(st).tolist() == [[6, 7]]
+    st.append(torch.tensor([[6, 7]]), torch.tensor([2]))
+    assert right.draft(st).tolist() == [[8, 7]]             # past the recording: the last token
+    wrong = _oracle(0.0, {(1, 2): list(range(40))}, 2, 16)
+    st = _state([[1, 2, 0]], 16)
+    wrong.prepare(st)
+    wrong.start(st, 2, 40)
+    drafted = wrong.draft(st)[0].tolist()
     assert all(t != r and 0 <= t < 50 for t, r in zip(drafted, range(1, 17)))
-    half = fq_spec.OracleDrafter(0.5, seed=3)
     record = list(range(1, 4001))
-    half.record([1], record)
-    half.start([[1]], 5000)
-    right = total = 0
-    for m in range(1, 3984, 16):
-        drafted = half.draft([record[:m]], 16)[0]
-        right += sum(t == r for t, r in zip(drafted, record[m:m + 16]))
+    half = _oracle(0.5, {(1,): record}, 1, 16, vocab=5000, seed=3)
+    st = fq_spec.SpecState(1, 4100, 16, "cpu")
+    half.prepare(st)
+    st.start(torch.tensor([[1]]), torch.tensor([record[0]]), 4000)
+    half.start(st, 1, 4000)
+    hits = total = 0
+    while st.length.item() < 3980:
+        drafted = half.draft(st)[0].tolist()
+        m = st.length.item() - 1
+        hits += sum(t == r for t, r in zip(drafted, record[m:m + 16]))
         total += 16
-    assert 0.45 < right / total < 0.55
+        st.append(torch.tensor([record[m:m + 16]]), torch.tensor([16]))
+    assert 0.45 < hits / total < 0.55
+
+
+# ---- the auto policy ---------------------------------------------------------------------------
+def test_expected_tokens_is_the_geometric_sum():
+    assert fq_spec.expected_tokens(0.0, 4) == 1.0 and fq_spec.expected_tokens(1.0, 4) == 5.0
+    assert fq_spec.expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
+    # a verify costs 1.2 plain steps: it pays from about a = 0.2 with k = 4
+    good = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5, prior=0.0)
+    assert not good.pays()
+    for _ in range(20):
+        good.observe_verify(4, 3)
+    assert good.pays() and good.verify_next()
+    bad = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5)
+    verifies = 0
+    for _ in range(1000):
+        if bad.verify_next():
+            verifies += 1
+            bad.observe_verify(4, 0)
+        else:
+            bad.observe_plain()
+    # probes after 8, 16, 32, 64 and then every 128 plain steps
+    assert 8 <= verifies <= 12
+    with pytest.raises(ValueError, match="positive costs"):
+        fq_spec.AutoPolicy(4, verify_ms=0.0, plain_ms=1.0)
 
 
 # ---- verify rows are the decode step's bits ------------------------------------------------
@@ -154,7 +237,7 @@ def test_verify_rows_equal_the_one_row_decode_steps_bit_for_bit(plain, paged):
 
 
 # ---- generate: the same tokens, on or off ------------------------------------------------------
-@pytest.mark.parametrize("mode", ["ngram", "recycle", "oracle:1.0", "oracle:0.6", "oracle:0.0"])
+@pytest.mark.parametrize("mode", ["ngram", "recycle", "oracle:1.0", "oracle:0.6", "oracle:0.0", "auto"])
 def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
     prompts = _prompts(3, 12, seed=5)
     prompts[1] = [5, 6, 7, 8] * 3            # a repeating prompt: prompt lookup has something to find
@@ -165,11 +248,17 @@ def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
     st = eng.spec_stats()
     assert st["mode"] == mode.split(":")[0] and st["k"] == 3
     assert st["emitted"] == st["verified_rows"] + st["accepted"]
-    assert st["drafted"] == 3 * st["verified_rows"] and st["verify_steps"] >= (30 - 1) / 4
+    # drafts count where a sequence had room for them: with r < k + 1 tokens left, r - 1 (at most
+    # k verifies a sequence, k - 1 + ... + 1 drafts fewer)
+    assert 3 * st["verified_rows"] - 3 * (3 * 4 // 2) <= st["drafted"] <= 3 * st["verified_rows"]
+    assert st["verify_steps"] + st["plain_steps"] >= (30 - 1) / 4
+    assert st["draft_ms"] > 0 and st["verify_ms"] > 0 and (st["plain_ms"] is not None) == (mode == "auto")
+    if mode != "auto":
+        assert st["plain_steps"] == 0
     if mode == "oracle:1.0":                # every draft right: k + 1 tokens a verify (the last one's
-        # drafts run past the 30 recorded tokens: padding)
+        # drafts would run past the 30 tokens: fewer, all right)
         assert st["verify_steps"] == -(-(30 - 1) // 4) and st["record_s"] > 0
-        assert st["accepted"] >= st["drafted"] - 3 * 2
+        assert st["accepted"] == st["drafted"] and st["acceptance"] == 1.0
     if mode == "oracle:0.0":                # every draft wrong: one token a verify, as plain decode
         assert st["accepted"] == 0 and st["verify_steps"] == 29
 
@@ -215,7 +304,8 @@ def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, 
         model.prefill_logits(ids)
         conv, state = model.conv_state.clone(), model.state.clone()
         verify = model.verify_logits(tokens, torch.full((B,), P, dtype=torch.int32))
-        model.commit_verify([P] * B, [0] * B)        # nothing kept: the states as before the verify
+        # nothing kept: the states as before the verify
+        model.commit_verify(torch.full((B,), P, dtype=torch.int32), torch.zeros(B, dtype=torch.int64))
         assert torch.equal(model.conv_state, conv) and torch.equal(model.state, state)
         steps = _one_row_steps(model, tokens, P)
     plain35._drop_graphs()
@@ -248,7 +338,7 @@ def test_qwen35_mtp_head_drafts_and_the_plain_tokens_stay(plain35, qwen35_tiny_m
     assert eng.model.has_mtp and eng.model.mtp_k is None
     assert list(eng.generate(prompts, 24)) == want
     st = eng.spec_stats()
-    assert st["draft_s"] > 0 and st["drafted"] == 4 * st["verified_rows"]
+    assert st["draft_ms"] > 0 and 4 * st["verified_rows"] - 2 * (4 * 5 // 2) <= st["drafted"] <= 4 * st["verified_rows"]
     assert eng.model.mtp_k.shape[:2] == (eng.cfg.mtp_layers, 2)
 
 
@@ -260,9 +350,13 @@ def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
     prompts = _prompts(1, 20, seed=9)
     with torch.inference_mode():
         eng._prepare_cache(1, 64)
-        first = model.prefill(torch.tensor(prompts)).tolist()
-        drafter.start(prompts, eng.cfg.vocab_size, first)
-        drafts = drafter.draft([first], 3)[0]
+        st = fq_spec.SpecState(1, 64, 3, "cpu")
+        drafter.prepare(st)
+        first_t = model.prefill(torch.tensor(prompts))
+        st.start(torch.tensor(prompts), first_t, 10)
+        drafter.start(st, 20, 10)
+        drafts = drafter.draft(st)[0].tolist()
+        first = first_t.tolist()
         # again by hand: the head over the prompt rows, then two chained rows
         ids = torch.tensor(prompts)
         nxt = torch.cat([ids[:, 1:], torch.tensor([first])], dim=1)

@@ -230,12 +230,14 @@ class ChunkRows:
 
     def head(self, n: int) -> list:
         """A copy of every sequence's first n chunk rows (a speculative verify that runs past a chunk's
-        end writes the next chunk's rows there: put_head restores them)."""
+        end writes the next chunk's rows there: put_head_where restores them)."""
         return [getattr(self, name).narrow(axis, 0, n).clone() for name, axis in self.ROW_AXES]
 
-    def put_head(self, saved: list, b: int) -> None:
+    def put_head_where(self, saved: list, mask: torch.Tensor) -> None:
+        """head()'s rows back for the sequences where mask [B] bool is set (graph-safe)."""
         for (name, axis), rows in zip(self.ROW_AXES, saved):
-            getattr(self, name)[b].narrow(axis - 1, 0, rows.shape[axis]).copy_(rows[b])
+            now = getattr(self, name).narrow(axis, 0, rows.shape[axis])
+            now.copy_(torch.where(mask.view(-1, *([1] * (rows.dim() - 1))), rows, now))
 
 
 class ReferenceRows:
@@ -267,7 +269,7 @@ class ReferenceRows:
 
     ROW_AXES = (("q", 1), ("k", 1), ("v", 1), ("g", 1), ("beta", 1))
     head = ChunkRows.head
-    put_head = ChunkRows.put_head
+    put_head_where = ChunkRows.put_head_where
 
 
 def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):

@@ -66,6 +66,7 @@ from fqkernels.swiglu import silu_f32
 __all__ = [
     "GemvConfig",
     "select_config",
+    "shared_rows",
     "linear",
     "linear_silu_mul",
     "linear_partials",
@@ -293,6 +294,27 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: 
            and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= _MIN_BLOCKS_PER_SPLIT):
         split *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+# fp32 registers a thread may give the fma kernel's accumulators and its weight block(s) when
+# shared_rows widens a row tile (a thread has 255; the rest holds addresses and x).
+FMA_SHARED_REGS = 192
+
+
+def shared_rows(config: GemvConfig, rows: int, silu_mul: bool = False) -> GemvConfig:
+    """`config` with its fma row tile widened toward `rows` rows (block_m 2 or 4) where the
+    accumulators fit FMA_SHARED_REGS: the tile's rows then share each weight load. Every row's
+    code in the fma kernel is the same at any block_m, so each row keeps its bits; a
+    speculative verify's rows, planned as a one-row step, read the weights once, not once a row.
+    Tensor-core modes come back unchanged (their tiles already hold 16+ rows)."""
+    if config.mode != "fma":
+        return config
+    per_block = config.block_n * config.block_k // (32 * config.num_warps) * (2 if silu_mul else 1)
+    block_m = config.block_m
+    for wider in _FMA_BLOCK_M:
+        if block_m < wider and (wider // 2) < rows and per_block * (wider + 1) <= FMA_SHARED_REGS:
+            block_m = wider
+    return dataclasses.replace(config, block_m=block_m) if block_m != config.block_m else config
 
 
 # ----------------------------------------------------------------------------- kernels

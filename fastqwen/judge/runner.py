@@ -198,14 +198,17 @@ class Side:
 
 def speculation_summary(samples: list[dict]) -> dict | None:
     """The timed samples' speculation figures summed: drafted and accepted tokens, verify passes,
-    emitted tokens, draft / verify seconds, and the acceptance and tokens per verify row they give;
-    None where the engine reported none."""
+    plain steps, emitted tokens, and the acceptance and tokens per verify row they give; the
+    device's milliseconds per draft, verify and plain step as the first sample reported them
+    (measured once per shape); None where the engine reported none."""
     stats = [s["speculation"] for s in samples if s.get("speculation")]
     if not stats:
         return None
-    keys = ("drafted", "accepted", "verify_steps", "verified_rows", "emitted", "draft_s", "verify_s")
+    keys = ("drafted", "accepted", "verify_steps", "plain_steps", "verified_rows", "emitted")
     total = {k: sum(st.get(k) or 0 for st in stats) for k in keys}
     total["mode"], total["k"] = stats[0].get("mode"), stats[0].get("k")
+    for cost in ("draft_ms", "verify_ms", "plain_ms"):
+        total[cost] = stats[0].get(cost)
     total["acceptance"] = total["accepted"] / total["drafted"] if total["drafted"] else None
     total["tokens_per_verify"] = total["emitted"] / total["verified_rows"] if total["verified_rows"] else None
     return total

@@ -261,6 +261,18 @@ def test_exact_decode_puts_every_4b_product_in_order():
                 assert gemv.in_order(cfg) or (not exact and name == "down"), (name, rows, cfg)
 
 
+@pytest.mark.parametrize("rows,block_m", [(1, 1), (2, 2), (3, 4), (5, 4), (64, 4)])
+def test_shared_rows_widens_an_fma_tile_within_its_registers(rows, block_m):
+    small = GemvConfig(block_n=8, block_k=256, mode="fma", block_m=1)       # 16 fp32 a thread a block
+    assert gemv.shared_rows(small, rows).block_m == block_m
+    assert gemv.shared_rows(small, rows).block_n == 8 and gemv.shared_rows(small, rows).block_k == 256
+    big = GemvConfig(block_n=16, block_k=512, mode="fma", block_m=1)        # 64 a block: 2 rows fit, 4 do not
+    assert gemv.shared_rows(big, rows).block_m == min(block_m, 2)
+    assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 1         # gate and up blocks: 128 a row
+    tiles = GemvConfig(block_n=64, block_k=256, mode="dot_t")
+    assert gemv.shared_rows(tiles, rows) is tiles
+
+
 def test_select_config_rejects_zero_rows():
     with pytest.raises(ValueError, match="rows must be >= 1"):
         select_config(6144, 2560, False, 0)
@@ -611,6 +623,33 @@ def test_gpu_deterministic_and_rows_independent_of_batch(name, cfg):
         assert torch.equal(single[0], full[r]), f"row {r} differs between batch 16 and batch 1"
     for m in (2, 7):   # other row counts pad the tile differently
         assert torch.equal(fn(x[:m].contiguous(), w, config=cfg), full[:m])
+
+
+def _one_row_fma_products():
+    """(family-product name, (n, k), silu) of every product whose one-row table config is fma."""
+    out = []
+    for family, shapes in (("qwen3", SHAPES_4B), ("qwen3.5", SHAPES_Q35)):
+        for name, (n, k) in sorted(shapes.items()):
+            silu = name == "gate_up"
+            if select_config(n, k, silu, 1).mode == "fma":
+                out.append((f"{family}-{name}", (n, k), silu))
+    return out
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 3, 5])
+@pytest.mark.parametrize("name,shape,silu", _one_row_fma_products(), ids=[p[0] for p in _one_row_fma_products()])
+def test_gpu_shared_rows_give_each_row_its_one_row_bits(name, shape, silu, rows):
+    """A speculative verify at batch 1 runs its k + 1 rows as the one-row step, its fma row tile
+    widened (gemv.shared_rows): every row, the one-row launch's bits."""
+    n, k = shape
+    fn = linear_silu_mul if silu else linear
+    one = select_config(n, k, silu, 1)
+    wide = gemv.shared_rows(one, rows, silu)
+    x, w = _gpu_inputs(rows, n, k, seed=rows)
+    got = fn(x, w, config=wide)
+    for r in range(rows):
+        assert torch.equal(got[r], fn(x[r:r + 1].contiguous(), w, config=one)[0]), (r, wide)
 
 
 @pytest.mark.gpu
