@@ -113,6 +113,7 @@ class Engine:
         self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
         self._spec = None         # the SpecRunner over the current cache, when speculating
+        self._spec_host = {}      # (rows, columns) -> [pinned buffers, next]: a step's picks on the host
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
@@ -523,7 +524,13 @@ class Engine:
         the event after its copy; None on the CPU, where the copy is done)."""
         if self.device.type != "cuda":
             return verify, packed.clone(), None
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        # a ring of pinned buffers per shape: at most two steps are in flight, so a third is free
+        ring = self._spec_host.get(tuple(packed.shape))
+        if ring is None:
+            ring = self._spec_host[tuple(packed.shape)] = [
+                [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(3)], 0]
+        host = ring[0][ring[1]]
+        ring[1] = (ring[1] + 1) % 3
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

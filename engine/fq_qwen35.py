@@ -308,9 +308,9 @@ class Qwen35Model:
             return self._logits(h.reshape(B * T, -1)).view(B, T, -1)
 
     def mtp_draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """The multi-token-prediction head over n rows per sequence of cache rows [0, B): row j
-        joins hidden[:, j] (a final-normed state, the target's at position positions + j - 1, or
-        the head's own output for a chained draft) and tokens[:, j] at position positions + j:
+        """The multi-token-prediction head over n rows per sequence of cache rows [0, B): row j, at
+        position positions + j, joins hidden[:, j] (a final-normed state: the target's at that
+        position, or the head's own output for a chained draft) and tokens[:, j] (the token after it):
         fc over both normed side by side, the head's decoder layers (gated attention over the
         head's own K/V cache, written at those positions), its final norm, the LM head. Returns
         (picks [B, n] int64: each row's guess at the token after tokens[:, j]; the rows' normed

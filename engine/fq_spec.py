@@ -349,10 +349,12 @@ class OracleDrafter(Drafter):
 
 
 class MtpDrafter(Drafter):
-    """The model's multi-token-prediction head (Qwen35Model.mtp_draft). After the prompt pass it
-    runs over every prompt position (the head's K/V), after each verify over the verify's rows
-    (the target's states with its picks); the row of each sequence's last kept token gives the
-    first draft, and the head's own output chains the rest."""
+    """The model's multi-token-prediction head (Qwen35Model.mtp_draft). A head row pairs the
+    target's final-normed state at position t with the token at t + 1 and sits at position t (as
+    vLLM and SGLang place it). After the prompt pass it runs over every prompt position (the
+    head's K/V), after each verify over the verify's rows (the target's states with its picks);
+    the row of each sequence's last kept token gives the first draft, and the head's own output
+    chains the rest, one position further each."""
 
     def __init__(self, model):
         self.model = model
@@ -365,12 +367,12 @@ class MtpDrafter(Drafter):
 
     def start(self, state, prompt, steps):
         nxt = state.seq[:, 1:prompt + 1]            # each position's next token (the last: the first pick)
-        ones = torch.ones(state.batch, dtype=torch.int32, device=state.device)
-        picks, hidden = self.model.mtp_draft(nxt, self.model.hidden, ones)
-        self._ready(picks[:, -1], hidden[:, -1], ones * prompt)
+        zeros = torch.zeros(state.batch, dtype=torch.int32, device=state.device)
+        picks, hidden = self.model.mtp_draft(nxt, self.model.hidden, zeros)
+        self._ready(picks[:, -1], hidden[:, -1], zeros + prompt - 1)
 
     def _ready(self, pick, hidden, position) -> None:
-        """The first draft of each sequence, the head's state after it, its last token's position
+        """The first draft of each sequence, the head's state that gave it and that row's position
         (static buffers: the graph reads them)."""
         self.pick.copy_(pick)
         self.state.copy_(hidden)
@@ -386,10 +388,10 @@ class MtpDrafter(Drafter):
 
     def observe(self, state, rows, picks, kept):
         pos = state.positions() - kept.to(torch.int32)       # the verify's first row's position
-        heads, hidden = self.model.mtp_draft(picks, self.model.hidden, pos + 1)
+        heads, hidden = self.model.mtp_draft(picks, self.model.hidden, pos)
         last = (kept - 1).clamp(min=0)
         at = torch.arange(kept.shape[0], device=kept.device)
-        self._ready(heads[at, last], hidden[at, last], pos + last.to(torch.int32) + 1)
+        self._ready(heads[at, last], hidden[at, last], pos + last.to(torch.int32))
 
 
 def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Drafter:

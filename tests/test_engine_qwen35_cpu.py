@@ -253,3 +253,82 @@ def test_backend_is_explicit(tiny, monkeypatch):
     assert eng.describe()["gdn_prompt_rule"] == "kernels"
     assert eng.describe()["gdn_decode"] == f"full forward's rows ({gdn_exact_step.step_form()})"
     assert "128 columns and 4 warps a program, 32 rows a trip" in gdn_exact_step.step_form()
+
+
+_MTP_REFERENCE = r"""
+import glob, sys, torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                          Qwen3_5TextRotaryEmbedding)
+folder, inp, outp = sys.argv[1:4]
+cfg = Qwen3_5TextConfig.from_pretrained(folder)
+cfg._attn_implementation = "sdpa"
+w = {}
+for f in glob.glob(folder + "/*.safetensors"):
+    w.update(load_file(f))
+def norm(name):
+    m = Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    m.weight.data = w[name].float()
+    return m.to(torch.bfloat16)
+# the head's one decoder layer is a full-attention layer of the model's own definition
+layer = Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).to(torch.bfloat16)
+layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+d = torch.load(inp)
+tokens, hidden = d["tokens"], d["hidden"]
+B, n = tokens.shape
+embed = w["model.embed_tokens.weight"]
+with torch.no_grad():
+    e = norm("mtp.pre_fc_norm_embedding.weight")(F.embedding(tokens, embed))
+    h = norm("mtp.pre_fc_norm_hidden.weight")(hidden)
+    x = F.linear(torch.cat([e, h], dim=-1), w["mtp.fc.weight"])
+    pos = torch.arange(n).view(1, n).expand(B, n)
+    # the text model's rotary takes the three multimodal position rows, equal for text
+    rope = Qwen3_5TextRotaryEmbedding(cfg)(x, pos[None].expand(3, B, n))
+    x = layer(x, position_embeddings=rope, position_ids=pos)
+    out = norm("mtp.norm.weight")(x)
+    logits = F.linear(out, w.get("lm_head.weight", embed))
+torch.save({"hidden": out, "logits": logits}, outp)
+"""
+
+
+def test_mtp_head_is_the_published_layer_from_the_released_layout(tiny, tmp_path):
+    """The multi-token-prediction head loaded from the released wrapped layout (text weights under
+    model.language_model., the head's mtp.* at the top, as vLLM's and SGLang's loaders read it)
+    against a torch reference written from the published layer: embed -> pre_fc_norm_embedding,
+    hidden -> pre_fc_norm_hidden, fc over [embedding | hidden], one full-attention decoder layer of
+    Transformers 5.17's Qwen3.5 (causal over the head's rows, RoPE at their positions), norm, the
+    LM head. The head's rows from a fresh cache: its states and picks."""
+    w = {}
+    for f in Path(tiny).glob("*.safetensors"):
+        w.update(load_file(str(f)))
+    assert any(k.startswith("mtp.layers.0.") for k in w), "the synthetic checkpoint carries the head"
+    wrapped = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in w.items()}
+    out = tmp_path / "released"
+    out.mkdir()
+    save_file(wrapped, str(out / "model.safetensors"))
+    text = json.loads((Path(tiny) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "tie_word_embeddings": True,
+                                                 "text_config": text}))
+    eng = Engine(str(out), speculation="mtp")
+    model = eng.model
+    g = torch.Generator().manual_seed(7)
+    n = 12
+    tokens = torch.randint(0, 1024, (2, n), generator=g)
+    hidden = torch.randn(2, n, eng.cfg.hidden_size, generator=g).to(torch.bfloat16)
+    torch.save({"tokens": tokens, "hidden": hidden}, tmp_path / "in.pt")
+    run = subprocess.run([sys.executable, "-c", _MTP_REFERENCE, str(tiny), str(tmp_path / "in.pt"),
+                          str(tmp_path / "ref.pt")], env=refenv.reference_env("qwen3_5_text"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    with torch.inference_mode():
+        eng._prepare_cache(2, 64)
+        picks, states = model.mtp_draft(tokens, hidden, torch.zeros(2, dtype=torch.int32))
+    # the same ops in the reference's order up to the decoder layer's internals (attention and
+    # MLP on the engine's op set): within bf16 rounding, the same picks
+    d = (states.float() - ref["hidden"].float()).abs().max().item()
+    assert d <= 0.02 * ref["hidden"].float().abs().max().item(), d
+    assert torch.equal(picks, ref["logits"].argmax(-1))

@@ -361,10 +361,10 @@ def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
         ids = torch.tensor(prompts)
         nxt = torch.cat([ids[:, 1:], torch.tensor([first])], dim=1)
         assert model.hidden.shape[1] == 20          # the prompt pass's states, every position
-        picks, hidden = model.mtp_draft(nxt, model.hidden, torch.ones(1, dtype=torch.int32))
+        picks, hidden = model.mtp_draft(nxt, model.hidden, torch.zeros(1, dtype=torch.int32))
         chain, pick, state = [int(picks[0, -1])], picks[:, -1], hidden[:, -1]
-        for i in (1, 2):       # the last token (first) sits at position 20; chained rows at 21, 22
-            p2, h2 = model.mtp_draft(pick.view(1, 1), state.unsqueeze(1), torch.full((1,), 20 + i, dtype=torch.int32))
+        for i in (1, 2):       # the prompt's rows at positions 0-19; chained rows at 20, 21
+            p2, h2 = model.mtp_draft(pick.view(1, 1), state.unsqueeze(1), torch.full((1,), 19 + i, dtype=torch.int32))
             pick, state = p2[:, 0], h2[:, 0]
             chain.append(int(pick[0]))
     assert drafts == chain
