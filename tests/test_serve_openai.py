@@ -198,7 +198,7 @@ def test_a_tool_call_round_trips_through_the_openai_client(live, client):
     """tool_choice "required" forces a call: parsed into tool_calls (finish "tool_calls"), its
     arguments valid under the tool's schema; the assistant message with it and the tool's result
     go back in the next request, which a named tool_choice forces to call that function; a stream
-    gives the same call in delta.tool_calls."""
+    gives the same call in delta.tool_calls, its arguments in pieces as they are generated."""
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
                                            tool_choice="required", max_tokens=300, temperature=0)
@@ -219,15 +219,16 @@ def test_a_tool_call_round_trips_through_the_openai_client(live, client):
     calls = second.choices[0].message.tool_calls
     assert second.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
-    streamed = {}
+    streamed, pieces = {}, 0
     for c in client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
                                             tool_choice=named, max_tokens=300, temperature=0, stream=True):
         for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            pieces += 1
             entry = streamed.setdefault(d.index, {"name": "", "arguments": "", "id": d.id})
             entry["name"] += d.function.name or ""
             entry["arguments"] += d.function.arguments or ""
         finish = c.choices[0].finish_reason if c.choices else None
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and pieces > 2       # the name first, then the arguments as they came
     assert [(v["name"], json.loads(v["arguments"])) for v in streamed.values()] == [
         (calls[0].function.name, json.loads(calls[0].function.arguments))]
     # tool_choice "none": the tools stay out of the prompt, and the output is plain content

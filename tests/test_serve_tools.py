@@ -131,17 +131,67 @@ def test_call_ids_are_openai_shaped_and_distinct():
     assert all(c["id"].startswith("call_") and len(c["id"]) == 29 and c["id"][5:].isalnum() for c in calls)
 
 
-def test_a_stream_sends_text_before_a_call_and_holds_the_call():
-    text = 'Sure <b>.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
-    stream = TL.ToolStream(NAMES, new_id=ids())
-    sent = "".join(stream.push(ch) for ch in text)
-    assert sent == "Sure <b>.\n"                  # a '<' that is no tag goes out, the tag never
-    out = stream.finish()
-    assert out.content is None and out.tool_calls[0]["function"]["name"] == "now"
+def _streamed(stream, text, step=1):
+    """text pushed `step` characters at a time: (content sent, call deltas, finish's result)."""
+    content, deltas = [], []
+    for i in range(0, len(text), step):
+        c, d = stream.push(text[i:i + step])
+        content.append(c)
+        deltas.extend(d)
+    rest, last, reason = stream.finish()
+    return "".join(content) + (rest or ""), deltas + last, reason
 
-    plain = TL.ToolStream(NAMES)
-    sent = "".join(plain.push(ch) for ch in "x <tool")
-    assert sent == "x " and plain.finish().content == "<tool"
+
+def _joined(deltas):
+    """OpenAI's client-side accumulation of streamed tool-call deltas by index."""
+    calls = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+        call["id"] = d.get("id", call["id"])
+        call["name"] = d.get("function", {}).get("name", call["name"])
+        call["arguments"] += d.get("function", {}).get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_stream_sends_text_then_each_calls_name_then_its_arguments_as_they_come(step):
+    args = '{"city": "Pa\\"ris}", "days": {"n": 3}}'
+    text = ('Sure <b>.\n<tool_call>\n{"name": "get_weather", "arguments": ' + args + '}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    content, deltas, reason = _streamed(TL.ToolStream(NAMES, new_id=ids()), text, step)
+    assert content == "Sure <b>.\n"               # a '<' that is no tag goes out, the tag never
+    assert reason == "tool_calls"
+    calls = _joined(deltas)
+    assert [(c["id"], c["name"]) for c in calls] == [("call_0", "get_weather"), ("call_1", "now")]
+    assert json.loads(calls[0]["arguments"]) == json.loads(args) and json.loads(calls[1]["arguments"]) == {}
+    # the same calls as the whole output parsed at once
+    whole = TL.parse_tool_calls(text, NAMES, new_id=ids()).tool_calls
+    assert [json.loads(c["function"]["arguments"]) for c in whole] == [json.loads(c["arguments"]) for c in calls]
+    if step == 1:       # the header before any argument; arguments in many pieces
+        first = [d for d in deltas if d["index"] == 0]
+        assert first[0]["function"] == {"name": "get_weather", "arguments": ""} and len(first) > 5
+
+
+def test_a_stream_holds_a_block_of_another_shape_and_parses_it_whole():
+    # "arguments" before "name": no streaming, the call whole at the block's end
+    text = '<tool_call>{"arguments": {"x": 1}, "name": "now"}</tool_call>'
+    content, deltas, reason = _streamed(TL.ToolStream(NAMES, new_id=ids()), text)
+    assert content == "" and reason == "tool_calls"
+    assert deltas == [{"index": 0, "id": "call_0", "type": "function",
+                       "function": {"name": "now", "arguments": '{"x": 1}'}}]
+    # a block that is no call of a known function stays content
+    text = 'a <tool_call>{"name": "nope", "arguments": {}}</tool_call> b'
+    content, deltas, reason = _streamed(TL.ToolStream(NAMES), text)
+    assert content == text and deltas == [] and reason is None
+    # a partial tag at the end is content
+    content, deltas, reason = _streamed(TL.ToolStream(NAMES), "x <tool")
+    assert content == "x <tool" and reason is None
+
+
+def test_a_stream_cut_inside_a_call_still_names_it():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    content, deltas, reason = _streamed(TL.ToolStream(NAMES, new_id=ids()), text)
+    assert reason == "tool_calls" and _joined(deltas)[0]["arguments"] == '{"city": "Pa'
 
 
 # ---- messages --------------------------------------------------------------------------------

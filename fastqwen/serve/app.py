@@ -705,7 +705,7 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
                         err = failure(event, n_out)
                         yield f"data: {json.dumps(_error_body(err.status, err.message, usage=err.usage))}\n\n"
                         break
-                    text = calls.push(event.text) if calls is not None else event.text
+                    text, call_deltas = calls.push(event.text) if calls is not None else (event.text, None)
                     if text or event.token_ids or first_chunk:
                         shaped = None
                         if event.token_ids:
@@ -714,16 +714,17 @@ def create_app(server: Server | None = None, *, load=None, state: AppState | Non
                             offset += sum(map(len, shaped["tokens"])) if shaped and not chat else 0
                         yield chunk(text, event.token_ids, None, role=first_chunk, logprobs=shaped)
                         first_chunk = False
+                    if call_deltas:         # after the content that came before the call
+                        yield chunk("", [], None, tool_calls=call_deltas)
                     if event.finish_reason is not None:
                         finish = event.finish_reason
                         if calls is not None:
-                            parsed = calls.finish()
-                            if parsed.content:
-                                yield chunk(parsed.content, [], None)
-                            if parsed.tool_calls:
-                                yield chunk("", [], None, tool_calls=[
-                                    dict(call, index=i) for i, call in enumerate(parsed.tool_calls)])
-                                finish = parsed.finish_reason
+                            rest, call_deltas, reason = calls.finish()
+                            if rest:
+                                yield chunk(rest, [], None)
+                            if call_deltas:
+                                yield chunk("", [], None, tool_calls=call_deltas)
+                            finish = reason or finish
                         yield chunk("", [], finish)
                         break
                     event = await handle.next()

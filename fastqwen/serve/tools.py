@@ -355,30 +355,125 @@ def parse_tool_calls(text: str, names=None, new_id=new_call_id) -> ParsedOutput:
     return ParsedOutput(content or None, calls)
 
 
+# A call block's head, up to where its arguments object begins: the name is known from here on.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
 class ToolStream:
-    """parse_tool_calls for a stream: push(delta) returns the content that can go out now (text
-    before the first <tool_call>, never a partial tag); finish() parses what was held back."""
+    """parse_tool_calls for a stream, OpenAI's streamed form. push(delta) returns (content that can
+    go out now, tool-call deltas): the text before a <tool_call> (never a partial tag); inside a
+    block whose JSON starts {"name": <a known function>, "arguments": {, first the call's
+    header ({index, id, type, function: {name, arguments: ""}}), then each piece of the
+    arguments object as it is generated ({index, function: {arguments}}), so the pieces joined
+    are the object's JSON text. A block in another shape is held to its end and parsed whole
+    (a call, or content). finish() returns (content still to send or None, the last call deltas,
+    "tool_calls" when calls were made, else None)."""
 
     def __init__(self, names=None, new_id=new_call_id):
         self.names, self.new_id = names, new_id
-        self._held = ""
+        self._held = ""          # outside a block: a possible partial tag; inside: the block so far
         self._in_call = False
+        self._streaming = False  # the block's header went out; its arguments stream
+        self._scan = 0           # how much of the held block the arguments scanner has read
+        self._depth, self._in_string, self._escape, self._args_done = 0, False, False, False
+        self.calls = 0
 
-    def push(self, delta: str) -> str:
-        if self._in_call:
-            self._held += delta
+    def push(self, delta: str) -> tuple:
+        content, deltas = [], []
+        text = delta
+        while text:
+            if not self._in_call:
+                text = self._held + text
+                self._held = ""
+                at = text.find(OPEN)
+                if at < 0:
+                    keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                                 if OPEN.startswith(text[-k:])), 0)
+                    self._held = text[len(text) - keep:]
+                    self._content(content, text[:len(text) - keep])
+                    break
+                self._content(content, text[:at])
+                self._in_call, self._held, self._streaming = True, "", False
+                text = text[at + len(OPEN):]
+                continue
+            self._held += text
+            text = self._advance(deltas, content)
+        return "".join(content), deltas
+
+    def _content(self, content: list, piece: str) -> None:
+        # the newlines between and after call blocks are the format's, not content
+        if piece and (piece.strip() or not self.calls):
+            content.append(piece)
+
+    def _advance(self, deltas: list, content: list) -> str:
+        """Inside a block: the header and argument deltas the held text allows (a block that is no
+        call goes to content at its end); returns the text after the block's end, or "" while the
+        block goes on."""
+        if not self._streaming:
+            head = _HEAD.match(self._held)
+            if head is not None:
+                try:
+                    name = json.loads(f'"{head.group(1)}"')
+                except ValueError:
+                    name = None
+                if name is not None and (self.names is None or name in self.names):
+                    deltas.append({"index": self.calls, "id": self.new_id(), "type": "function",
+                                   "function": {"name": name, "arguments": ""}})
+                    self._streaming, self._scan = True, head.end()
+                    self._depth, self._in_string, self._escape, self._args_done = 0, False, False, False
+        if self._streaming and not self._args_done:
+            start = self._scan
+            for j in range(start, len(self._held)):
+                ch = self._held[j]
+                self._scan = j + 1
+                if self._in_string:
+                    if self._escape:
+                        self._escape = False
+                    elif ch == "\\":
+                        self._escape = True
+                    elif ch == '"':
+                        self._in_string = False
+                elif ch == '"':
+                    self._in_string = True
+                elif ch == "{":
+                    self._depth += 1
+                elif ch == "}":
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self._args_done = True
+                        break
+            if self._scan > start:
+                deltas.append({"index": self.calls, "function": {"arguments": self._held[start:self._scan]}})
+        end = self._held.find(CLOSE)
+        if end < 0 or (self._streaming and not self._args_done and end >= self._scan):
             return ""
-        text = self._held + delta
-        at = text.find(OPEN)
-        if at >= 0:
-            self._in_call, self._held = True, text[at:]
-            return text[:at]
-        keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
-        self._held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+        rest = self._held[end + len(CLOSE):]
+        if self._streaming:
+            self.calls += 1
+        else:                    # a block in another shape: parsed whole now
+            parsed = parse_tool_calls(OPEN + self._held[:end] + CLOSE, self.names, self.new_id)
+            if parsed.tool_calls:
+                deltas.append(dict(parsed.tool_calls[0], index=self.calls))
+                self.calls += 1
+            else:
+                content.append(OPEN + self._held[:end] + CLOSE)
+        self._in_call, self._held, self._streaming = False, "", False
+        return rest or ""
 
-    def finish(self) -> ParsedOutput:
-        """The held text parsed: the content still to send (None: none) and the calls."""
-        held, self._held = self._held, ""
-        parsed = parse_tool_calls(held, self.names, self.new_id)
-        return parsed if parsed.tool_calls else ParsedOutput(held or None)
+    def finish(self) -> tuple:
+        content, deltas = "", []
+        if self._in_call and not self._streaming:      # the output ended inside a block
+            parsed = parse_tool_calls(OPEN + self._held, self.names, self.new_id)
+            if parsed.tool_calls:
+                deltas.append(dict(parsed.tool_calls[0], index=self.calls))
+                self.calls += 1
+            else:
+                content += OPEN + self._held
+        elif self._in_call:
+            self.calls += 1                            # a streamed call the output cut short
+        elif self._held:
+            content += self._held
+        self._held, self._in_call = "", False
+        if self.calls and not content.strip():
+            content = ""
+        return content or None, deltas, ("tool_calls" if self.calls else None)
