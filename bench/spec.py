@@ -1,10 +1,11 @@
 """Speculative decoding against plain decode on one engine, per batch: the oracle's speed curve
 (drafts from a recorded plain run, each right with probability a) and the model-free drafters.
 
-One engine is built with the engine options given (and Qwen3.5's MTP head where an arm is "mtp");
+Shapes: --shapes BxPxO,... (each its own prompt and output), or --batches with one --prompt and
+--steps. One engine is built with the engine options given (and Qwen3.5's MTP head where an arm is "mtp");
 its speculation is switched per arm by Engine.set_speculation (the same weights, caches and tuning,
-so the arms' tokens are comparable bit for bit). Per batch: random
-prompts of --prompt tokens, a plain generate() of --steps tokens (warmup, then --reps timed: the
+so the arms' tokens are comparable bit for bit). Per shape: random
+prompts, a plain generate() (warmup, then --reps timed: the
 median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
 and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
 verify, the device's milliseconds a draft and a verify (timed when their graphs were made), the
@@ -16,9 +17,10 @@ import statistics
 import time
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options, gpu_visible,
-                          int_list, positive_int, resolve_model)
+                          int_list, positive_int, resolve_model, shape_list)
 
-COLUMNS = [Column("batch", width=5), Column("arm", width=12, left=True), Column("k", width=3),
+COLUMNS = [Column("batch", width=5), Column("prompt", width=6), Column("steps", width=5),
+           Column("arm", width=12, left=True), Column("k", width=3),
            Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.2f}"),
            Column("acceptance", "accept", fmt="{:.2f}"), Column("tokens_per_verify", "tok/verify", fmt="{:.2f}"),
            Column("draft_ms", "draft ms", fmt="{:.3f}"), Column("verify_ms", "verify ms", fmt="{:.2f}"),
@@ -29,6 +31,9 @@ def add_arguments(parser) -> None:
     add_model_argument(parser)
     add_engine_arguments(parser)
     parser.add_argument("--batches", type=int_list, default=[1, 4, 16], help="default 1,4,16")
+    parser.add_argument("--shapes", type=shape_list(3, "BATCHxPROMPTxSTEPS"), default=None,
+                        help="batch x prompt x tokens per shape, e.g. 1x1024x256,4x2048x128 (overrides --batches, "
+                             "--prompt and --steps)")
     parser.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--steps", type=positive_int, default=128, help="tokens generated a call (default 128)")
     parser.add_argument("--k", type=positive_int, default=4, help="drafts a verify (default 4)")
@@ -62,21 +67,22 @@ def run(args, report) -> None:
     eng.set_speculation("off")
     report.note(f"# {model_dir}: {eng.describe()}")
     sync = torch.cuda.synchronize if gpu_visible() else (lambda: None)
-    for batch in args.batches:
-        prompts = torch.randint(0, eng.cfg.vocab_size, (batch, args.prompt),
-                                generator=torch.Generator().manual_seed(batch)).tolist()
+    shapes = args.shapes or [(b, args.prompt, args.steps) for b in args.batches]
+    for batch, prompt, steps in shapes:
+        prompts = torch.randint(0, eng.cfg.vocab_size, (batch, prompt),
+                                generator=torch.Generator().manual_seed(batch * 7919 + prompt)).tolist()
         eng.set_speculation("off")
-        list(eng.generate(prompts, args.steps))
-        plain_s, plain_tokens = _timed(eng, prompts, args.steps, args.reps, sync)
-        plain_tok_s = batch * args.steps / plain_s
-        report.add({"batch": batch, "arm": "plain", "k": 0, "tok_s": plain_tok_s, "vs_plain": 1.0,
+        list(eng.generate(prompts, steps))
+        plain_s, plain_tokens = _timed(eng, prompts, steps, args.reps, sync)
+        shape = {"batch": batch, "prompt": prompt, "steps": steps}
+        report.add({**shape, "arm": "plain", "k": 0, "tok_s": batch * steps / plain_s, "vs_plain": 1.0,
                     "same_tokens": True})
         for arm in arms:
             eng.set_speculation(arm, args.k)
-            list(eng.generate(prompts, args.steps))             # the oracle records here; compiles, tunes
-            seconds, tokens = _timed(eng, prompts, args.steps, args.reps, sync)
+            list(eng.generate(prompts, steps))             # the oracle records here; compiles, tunes
+            seconds, tokens = _timed(eng, prompts, steps, args.reps, sync)
             st = eng.spec_stats()
-            report.add({"batch": batch, "arm": arm, "k": args.k, "tok_s": batch * args.steps / seconds,
+            report.add({**shape, "arm": arm, "k": args.k, "tok_s": batch * steps / seconds,
                         "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
                         "tokens_per_verify": st["tokens_per_verify"],
                         "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],

@@ -464,7 +464,18 @@ def test_spec_times_each_arm_beside_plain_and_the_tokens_agree(tmp_path, capsys,
     assert [r["arm"] for r in doc["rows"]] == ["plain", "ngram", "oracle:1"]
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in doc["rows"])
     oracle = doc["rows"][2]
-    assert oracle["k"] == 3 and oracle["acceptance"] > 0.5 and oracle["stats"]["record_s"] == 0.0
+    assert oracle["k"] == 3 and oracle["acceptance"] == 1.0 and oracle["stats"]["record_s"] == 0.0
+    assert oracle["verify_ms"] > 0 and oracle["plain_steps"] == 0
+
+
+def test_spec_runs_shapes_of_their_own_and_auto(tmp_path, capsys, bench_cache):
+    doc = run_entry(["spec", "--model", "tiny", "--shapes", "1x8x6,2x5x4", "--reps", "1", "--arms", "auto"],
+                    tmp_path, capsys)
+    assert [(r["batch"], r["prompt"], r["steps"], r["arm"]) for r in doc["rows"]] == [
+        (1, 8, 6, "plain"), (1, 8, 6, "auto"), (2, 5, 4, "plain"), (2, 5, 4, "auto")]
+    assert all(r["same_tokens"] for r in doc["rows"])
+    auto = doc["rows"][1]["stats"]
+    assert auto["plain_ms"] > 0 and auto["plain_steps"] + auto["verify_steps"] >= 5 / 5
 
 
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
