@@ -18,6 +18,8 @@
 #                     same run (--baseline .base/engine: carry .base, made here with
 #                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
+#   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
+#                     -> spec_qwen3.json / spec_qwen35.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
 #   fidelity-q35      the same on a synthetic Qwen3.5-4B -> fidelity_qwen35.json
 # Any other argument runs as a command (bash -c), e.g. a `python3 -m bench ENTRY ... --out $OUT/FILE.json`.
@@ -74,6 +76,10 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
   cat "$OUT/pytest_gpu.log"
 }
 
+# the speculation curve's shapes and arms (the oracle at a, auto; Qwen3.5 adds its MTP head)
+SPEC_SHAPES=${SPEC_SHAPES:-1x1024x256,4x2048x128,16x512x128}
+SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,auto}
+
 main() {
   install .whl /tmp/site && install .whl_serve /tmp/serve_site && install .whl_fla /tmp/fla_site \
     || { echo "gpu.sh: the carried wheels did not install"; return 1; }
@@ -94,6 +100,10 @@ main() {
       judge-ab) judge_ab public "$(checkpoint qwen3-4b)" ;;
       judge-ab-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge_ab public_q35 "$(checkpoint qwen3.5-4b)" ;;
       gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
+      spec) timeout 560 python3 -m bench spec --model qwen3-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" \
+              --out "$OUT/spec_qwen3.json" ;;
+      spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" \
+                  --out "$OUT/spec_qwen35.json" ;;
       fidelity) timeout 560 python3 -m bench fidelity --model qwen3-4b --out "$OUT/fidelity_qwen3.json" ;;
       fidelity-q35) FASTQWEN_QWEN35_SITE=$(q35_site) timeout 560 python3 -m bench fidelity --model qwen3.5-4b \
                       --out "$OUT/fidelity_qwen35.json" ;;
