@@ -96,6 +96,11 @@ class TorchOps:
             self.rows_as = before
 
     # ---- products ----------------------------------------------------------------------
+    def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
+        """Whether w's product over more rows, planned as `rows` rows (planned_as), gives each row
+        the bits of the `rows`-row product (a verify may then run it once over all its rows)."""
+        return True
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T on x's rows made contiguous, as the reference holds them (the CPU's product of a
         row-strided view, e.g. each sequence's last position, can round differently)."""
@@ -222,10 +227,16 @@ class TorchOps:
         over conv_state [B, C, W] (shifted in place) and the gates: (x [B, C], z [B, Hv Dv],
         g [B, Hv] fp32, beta [B, Hv])."""
         mixed, z, b, a = self.linear_split(h, w_in, sizes)
-        g, beta = gdn_ref.gates_reference(a, b, a_log, dt_bias)
-        x, state = gdn_ref.causal_conv_reference(mixed.transpose(1, 2), conv_w, conv_state)
+        x, g, beta = self.gdn_conv_gates_step(mixed[:, 0], conv_state, conv_w, a[:, 0], b[:, 0], a_log, dt_bias)
+        return x, z[:, 0], g, beta
+
+    def gdn_conv_gates_step(self, mixed, conv_state, conv_w, a, b, a_log, dt_bias) -> tuple:
+        """gdn_in_proj_step after its product: in_proj's qkv columns mixed [B, C] through the conv
+        (conv_state shifted in place), a and b [B, Hv] through the gates: (x [B, C], g, beta)."""
+        g, beta = gdn_ref.gates_reference(a[:, None], b[:, None], a_log, dt_bias)
+        x, state = gdn_ref.causal_conv_reference(mixed[:, None].transpose(1, 2), conv_w, conv_state)
         conv_state.copy_(state)
-        return x.transpose(1, 2)[:, 0], z[:, 0], g[:, 0], beta[:, 0]
+        return x.transpose(1, 2)[:, 0], g[:, 0], beta[:, 0]
 
     def gdn_rule_step(self, q, k, v, g, beta, state) -> torch.Tensor:
         """The rule's recurrent step (q, k [B, Hk, Dk], v [B, Hv, Dv]; state updated in place)."""
@@ -291,6 +302,10 @@ class TritonOps(TorchOps):
             return None
         config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode)
         return self._gemv.shared_rows(config, rows, silu) if rows > planned else config
+
+    def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
+        """Our GEMV's rows do not depend on the row count (its contract); cuBLAS's do."""
+        return self.gemv_config(rows, w) is not None
 
     def force_gemv(self, products: list, rows: int) -> None:
         """Every product in `products` on our GEMV at `rows` rows (what tune picks where it is faster;
@@ -508,8 +523,13 @@ class TritonOps(TorchOps):
                                                              dt_bias, sizes[1], config)
             return x, z, g, beta
         mixed, z, b, a = self.linear_split(h[:, 0], w_in, sizes)    # column slices of one product
-        x, g, beta = gdn_step.conv_gates_step(mixed, conv_state, conv_w, a, b, a_log, dt_bias)
+        x, g, beta = self.gdn_conv_gates_step(mixed, conv_state, conv_w, a, b, a_log, dt_bias)
         return x, z, g, beta
+
+    def gdn_conv_gates_step(self, mixed, conv_state, conv_w, a, b, a_log, dt_bias) -> tuple:
+        from fqkernels import gdn_step
+
+        return gdn_step.conv_gates_step(mixed, conv_state, conv_w, a, b, a_log, dt_bias)
 
     def gdn_rule_step(self, q, k, v, g, beta, state) -> torch.Tensor:
         from fqkernels.gdn_step import decode_step

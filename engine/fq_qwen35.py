@@ -294,11 +294,12 @@ class Qwen35Model:
         shape = (B, T, self.cfg.hidden_size)
 
         def gdn(i, h):
-            outs = []
-            for j in range(T):
-                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), positions + j))
-                self._verify_conv[j, self.gdn_slot[i]] = self.conv_state[self.gdn_slot[i], :B]
-            return torch.cat(outs, dim=1)
+            slot = self.gdn_slot[i]
+
+            def conv_after(j):
+                self._verify_conv[j, slot] = self.conv_state[slot, :B]
+
+            return self._gdn_verify(i, h, positions, conv_after)
 
         def attention(i, h):
             return self._attention_step(i, h.reshape(B * T, 1, -1), pos, pos + 1, table=table).view(shape)
@@ -512,14 +513,48 @@ class Qwen35Model:
     def _gdn_step(self, i: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of GDN layer i: h [B, 1, hidden] -> [B, 1, hidden]. The conv and recurrent
         states (exact decode: the chunk's rows) of the first B rows are updated in place."""
-        c, p, ops = self.cfg, f"model.layers.{i}.linear_attn.", self.ops
+        p, ops = f"model.layers.{i}.linear_attn.", self.ops
         B = h.shape[0]
         slot = self.gdn_slot[i]
-        state = self.state[slot, :B]
-        norm_w = self.w[p + "norm.weight"]
         x, z, g, beta = ops.gdn_in_proj_step(h, self.w[p + "in_proj.weight"], self.in_proj_sizes,
                                              self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
                                              self.w[p + "A_log"], self.w[p + "dt_bias"])
+        return ops.linear(self._gdn_rule(i, x, z, g, beta, positions).reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+
+    def _gdn_verify(self, i: int, h: torch.Tensor, positions: torch.Tensor, conv_after) -> torch.Tensor:
+        """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), each row the decode step
+        at positions + j: where the layer's products keep each row's bits over more rows
+        (ops.rows_keep_bits), in_proj and out_proj once over all B T rows and the conv, gates and
+        rule a row at a time; elsewhere a whole step a row. conv_after(j): keeps the conv state after row j."""
+        p, ops = f"model.layers.{i}.linear_attn.", self.ops
+        B, T, _ = h.shape
+        slot = self.gdn_slot[i]
+        w_in, w_out = self.w[p + "in_proj.weight"], self.w[p + "out_proj.weight"]
+        if not (ops.rows_keep_bits(B, w_in) and ops.rows_keep_bits(B, w_out)):
+            outs = []
+            for j in range(T):
+                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), positions + j))
+                conv_after(j)
+            return torch.cat(outs, dim=1)
+        mixed, z, b, a = ops.linear_split(h.reshape(B * T, -1), w_in, self.in_proj_sizes)
+        mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
+        conv_w = self.w[p + "conv1d.weight"].squeeze(1)
+        rule = []
+        for j in range(T):
+            x, g, beta = ops.gdn_conv_gates_step(mixed[:, j], self.conv_state[slot, :B], conv_w, a[:, j], b[:, j],
+                                                 self.w[p + "A_log"], self.w[p + "dt_bias"])
+            conv_after(j)
+            rule.append(self._gdn_rule(i, x, z[:, j].contiguous(), g, beta, positions + j).reshape(B, -1))
+        return ops.linear(torch.stack(rule, dim=1), w_out)
+
+    def _gdn_rule(self, i: int, x, z, g, beta, positions) -> torch.Tensor:
+        """A decode step's rule of GDN layer i from its conv output x [B, C], z, the gates: the rule
+        (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape)."""
+        c, p, ops = self.cfg, f"model.layers.{i}.linear_attn.", self.ops
+        B = x.shape[0]
+        slot = self.gdn_slot[i]
+        state = self.state[slot, :B]
+        norm_w = self.w[p + "norm.weight"]
         q, k, v = self._qkv_heads(x, B)
         normed = False
         if self.exact_decode:
@@ -529,4 +564,4 @@ class Qwen35Model:
             o = ops.gdn_rule_step(q, k, v, g, beta, state)
         if not normed:
             o = ops.gated_rmsnorm(o, z, norm_w, c.rms_norm_eps)
-        return ops.linear(o.reshape(B, 1, -1), self.w[p + "out_proj.weight"])
+        return o
