@@ -193,14 +193,16 @@ class Engine:
         return plan
 
     def slots(self, max_slots: int, max_len: int, page_size: int | None = None, num_pages: int | None = None,
-              share_prefixes: bool = True, state_snapshots: int | None = None):
+              share_prefixes: bool = True, state_snapshots: int | None = None, speculative_tokens: int | None = None):
         """Continuous batching for a server (fq_slots.Slots): max_slots rows of max_len positions
         in this engine's caches, or with page_size a pool of num_pages pages of page_size
         positions read through each row's block table (None: max_slots rows' worth; with
         share_prefixes the pages of common prompt prefixes shared where the model allows; a
         Qwen3.5 model keeps state_snapshots of its GDN states for it, None: fq_slots' default),
-        each step size's graph captured now. The caches and graphs generate() made are dropped (and
-        generate() makes its own again when called). plan_slots sizes these arguments."""
+        each step size's graph captured now (and with speculative_tokens k > 0 its verify of k drafts:
+        None takes k from this engine's speculation, 0 where it is off). The caches and graphs
+        generate() made are dropped (and generate() makes its own again when called). plan_slots
+        sizes these arguments."""
         from fq_slots import Slots
 
         self._drop_graphs()
@@ -209,9 +211,11 @@ class Engine:
             self._check_memory(max_slots + 1, max_len)         # and the staging row (fq_slots)
         else:
             self._check_paged_memory(max_slots, max_len, page_size, num_pages, share_prefixes, state_snapshots)
+        if speculative_tokens is None:
+            speculative_tokens = self.spec.k if self.spec.on else 0
         self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
                             page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes,
-                            state_snapshots=state_snapshots)
+                            state_snapshots=state_snapshots, speculative_tokens=speculative_tokens)
         return self._slots
 
     def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None,

@@ -172,6 +172,34 @@ class LogitsStep:
         return self.logits
 
 
+class VerifyStep:
+    """A speculative verify of the first `rows` cache rows (fq_slots: continuous batching), each at
+    its own position, over static buffers: tokens [rows, k + 1] int64 (a row's last token, then its
+    k drafts) and positions [rows] int32 written by the caller, picks [rows, k + 1] (the target's
+    argmax after each row's prefix) read after run(). The rows are launched as the rows-row decode
+    step (verify_logits), so each is that step's bits. On a GPU a CUDA graph, captured (like
+    LogitsStep) while no row holds a request."""
+
+    def __init__(self, model, rows: int, k: int, use_graph: bool):
+        dev = model.device
+        self.model, self.rows, self.k = model, rows, k
+        self.tokens = torch.zeros((rows, k + 1), dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.picks = None
+        self.graph = _capture_step(self._step) if use_graph else None
+
+    def _step(self) -> None:
+        logits = self.model.verify_logits(self.tokens, self.positions)
+        self.picks = self.model.ops.argmax(logits.view(-1, logits.shape[-1])).view(self.tokens.shape)
+
+    def run(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        return self.picks
+
+
 class SpecRunner:
     """Speculative decoding's steps over one SpecState (fq_spec) of `batch` sequences and k drafts:
     a draft (the drafter's, into a static [batch, k] buffer), a verify (the last token and the drafts

@@ -59,7 +59,7 @@ from collections import OrderedDict
 
 import torch
 
-from fq_decode import ChunkGraph, LogitsStep
+from fq_decode import ChunkGraph, LogitsStep, VerifyStep
 
 
 class SlotError(RuntimeError):
@@ -290,13 +290,14 @@ class PagePool:
 class Slots:
     def __init__(self, model, device: torch.device, max_slots: int, max_len: int, use_graphs: bool = False,
                  tune=None, page_size: int | None = None, num_pages: int | None = None, share_prefixes: bool = True,
-                 state_snapshots: int | None = None):
+                 state_snapshots: int | None = None, speculative_tokens: int = 0):
         """tune(rows): called once per bucket before its step is built (the engine's choice of
         products at that many rows). page_size: the paged form (module doc), max_len a multiple of
         it; num_pages: the pool's pages (None: max_slots rows' worth); share_prefixes: pages of a
         common prompt prefix shared (paged form, where the model allows: module doc);
         state_snapshots: how many GDN state snapshots a Qwen3.5 model keeps for it (None:
-        DEFAULT_STATE_SNAPSHOTS; 0: its prefixes are not shared)."""
+        DEFAULT_STATE_SNAPSHOTS; 0: its prefixes are not shared). speculative_tokens: k > 0 builds
+        each bucket's verify of k drafts too (verify_rows)."""
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"Slots: max_slots ({max_slots}) must be >= 1 and max_len ({max_len}) >= 2")
         if page_size is not None and (page_size < 1 or max_len % page_size):
@@ -347,10 +348,15 @@ class Slots:
         self._positions = [torch.zeros(max_slots, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._copied = [None, None]
         self._turn = 0
+        self.k = speculative_tokens
+        self._verifies = {}
         for rows in buckets(max_slots):
             if tune is not None:
                 tune(rows)
             self._steps[rows] = LogitsStep(model, rows, use_graphs)
+            if self.k:
+                self._verifies[rows] = VerifyStep(model, rows, self.k, use_graphs)
+        self._verified = None      # the last verify's (bucket rows, positions) until commit()
 
     @property
     def running(self) -> tuple:
@@ -697,6 +703,66 @@ class Slots:
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:n]
 
+    def auto_policy(self):
+        """Speculation "auto" for these slots (fq_spec.AutoPolicy): each bucket's plain step and
+        verify timed now (before any request is admitted: the steps write the rows' caches);
+        policy.verify_next(running) says whether the next step of that many requests is a verify."""
+        from fq_spec import AutoPolicy, time_ms
+
+        if not self.k:
+            raise SlotError("auto_policy(): these slots were opened without speculative_tokens")
+        if self.keys or self._staged is not None:
+            raise SlotError("auto_policy(): only before any request is admitted")
+        costs = {}
+        with torch.inference_mode():
+            for rows, step in self._steps.items():
+                costs[rows] = (time_ms(step.run, self.device), time_ms(self._verifies[rows].run, self.device))
+        return BucketPolicy(self.k, costs)
+
+    def verify_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A speculative verify of the running rows: tokens [running, k + 1] int64 on the device (each
+        row's newest token, then its k drafts), row r's tokens at positions lengths[r] .. + k. Returns
+        the target's picks [running, k + 1] (picks[r, j]: its argmax after tokens[r, :j + 1]); then
+        commit(kept) before any other step. Each row needs room for k + 1 positions."""
+        self._check_open()
+        n, k = len(self.keys), self.k
+        if not k:
+            raise SlotError("verify_rows(): these slots were opened without speculative_tokens")
+        if tuple(tokens.shape) != (n, k + 1) or tokens.dtype != torch.int64:
+            raise SlotError(f"verify_rows() needs int64 tokens [{n}, {k + 1}], got {tokens.dtype} {tuple(tokens.shape)}")
+        if not n:
+            raise SlotError("verify_rows(): no request is running")
+        short = [key for key, length, r in zip(self.keys, self.lengths, self.reserved) if length + k + 1 > r]
+        if short:
+            raise SlotError(f"request {short[0]!r} has no room for a verify of {k + 1} positions")
+        step = self._verifies[next(b for b in self._verifies if b >= n)]
+        step.tokens[:n].copy_(tokens)
+        step.tokens[n:].zero_()
+        positions = torch.zeros(step.rows, dtype=torch.int32)
+        positions[:n] = torch.tensor(self.lengths, dtype=torch.int32)
+        step.positions.copy_(positions)
+        with torch.inference_mode():
+            picks = step.run()
+        self._verified = (step.rows, step.positions.clone())
+        return picks[:n]
+
+    def commit(self, kept: list) -> None:
+        """After verify_rows: running row r keeps its first kept[r] positions (1 .. k + 1: its newest
+        token and the drafts accepted); the model puts back what the rest changed (Qwen3.5's
+        conv and recurrent states)."""
+        if self._verified is None:
+            raise SlotError("commit(): no verify to commit")
+        rows, positions = self._verified
+        self._verified = None
+        n = len(self.keys)
+        if len(kept) != n or any(not 1 <= m <= self.k + 1 for m in kept):
+            raise SlotError(f"commit() needs 1..{self.k + 1} kept positions for each of {n} rows, got {kept}")
+        counts = torch.zeros(rows, dtype=torch.int64)
+        counts[:n] = torch.tensor(kept, dtype=torch.int64)
+        with torch.inference_mode():
+            self.model.commit_verify(positions, counts.to(self.device))
+        self.lengths = [length + m for length, m in zip(self.lengths, kept)]
+
     def retire(self, key) -> tuple | None:
         """Free a request's row (finished or cancelled); the last running row moves into it.
         Returns (last, row) when a row moved (a caller's own per-row buffers move likewise),
@@ -723,3 +789,25 @@ class Slots:
         if self.page_size is not None:      # the vacated row back to the spare page (see __init__)
             self.model.block_table[last].fill_(self.num_pages)
         return moved
+
+
+class BucketPolicy:
+    """fq_spec.AutoPolicy with each bucket's costs: {rows: (plain ms, verify ms)}."""
+
+    def __init__(self, k: int, costs: dict):
+        from fq_spec import AutoPolicy
+
+        self.costs = dict(sorted(costs.items()))
+        plain, verify = self.costs[min(self.costs)]
+        self.policy = AutoPolicy(k, verify, plain)
+
+    def verify_next(self, running: int) -> bool:
+        p = self.policy
+        p.plain_ms, p.verify_ms = self.costs[next(b for b in self.costs if b >= running)]
+        return p.verify_next()
+
+    def observe_verify(self, drafted: int, accepted: int) -> None:
+        self.policy.observe_verify(drafted, accepted)
+
+    def observe_plain(self) -> None:
+        self.policy.observe_plain()

@@ -10,6 +10,8 @@ engine_module = load_engine_module(ENGINE_DIR, "fastqwen_engine_spec_under_test"
 
 import fq_spec  # noqa: E402  (on the path once the engine module is loaded)
 
+from fastqwen.serve.speculation import ngram_draft  # noqa: E402
+
 
 def _prompts(batch, length, seed, vocab=1000):
     g = torch.Generator().manual_seed(seed)
@@ -93,18 +95,6 @@ def test_the_state_appends_what_each_sequence_emits_and_stops_at_its_limit():
     assert st.last().tolist() == [2, 6] and st.positions().tolist() == [3, 3]
 
 
-def _ngram_reference(seq, k, max_n=3):
-    """Prompt lookup as written: the k tokens after the latest earlier occurrence of the last n
-    tokens (n = max_n .. 1), padded with the last token."""
-    for n in range(min(max_n, len(seq) - 1), 0, -1):
-        tail = seq[-n:]
-        for i in range(len(seq) - n - 1, -1, -1):
-            if seq[i:i + n] == tail:
-                found = seq[i + n:i + n + k]
-                return found + [seq[-1]] * (k - len(found))
-    return [seq[-1]] * k
-
-
 def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
     d = fq_spec.NgramDrafter()
     # tail (2, 3) last seen before at index 5 -> followed by 5, 6, then the sequence's own tail
@@ -113,7 +103,8 @@ def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, v, (n,), generator=g).tolist() for v, n in [(3, 20), (5, 30), (8, 12), (2, 4), (4, 1)]]
     for k in (1, 4, 7):
-        assert d.draft(_state(seqs, k)).tolist() == [_ngram_reference(x, k) for x in seqs]
+        # the device's drafts are the server's host-side prompt lookup's (fastqwen.serve.speculation)
+        assert d.draft(_state(seqs, k)).tolist() == [ngram_draft(x, k) for x in seqs]
 
 
 def test_recycle_chains_the_targets_latest_picks_from_confirmed_rows():

@@ -119,7 +119,8 @@ class Server:
                  served_model_name: str | None = None, max_waiting: int = 256, seed: int = 0,
                  memory_fraction: float | None = None, block_size: int | None = None,
                  prefill_chunk: int | None = None, share_prefixes: bool = True,
-                 state_snapshots: int | None = None, max_echo_tokens: int | None = None):
+                 state_snapshots: int | None = None, max_echo_tokens: int | None = None,
+                 speculation: str | None = None, speculative_tokens: int | None = None):
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
         row of max_model_len positions per slot. prefill_chunk: the most prompt tokens prefilled
         between two decode steps while requests run, a longer prompt in chunks of it
@@ -127,7 +128,9 @@ class Server:
         share_prefixes: with block_size, prompts that start alike share those pages (Qwen3.5: with
         block_size a multiple of 64, through state_snapshots of its GDN states, None: fq_slots'
         default). max_echo_tokens: the longest prompt an echo with logprobs takes (None: as many
-        as ECHO_LOGITS_BYTES of its logits hold)."""
+        as ECHO_LOGITS_BYTES of its logits hold). speculation, speculative_tokens: the engine's
+        options (None: its defaults and FASTQWEN_SPECULATION); the server takes "off", "ngram" and
+        "auto" (speculation.py)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from fastqwen.serve.grammar import Grammars
@@ -139,7 +142,8 @@ class Server:
         self.model_dir = str(model_dir)
         self.name = served_model_name or pathlib.Path(model_dir).resolve().name
         self.codec = TextCodec(model_dir)
-        self.engine = _engine_module().Engine(self.model_dir)
+        self.engine = _engine_module().Engine(self.model_dir, speculation=speculation,
+                                              speculative_tokens=speculative_tokens)
         limit = int(self.engine.cfg.max_position_embeddings)
         self.max_model_len = min(limit, max_model_len or 4096)
         # A token never covers more characters than the longest one in the vocabulary, so a text
@@ -769,7 +773,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
           served_model_name: str | None = None, max_waiting: int = 256, block_size: int | None = None,
           prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
-          body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+          body_timeout: float = DEFAULT_BODY_TIMEOUT_S, speculation: str | None = None,
+          speculative_tokens: int | None = None) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (`fastqwen serve`). The port answers
     while the model loads; a failure to load is raised here after the port closes."""
     import torch
@@ -787,7 +792,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         began = time.monotonic()
         server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting,
                         memory_fraction=gpu_memory_fraction, block_size=block_size, prefill_chunk=prefill_chunk,
-                        share_prefixes=share_prefixes, state_snapshots=state_snapshots)
+                        share_prefixes=share_prefixes, state_snapshots=state_snapshots, speculation=speculation,
+                        speculative_tokens=speculative_tokens)
         cache = (f"{server.max_batch} slots of {server.max_model_len} tokens" if server.block_size is None else
                  f"{server.max_batch} slots of up to {server.max_model_len} tokens, {server.num_blocks} KV blocks "
                  f"of {server.block_size}")

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                         help="the largest request body taken, in bytes (default 8 MiB); a larger one is answered "
                         "413 before it is read")
+    parser.add_argument("--speculation", default=None, choices=["off", "ngram", "auto"],
+                        help="exact speculative decoding of greedy requests: prompt lookup on every step where all "
+                        "running requests can take it (ngram), or where its measured acceptance pays (auto); "
+                        "the same tokens as off (default: FASTQWEN_SPECULATION, else off)")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="tokens drafted per verify, 1-16 (default 4)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM or SIGINT: seconds the requests in flight may run on while new ones get "
                         "503; those still running then end with an error and their usage so far (default 30)")
@@ -96,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         serve(str(folder), args.host, args.port, args.max_batch, args.max_model_len, args.gpu_memory_fraction,
               args.served_model_name, args.max_waiting, args.block_size or None, args.prefill_chunk or None,
               not args.no_prefix_sharing, args.state_snapshots, max_request_bytes=args.max_request_bytes,
-              drain_timeout=args.drain_timeout)
+              drain_timeout=args.drain_timeout, speculation=args.speculation,
+              speculative_tokens=args.speculative_tokens)
     except ValueError as exc:       # a size that cannot fit (the slots' KV rows, the engine's limits)
         raise UserError(str(exc)) from None
     return 0

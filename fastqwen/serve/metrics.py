@@ -46,6 +46,15 @@ class Metrics:
                                  "then run), graph (a replay)", buckets=PASS_BUCKETS, extra=["kind"])
         self.prefix_hit_tokens = named(Counter, "prefix_cache_hit_tokens", "Prompt positions taken from the "
                                        "pages of a shared prefix instead of prefilled (paged cache)")
+        self.spec_drafts = named(Counter, "spec_decode_num_drafts", "Speculative verify steps")
+        self.spec_draft_tokens = named(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = named(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                          "(acceptance = accepted / draft tokens)")
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.spec_drafts.labels(**self.labels).inc()
+        self.spec_draft_tokens.labels(**self.labels).inc(drafted)
+        self.spec_accepted_tokens.labels(**self.labels).inc(accepted)
 
     def pass_done(self, kind: str, seconds: float) -> None:
         self.prompt_pass.labels(**self.labels, kind=kind).observe(seconds)

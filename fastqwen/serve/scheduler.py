@@ -131,6 +131,15 @@ class Scheduler:
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
                                   share_prefixes=share_prefixes, state_snapshots=state_snapshots)
+        # speculation (speculation.py): the engine's option; "auto" weighs each bucket's measured
+        # plain step against its verify, timed here before any request
+        self.spec_k = self.slots.k
+        mode = engine.spec.mode if self.spec_k else "off"
+        if mode not in ("off", "ngram", "auto"):
+            raise ValueError(f"the server speculates with prompt lookup (speculation 'ngram' or 'auto'), "
+                             f"not {mode!r}")
+        self.spec_policy = self.slots.auto_policy() if mode == "auto" else None
+        self.spec_stats = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self.slots.warm()          # the prompt passes' kernels compiled before the first request
         self._hit_tokens = 0                         # prefix hits already reported to the metrics
         self.device = engine.device
@@ -424,6 +433,9 @@ class Scheduler:
                 self._finish(req, "abort")
         if not self.running and self._pending is None:
             return False
+        if self._speculate_now():
+            self._verify_step()
+            return True
         queued = None
         if self.running and all(self._can_step(r) for r in self.running.values()):
             queued = self._queue_step()
@@ -431,6 +443,64 @@ class Scheduler:
         if pending is not None:
             self._hand_out(pending, set(queued[0]) if queued else set())
         return True
+
+    def _can_verify(self, req: Request) -> bool:
+        """Whether the request can be one row of a verify now: greedy, nothing per token on the host
+        (no grammar, no log-probabilities), room for k + 1 positions and two tokens to go."""
+        in_flight = self._pending is not None and req.id in self._pending[0]
+        return (req.params.greedy and req.matcher is None and req.params.logprobs is None and req.output
+                and self.slots.room(req.id) >= self.spec_k + 1
+                and req.params.max_tokens - len(req.output) - in_flight >= 2)
+
+    def _speculate_now(self) -> bool:
+        """Whether this step is a verify (speculation.py): every running request can take one and,
+        with "auto", the running acceptance pays for it at this batch's costs."""
+        if not self.spec_k or not self.running or not all(self._can_verify(r) for r in self.running.values()):
+            return False
+        policy = self.spec_policy
+        if policy is None:
+            return True
+        if policy.verify_next(len(self.running)):
+            return True
+        policy.observe_plain()
+        return False
+
+    def _verify_step(self) -> None:
+        """One verify of every running request (all greedy): the step in flight's tokens handed out
+        first (the drafts continue them), then each row's last token and k drafts through the
+        slots' verify, the agreeing drafts and the target's next pick emitted, the slots told what
+        each row keeps."""
+        from fastqwen.serve.speculation import accepted, ngram_draft
+
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._hand_out(pending, set())
+        ids = list(self.slots.running)
+        reqs = [self.running[i] for i in ids]
+        if not reqs or not all(self._can_verify(r) for r in reqs):
+            return                          # the next step is a plain one
+        k = self.spec_k
+        drafts = [ngram_draft(r.prompt + r.output, k) for r in reqs]
+        rows = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64)
+        picks = self.slots.verify_rows(rows.to(self.device)).tolist()
+        emits = []
+        for r, d, p in zip(reqs, drafts, picks):
+            emits.append(p[:min(accepted(d, p) + 1, r.params.max_tokens - len(r.output))])
+        self.slots.commit([len(e) for e in emits])
+        self._tokens[:len(reqs)].copy_(torch.tensor([e[-1] for e in emits], dtype=torch.int64))
+        drafted, kept = k * len(reqs), sum(len(e) - 1 for e in emits)
+        self.spec_stats["verify_steps"] += 1
+        self.spec_stats["drafted"] += drafted
+        self.spec_stats["accepted"] += kept
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verify(drafted, kept)
+        if self.metrics is not None:
+            self.metrics.speculated(drafted, kept)
+        for r, e in zip(reqs, emits):
+            for tok in e:
+                if self.running.get(r.id) is not r:
+                    break                     # it ended (an end token, a stop string): the rest dropped
+                self._emit(r, tok)
 
     def _can_step(self, req: Request) -> bool:
         """Whether the request takes another step after the one in flight (if any): room in its

@@ -1,0 +1,91 @@
+"""fastqwen serve with exact speculative decoding (fastqwen/serve/speculation.py) on the tiny preset:
+greedy requests get the engine's own tokens with verifies in the loop (prompts that repeat, so
+prompt lookup is right at times), alone and several at once, the paged cache too; a sampled
+request beside them turns verifies off while it runs; /metrics counts drafts and accepted
+tokens; the server refuses a drafter it does not run."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from serve_live import serving  # noqa: E402
+
+
+def _repeating(seed: int, n: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    unit = torch.randint(0, 4000, (7,), generator=g).tolist()
+    return (unit * (n // 7 + 1))[:n]
+
+
+def _alone(model_dir, prompt_ids, n):
+    """The engine's own greedy tokens for this prompt alone, speculation off."""
+    import engine as engine_module
+
+    eng = _alone.__dict__.setdefault("engines", {}).get(model_dir)
+    if eng is None:
+        eng = _alone.engines[model_dir] = engine_module.Engine(model_dir, speculation="off")
+    return [s[0] for s in eng.generate([prompt_ids], n)]
+
+
+def _until_eos(srv, tokens):
+    n = next((k + 1 for k, t in enumerate(tokens) if t in srv.codec.stop_token_ids), len(tokens))
+    return tokens[:n]
+
+
+@pytest.fixture(scope="module", params=[None, 64], ids=["rows", "paged"])
+def spec_server(tiny_model, request):
+    from fastqwen.serve.app import Server
+
+    srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny", block_size=request.param,
+                 speculation="ngram", speculative_tokens=3)
+    with serving(srv) as url:
+        yield srv, url
+
+
+def test_greedy_requests_keep_their_tokens_with_verifies(spec_server):
+    srv, url = spec_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    prompts = [_repeating(s, n) for s, n in ((1, 40), (2, 75), (3, 21), (4, 64))]
+    want = [30, 24, 17, 40]
+    before = dict(srv.scheduler.spec_stats)
+
+    def one(i):
+        return client.completions.create(model="tiny", prompt=prompts[i], max_tokens=want[i], temperature=0)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    for i, res in enumerate(results):
+        assert res.choices[0].token_ids == _until_eos(srv, _alone(srv.model_dir, prompts[i], want[i])), i
+    alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=want[0], temperature=0)
+    assert alone.choices[0].token_ids == results[0].choices[0].token_ids
+    stats = srv.scheduler.spec_stats
+    assert stats["verify_steps"] > before["verify_steps"] and stats["drafted"] > before["drafted"]
+    metrics = httpx.get(url + "/metrics").text
+    drafted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("fastqwen:spec_decode_num_draft_tokens_total"))
+    accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("fastqwen:spec_decode_num_accepted_tokens_total"))
+    # the repeating prompts make prompt lookup right at times: verifies emit several tokens
+    assert drafted == stats["drafted"] and accepted == stats["accepted"] and 0 < accepted <= drafted
+
+
+def test_a_sampled_request_runs_beside_without_verifies(spec_server):
+    srv, url = spec_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    before = srv.scheduler.spec_stats["verify_steps"]
+    out = client.completions.create(model="tiny", prompt=_repeating(9, 30), max_tokens=12, temperature=0.8, seed=3)
+    assert len(out.choices[0].token_ids) >= 1
+    assert srv.scheduler.spec_stats["verify_steps"] == before     # no verify while it ran alone
+
+
+def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
+    from fastqwen.serve.app import Server
+
+    with pytest.raises(ValueError, match="prompt lookup"):
+        Server(str(tiny_model), max_batch=2, max_model_len=128, speculation="recycle")
