@@ -59,7 +59,7 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
   # pytest arguments as shell words; the GDN prompt-pass plans compile most and get a group alone.
   local plans="every_prefill_plan or bf16_pair"
   local groups=(
-    "tests/kernels/test_decode_attention.py tests/kernels/test_argmax.py tests/kernels/test_paged_kv_writes.py"
+    "tests/kernels/test_decode_attention.py tests/kernels/test_argmax.py tests/kernels/test_paged_kv_writes.py tests/kernels/test_rows_copy.py"
     "tests/kernels/test_gemv.py tests/kernels/test_lm_screen.py tests/kernels/test_rmsnorm_order.py"
     "tests/kernels/test_gdn_kernels.py -k '$plans'"
     "tests/kernels/test_gdn_kernels.py -k 'not ($plans)'"

@@ -101,6 +101,12 @@ class TorchOps:
         the bits of the `rows`-row product (a verify may then run it once over all its rows)."""
         return True
 
+    def copy_rows_where(self, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
+        """dst[:, b] = src[:, b] where mask[b], tensors [G, B, ...] (a verify's state save and rollback)."""
+        from fqkernels.rows_copy import copy_rows_where_reference
+
+        copy_rows_where_reference(dst, src, mask)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T on x's rows made contiguous, as the reference holds them (the CPU's product of a
         row-strided view, e.g. each sequence's last position, can round differently)."""
@@ -306,6 +312,12 @@ class TritonOps(TorchOps):
     def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
         """Our GEMV's rows do not depend on the row count (its contract); cuBLAS's do."""
         return self.gemv_config(rows, w) is not None
+
+    def copy_rows_where(self, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
+        """Only the selected rows read and written (fqkernels.rows_copy)."""
+        from fqkernels.rows_copy import copy_rows_where
+
+        copy_rows_where(dst, src, mask)
 
     def force_gemv(self, products: list, rows: int) -> None:
         """Every product in `products` on our GEMV at `rows` rows (what tune picks where it is faster;

@@ -284,9 +284,12 @@ class Qwen35Model:
         B, T = tokens.shape
         G = len(self.gdn_slot)
         # What commit_verify rolls back to: the conv states before the verify and after each row;
-        # the recurrent states and the chunks' first rows (exact decode changes them only where a
-        # row closes a chunk). Copied every verify, so the verify reads nothing on the host.
-        self._verify_before = (self.conv_state[:, :B].clone(), self.state[:, :B].clone(),
+        # the recurrent states of the sequences one of whose rows closes a chunk (exact decode
+        # changes them only there: a masked copy, no host read) and the chunks' first rows.
+        closes = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK < T
+        state_before = torch.empty_like(self.state[:, :B])
+        self.ops.copy_rows_where(state_before, self.state[:, :B], closes)
+        self._verify_before = (self.conv_state[:, :B].clone(), state_before,
                                [self.rows[slot].narrow(0, B).head(T) for slot in range(G)])
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
@@ -352,7 +355,7 @@ class Qwen35Model:
         self.conv_state[:, :B].copy_(torch.where(some, after, conv_before))
         close = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK      # the row whose position ends a chunk
         back = (kept <= close) & (close < T)                           # that row was not kept
-        self.state[:, :B].copy_(torch.where(back.view(1, B, 1, 1, 1), state_before, self.state[:, :B]))
+        self.ops.copy_rows_where(self.state[:, :B], state_before, back)
         for slot, head in enumerate(heads):
             self.rows[slot].narrow(0, B).put_head_where(head, back)
         self._verify_before = self._verify_conv = None

@@ -578,7 +578,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                                   (f"{EXTRA}qwen3-4b decode attention, FA2 path, B={batch}", _fa2_attention),
                                   (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products),
                                   (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms),
-                                  (f"{EXTRA}paged KV cache (decode attention, KV writes), B={batch}", _paged_kv)):
+                                  (f"{EXTRA}paged KV cache (decode attention, KV writes), B={batch}", _paged_kv),
+                                  (f"{EXTRA}speculation's rollback (masked row copies), B={batch}", _rows_copy)):
                     recorder.scenario = name
                     try:
                         run(batch)
@@ -854,6 +855,17 @@ def _one_plus_norms(batch: int) -> None:
     qkv = torch.empty((batch, 10240), dtype=torch.bfloat16, device=CUDA)
     rmsnorm.rmsnorm(qkv[:, :8192].view(batch, 16, 512)[..., :256], w, 1e-6, one_plus=True)
     rmsnorm.rmsnorm(qkv[:, 8192:9216].view(batch, 4, 256), w, 1e-6, one_plus=True)
+
+
+def _rows_copy(batch: int) -> None:
+    """Qwen3.5-4B's verify rollback: its recurrent states and conv states, the first `batch` rows of
+    more (fqkernels.rows_copy)."""
+    from fqkernels import rows_copy
+
+    mask = torch.empty(batch, dtype=torch.bool, device=CUDA)
+    for shape, dtype in (((24, batch + 1, 32, 128, 128), torch.float32), ((24, batch + 1, 8192, 4), torch.bfloat16)):
+        full = torch.empty(shape, dtype=dtype, device=CUDA)
+        rows_copy.copy_rows_where(full[:, :batch], full[:, 1:], mask)
 
 
 def _exact_products(batch: int) -> None:
