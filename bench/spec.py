@@ -8,7 +8,7 @@ so the arms' tokens are comparable bit for bit). Per shape: random
 prompts, a plain generate() (warmup, then --reps timed: the
 median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
 and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
-verify, the device's milliseconds a draft and a verify (timed when their graphs were made), the
+verify, the device's mean milliseconds a draft and a verify over the timed call (CUDA events), the
 plain steps "auto" took, and whether the arm's tokens equal plain's.
 """
 from __future__ import annotations

@@ -462,8 +462,6 @@ class Engine:
                 self._prepare_cache(batch, prompt + steps + 2 * spec.k)
                 self._tune(batch)      # the verify launches its products as the plain B-row step does
                 runner = self._spec_runner_for(batch, prompt, steps)
-                for name, ms in runner.costs.items():
-                    setattr(stats, name, round(ms, 4))
                 dev_ids = ids.to(self.device)
                 first = self._prefill(dev_ids)
                 runner.state.start(dev_ids, first, steps)
@@ -475,6 +473,7 @@ class Engine:
                 policy = AutoPolicy(spec.k, runner.costs["draft_ms"] + runner.costs["verify_ms"],
                                     runner.costs["plain_ms"])
             out = [[t] for t in first]
+            runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
             queue = []                               # steps queued and not read: (verify?, host copy, event)
             done, began = 1, time.perf_counter()
@@ -518,6 +517,9 @@ class Engine:
                     yield [seq[done] for seq in out]
                     done += 1
             stats.loop_s = time.perf_counter() - began
+            self._sync()
+            for name, ms in runner.times_ms().items():
+                setattr(stats, name, None if ms is None else round(ms, 4))
         finally:
             self._sync()
             if gc_was_enabled:

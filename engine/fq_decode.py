@@ -256,11 +256,42 @@ class SpecRunner:
 
     def verify(self) -> tuple:
         """A draft and a verify; returns the device's (picks [B, k + 1], emit [B])."""
-        self._run("draft")
-        self._run("verify")
+        self._timed("draft")
+        self._timed("verify")
         return self.picks, self.emit
 
     def plain(self) -> tuple:
         """One plain decode step; returns the device's (picks [B, 1], emit [B])."""
-        self._run("plain")
+        self._timed("plain")
         return self.plain_pick, self.plain_emit
+
+    def start_timing(self) -> None:
+        """Time each step from here on (times_ms() reads them after the device has finished)."""
+        self._marks = {name: [] for name in self.graphs}
+
+    def _timed(self, name: str) -> None:
+        marks = getattr(self, "_marks", None)
+        if marks is None:
+            self._run(name)
+        elif self.state.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._run(name)
+            b.record()
+            marks[name].append((a, b))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            self._run(name)
+            marks[name].append((time.perf_counter() - t0) * 1e3)
+
+    def times_ms(self) -> dict:
+        """Each step kind's mean device milliseconds since start_timing ({name}_ms; None where none
+        ran), then timing off. Call after the device has finished those steps."""
+        marks, self._marks = getattr(self, "_marks", None) or {}, None
+        out = {}
+        for name, got in marks.items():
+            ms = [m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in got]
+            out[f"{name}_ms"] = sum(ms) / len(ms) if ms else None
+        return out

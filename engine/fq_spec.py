@@ -75,8 +75,8 @@ def parse_speculation(value, k: int | None = None) -> Speculation:
 class SpecStats:
     """One generate() call's speculation: drafts proposed and kept, verify passes and plain steps,
     tokens the verifies emitted (accepted drafts + the target's own pick each), and the device's
-    milliseconds for one draft, one verify (with its acceptance) and one plain step, measured
-    when their graphs were made (spec_costs)."""
+    mean milliseconds for one draft, one verify (with its acceptance and bookkeeping) and one
+    plain step over the call (None for a kind that did not run)."""
     mode: str = "off"
     k: int = 0
     drafted: int = 0

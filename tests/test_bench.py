@@ -475,7 +475,9 @@ def test_spec_runs_shapes_of_their_own_and_auto(tmp_path, capsys, bench_cache):
         (1, 8, 6, "plain"), (1, 8, 6, "auto"), (2, 5, 4, "plain"), (2, 5, 4, "auto")]
     assert all(r["same_tokens"] for r in doc["rows"])
     auto = doc["rows"][1]["stats"]
-    assert auto["plain_ms"] > 0 and auto["plain_steps"] + auto["verify_steps"] >= 5 / 5
+    # auto's choices follow this machine's timings; each kind of step that ran has its time
+    assert auto["plain_steps"] + auto["verify_steps"] >= 1
+    assert (auto["plain_ms"] is not None) == (auto["plain_steps"] > 0)
 
 
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():

@@ -243,9 +243,11 @@ def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
     # k verifies a sequence, k - 1 + ... + 1 drafts fewer)
     assert 3 * st["verified_rows"] - 3 * (3 * 4 // 2) <= st["drafted"] <= 3 * st["verified_rows"]
     assert st["verify_steps"] + st["plain_steps"] >= (30 - 1) / 4
-    assert st["draft_ms"] > 0 and st["verify_ms"] > 0 and (st["plain_ms"] is not None) == (mode == "auto")
+    # auto's choices follow this machine's timings: whichever kinds of step ran have their times
+    assert (st["verify_ms"] is not None) == (st["verify_steps"] > 0) == (st["draft_ms"] is not None)
+    assert (st["plain_ms"] is not None) == (st["plain_steps"] > 0)
     if mode != "auto":
-        assert st["plain_steps"] == 0
+        assert st["plain_steps"] == 0 and st["verify_ms"] > 0 and st["draft_ms"] > 0
     if mode == "oracle:1.0":                # every draft right: k + 1 tokens a verify (the last one's
         # drafts would run past the 30 tokens: fewer, all right)
         assert st["verify_steps"] == -(-(30 - 1) // 4) and st["record_s"] > 0
