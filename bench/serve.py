@@ -46,6 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=2048, help="the server's (default 2048)")
     parser.add_argument("--block-size", type=int, default=0, help="the server's paged KV cache (default 0: rows)")
     parser.add_argument("--prefill-chunk", type=int, default=0, help="the server's chunked prefill (default 0)")
+    parser.add_argument("--speculation", default=None, choices=["off", "ngram", "auto"],
+                        help="the server's speculation (default: its own default)")
     parser.add_argument("--server-timeout-s", type=positive_int, default=600,
                         help="for the server to answer /health (default 600)")
     parser.add_argument("--max-batch", type=positive_int, default=None,
@@ -153,12 +155,17 @@ def _slots(log: Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _running_peak(url: str) -> float | None:
+def _metric(url: str, name: str) -> float | None:
+    """One of the server's /metrics values (the first series of that name), None where it has none."""
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=10).text
-    found = re.search(r"^fastqwen:num_requests_running_peak\{[^}]*\} (\S+)$", text, re.M)
+    found = re.search(rf"^fastqwen:{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
     return float(found.group(1)) if found else None
+
+
+def _running_peak(url: str) -> float | None:
+    return _metric(url, "num_requests_running_peak")
 
 
 def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
@@ -168,6 +175,7 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
            "--max-batch", str(args.max_batch or max(args.streams)), "--max-model-len", str(args.max_model_len)]
     cmd += ["--block-size", str(args.block_size)] if args.block_size else []
     cmd += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
+    cmd += ["--speculation", args.speculation] if args.speculation else []
     cmd += ["--gpu-memory-fraction", f"{_memory_fraction(args.memory_gib):.6f}"] if args.memory_gib else []
     log = tmp / "server.log"
     env = _env()
@@ -176,6 +184,8 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
                     "memory_gib": args.memory_gib, "server_log": log.read_text()[-1000:]})
         for seed, streams in enumerate(args.streams, start=10):
             out = tmp / f"bench_serve_{streams}.json"
+            drafted0 = _metric(url, "spec_decode_num_draft_tokens_total") or 0.0
+            accepted0 = _metric(url, "spec_decode_num_accepted_tokens_total") or 0.0
             requests = streams * args.waves
             load = [sys.executable, "-m", "fastqwen.cli", "bench-serve", "--url", url, "--requests", str(requests),
                     "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
@@ -192,7 +202,11 @@ def server_rows(model_dir: Path, args, report, tmp: Path) -> None:
                         "output_len": args.output_len, "output_tok_s": r["output_throughput"],
                         "ttft_ms": _ms(r["ttft_s"]["median"]), "ttft_p99_ms": _ms(r["ttft_s"]["p99"]),
                         "tpot_ms": _ms(r["tpot_s"]["median"]), "itl_p99_ms": _ms(r["itl_s"]["p99"]),
-                        "failed": r["failed"], "running_peak": _running_peak(url), "bench_serve": r})
+                        "failed": r["failed"], "running_peak": _running_peak(url),
+                        # the server's speculation over this load: drafts verified, drafts accepted
+                        "spec_draft_tokens": (_metric(url, "spec_decode_num_draft_tokens_total") or 0.0) - drafted0,
+                        "spec_accepted_tokens": (_metric(url, "spec_decode_num_accepted_tokens_total") or 0.0)
+                        - accepted0, "bench_serve": r})
 
 
 def run(args, report) -> None:

@@ -260,6 +260,14 @@ def test_serve_loads_the_server_beside_generate(tmp_path, capsys, bench_cache):
     assert [r["running_peak"] for r in server][-1] <= 2
 
 
+def test_serve_passes_speculation_to_the_server_and_reads_its_counts(tmp_path, capsys, bench_cache):
+    doc = run_entry(["serve", "--model", "tiny", "--no-engine", "--streams", "1", "--waves", "1", "--prompt-len", "8",
+                     "--output-len", "6", "--speculation", "ngram"], tmp_path, capsys)
+    [server] = [r for r in doc["rows"] if r["kind"] == "server"]
+    assert server["failed"] == 0 and server["spec_draft_tokens"] > 0      # greedy load: verify steps ran
+    assert 0 <= server["spec_accepted_tokens"] <= server["spec_draft_tokens"]
+
+
 def test_serve_with_a_slot_cap_below_the_streams_queues_the_rest(tmp_path, capsys, bench_cache):
     doc = run_entry(["serve", "--model", "tiny", "--no-engine", "--streams", "4", "--max-batch", "2", "--waves", "1",
                      "--prompt-len", "8", "--output-len", "3"], tmp_path, capsys)
