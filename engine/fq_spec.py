@@ -114,7 +114,7 @@ class AutoPolicy:
     probe interval."""
 
     def __init__(self, k: int, verify_ms: float, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
-                 window: int = 64, probe: int = 8, max_probe: int = 128):
+                 window: int = 64, probe: int = 16, max_probe: int = 128):
         if not (verify_ms > 0 and plain_ms > 0):
             raise ValueError(f"AutoPolicy needs positive costs, got verify {verify_ms!r} ms, plain {plain_ms!r} ms")
         self.k, self.verify_ms, self.plain_ms, self.margin = k, verify_ms, plain_ms, margin
