@@ -472,6 +472,12 @@ class Engine:
             if spec.mode == "auto":
                 policy = AutoPolicy(spec.k, runner.costs["draft_ms"] + runner.costs["verify_ms"],
                                     runner.costs["plain_ms"])
+                # each sequence's tokens so far, as the host has read them: prompt lookup drafts more
+                # than padding only where the last one occurred before
+                seen = [set(p) for p in ids.tolist()]
+                for b, t in enumerate(first):
+                    seen[b].add(t)
+                found = [False] * batch
             out = [[t] for t in first]
             runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
@@ -482,7 +488,7 @@ class Engine:
                 # the queued one emits (some sequence needs more than a step can give)
                 most = spec.k + 1 if (not queue or queue[-1][0]) else 1
                 if not queue or (len(queue) < 2 and max(remaining) > most):
-                    verify = policy is None or policy.verify_next()
+                    verify = policy is None or policy.verify_next(any(found))
                     with torch.inference_mode():
                         picks, emit = runner.verify() if verify else runner.plain()
                         packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
@@ -503,6 +509,10 @@ class Engine:
                             accepted += emit - 1
                             stats.verified_rows += 1
                             stats.emitted += emit
+                        if policy is not None:
+                            seen[b].update(row[:emit - 1])
+                            found[b] = row[emit - 1] in seen[b]
+                            seen[b].add(row[emit - 1])
                         out[b].extend(row[:emit])
                         remaining[b] -= emit
                 if verify:

@@ -801,10 +801,10 @@ class BucketPolicy:
         plain, verify = self.costs[min(self.costs)]
         self.policy = AutoPolicy(k, verify, plain)
 
-    def verify_next(self, running: int) -> bool:
+    def verify_next(self, running: int, found: bool = True) -> bool:
         p = self.policy
         p.plain_ms, p.verify_ms = self.costs[next(b for b in self.costs if b >= running)]
-        return p.verify_next()
+        return p.verify_next(found)
 
     def observe_verify(self, drafted: int, accepted: int) -> None:
         self.policy.observe_verify(drafted, accepted)

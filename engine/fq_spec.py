@@ -111,7 +111,8 @@ class AutoPolicy:
     drafts (`window` of them, a prior of `prior` at the start). While verifies do not pay, a
     probe verify every `probe` plain steps (doubling after each probe that did not pay, up to
     `max_probe`) keeps the estimate current: its cost is bounded by (verify_ms - plain_ms) per
-    probe interval."""
+    probe interval. A probe waits for a step where some sequence's drafts are more than padding
+    (verify_next's `found`: prompt lookup found its last token earlier)."""
 
     def __init__(self, k: int, verify_ms: float, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
                  window: int = 64, probe: int = 16, max_probe: int = 128):
@@ -132,13 +133,12 @@ class AutoPolicy:
         """Whether a verify beats a plain step at the running acceptance."""
         return expected_tokens(self.acceptance, self.k) / self.verify_ms >= self.margin / self.plain_ms
 
-    def verify_next(self) -> bool:
-        """The next step's kind: True a verify, False a plain step."""
+    def verify_next(self, found: bool = True) -> bool:
+        """The next step's kind: True a verify, False a plain step. found: whether any sequence
+        has a draft to check (a probe waits for one)."""
         if self.pays():
             return True
-        if self.since >= self.probe:
-            return True
-        return False
+        return found and self.since >= self.probe
 
     def observe_verify(self, drafted: int, accepted: int) -> None:
         paid = self.pays()

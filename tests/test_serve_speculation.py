@@ -89,3 +89,27 @@ def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
 
     with pytest.raises(ValueError, match="prompt lookup"):
         Server(str(tiny_model), max_batch=2, max_model_len=128, speculation="recycle")
+
+
+def test_seen_tracks_whether_the_last_token_occurred_before():
+    from fastqwen.serve.speculation import Seen
+
+    seen = Seen([1, 2, 3])
+    assert not seen.last_repeats([4]) and seen.last_repeats([4, 2])
+    assert seen.last_repeats([4, 2, 4]) and not seen.last_repeats([4, 2, 4, 9])
+    assert not Seen([1]).last_repeats([])
+
+
+def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):
+    """speculation "auto": each bucket's plain step and verify timed when the slots open; whatever
+    steps it takes on this machine, the greedy tokens are the engine's own."""
+    from fastqwen.serve.app import Server
+
+    srv = Server(str(tiny_model), max_batch=2, max_model_len=256, served_model_name="tiny", speculation="auto",
+                 speculative_tokens=3)
+    assert srv.scheduler.spec_policy is not None
+    with serving(srv) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        prompt = _repeating(5, 50)
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
+        assert out.choices[0].token_ids == _until_eos(srv, _alone(srv.model_dir, prompt, 40))

@@ -184,6 +184,12 @@ def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
             bad.observe_plain()
     # probes after 16, 32, 64 and then every 128 plain steps
     assert 8 <= verifies <= 11
+    # a probe waits for a step with drafts to check: none while prompt lookup finds nothing
+    idle = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5)
+    for _ in range(500):
+        assert not idle.verify_next(found=False)
+        idle.observe_plain()
+    assert idle.verify_next(found=True)
     with pytest.raises(ValueError, match="positive costs"):
         fq_spec.AutoPolicy(4, verify_ms=0.0, plain_ms=1.0)
 

@@ -101,6 +101,7 @@ class Request:
     grammar: object = None       # a compiled grammar (grammar.Grammars.compile) its output must follow
     matcher: object = None       # its position in the grammar (made with its slot)
     fed: int = 0                 # tokens the matcher has been given
+    seen: object = None          # speculation.Seen: its tokens so far (speculation "auto")
 
     def send(self, event: Event) -> None:
         try:
@@ -460,7 +461,14 @@ class Scheduler:
         policy = self.spec_policy
         if policy is None:
             return True
-        if policy.verify_next(len(self.running)):
+        from fastqwen.serve.speculation import Seen
+
+        found = False
+        for r in self.running.values():
+            if r.seen is None:
+                r.seen = Seen(r.prompt)
+            found = r.seen.last_repeats(r.output) or found
+        if policy.verify_next(len(self.running), found):
             return True
         policy.observe_plain()
         return False

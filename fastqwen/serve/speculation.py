@@ -27,3 +27,16 @@ def accepted(drafts: list, picks: list) -> int:
     while m < len(drafts) and drafts[m] == picks[m]:
         m += 1
     return m
+
+
+class Seen:
+    """The tokens a request has had (prompt and output), kept as they come: whether its last token
+    occurred before, i.e. whether prompt lookup drafts more than padding for it."""
+
+    def __init__(self, prompt: list):
+        self.tokens, self.upto = set(prompt), 0
+
+    def last_repeats(self, output: list) -> bool:
+        self.tokens.update(output[self.upto:-1])
+        self.upto = max(self.upto, len(output) - 1)
+        return bool(output) and output[-1] in self.tokens
