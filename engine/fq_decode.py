@@ -21,7 +21,11 @@ the first call of that shape runs eagerly and then captures; later calls copy
 their ids into the static buffer and replay. It removes the host's per-kernel
 launch cost (a few hundred launches) from the time to first token.
 """
+import time
+
 import torch
+
+from fq_spec import accept_rows, time_ms
 
 
 def _capture_step(step) -> torch.cuda.CUDAGraph:
@@ -172,6 +176,13 @@ class LogitsStep:
         return self.logits
 
 
+def verify_picks(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's argmax after each row's prefix in a verify of tokens [B, k + 1] at positions
+    [B] .. + k (the model's verify_logits), [B, k + 1] int64."""
+    logits = model.verify_logits(tokens, positions)
+    return model.ops.argmax(logits.view(-1, logits.shape[-1])).view(tokens.shape)
+
+
 class VerifyStep:
     """A speculative verify of the first `rows` cache rows (fq_slots: continuous batching), each at
     its own position, over static buffers: tokens [rows, k + 1] int64 (a row's last token, then its
@@ -189,8 +200,7 @@ class VerifyStep:
         self.graph = _capture_step(self._step) if use_graph else None
 
     def _step(self) -> None:
-        logits = self.model.verify_logits(self.tokens, self.positions)
-        self.picks = self.model.ops.argmax(logits.view(-1, logits.shape[-1])).view(self.tokens.shape)
+        self.picks = verify_picks(self.model, self.tokens, self.positions)
 
     def run(self) -> torch.Tensor:
         if self.graph is not None:
@@ -212,9 +222,6 @@ class SpecRunner:
     tokens each sequence emitted are picks[b, :emit[b]]."""
 
     def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False):
-        from fq_spec import accept_rows, time_ms
-
-        self._accept_rows = accept_rows
         self.model, self.drafter, self.state = model, drafter, state
         self.batch, self.k = state.batch, state.k
         drafter.prepare(state)
@@ -222,9 +229,9 @@ class SpecRunner:
         self.picks = self.emit = None
         self.plain_pick = torch.zeros((self.batch, 1), dtype=torch.int64, device=state.device)
         self.plain_emit = None
-        steps = [("draft", self._draft), ("verify", self._verify)] + ([("plain", self._plain)] if plain else [])
-        self.graphs = {name: _capture_step(fn) if use_graph else None for name, fn in steps}
-        self.costs = {f"{name}_ms": time_ms(lambda n=name: self._run(n), state.device) for name, _ in steps}
+        self._steps = {"draft": self._draft, "verify": self._verify, **({"plain": self._plain} if plain else {})}
+        self.graphs = {name: _capture_step(fn) if use_graph else None for name, fn in self._steps.items()}
+        self.costs = {f"{name}_ms": time_ms(lambda n=name: self._run(n), state.device) for name in self._steps}
 
     def _draft(self) -> None:
         self.drafts.copy_(self.drafter.draft(self.state))
@@ -233,9 +240,8 @@ class SpecRunner:
         state, model = self.state, self.model
         rows = torch.cat([state.last().view(-1, 1), self.drafts], dim=1)
         positions = state.positions()
-        logits = model.verify_logits(rows, positions)
-        self.picks = model.ops.argmax(logits.view(-1, logits.shape[-1])).view(rows.shape)
-        self.matched, self.emit = self._accept_rows(self.drafts, self.picks, state.limit - state.length)
+        self.picks = verify_picks(model, rows, positions)
+        _, self.emit = accept_rows(self.drafts, self.picks, state.limit - state.length)
         state.append(self.picks, self.emit)
         model.commit_verify(positions, self.emit)
         self.drafter.observe(state, rows, self.picks, self.emit)
@@ -252,7 +258,7 @@ class SpecRunner:
         if graph is not None:
             graph.replay()
         else:
-            {"draft": self._draft, "verify": self._verify, "plain": self._plain}[name]()
+            self._steps[name]()
 
     def verify(self) -> tuple:
         """A draft and a verify; returns the device's (picks [B, k + 1], emit [B])."""
@@ -280,8 +286,6 @@ class SpecRunner:
             b.record()
             marks[name].append((a, b))
         else:
-            import time
-
             t0 = time.perf_counter()
             self._run(name)
             marks[name].append((time.perf_counter() - t0) * 1e3)

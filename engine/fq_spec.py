@@ -27,6 +27,7 @@ reads each step's picks back to yield them.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -413,8 +414,6 @@ def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Dr
 def time_ms(fn, device, reps: int = 3) -> float:
     """Milliseconds one call of fn takes on `device` (CUDA events on a GPU, the host clock
     elsewhere), the median of reps after one untimed call."""
-    import time
-
     fn()
     cuda = torch.device(device).type == "cuda"
     times = []

@@ -58,6 +58,7 @@ import torch
 from fastqwen.serve import logprobs as lp
 from fastqwen.serve.grammar import apply_masks, to_device
 from fastqwen.serve.sampling import SamplingParams, make_generator, sample
+from fastqwen.serve.speculation import Seen, accepted, ngram_draft
 
 log = logging.getLogger("fastqwen.serve")
 
@@ -461,8 +462,6 @@ class Scheduler:
         policy = self.spec_policy
         if policy is None:
             return True
-        from fastqwen.serve.speculation import Seen
-
         found = False
         for r in self.running.values():
             if r.seen is None:
@@ -478,8 +477,6 @@ class Scheduler:
         first (the drafts continue them), then each row's last token and k drafts through the
         slots' verify, the agreeing drafts and the target's next pick emitted, the slots told what
         each row keeps."""
-        from fastqwen.serve.speculation import accepted, ngram_draft
-
         pending, self._pending = self._pending, None
         if pending is not None:
             self._hand_out(pending, set())
