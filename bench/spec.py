@@ -9,7 +9,7 @@ prompts, a plain generate() (warmup, then --reps timed: the
 median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
 and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
 verify, the device's mean milliseconds a draft and a verify over the timed call (CUDA events), the
-plain steps "auto" took, and whether the arm's tokens equal plain's.
+plain steps "auto" took and its verifies of each width, and whether the arm's tokens equal plain's.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ COLUMNS = [Column("batch", width=5), Column("prompt", width=6), Column("steps", 
            Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.2f}"),
            Column("acceptance", "accept", fmt="{:.2f}"), Column("tokens_per_verify", "tok/verify", fmt="{:.2f}"),
            Column("draft_ms", "draft ms", fmt="{:.3f}"), Column("verify_ms", "verify ms", fmt="{:.2f}"),
-           Column("plain_steps", "plain", width=5), Column("same_tokens", "same", width=5)]
+           Column("plain_steps", "plain", width=5), Column("widths", "verifies by width", width=17, left=True),
+           Column("same_tokens", "same", width=5)]
 
 
 def add_arguments(parser) -> None:
@@ -86,5 +87,6 @@ def run(args, report) -> None:
                         "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
                         "tokens_per_verify": st["tokens_per_verify"],
                         "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],
+                        "widths": " ".join(f"{w}:{n}" for w, n in sorted(st["width_steps"].items())),
                         "same_tokens": tokens == plain_tokens, "stats": st})
         eng.set_speculation("off")

@@ -20,9 +20,10 @@ deployment can change through the environment variable beside each):
                         attention at 7-32 sequences, Qwen3.5's GDN rule at every batch (native's
                         noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
-  speculation   "off"   exact speculative decoding (fq_spec): "auto" (prompt lookup where the
-                        running acceptance and the measured costs say a verify pays, else
-                        plain steps), "ngram" (prompt lookup), "recycle" (token recycling),
+  speculation   "off"   exact speculative decoding (fq_spec): "auto" (prompt lookup: a verify
+                        of the width among 1, 2, 4 .. k drafts that pays best at the running
+                        acceptance and the costs measured at this batch size, else a plain
+                        step), "ngram" (prompt lookup), "recycle" (token recycling),
                         "mtp" (Qwen3.5's multi-token-prediction head), "oracle:<a>"
                         (measurement: drafts from a recorded plain run, right with
                         probability a); the same tokens as "off" (Qwen3.5: with exact
@@ -42,7 +43,8 @@ from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
-from fq_spec import AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, parse_speculation
+from fq_spec import (AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, parse_speculation,
+                     verify_observed, verify_widths)
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl
 
@@ -199,8 +201,9 @@ class Engine:
         positions read through each row's block table (None: max_slots rows' worth; with
         share_prefixes the pages of common prompt prefixes shared where the model allows; a
         Qwen3.5 model keeps state_snapshots of its GDN states for it, None: fq_slots' default),
-        each step size's graph captured now (and with speculative_tokens k > 0 its verify of k drafts:
-        None takes k from this engine's speculation, 0 where it is off). The caches and graphs
+        each step size's graph captured now (and with speculative_tokens k > 0 its verify of k drafts,
+        with speculation "auto" of each of verify_widths(k): None takes k from this engine's
+        speculation, 0 where it is off). The caches and graphs
         generate() made are dropped (and generate() makes its own again when called). plan_slots
         sizes these arguments."""
         from fq_slots import Slots
@@ -215,7 +218,9 @@ class Engine:
             speculative_tokens = self.spec.k if self.spec.on else 0
         self._slots = Slots(self.model, self.device, max_slots, max_len, self.use_graphs, self._tune,
                             page_size=page_size, num_pages=num_pages, share_prefixes=share_prefixes,
-                            state_snapshots=state_snapshots, speculative_tokens=speculative_tokens)
+                            state_snapshots=state_snapshots, speculative_tokens=speculative_tokens,
+                            verify_widths=(verify_widths(speculative_tokens)
+                                           if self.spec.mode == "auto" and speculative_tokens else None))
         return self._slots
 
     def _check_paged_memory(self, rows: int, max_len: int, page_size: int, num_pages: int | None,
@@ -417,14 +422,18 @@ class Engine:
 
     def _spec_runner_for(self, batch: int, prompt: int, steps: int) -> SpecRunner:
         """The SpecRunner of this (batch, k, drafter) holding prompt + steps positions: kept across
-        calls, made (its graphs captured and timed) before this call's prompt pass."""
+        calls, made (its graphs captured and timed) before this call's prompt pass. "auto" has a
+        verify of each of verify_widths(k) and a plain step; the other modes a verify of k."""
         spec, runner = self.spec, self._spec
+        auto = spec.mode == "auto"
+        widths = verify_widths(spec.k) if auto else (spec.k,)
         if (runner is None or runner.batch != batch or runner.k != spec.k or runner.drafter is not self._drafter
-                or runner.state.capacity < prompt + steps or ("plain" in runner.graphs) != (spec.mode == "auto")):
+                or runner.state.capacity < prompt + steps or runner.widths != widths
+                or ("plain" in runner.graphs) != auto):
             self._spec = None
             state = SpecState(batch, _rounded_capacity(prompt + steps), spec.k, self.device)
-            runner = self._spec = SpecRunner(self.model, self._drafter, state, self.use_graphs,
-                                             plain=spec.mode == "auto")
+            runner = self._spec = SpecRunner(self.model, self._drafter, state, self.use_graphs, plain=auto,
+                                             widths=widths)
         return runner
 
     def _record_oracle(self, ids: torch.Tensor, steps: int, stats: SpecStats) -> None:
@@ -445,8 +454,8 @@ class Engine:
     def _generate_spec(self, ids: torch.Tensor, steps: int):
         """Speculative generation: each step is a verify (the drafter's k drafts and each sequence's
         last token as k + 1 decode rows, the target's picks up to the first rejected draft kept,
-        all on the device: fq_decode.SpecRunner) or, for "auto" where verifies do not pay, a plain
-        decode step. The host reads each step's picks to yield them, and queues the next step
+        all on the device: fq_decode.SpecRunner) or, for "auto", a verify of the width that pays
+        best at the running acceptance or, where none pays, a plain decode step. The host reads each step's picks to yield them, and queues the next step
         before reading the last where that step is needed whatever the last emitted. A sequence
         that has its `steps` tokens emits nothing more (its verifies rewrite rows past its end)."""
         spec = self.spec
@@ -470,8 +479,9 @@ class Engine:
             yield first
             policy = None
             if spec.mode == "auto":
-                policy = AutoPolicy(spec.k, runner.costs["draft_ms"] + runner.costs["verify_ms"],
-                                    runner.costs["plain_ms"])
+                costs = runner.costs
+                policy = AutoPolicy({w: costs["draft_ms"] + costs[f"verify{w}_ms"] for w in runner.widths},
+                                    costs["plain_ms"])
                 # each sequence's tokens so far, as the host has read them: prompt lookup drafts more
                 # than padding only where the last one occurred before
                 seen = [set(p) for p in ids.tolist()]
@@ -481,32 +491,33 @@ class Engine:
             out = [[t] for t in first]
             runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
-            queue = []                               # steps queued and not read: (verify?, host copy, event)
+            queue = []                               # steps queued and not read: (width, host copy, event)
             done, began = 1, time.perf_counter()
             while done < steps:
                 # queue the next step when the host has none queued, or when it is needed whatever
                 # the queued one emits (some sequence needs more than a step can give)
-                most = spec.k + 1 if (not queue or queue[-1][0]) else 1
+                most = (queue[-1][0] + 1) if queue else spec.k + 1
                 if not queue or (len(queue) < 2 and max(remaining) > most):
-                    verify = policy is None or policy.verify_next(any(found))
+                    width = spec.k if policy is None else policy.next_width(any(found))
                     with torch.inference_mode():
-                        picks, emit = runner.verify() if verify else runner.plain()
+                        picks, emit = runner.verify(width) if width else runner.plain()
                         packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
-                        queue.append(self._spec_copy(packed, verify))
-                    if policy is not None and not verify:
+                        queue.append(self._spec_copy(packed, width))
+                    if policy is not None and not width:
                         policy.observe_plain()
                     continue
-                verify, host, event = queue.pop(0)
+                width, host, event = queue.pop(0)
                 if event is not None:
                     event.synchronize()
                 rows = host.tolist()
-                drafted = accepted = 0
+                drafted = accepted = rejected = 0
                 for b, row in enumerate(rows):
                     emit = row[-1]
                     if emit:
-                        if verify:      # drafts count where a sequence had room for them
-                            drafted += min(spec.k, remaining[b] - 1)
+                        if width:       # drafts count where a sequence had room for them
+                            drafted += min(width, remaining[b] - 1)
                             accepted += emit - 1
+                            rejected += verify_observed(emit, width, remaining[b])[1]
                             stats.verified_rows += 1
                             stats.emitted += emit
                         if policy is not None:
@@ -515,12 +526,13 @@ class Engine:
                             seen[b].add(row[emit - 1])
                         out[b].extend(row[:emit])
                         remaining[b] -= emit
-                if verify:
+                if width:
                     stats.verify_steps += 1
+                    stats.width_steps[width] = stats.width_steps.get(width, 0) + 1
                     stats.drafted += drafted
                     stats.accepted += accepted
                     if policy is not None:
-                        policy.observe_verify(drafted, accepted)
+                        policy.observe_verify(accepted, rejected)
                 else:
                     stats.plain_steps += 1
                 while done < steps and all(len(seq) > done for seq in out):
@@ -529,17 +541,18 @@ class Engine:
             stats.loop_s = time.perf_counter() - began
             self._sync()
             for name, ms in runner.times_ms().items():
-                setattr(stats, name, None if ms is None else round(ms, 4))
+                setattr(stats, name, ({w: round(v, 4) for w, v in ms.items()} if isinstance(ms, dict)
+                                      else None if ms is None else round(ms, 4)))
         finally:
             self._sync()
             if gc_was_enabled:
                 gc.enable()
 
-    def _spec_copy(self, packed: torch.Tensor, verify: bool) -> tuple:
-        """A step's packed picks and emit counts on their way to the host: (verify, host tensor,
-        the event after its copy; None on the CPU, where the copy is done)."""
+    def _spec_copy(self, packed: torch.Tensor, width: int) -> tuple:
+        """A step's packed picks and emit counts on their way to the host: (its width, 0 for a plain
+        step; host tensor; the event after its copy, None on the CPU, where the copy is done)."""
         if self.device.type != "cuda":
-            return verify, packed.clone(), None
+            return width, packed.clone(), None
         # a ring of pinned buffers per shape: at most two steps are in flight, so a third is free
         ring = self._spec_host.get(tuple(packed.shape))
         if ring is None:
@@ -550,4 +563,4 @@ class Engine:
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return verify, host, event
+        return width, host, event

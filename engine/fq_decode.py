@@ -28,10 +28,12 @@ import torch
 from fq_spec import accept_rows, time_ms
 
 
-def _capture_step(step) -> torch.cuda.CUDAGraph:
+def _capture_step(step, pool=None) -> torch.cuda.CUDAGraph:
     """One call of `step` as a CUDA graph. Two warm-up calls on a side stream first: Triton
     compiles, cuBLAS picks its kernels and every cached workspace is allocated outside the
-    graph's pool."""
+    graph's pool. pool: a memory pool shared with other graphs (torch.cuda.graph_pool_handle()),
+    for graphs replayed one at a time on one stream whose outputs stay referenced: each reuses
+    the others' temporaries, so the pool holds the largest one's, not their sum."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -39,7 +41,7 @@ def _capture_step(step) -> torch.cuda.CUDAGraph:
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         step()
     torch.cuda.synchronize()
     return graph
@@ -191,13 +193,13 @@ class VerifyStep:
     step (verify_logits), so each is that step's bits. On a GPU a CUDA graph, captured (like
     LogitsStep) while no row holds a request."""
 
-    def __init__(self, model, rows: int, k: int, use_graph: bool):
+    def __init__(self, model, rows: int, k: int, use_graph: bool, pool=None):
         dev = model.device
         self.model, self.rows, self.k = model, rows, k
         self.tokens = torch.zeros((rows, k + 1), dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.picks = None
-        self.graph = _capture_step(self._step) if use_graph else None
+        self.graph = _capture_step(self._step, pool) if use_graph else None
 
     def _step(self) -> None:
         self.picks = verify_picks(self.model, self.tokens, self.positions)
@@ -212,39 +214,51 @@ class VerifyStep:
 
 class SpecRunner:
     """Speculative decoding's steps over one SpecState (fq_spec) of `batch` sequences and k drafts:
-    a draft (the drafter's, into a static [batch, k] buffer), a verify (the last token and the drafts
-    as k + 1 decode rows of the model's verify_logits, the target's picks, their acceptance, the
-    tokens emitted into the state, the model's rollback of rejected rows, the drafter's update) and
-    a plain step (one decode row a sequence, its pick emitted: speculation "auto" between
-    verifies). On a GPU each is one CUDA graph, captured before the prompt pass that its warm-up
-    rows' cache writes would corrupt, and each is timed there (draft_ms, verify_ms, plain_ms: what
-    the auto policy weighs). After a step the host reads picks [batch, k + 1] and emit [batch]: the
-    tokens each sequence emitted are picks[b, :emit[b]]."""
+    a draft (the drafter's k, into a static [batch, k] buffer), a verify of w drafts for each w in
+    `widths` (the last token and the first w drafts as w + 1 decode rows of the model's
+    verify_logits, the target's picks, their acceptance, the tokens emitted into the state, the
+    model's rollback of rejected rows, the drafter's update) and a plain step (one decode row a
+    sequence, its pick emitted: speculation "auto" between verifies). On a GPU each is one CUDA
+    graph, captured before the prompt pass that its warm-up rows' cache writes would corrupt, and
+    each is timed there (costs: draft_ms, verify{w}_ms, plain_ms: what the auto policy weighs).
+    After a step the host reads picks [batch, w + 1] and emit [batch]: the tokens each sequence
+    emitted are picks[b, :emit[b]]."""
 
-    def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False):
+    def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False, widths: tuple | None = None):
         self.model, self.drafter, self.state = model, drafter, state
         self.batch, self.k = state.batch, state.k
+        self.widths = tuple(widths) if widths else (self.k,)
+        if not all(1 <= w <= self.k for w in self.widths):
+            raise ValueError(f"SpecRunner: verify widths {self.widths} must lie in 1..{self.k}")
         drafter.prepare(state)
         self.drafts = torch.zeros((self.batch, self.k), dtype=torch.int64, device=state.device)
-        self.picks = self.emit = None
+        self.picks = {w: None for w in self.widths}
+        self.emit = {w: None for w in self.widths}
         self.plain_pick = torch.zeros((self.batch, 1), dtype=torch.int64, device=state.device)
         self.plain_emit = None
-        self._steps = {"draft": self._draft, "verify": self._verify, **({"plain": self._plain} if plain else {})}
-        self.graphs = {name: _capture_step(fn) if use_graph else None for name, fn in self._steps.items()}
+        self._steps = {"draft": self._draft,
+                       **{f"verify{w}": (lambda w=w: self._verify(w)) for w in self.widths},
+                       **({"plain": self._plain} if plain else {})}
+        # one pool for all: a verify's temporaries (Qwen3.5's rollback copies ~48 MB of recurrent
+        # state a sequence) are held once, not once a width
+        pool = torch.cuda.graph_pool_handle() if use_graph else None
+        self.graphs = {name: _capture_step(fn, pool) if use_graph else None for name, fn in self._steps.items()}
         self.costs = {f"{name}_ms": time_ms(lambda n=name: self._run(n), state.device) for name in self._steps}
 
     def _draft(self) -> None:
         self.drafts.copy_(self.drafter.draft(self.state))
 
-    def _verify(self) -> None:
+    def _verify(self, width: int) -> None:
         state, model = self.state, self.model
-        rows = torch.cat([state.last().view(-1, 1), self.drafts], dim=1)
+        drafts = self.drafts[:, :width]
+        rows = torch.cat([state.last().view(-1, 1), drafts], dim=1)
         positions = state.positions()
-        self.picks = verify_picks(model, rows, positions)
-        _, self.emit = accept_rows(self.drafts, self.picks, state.limit - state.length)
-        state.append(self.picks, self.emit)
-        model.commit_verify(positions, self.emit)
-        self.drafter.observe(state, rows, self.picks, self.emit)
+        picks = self.picks[width] = verify_picks(model, rows, positions)
+        _, emit = accept_rows(drafts, picks, state.limit - state.length)
+        self.emit[width] = emit
+        state.append(picks, emit)
+        model.commit_verify(positions, emit)
+        self.drafter.observe(state, rows, picks, emit)
 
     def _plain(self) -> None:
         state = self.state
@@ -260,11 +274,15 @@ class SpecRunner:
         else:
             self._steps[name]()
 
-    def verify(self) -> tuple:
-        """A draft and a verify; returns the device's (picks [B, k + 1], emit [B])."""
+    def verify(self, width: int | None = None) -> tuple:
+        """A draft and a verify of `width` drafts (one of widths; None: k); returns the device's
+        (picks [B, width + 1], emit [B])."""
+        width = self.k if width is None else width
+        if width not in self.picks:
+            raise ValueError(f"SpecRunner: no verify of {width} drafts (its widths: {self.widths})")
         self._timed("draft")
-        self._timed("verify")
-        return self.picks, self.emit
+        self._timed(f"verify{width}")
+        return self.picks[width], self.emit[width]
 
     def plain(self) -> tuple:
         """One plain decode step; returns the device's (picks [B, 1], emit [B])."""
@@ -291,11 +309,18 @@ class SpecRunner:
             marks[name].append((time.perf_counter() - t0) * 1e3)
 
     def times_ms(self) -> dict:
-        """Each step kind's mean device milliseconds since start_timing ({name}_ms; None where none
-        ran), then timing off. Call after the device has finished those steps."""
+        """Since start_timing, the mean device milliseconds of a draft, a verify (any width) and a
+        plain step (draft_ms, verify_ms, plain_ms; None where none ran) and of a verify of each
+        width that ran (verify_ms_by_width), then timing off. Call after the device has finished
+        those steps."""
         marks, self._marks = getattr(self, "_marks", None) or {}, None
-        out = {}
-        for name, got in marks.items():
-            ms = [m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in got]
-            out[f"{name}_ms"] = sum(ms) / len(ms) if ms else None
-        return out
+        ms = {name: [m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in got]
+              for name, got in marks.items()}
+
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else None
+
+        verifies = [m for w in self.widths for m in ms.get(f"verify{w}", [])]
+        return {"draft_ms": mean(ms.get("draft", [])), "verify_ms": mean(verifies),
+                "plain_ms": mean(ms.get("plain", [])),
+                "verify_ms_by_width": {w: mean(ms[f"verify{w}"]) for w in self.widths if ms.get(f"verify{w}")}}

@@ -290,14 +290,15 @@ class PagePool:
 class Slots:
     def __init__(self, model, device: torch.device, max_slots: int, max_len: int, use_graphs: bool = False,
                  tune=None, page_size: int | None = None, num_pages: int | None = None, share_prefixes: bool = True,
-                 state_snapshots: int | None = None, speculative_tokens: int = 0):
+                 state_snapshots: int | None = None, speculative_tokens: int = 0, verify_widths: tuple | None = None):
         """tune(rows): called once per bucket before its step is built (the engine's choice of
         products at that many rows). page_size: the paged form (module doc), max_len a multiple of
         it; num_pages: the pool's pages (None: max_slots rows' worth); share_prefixes: pages of a
         common prompt prefix shared (paged form, where the model allows: module doc);
         state_snapshots: how many GDN state snapshots a Qwen3.5 model keeps for it (None:
         DEFAULT_STATE_SNAPSHOTS; 0: its prefixes are not shared). speculative_tokens: k > 0 builds
-        each bucket's verify of k drafts too (verify_rows)."""
+        each bucket's verify of k drafts too (verify_rows), and of each of verify_widths' drafts
+        where given (each in 1..k: the widths speculation "auto" chooses among)."""
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"Slots: max_slots ({max_slots}) must be >= 1 and max_len ({max_len}) >= 2")
         if page_size is not None and (page_size < 1 or max_len % page_size):
@@ -349,13 +350,18 @@ class Slots:
         self._copied = [None, None]
         self._turn = 0
         self.k = speculative_tokens
-        self._verifies = {}
+        self.widths = tuple(sorted(set(verify_widths or ()) | {self.k})) if self.k else ()
+        if any(not 1 <= w <= self.k for w in self.widths):
+            raise ValueError(f"Slots: verify widths {verify_widths} must lie in 1..{self.k}")
+        self._verifies = {}         # (bucket rows, drafts) -> VerifyStep
+        # the verifies' graphs share one pool: it holds the largest one's temporaries (fq_decode._capture_step)
+        verify_pool = torch.cuda.graph_pool_handle() if use_graphs and self.widths else None
         for rows in buckets(max_slots):
             if tune is not None:
                 tune(rows)
             self._steps[rows] = LogitsStep(model, rows, use_graphs)
-            if self.k:
-                self._verifies[rows] = VerifyStep(model, rows, self.k, use_graphs)
+            for width in self.widths:
+                self._verifies[rows, width] = VerifyStep(model, rows, width, use_graphs, pool=verify_pool)
         self._verified = None      # the last verify's (bucket rows, positions) until commit()
 
     @property
@@ -705,9 +711,10 @@ class Slots:
 
     def auto_policy(self):
         """Speculation "auto" for these slots (fq_spec.AutoPolicy): each bucket's plain step and
-        verify timed now (before any request is admitted: the steps write the rows' caches);
-        policy.verify_next(running) says whether the next step of that many requests is a verify."""
-        from fq_spec import AutoPolicy, time_ms
+        verifies timed now (before any request is admitted: the steps write the rows' caches);
+        policy.next_width(running) says the next step of that many requests: a verify of that
+        many drafts, or 0 for a plain step."""
+        from fq_spec import time_ms
 
         if not self.k:
             raise SlotError("auto_policy(): these slots were opened without speculative_tokens")
@@ -716,26 +723,30 @@ class Slots:
         costs = {}
         with torch.inference_mode():
             for rows, step in self._steps.items():
-                costs[rows] = (time_ms(step.run, self.device), time_ms(self._verifies[rows].run, self.device))
-        return BucketPolicy(self.k, costs)
+                costs[rows] = (time_ms(step.run, self.device),
+                               {w: time_ms(self._verifies[rows, w].run, self.device) for w in self.widths})
+        return BucketPolicy(costs)
 
     def verify_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A speculative verify of the running rows: tokens [running, k + 1] int64 on the device (each
-        row's newest token, then its k drafts), row r's tokens at positions lengths[r] .. + k. Returns
-        the target's picks [running, k + 1] (picks[r, j]: its argmax after tokens[r, :j + 1]); then
-        commit(kept) before any other step. Each row needs room for k + 1 positions."""
+        """A speculative verify of the running rows: tokens [running, w + 1] int64 on the device (each
+        row's newest token, then its w drafts, w one of widths), row r's tokens at positions
+        lengths[r] .. + w. Returns the target's picks [running, w + 1] (picks[r, j]: its argmax after
+        tokens[r, :j + 1]); then commit(kept) before any other step. Each row needs room for w + 1
+        positions."""
         self._check_open()
-        n, k = len(self.keys), self.k
-        if not k:
+        n = len(self.keys)
+        if not self.k:
             raise SlotError("verify_rows(): these slots were opened without speculative_tokens")
-        if tuple(tokens.shape) != (n, k + 1) or tokens.dtype != torch.int64:
-            raise SlotError(f"verify_rows() needs int64 tokens [{n}, {k + 1}], got {tokens.dtype} {tuple(tokens.shape)}")
+        k = tokens.shape[1] - 1 if tokens.dim() == 2 else -1
+        if tokens.dim() != 2 or tokens.shape[0] != n or k not in self.widths or tokens.dtype != torch.int64:
+            raise SlotError(f"verify_rows() needs int64 tokens [{n}, w + 1] for w in {self.widths}, "
+                            f"got {tokens.dtype} {tuple(tokens.shape)}")
         if not n:
             raise SlotError("verify_rows(): no request is running")
         short = [key for key, length, r in zip(self.keys, self.lengths, self.reserved) if length + k + 1 > r]
         if short:
             raise SlotError(f"request {short[0]!r} has no room for a verify of {k + 1} positions")
-        step = self._verifies[next(b for b in self._verifies if b >= n)]
+        step = self._verifies[next(b for b in self._steps if b >= n), k]
         step.tokens[:n].copy_(tokens)
         step.tokens[n:].zero_()
         positions = torch.zeros(step.rows, dtype=torch.int32)
@@ -743,20 +754,20 @@ class Slots:
         step.positions.copy_(positions)
         with torch.inference_mode():
             picks = step.run()
-        self._verified = (step.rows, step.positions.clone())
+        self._verified = (step.rows, step.positions.clone(), k)
         return picks[:n]
 
     def commit(self, kept: list) -> None:
-        """After verify_rows: running row r keeps its first kept[r] positions (1 .. k + 1: its newest
+        """After verify_rows: running row r keeps its first kept[r] positions (1 .. w + 1: its newest
         token and the drafts accepted); the model puts back what the rest changed (Qwen3.5's
         conv and recurrent states)."""
         if self._verified is None:
             raise SlotError("commit(): no verify to commit")
-        rows, positions = self._verified
-        self._verified = None
+        rows, positions, k = self._verified
         n = len(self.keys)
-        if len(kept) != n or any(not 1 <= m <= self.k + 1 for m in kept):
-            raise SlotError(f"commit() needs 1..{self.k + 1} kept positions for each of {n} rows, got {kept}")
+        if len(kept) != n or any(not 1 <= m <= k + 1 for m in kept):
+            raise SlotError(f"commit() needs 1..{k + 1} kept positions for each of {n} rows, got {kept}")
+        self._verified = None
         counts = torch.zeros(rows, dtype=torch.int64)
         counts[:n] = torch.tensor(kept, dtype=torch.int64)
         with torch.inference_mode():
@@ -792,22 +803,28 @@ class Slots:
 
 
 class BucketPolicy:
-    """fq_spec.AutoPolicy with each bucket's costs: {rows: (plain ms, verify ms)}."""
+    """fq_spec.AutoPolicy with each bucket's costs: {rows: (plain ms, {drafts: verify ms})}; one
+    running acceptance over all."""
 
-    def __init__(self, k: int, costs: dict):
+    def __init__(self, costs: dict):
         from fq_spec import AutoPolicy
 
         self.costs = dict(sorted(costs.items()))
         plain, verify = self.costs[min(self.costs)]
-        self.policy = AutoPolicy(k, verify, plain)
+        self.policy = AutoPolicy(verify, plain)
+        self._bucket = min(self.costs)
 
-    def verify_next(self, running: int, found: bool = True) -> bool:
-        p = self.policy
-        p.plain_ms, p.verify_ms = self.costs[next(b for b in self.costs if b >= running)]
-        return p.verify_next(found)
+    def next_width(self, running: int, found: bool = True) -> int:
+        """The next step of `running` requests: a verify of that many drafts, 0 a plain step."""
+        bucket = next(b for b in self.costs if b >= running)
+        if bucket != self._bucket:
+            plain, verify = self.costs[bucket]
+            self.policy.set_costs(verify, plain)
+            self._bucket = bucket
+        return self.policy.next_width(found)
 
-    def observe_verify(self, drafted: int, accepted: int) -> None:
-        self.policy.observe_verify(drafted, accepted)
+    def observe_verify(self, accepted: int, rejected: int) -> None:
+        self.policy.observe_verify(accepted, rejected)
 
     def observe_plain(self) -> None:
         self.policy.observe_plain()

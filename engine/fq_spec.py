@@ -18,8 +18,9 @@ Drafters (any draft is safe: a wrong one is only rejected work):
               by another with probability 1 - a (drawn once per generated position, from a
               generator seeded per call): end-to-end speed at acceptance a; on a checkpoint with
               an MTP head the head runs too and its drafts are then replaced (its real cost)
-  auto        prompt lookup where it pays: the loop runs plain decode steps and verifies as the
-              running acceptance and the measured costs of both say (AutoPolicy)
+  auto        prompt lookup where it pays: the loop runs plain decode steps and verifies of 1, 2,
+              4 .. k drafts as the running acceptance and the measured costs of each say
+              (AutoPolicy)
 
 Everything a verify does runs on the device over static buffers (SpecState), so one CUDA graph
 holds the draft, the verify, the acceptance and the bookkeeping (fq_decode.SpecRunner); the host
@@ -28,7 +29,7 @@ reads each step's picks back to yield them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,10 +75,11 @@ def parse_speculation(value, k: int | None = None) -> Speculation:
 
 @dataclass
 class SpecStats:
-    """One generate() call's speculation: drafts proposed and kept, verify passes and plain steps,
-    tokens the verifies emitted (accepted drafts + the target's own pick each), and the device's
-    mean milliseconds for one draft, one verify (with its acceptance and bookkeeping) and one
-    plain step over the call (None for a kind that did not run)."""
+    """One generate() call's speculation: drafts proposed and kept, verify passes (width_steps:
+    how many of each width, drafts per verify) and plain steps, tokens the verifies emitted
+    (accepted drafts + the target's own pick each), and the device's mean milliseconds for one
+    draft, one verify (with its acceptance and bookkeeping; by width too) and one plain step over
+    the call (None for a kind that did not run)."""
     mode: str = "off"
     k: int = 0
     drafted: int = 0
@@ -86,14 +88,16 @@ class SpecStats:
     plain_steps: int = 0
     verified_rows: int = 0
     emitted: int = 0
+    width_steps: dict = field(default_factory=dict)
     draft_ms: float | None = None
     verify_ms: float | None = None
     plain_ms: float | None = None
+    verify_ms_by_width: dict = field(default_factory=dict)
     loop_s: float = 0.0
     record_s: float = 0.0
 
     def as_dict(self) -> dict:
-        out = dict(self.__dict__)
+        out = {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
         out["acceptance"] = self.accepted / self.drafted if self.drafted else None
         out["tokens_per_verify"] = self.emitted / self.verified_rows if self.verified_rows else None
         return out
@@ -105,47 +109,99 @@ def expected_tokens(accept: float, k: int) -> float:
     return float(k + 1) if accept >= 1.0 else (1.0 - accept ** (k + 1)) / (1.0 - accept)
 
 
-class AutoPolicy:
-    """speculation "auto": per step, a verify or a plain decode step, whichever emits more tokens
-    per millisecond at the running acceptance: a verify when expected_tokens(a, k) / verify_ms
-    beats 1 / plain_ms by `margin`. The acceptance is a running mean over the last verifies'
-    drafts (`window` of them, a prior of `prior` at the start). While verifies do not pay, a
-    probe verify every `probe` plain steps (doubling after each probe that did not pay, up to
-    `max_probe`) keeps the estimate current: its cost is bounded by (verify_ms - plain_ms) per
-    probe interval. A probe waits for a step where some sequence's drafts are more than padding
-    (verify_next's `found`: prompt lookup found its last token earlier)."""
+def verify_widths(k: int) -> tuple:
+    """The verify widths (drafts per verify) "auto" chooses among for a speculation of k: the powers
+    of two below k, then k (k = 4: 1, 2, 4)."""
+    widths, w = [], 1
+    while w < k:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (k,)
 
-    def __init__(self, k: int, verify_ms: float, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
+
+def verify_observed(emit: int, width: int, room: int) -> tuple:
+    """What one sequence's verify says about its drafts: (accepted, rejected). emit: the tokens it
+    emitted (its matched drafts + 1, capped by room, the tokens it still had to emit). A rejection
+    is seen where it emitted fewer than the drafts + 1 and the cap did not decide it."""
+    if emit < 1:
+        return 0, 0
+    return emit - 1, int(emit - 1 < width and emit < room)
+
+
+class AutoPolicy:
+    """speculation "auto": per step, a plain decode step or a verify of w drafts (w among the widths
+    whose costs were measured), whichever emits more tokens per millisecond at the running
+    acceptance: verify w emits expected_tokens(a, w) per verify_ms[w], a plain step 1 per
+    plain_ms; a verify is chosen when its rate beats the plain step's by `margin`. The acceptance a
+    is a draft's chance to be right, estimated over about the last `window` drafts checked
+    (accepted / (accepted + rejected): each verify row checks its drafts up to its first
+    rejection), from a prior of `prior`.
+
+    While no width pays, a probe verify every `probe` plain steps (doubling after each probe that
+    did not pay, up to `max_probe`) keeps the estimate current, with the width that pays at the
+    lowest acceptance (none where no width would pay even if every draft were right: then no
+    probes). A probe waits for a step where some sequence's drafts are more than padding
+    (`found`: prompt lookup found its last token earlier)."""
+
+    def __init__(self, verify_ms: dict, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
                  window: int = 64, probe: int = 16, max_probe: int = 128):
-        if not (verify_ms > 0 and plain_ms > 0):
+        if not verify_ms or not all(ms > 0 for ms in verify_ms.values()) or not plain_ms > 0:
             raise ValueError(f"AutoPolicy needs positive costs, got verify {verify_ms!r} ms, plain {plain_ms!r} ms")
-        self.k, self.verify_ms, self.plain_ms, self.margin = k, verify_ms, plain_ms, margin
-        self.window, self.first_probe, self.max_probe = window, probe, max_probe
-        self.drafted = float(window)
+        self.margin, self.window, self.first_probe, self.max_probe = margin, window, probe, max_probe
+        self.set_costs(verify_ms, plain_ms)
+        self.checked = float(window)
         self.accepted = prior * window
         self.probe = probe
         self.since = 0
 
+    def set_costs(self, verify_ms: dict, plain_ms: float) -> None:
+        """The costs to weigh from now on ({width: verify ms}, plain ms): a server's batch size changes."""
+        self.verify_ms, self.plain_ms = dict(sorted(verify_ms.items())), plain_ms
+        self.probe_width = min(self.verify_ms, key=self.break_even)
+        if self.break_even(self.probe_width) > 1.0:
+            self.probe_width = 0
+
+    def break_even(self, width: int) -> float:
+        """The lowest acceptance at which a verify of `width` drafts pays (above 1.0: none)."""
+        if self._rate(1.0, width) < self.margin / self.plain_ms:
+            return 2.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self._rate(mid, width) >= self.margin / self.plain_ms else (mid, hi)
+        return hi
+
+    def _rate(self, accept: float, width: int) -> float:
+        return expected_tokens(accept, width) / self.verify_ms[width]
+
     @property
     def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.accepted / self.checked if self.checked else 0.0
+
+    def best(self) -> int:
+        """The width that pays best at the running acceptance, 0 where none beats a plain step."""
+        a = self.acceptance
+        width = max(self.verify_ms, key=lambda w: self._rate(a, w))
+        return width if self._rate(a, width) >= self.margin / self.plain_ms else 0
 
     def pays(self) -> bool:
-        """Whether a verify beats a plain step at the running acceptance."""
-        return expected_tokens(self.acceptance, self.k) / self.verify_ms >= self.margin / self.plain_ms
+        """Whether some verify beats a plain step at the running acceptance."""
+        return self.best() > 0
 
-    def verify_next(self, found: bool = True) -> bool:
-        """The next step's kind: True a verify, False a plain step. found: whether any sequence
-        has a draft to check (a probe waits for one)."""
-        if self.pays():
-            return True
-        return found and self.since >= self.probe
+    def next_width(self, found: bool = True) -> int:
+        """The next step: a verify of that many drafts, or 0 for a plain step. found: whether any
+        sequence has a draft to check (a probe waits for one)."""
+        width = self.best()
+        if width:
+            return width
+        return self.probe_width if found and self.since >= self.probe else 0
 
-    def observe_verify(self, drafted: int, accepted: int) -> None:
+    def observe_verify(self, accepted: int, rejected: int) -> None:
+        """A verify's outcome over its sequences: drafts accepted, rejections seen (verify_observed)."""
         paid = self.pays()
-        # a running mean over about `window` drafts
-        keep = max(0.0, 1.0 - drafted / self.window)
-        self.drafted = self.drafted * keep + drafted
+        checked = accepted + rejected
+        keep = max(0.0, 1.0 - checked / self.window)      # a running mean over about `window` drafts
+        self.checked = self.checked * keep + checked
         self.accepted = self.accepted * keep + accepted
         if not paid:        # a probe
             self.probe = self.first_probe if self.pays() else min(self.max_probe, self.probe * 2)

@@ -311,7 +311,7 @@ def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
     engine.set_speculation(mode)
     try:
         assert list(engine.generate(prompts, 40)) == want
-        assert engine.spec_stats()["verify_steps"] > 0 and engine._spec.graphs["verify"] is not None
+        assert engine.spec_stats()["verify_steps"] > 0 and engine._spec.graphs["verify4"] is not None
     finally:
         engine.set_speculation("off")
 
@@ -334,3 +334,30 @@ def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, ba
         assert list(engine35.generate(prompts, 40)) == want
     finally:
         engine35.set_speculation("off")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_auto_verifies_of_every_width_keep_the_plain_tokens_on_the_gpu(engine, engine35, family, monkeypatch):
+    """auto's graphs of 1, 2 and 4 drafts and its plain step, taken in turn (its choice replaced by a
+    cycle), over prompts ending 6 positions before a GDN chunk's end."""
+    import sys
+
+    eng = engine if family == "qwen3" else engine35
+    module = sys.modules[type(eng).__module__]
+
+    class Cycling(module.AutoPolicy):
+        def next_width(self, found=True):
+            self.turn = getattr(self, "turn", -1) + 1
+            choices = list(self.verify_ms) + [0]
+            return choices[self.turn % len(choices)]
+
+    prompts = _prompts(3, 58, seed=58, vocab=eng.cfg.vocab_size)
+    want = list(eng.generate(prompts, 40))
+    monkeypatch.setattr(module, "AutoPolicy", Cycling)
+    eng.set_speculation("auto")
+    try:
+        assert list(eng.generate(prompts, 40)) == want
+        assert set(eng.spec_stats()["width_steps"]) == {1, 2, 4}
+        assert all(eng._spec.graphs[f"verify{w}"] is not None for w in (1, 2, 4))
+    finally:
+        eng.set_speculation("off")

@@ -680,3 +680,39 @@ def test_child_reports_what_the_engine_describes():
     assert describe(object()) is None
     assert "RuntimeError" in describe(Broken())["error"]
     assert "list" in describe(Odd())["error"]
+
+
+def test_the_speculation_summary_sums_the_timed_samples():
+    from fastqwen.judge.runner import speculation_summary
+
+    one = {"mode": "auto", "k": 4, "drafted": 8, "accepted": 4, "verify_steps": 3, "plain_steps": 10,
+           "verified_rows": 3, "emitted": 7, "width_steps": {1: 1, 4: 2}, "draft_ms": 0.1, "verify_ms": 3.0,
+           "plain_ms": 2.5}
+    two = dict(one, width_steps={"4": 3}, drafted=12, accepted=8, verify_steps=3, verified_rows=3, emitted=11,
+               verify_ms=9.9)
+    got = speculation_summary([{"speculation": one}, {"speculation": two}, {}])
+    assert got["drafted"] == 20 and got["accepted"] == 12 and got["acceptance"] == pytest.approx(0.6)
+    assert got["width_steps"] == {"1": 1, "4": 5}
+    assert got["tokens_per_verify"] == pytest.approx(18 / 6)
+    assert got["verify_ms"] == 3.0             # the first sample's (measured once per shape)
+    assert speculation_summary([{}, {"speculation": None}]) is None
+
+
+def test_the_child_passes_on_numbers_small_tables_and_short_strings_of_spec_stats():
+    from fastqwen.judge.child import spec_stats
+
+    class Engine:
+        def spec_stats(self):
+            return {"mode": "auto", "drafted": 8, "verify_ms": None, "width_steps": {1: 2, 4: 3},
+                    "verify_ms_by_width": {1: 2.5}, "odd": {"a": "b"}, "long": "x" * 100}
+
+    got = spec_stats(Engine())
+    assert got["width_steps"] == {"1": 2, "4": 3} and got["verify_ms_by_width"] == {"1": 2.5}
+    assert got["drafted"] == 8 and got["verify_ms"] is None and got["mode"] == "auto"
+    assert got["odd"] == "{'a': 'b'}" and len(got["long"]) == 60
+
+    class Broken:
+        def spec_stats(self):
+            raise RuntimeError("no")
+
+    assert spec_stats(Broken()) is None and spec_stats(object()) is None

@@ -113,3 +113,29 @@ def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):
         prompt = _repeating(5, 50)
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
         assert out.choices[0].token_ids == _until_eos(srv, _alone(srv.model_dir, prompt, 40))
+
+
+def test_auto_verifies_of_every_width_keep_the_tokens(tiny_model):
+    """The server's "auto" has a verify of 1, 2 and 3 drafts in every bucket; its choice replaced by
+    a cycle through them and a plain step, two requests at once keep the engine's own tokens."""
+    from fastqwen.serve.app import Server
+
+    srv = Server(str(tiny_model), max_batch=2, max_model_len=256, served_model_name="tiny", speculation="auto",
+                 speculative_tokens=3)
+    assert srv.scheduler.slots.widths == (1, 2, 3)
+    chosen = []
+
+    def cycle(running, found=True):
+        chosen.append((0, 1, 2, 3)[len(chosen) % 4])
+        return chosen[-1]
+
+    srv.scheduler.spec_policy.next_width = cycle
+    with serving(srv) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        prompts = [_repeating(5, 50), _repeating(6, 40)]
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=30,
+                                                                     temperature=0), prompts))
+        for p, out in zip(prompts, outs):
+            assert out.choices[0].token_ids == _until_eos(srv, _alone(srv.model_dir, p, 30))
+    assert {1, 2, 3} <= set(chosen) and srv.scheduler.spec_stats["verify_steps"] >= 3

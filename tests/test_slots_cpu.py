@@ -651,10 +651,11 @@ def test_a_prompt_admitted_with_every_positions_logits(model, request):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_a_verify_in_the_slots_keeps_each_requests_tokens(family, page_size, tiny_model, tmp_path_factory):
-    """Slots.verify_rows then commit (the server's speculation) between plain steps: row 0's drafts
-    are its true next tokens (all kept), row 1's wrong from the second on (one kept, then the
-    target's pick), row 2's first verify closes a GDN chunk at a row it rejects; every request's
-    greedy tokens are those it gets alone, and its slot's caches go on from the kept rows."""
+    """Slots.verify_rows then commit (the server's speculation) between plain steps, verifies of 3,
+    2 and 1 drafts in turn: row 0's drafts are its true next tokens (all kept), row 1's wrong from
+    the second on (one kept, then the target's pick), row 2's first verify closes a GDN chunk at a
+    row it rejects; every request's greedy tokens are those it gets alone, and its slot's caches
+    go on from the kept rows."""
     if family == "qwen3":
         engine, vocab = load_engine_module(ENGINE_DIR, "fastqwen_slots_spec3").Engine(str(tiny_model)), 4096
     else:
@@ -664,23 +665,34 @@ def test_a_verify_in_the_slots_keeps_each_requests_tokens(family, page_size, tin
     prompts = [_prompt(n, 300 + r, vocab) for r, n in enumerate((9, 30, 61))]
     want = [[s[0] for s in engine.generate([p], steps)] for p in prompts]
     slots = engine.slots(4, 128, page_size=page_size, speculative_tokens=k)
+    assert slots.widths == (k,)
+    from fq_slots import Slots, SlotError
+
+    slots.closed = True
+    engine._slots = slots = Slots(engine.model, engine.device, 4, 128, page_size=page_size, speculative_tokens=k,
+                                  verify_widths=(1, 2))
+    assert slots.widths == (1, 2, 3)
     out = []
     for r, p in enumerate(prompts):
         out.append([int(slots.admit(r, p).argmax())])
     for step in range(6):
-        if step % 2:                 # a verify every other step
-            drafts = [want[0][len(out[0]):len(out[0]) + k],
+        if step % 2:                 # a verify every other step: 3, 2, then 1 drafts
+            w = k - step // 2
+            drafts = [want[0][len(out[0]):len(out[0]) + w],
                       want[1][len(out[1]):len(out[1]) + 1]
-                      + [(t + 1) % vocab for t in want[1][len(out[1]) + 1:len(out[1]) + k]],
-                      [(t + 1) % vocab for t in want[2][len(out[2]):len(out[2]) + k]]]
+                      + [(t + 1) % vocab for t in want[1][len(out[1]) + 1:len(out[1]) + w]],
+                      [(t + 1) % vocab for t in want[2][len(out[2]):len(out[2]) + w]]]
             rows = torch.tensor([[o[-1]] + d for o, d in zip(out, drafts)])
             picks = slots.verify_rows(rows).tolist()
             kept = []
             for o, d, p in zip(out, drafts, picks):
-                m = next((j for j in range(k) if d[j] != p[j]), k)
+                m = next((j for j in range(w) if d[j] != p[j]), w)
                 o.extend(p[:m + 1])
                 kept.append(m + 1)
-            assert kept[0] == k + 1 and kept[1] == 2 and kept[2] == 1
+            assert kept[0] == w + 1 and kept[1] == 2 and kept[2] == 1
+            if w == 1:
+                with pytest.raises(SlotError, match="needs 1..2 kept positions"):
+                    slots.commit([3, 2, 1])
             slots.commit(kept)
         else:
             logits = slots.step({r: out[r][-1] for r in range(3)})
@@ -688,7 +700,7 @@ def test_a_verify_in_the_slots_keeps_each_requests_tokens(family, page_size, tin
                 out[r].append(int(logits[r].argmax()))
     for r in range(3):
         assert out[r] == want[r][:len(out[r])], r
-    from fq_slots import SlotError
-
     with pytest.raises(SlotError, match="no verify to commit"):
         slots.commit([1, 1, 1])
+    with pytest.raises(SlotError, match=r"for w in \(1, 2, 3\)"):
+        slots.verify_rows(torch.zeros((3, 5), dtype=torch.int64))

@@ -167,31 +167,99 @@ def test_expected_tokens_is_the_geometric_sum():
     assert fq_spec.expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_verify_widths_are_the_powers_of_two_below_k_then_k():
+    assert fq_spec.verify_widths(1) == (1,)
+    assert fq_spec.verify_widths(3) == (1, 2, 3)
+    assert fq_spec.verify_widths(4) == (1, 2, 4)
+    assert fq_spec.verify_widths(6) == (1, 2, 4, 6)
+    assert fq_spec.verify_widths(8) == (1, 2, 4, 8)
+
+
+def test_verify_observed_counts_a_rejection_only_where_one_was_seen():
+    assert fq_spec.verify_observed(3, 4, 100) == (2, 1)       # 2 right, the third wrong
+    assert fq_spec.verify_observed(5, 4, 100) == (4, 0)       # all 4 right: none seen
+    assert fq_spec.verify_observed(2, 4, 2) == (1, 0)         # capped by room: the next one unknown
+    assert fq_spec.verify_observed(1, 1, 100) == (0, 1)
+    assert fq_spec.verify_observed(0, 4, 0) == (0, 0)         # a finished sequence
+
+
+def _fed(policy, right, rejected, verifies=100):
+    """The policy after `verifies` verifies that each checked `right` right drafts and saw `rejected`
+    wrong ones (the estimate: right / (right + rejected))."""
+    for _ in range(verifies):
+        policy.observe_verify(right, rejected)
+    return policy
+
+
+def test_auto_estimates_a_drafts_chance_from_the_drafts_it_checked():
+    policy = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
+    assert policy.acceptance == 0.0
+    for _ in range(100):                   # the prior fades over about `window` drafts
+        policy.observe_verify(3, 1)        # rows of 3 right then a wrong one
+    assert policy.acceptance == pytest.approx(0.75, abs=0.01)
+    for _ in range(200):
+        policy.observe_verify(0, 1)        # the window forgets: wrong from the first draft
+    assert policy.acceptance < 0.05
+
+
+def test_auto_picks_the_width_that_pays_best_at_the_running_acceptance():
+    # a batch where a wider verify costs more (16 sequences: 32, 48, 80 rows)
+    steep = {1: 3.0, 2: 3.6, 4: 5.0}
+    assert fq_spec.AutoPolicy(steep, 2.5, prior=0.9).best() == 4
+    assert fq_spec.AutoPolicy(steep, 2.5, prior=0.5).best() == 1
+    assert fq_spec.AutoPolicy(steep, 2.5, prior=0.3).best() == 1      # 1.3 / 3.0 beats 1.05 / 2.5
+    assert fq_spec.AutoPolicy(steep, 2.5, prior=0.2).best() == 0      # a plain step
+    # one sequence: the verify's rows cost about the same, so the widest pays best
+    flat = {1: 3.0, 2: 3.05, 4: 3.1}
+    assert fq_spec.AutoPolicy(flat, 2.5, prior=0.5).best() == 4
+    # the estimate moves the choice
+    policy = fq_spec.AutoPolicy(steep, 2.5, prior=0.0)
+    assert policy.next_width() == 0
+    assert _fed(policy, 1, 1).next_width() == 1       # a = 0.5
+    assert _fed(policy, 4, 0).next_width() == 4       # a = 1
+
+
+def test_auto_probes_with_the_width_that_pays_first_and_never_where_none_can():
+    # width 1 pays from a ~ 0.58, width 2 from ~ 0.85, width 4 never (5 tokens / 6 ms < 1.05 / 1 ms)
+    policy = fq_spec.AutoPolicy({1: 1.5, 2: 2.5, 4: 6.0}, plain_ms=1.0)
+    assert policy.break_even(1) == pytest.approx(0.575, abs=0.01)
+    assert 0.8 < policy.break_even(2) < 0.9 and policy.break_even(4) > 1.0
+    assert policy.probe_width == 1
+    hopeless = fq_spec.AutoPolicy({4: 10.0}, plain_ms=1.0)
+    assert hopeless.probe_width == 0
+    for _ in range(1000):
+        assert hopeless.next_width(found=True) == 0
+        hopeless.observe_plain()
+
+
 def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
-    # a verify costs 1.2 plain steps: it pays from about a = 0.2 with k = 4
-    good = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5, prior=0.0)
+    # a verify costs 1.2 plain steps: it pays from about a = 0.2 with 4 drafts
+    good = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5, prior=0.0)
     assert not good.pays()
     for _ in range(20):
-        good.observe_verify(4, 3)
-    assert good.pays() and good.verify_next()
-    bad = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5)
+        good.observe_verify(3, 1)
+    assert good.pays() and good.next_width() == 4
+    bad = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
     verifies = 0
     for _ in range(1000):
-        if bad.verify_next():
+        width = bad.next_width()
+        if width:
             verifies += 1
-            bad.observe_verify(4, 0)
+            bad.observe_verify(0, 1)
         else:
             bad.observe_plain()
     # probes after 16, 32, 64 and then every 128 plain steps
     assert 8 <= verifies <= 11
     # a probe waits for a step with drafts to check: none while prompt lookup finds nothing
-    idle = fq_spec.AutoPolicy(4, verify_ms=3.0, plain_ms=2.5)
+    idle = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
     for _ in range(500):
-        assert not idle.verify_next(found=False)
+        assert idle.next_width(found=False) == 0
         idle.observe_plain()
-    assert idle.verify_next(found=True)
+    assert idle.next_width(found=True) == 4
     with pytest.raises(ValueError, match="positive costs"):
-        fq_spec.AutoPolicy(4, verify_ms=0.0, plain_ms=1.0)
+        fq_spec.AutoPolicy({4: 0.0}, plain_ms=1.0)
+    with pytest.raises(ValueError, match="positive costs"):
+        fq_spec.AutoPolicy({}, plain_ms=1.0)
 
 
 # ---- verify rows are the decode step's bits ------------------------------------------------
@@ -260,6 +328,41 @@ def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
         assert st["accepted"] == st["drafted"] and st["acceptance"] == 1.0
     if mode == "oracle:0.0":                # every draft wrong: one token a verify, as plain decode
         assert st["accepted"] == 0 and st["verify_steps"] == 29
+
+
+class _CyclingPolicy(fq_spec.AutoPolicy):
+    """auto's policy, its choice replaced by a cycle through every verify width and a plain step."""
+
+    def next_width(self, found=True):
+        self.turn = getattr(self, "turn", -1) + 1
+        choices = list(self.verify_ms) + [0]
+        return choices[self.turn % len(choices)]
+
+
+def test_auto_mixes_verify_widths_and_plain_steps_and_keeps_the_plain_tokens(plain, tiny_model, monkeypatch):
+    prompts = _prompts(3, 12, seed=5)
+    prompts[1] = [5, 6, 7, 8] * 3
+    want = list(plain.generate(prompts, 40))
+    monkeypatch.setattr(engine_module, "AutoPolicy", _CyclingPolicy)
+    eng = engine_module.Engine(str(tiny_model), speculation="auto", speculative_tokens=3)
+    assert list(eng.generate(prompts, 40)) == want
+    st = eng.spec_stats()
+    assert set(st["width_steps"]) == {1, 2, 3} and st["plain_steps"] > 0
+    assert sum(st["width_steps"].values()) == st["verify_steps"]
+    assert set(st["verify_ms_by_width"]) == {1, 2, 3} and st["verify_ms"] > 0
+    assert st["emitted"] == st["verified_rows"] + st["accepted"]
+
+
+def test_qwen35_auto_mixes_verify_widths_across_a_chunks_end(plain35, qwen35_tiny_model, monkeypatch):
+    """Verifies of 1, 2 and 4 drafts and plain steps in turn over prompts ending 6 positions before
+    a chunk's end: the narrower verifies close chunks at other rows than the widest."""
+    prompts = _prompts(3, 58, seed=58)
+    prompts[1] = ([5, 6, 7, 8] * 20)[:58]
+    want = list(plain35.generate(prompts, 30))
+    monkeypatch.setattr(engine_module, "AutoPolicy", _CyclingPolicy)
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="auto")
+    assert list(eng.generate(prompts, 30)) == want
+    assert set(eng.spec_stats()["width_steps"]) == {1, 2, 4}
 
 
 def test_the_oracle_records_once_then_replays(tiny_model):

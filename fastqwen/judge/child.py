@@ -122,8 +122,9 @@ def describe(engine: object) -> dict | None:
 
 def spec_stats(engine: object) -> dict | None:
     """The engine's speculation figures for the call that just ended (its optional `spec_stats()`:
-    drafted, accepted, verify passes, ...), numbers and short strings only; None without it or
-    when it fails (a report detail must not fail the run)."""
+    drafted, accepted, verify passes, ...): numbers, small tables of numbers (e.g. verifies by
+    width) and short strings only; None without it or when it fails (a report detail must not
+    fail the run)."""
     fn = getattr(engine, "spec_stats", None)
     if not callable(fn):
         return None
@@ -133,8 +134,14 @@ def spec_stats(engine: object) -> dict | None:
         return None
     if not isinstance(info, dict):
         return None
-    return {str(k)[:60]: v if isinstance(v, (int, float)) or v is None else str(v)[:60]
-            for k, v in list(info.items())[:20]}
+    def value(v):
+        if isinstance(v, (int, float)) or v is None:
+            return v
+        if isinstance(v, dict) and len(v) <= 16 and all(isinstance(x, (int, float)) for x in v.values()):
+            return {str(k)[:20]: x for k, x in v.items()}
+        return str(v)[:60]
+
+    return {str(k)[:60]: value(v) for k, v in list(info.items())[:20]}
 
 
 def _check_step(step: object, index: int) -> str | None:

@@ -198,7 +198,7 @@ class Side:
 
 def speculation_summary(samples: list[dict]) -> dict | None:
     """The timed samples' speculation figures summed: drafted and accepted tokens, verify passes,
-    plain steps, emitted tokens, and the acceptance and tokens per verify row they give; the
+    plain steps, emitted tokens, verifies per width, and the acceptance and tokens per verify row they give; the
     device's milliseconds per draft, verify and plain step as the first sample reported them
     (measured once per shape); None where the engine reported none."""
     stats = [s["speculation"] for s in samples if s.get("speculation")]
@@ -207,6 +207,12 @@ def speculation_summary(samples: list[dict]) -> dict | None:
     keys = ("drafted", "accepted", "verify_steps", "plain_steps", "verified_rows", "emitted")
     total = {k: sum(st.get(k) or 0 for st in stats) for k in keys}
     total["mode"], total["k"] = stats[0].get("mode"), stats[0].get("k")
+    widths = {}                     # verifies of each width (drafts a verify; "auto" chooses it)
+    for st in stats:
+        got = st.get("width_steps")
+        for w, n in (got.items() if isinstance(got, dict) else ()):
+            widths[str(w)] = widths.get(str(w), 0) + n
+    total["width_steps"] = widths
     for cost in ("draft_ms", "verify_ms", "plain_ms"):
         total[cost] = stats[0].get(cost)
     total["acceptance"] = total["accepted"] / total["drafted"] if total["drafted"] else None

@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "413 before it is read")
     parser.add_argument("--speculation", default=None, choices=["off", "ngram", "auto"],
                         help="exact speculative decoding of greedy requests: prompt lookup on every step where all "
-                        "running requests can take it (ngram), or where its measured acceptance pays (auto); "
+                        "running requests can take it (ngram), or where its measured acceptance pays, with the number of drafts "
+                        "that pays best (auto); "
                         "the same tokens as off (default: FASTQWEN_SPECULATION, else off)")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens drafted per verify, 1-16 (default 4)")

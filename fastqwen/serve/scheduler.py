@@ -134,7 +134,7 @@ class Scheduler:
         self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
                                   share_prefixes=share_prefixes, state_snapshots=state_snapshots)
         # speculation (speculation.py): the engine's option; "auto" weighs each bucket's measured
-        # plain step against its verify, timed here before any request
+        # plain step against its verifies of each width, timed here before any request
         self.spec_k = self.slots.k
         mode = engine.spec.mode if self.spec_k else "off"
         if mode not in ("off", "ngram", "auto"):
@@ -435,8 +435,9 @@ class Scheduler:
                 self._finish(req, "abort")
         if not self.running and self._pending is None:
             return False
-        if self._speculate_now():
-            self._verify_step()
+        width = self._speculate_now()
+        if width:
+            self._verify_step(width)
             return True
         queued = None
         if self.running and all(self._can_step(r) for r in self.running.values()):
@@ -454,25 +455,26 @@ class Scheduler:
                 and self.slots.room(req.id) >= self.spec_k + 1
                 and req.params.max_tokens - len(req.output) - in_flight >= 2)
 
-    def _speculate_now(self) -> bool:
-        """Whether this step is a verify (speculation.py): every running request can take one and,
-        with "auto", the running acceptance pays for it at this batch's costs."""
+    def _speculate_now(self) -> int:
+        """This step's drafts a request, 0 for a plain step (speculation.py): a verify where every
+        running request can take one and, with "auto", of the width that pays best at the running
+        acceptance and this batch's costs, if any does."""
         if not self.spec_k or not self.running or not all(self._can_verify(r) for r in self.running.values()):
-            return False
+            return 0
         policy = self.spec_policy
         if policy is None:
-            return True
+            return self.spec_k
         found = False
         for r in self.running.values():
             if r.seen is None:
                 r.seen = Seen(r.prompt)
             found = r.seen.last_repeats(r.output) or found
-        if policy.verify_next(len(self.running), found):
-            return True
-        policy.observe_plain()
-        return False
+        width = policy.next_width(len(self.running), found)
+        if not width:
+            policy.observe_plain()
+        return width
 
-    def _verify_step(self) -> None:
+    def _verify_step(self, k: int) -> None:
         """One verify of every running request (all greedy): the step in flight's tokens handed out
         first (the drafts continue them), then each row's last token and k drafts through the
         slots' verify, the agreeing drafts and the target's next pick emitted, the slots told what
@@ -484,13 +486,14 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         if not reqs or not all(self._can_verify(r) for r in reqs):
             return                          # the next step is a plain one
-        k = self.spec_k
         drafts = [ngram_draft(r.prompt + r.output, k) for r in reqs]
         rows = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64)
         picks = self.slots.verify_rows(rows.to(self.device)).tolist()
-        emits = []
+        emits, right, rejected = [], 0, 0        # the policy's: drafts right, rows with a wrong one
         for r, d, p in zip(reqs, drafts, picks):
-            emits.append(p[:min(accepted(d, p) + 1, r.params.max_tokens - len(r.output))])
+            matched = accepted(d, p)
+            right, rejected = right + matched, rejected + (matched < k)
+            emits.append(p[:min(matched + 1, r.params.max_tokens - len(r.output))])
         self.slots.commit([len(e) for e in emits])
         self._tokens[:len(reqs)].copy_(torch.tensor([e[-1] for e in emits], dtype=torch.int64))
         drafted, kept = k * len(reqs), sum(len(e) - 1 for e in emits)
@@ -498,7 +501,7 @@ class Scheduler:
         self.spec_stats["drafted"] += drafted
         self.spec_stats["accepted"] += kept
         if self.spec_policy is not None:
-            self.spec_policy.observe_verify(drafted, kept)
+            self.spec_policy.observe_verify(right, rejected)
         if self.metrics is not None:
             self.metrics.speculated(drafted, kept)
         for r, e in zip(reqs, emits):
