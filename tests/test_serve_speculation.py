@@ -91,13 +91,34 @@ def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
         Server(str(tiny_model), max_batch=2, max_model_len=128, speculation="recycle")
 
 
-def test_seen_tracks_whether_the_last_token_occurred_before():
-    from fastqwen.serve.speculation import Seen
+def test_prompt_lookup_kept_as_tokens_come_drafts_as_a_scan_of_the_sequence_does():
+    """PromptLookup's index, extended a token or a few at a time, gives at every length the draft
+    of a plain scan for the latest earlier occurrence of the tail (written here), and found()
+    says whether the last token occurred before."""
+    from fastqwen.serve.speculation import PromptLookup
 
-    seen = Seen([1, 2, 3])
-    assert not seen.last_repeats([4]) and seen.last_repeats([4, 2])
-    assert seen.last_repeats([4, 2, 4]) and not seen.last_repeats([4, 2, 4, 9])
-    assert not Seen([1]).last_repeats([])
+    def scan(seq, k, max_n=3):
+        for n in range(min(max_n, len(seq) - 1), 0, -1):
+            for i in range(len(seq) - n - 1, -1, -1):
+                if seq[i:i + n] == seq[-n:]:
+                    got = seq[i + n:i + n + k]
+                    return got + [seq[-1]] * (k - len(got))
+        return [seq[-1]] * k
+
+    g = torch.Generator().manual_seed(3)
+    for vocab, n in ((3, 60), (6, 80), (50, 40)):
+        seq = torch.randint(0, vocab, (n,), generator=g).tolist()
+        lookup = PromptLookup(seq[:5])
+        at = 5
+        while at < n:
+            step = 1 + at % 3
+            lookup.extend(seq[at:at + step])
+            at = min(n, at + step)
+            for k in (1, 4):
+                assert lookup.draft(k) == scan(seq[:at], k), (vocab, at, k)
+            assert lookup.found() == (seq[at - 1] in seq[:at - 1])
+    assert PromptLookup([7]).draft(3) == [7, 7, 7] and not PromptLookup([7]).found()
+    assert PromptLookup([1, 2, 3, 9, 1, 2, 3]).draft(2) == [9, 1]
 
 
 def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):

@@ -58,7 +58,7 @@ import torch
 from fastqwen.serve import logprobs as lp
 from fastqwen.serve.grammar import apply_masks, to_device
 from fastqwen.serve.sampling import SamplingParams, make_generator, sample
-from fastqwen.serve.speculation import Seen, accepted, ngram_draft
+from fastqwen.serve.speculation import PromptLookup, accepted
 
 log = logging.getLogger("fastqwen.serve")
 
@@ -102,7 +102,7 @@ class Request:
     grammar: object = None       # a compiled grammar (grammar.Grammars.compile) its output must follow
     matcher: object = None       # its position in the grammar (made with its slot)
     fed: int = 0                 # tokens the matcher has been given
-    seen: object = None          # speculation.Seen: its tokens so far (speculation "auto")
+    lookup: object = None        # speculation.PromptLookup over its prompt and output (speculation on)
 
     def send(self, event: Event) -> None:
         try:
@@ -466,9 +466,7 @@ class Scheduler:
             return self.spec_k
         found = False
         for r in self.running.values():
-            if r.seen is None:
-                r.seen = Seen(r.prompt)
-            found = r.seen.last_repeats(r.output) or found
+            found = self._lookup(r).found() or found
         width = policy.next_width(len(self.running), found)
         if not width:
             policy.observe_plain()
@@ -486,7 +484,7 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         if not reqs or not all(self._can_verify(r) for r in reqs):
             return                          # the next step is a plain one
-        drafts = [ngram_draft(r.prompt + r.output, k) for r in reqs]
+        drafts = [self._lookup(r).draft(k) for r in reqs]
         rows = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64)
         picks = self.slots.verify_rows(rows.to(self.device)).tolist()
         emits, right, rejected = [], 0, 0        # the policy's: drafts right, rows with a wrong one
@@ -509,6 +507,16 @@ class Scheduler:
                 if self.running.get(r.id) is not r:
                     break                     # it ended (an end token, a stop string): the rest dropped
                 self._emit(r, tok)
+
+    @staticmethod
+    def _lookup(req: Request) -> PromptLookup:
+        """The request's prompt lookup, caught up with its output."""
+        if req.lookup is None:
+            req.lookup = PromptLookup(req.prompt)
+        have = len(req.lookup.seq) - len(req.prompt)
+        if have < len(req.output):
+            req.lookup.extend(req.output[have:])
+        return req.lookup
 
     def _can_step(self, req: Request) -> bool:
         """Whether the request takes another step after the one in flight (if any): room in its

@@ -10,16 +10,44 @@ the verify's measured cost at the running batch (the engine's AutoPolicy rule).
 from __future__ import annotations
 
 
+class PromptLookup:
+    """Prompt lookup over a request's growing sequence (prompt, then output): draft(k) gives the k
+    tokens after the latest earlier occurrence of the sequence's last n tokens (n from max_n down
+    to 1), padded with the last token; none found: the last token k times. An index of each
+    n-gram's latest start with a token after it, kept as tokens come, makes a draft O(max_n), not
+    a scan of the sequence (a scan took ~0.4 ms a request at 1,280 tokens: ~6 ms a verify of 16)."""
+
+    def __init__(self, tokens: list = (), max_n: int = 3):
+        self.max_n = max_n
+        self.seq: list = []
+        self._latest = [{} for _ in range(max_n + 1)]      # n -> {n tokens: latest start}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        seq, latest = self.seq, self._latest
+        for t in tokens:
+            seq.append(t)
+            end = len(seq) - 1                 # the n-grams ending before the newest token
+            for n in range(1, min(self.max_n, end) + 1):
+                latest[n][tuple(seq[end - n:end])] = end - n
+
+    def found(self) -> bool:
+        """Whether the last token occurred before: draft() gives more than padding."""
+        return len(self.seq) > 1 and (self.seq[-1],) in self._latest[1]
+
+    def draft(self, k: int) -> list:
+        seq = self.seq
+        for n in range(min(self.max_n, len(seq) - 1), 0, -1):
+            start = self._latest[n].get(tuple(seq[-n:]))
+            if start is not None:
+                got = seq[start + n:start + n + k]
+                return got + [seq[-1]] * (k - len(got))
+        return [seq[-1]] * k
+
+
 def ngram_draft(seq: list, k: int, max_n: int = 3) -> list:
-    """Prompt lookup: the k tokens after the latest earlier occurrence of seq's last n tokens (n
-    from max_n down to 1), padded with the last token; none found: the last token k times."""
-    for n in range(min(max_n, len(seq) - 1), 0, -1):
-        tail = seq[-n:]
-        for i in range(len(seq) - n - 1, -1, -1):
-            if seq[i:i + n] == tail:
-                found = seq[i + n:i + n + k]
-                return found + [seq[-1]] * (k - len(found))
-    return [seq[-1]] * k
+    """PromptLookup's draft for a whole sequence at once."""
+    return PromptLookup(seq, max_n).draft(k)
 
 
 def accepted(drafts: list, picks: list) -> int:
@@ -28,16 +56,3 @@ def accepted(drafts: list, picks: list) -> int:
     while m < len(drafts) and drafts[m] == picks[m]:
         m += 1
     return m
-
-
-class Seen:
-    """The tokens a request has had (prompt and output), kept as they come: whether its last token
-    occurred before, i.e. whether prompt lookup drafts more than padding for it."""
-
-    def __init__(self, prompt: list):
-        self.tokens, self.upto = set(prompt), 0
-
-    def last_repeats(self, output: list) -> bool:
-        self.tokens.update(output[self.upto:-1])
-        self.upto = max(self.upto, len(output) - 1)
-        return bool(output) and output[-1] in self.tokens
