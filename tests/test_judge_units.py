@@ -414,6 +414,19 @@ def test_report_without_native_or_baseline_has_no_comparison_rows():
     assert _row(lines, "all", "workloads", "engine")[-1] == "(97.5%)"  # nor a count of workloads within
 
 
+def test_report_shows_the_engines_speculation_per_workload():
+    from fastqwen.judge.report import format_table
+
+    report = _rendered_report()
+    assert not any(line.startswith("speculation") for line in format_table(report).splitlines())
+    report["results"][0]["engine"]["speculation"] = {
+        "mode": "auto", "k": 4, "acceptance": 0.5, "tokens_per_verify": 2.25, "verify_steps": 12,
+        "width_steps": {"4": 10, "1": 2}, "plain_steps": 30, "draft_ms": 0.05, "verify_ms": 3.1, "plain_ms": 2.5}
+    line = next(line for line in format_table(report).splitlines() if line.startswith("speculation"))
+    assert line == ("speculation (auto, k=4), wl-a: acceptance 0.50, tokens per verify 2.25, 12 verifies "
+                    "(by width 1:2 4:10), 30 plain steps; device ms a draft 0.050, a verify 3.10, a plain step 2.50")
+
+
 # ------------------------------------------------------------------------------------------------
 # the child's yield checks
 # ------------------------------------------------------------------------------------------------

@@ -134,6 +134,25 @@ def baseline_line(report: dict) -> list[str]:
             f"TPOT {_num(g['tpot'], '{:.3f}x')}, tok/s {_num(g['throughput'], '{:.3f}x')}"]
 
 
+def speculation_lines(report: dict) -> list[str]:
+    """Per workload where the engine speculated: acceptance, tokens per verify, verifies (by width)
+    and plain steps over the timed samples, and the device's ms a draft, verify and plain step."""
+    lines = []
+    for r in report["results"]:
+        st = (r.get("engine") or {}).get("speculation")
+        if not st:
+            continue
+        by_width = sorted((st.get("width_steps") or {}).items(), key=lambda item: int(item[0]))
+        widths = " ".join(f"{w}:{n}" for w, n in by_width)
+        lines.append(
+            f"speculation ({st.get('mode')}, k={st.get('k')}), {r['workload']['name']}: acceptance "
+            f"{_num(st.get('acceptance'), '{:.2f}')}, tokens per verify {_num(st.get('tokens_per_verify'), '{:.2f}')}, "
+            f"{st.get('verify_steps')} verifies{f' (by width {widths})' if widths else ''}, "
+            f"{st.get('plain_steps')} plain steps; device ms a draft {_num(st.get('draft_ms'), '{:.3f}')}, "
+            f"a verify {_num(st.get('verify_ms'), '{:.2f}')}, a plain step {_num(st.get('plain_ms'), '{:.2f}')}")
+    return lines
+
+
 def format_table(report: dict) -> str:
     """The speed table, the fidelity table, the score and comparison lines, then the codes and notes."""
     lines = speed_table(report)
@@ -148,6 +167,7 @@ def format_table(report: dict) -> str:
                  f"native {_num(sc['native'])} tok/s, ratio {_num(sc['ratio'], '{:.2f}x')}: {verdict}")
     lines += baseline_line(report)
     lines += noise_lines(report)
+    lines += speculation_lines(report)
     for r in report["results"]:
         for c in r["codes"]:
             first = c["detail"].strip().splitlines()
