@@ -455,8 +455,9 @@ class Engine:
         """Speculative generation: each step is a verify (the drafter's k drafts and each sequence's
         last token as k + 1 decode rows, the target's picks up to the first rejected draft kept,
         all on the device: fq_decode.SpecRunner) or, for "auto", a verify of the width that pays
-        best at the running acceptance or, where none pays, a plain decode step. The host reads each step's picks to yield them, and queues the next step
-        before reading the last where that step is needed whatever the last emitted. A sequence
+        best at the running acceptance or, where none pays, a plain decode step. The host reads
+        each step's picks to yield them, and queues the next step before reading the last where
+        that step is needed whatever the last emitted. A sequence
         that has its `steps` tokens emits nothing more (its verifies rewrite rows past its end)."""
         spec = self.spec
         batch, prompt = ids.shape
