@@ -39,7 +39,7 @@ import time
 import torch
 
 from fq_config import Qwen35Config, config_for
-from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
+from fq_decode import DecodeRunner, PrefillGraph, SpecRunner, marks_ms
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
@@ -422,8 +422,9 @@ class Engine:
 
     def _spec_runner_for(self, batch: int, prompt: int, steps: int) -> SpecRunner:
         """The SpecRunner of this (batch, k, drafter) holding prompt + steps positions: kept across
-        calls, made (its graphs captured and timed) before this call's prompt pass. "auto" has a
-        verify of each of verify_widths(k) and a plain step; the other modes a verify of k."""
+        calls, made (its graphs captured and timed at this call's prompt length) before this call's
+        prompt pass. "auto" has a verify of each of verify_widths(k) and a plain step; the other
+        modes a verify of k."""
         spec, runner = self.spec, self._spec
         auto = spec.mode == "auto"
         widths = verify_widths(spec.k) if auto else (spec.k,)
@@ -433,7 +434,7 @@ class Engine:
             self._spec = None
             state = SpecState(batch, _rounded_capacity(prompt + steps), spec.k, self.device)
             runner = self._spec = SpecRunner(self.model, self._drafter, state, self.use_graphs, plain=auto,
-                                             widths=widths)
+                                             widths=widths, context=prompt)
         return runner
 
     def _record_oracle(self, ids: torch.Tensor, steps: int, stats: SpecStats) -> None:
@@ -492,7 +493,7 @@ class Engine:
             out = [[t] for t in first]
             runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
-            queue = []                               # steps queued and not read: (width, host copy, event)
+            queue = []                               # steps queued and not read: (width, host copy, event, marks)
             done, began = 1, time.perf_counter()
             while done < steps:
                 # queue the next step when the host has none queued, or when it is needed whatever
@@ -503,13 +504,15 @@ class Engine:
                     with torch.inference_mode():
                         picks, emit = runner.verify(width) if width else runner.plain()
                         packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
-                        queue.append(self._spec_copy(packed, width))
+                        queue.append(self._spec_copy(packed, width) + (runner.last_marks,))
                     if policy is not None and not width:
                         policy.observe_plain()
                     continue
-                width, host, event = queue.pop(0)
+                width, host, event, marks = queue.pop(0)
                 if event is not None:
                     event.synchronize()
+                if policy is not None:         # the step's own device time (its events are done)
+                    policy.observe_cost(width, marks_ms(marks))
                 rows = host.tolist()
                 drafted = accepted = rejected = 0
                 for b, row in enumerate(rows):

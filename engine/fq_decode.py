@@ -220,11 +220,14 @@ class SpecRunner:
     model's rollback of rejected rows, the drafter's update) and a plain step (one decode row a
     sequence, its pick emitted: speculation "auto" between verifies). On a GPU each is one CUDA
     graph, captured before the prompt pass that its warm-up rows' cache writes would corrupt, and
-    each is timed there (costs: draft_ms, verify{w}_ms, plain_ms: what the auto policy weighs).
-    After a step the host reads picks [batch, w + 1] and emit [batch]: the tokens each sequence
-    emitted are picks[b, :emit[b]]."""
+    each is timed there at `context` positions (costs: draft_ms, verify{w}_ms, plain_ms: what the
+    auto policy weighs; a step's attention grows with its context, not with what the cache holds,
+    and with no room to emit, the warm-up and timed steps leave the state where it was). After a
+    step the host reads picks [batch, w + 1] and emit [batch]: the tokens each sequence emitted are
+    picks[b, :emit[b]]; last_marks then holds that step's timing marks (marks_ms reads them)."""
 
-    def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False, widths: tuple | None = None):
+    def __init__(self, model, drafter, state, use_graph: bool, plain: bool = False, widths: tuple | None = None,
+                 context: int = 0):
         self.model, self.drafter, self.state = model, drafter, state
         self.batch, self.k = state.batch, state.k
         self.widths = tuple(widths) if widths else (self.k,)
@@ -236,6 +239,11 @@ class SpecRunner:
         self.emit = {w: None for w in self.widths}
         self.plain_pick = torch.zeros((self.batch, 1), dtype=torch.int64, device=state.device)
         self.plain_emit = None
+        self.last_marks = []
+        if not 0 <= context < state.capacity:
+            raise ValueError(f"SpecRunner: context {context} outside its state's capacity {state.capacity}")
+        state.length.fill_(context + 1)
+        state.limit.fill_(context + 1)
         self._steps = {"draft": self._draft,
                        **{f"verify{w}": (lambda w=w: self._verify(w)) for w in self.widths},
                        **({"plain": self._plain} if plain else {})}
@@ -280,33 +288,36 @@ class SpecRunner:
         width = self.k if width is None else width
         if width not in self.picks:
             raise ValueError(f"SpecRunner: no verify of {width} drafts (its widths: {self.widths})")
-        self._timed("draft")
-        self._timed(f"verify{width}")
+        self.last_marks = [self._timed("draft"), self._timed(f"verify{width}")]
         return self.picks[width], self.emit[width]
 
     def plain(self) -> tuple:
         """One plain decode step; returns the device's (picks [B, 1], emit [B])."""
-        self._timed("plain")
+        self.last_marks = [self._timed("plain")]
         return self.plain_pick, self.plain_emit
 
     def start_timing(self) -> None:
         """Time each step from here on (times_ms() reads them after the device has finished)."""
         self._marks = {name: [] for name in self.graphs}
 
-    def _timed(self, name: str) -> None:
+    def _timed(self, name: str):
+        """Run step `name`; timing on, its mark (a pair of CUDA events, or host ms on the CPU)."""
         marks = getattr(self, "_marks", None)
         if marks is None:
             self._run(name)
-        elif self.state.device.type == "cuda":
+            return None
+        if self.state.device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self._run(name)
             b.record()
-            marks[name].append((a, b))
+            mark = (a, b)
         else:
             t0 = time.perf_counter()
             self._run(name)
-            marks[name].append((time.perf_counter() - t0) * 1e3)
+            mark = (time.perf_counter() - t0) * 1e3
+        marks[name].append(mark)
+        return mark
 
     def times_ms(self) -> dict:
         """Since start_timing, the mean device milliseconds of a draft, a verify (any width) and a
@@ -314,8 +325,7 @@ class SpecRunner:
         width that ran (verify_ms_by_width), then timing off. Call after the device has finished
         those steps."""
         marks, self._marks = getattr(self, "_marks", None) or {}, None
-        ms = {name: [m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in got]
-              for name, got in marks.items()}
+        ms = {name: [marks_ms([m]) for m in got] for name, got in marks.items()}
 
         def mean(xs):
             return sum(xs) / len(xs) if xs else None
@@ -324,3 +334,11 @@ class SpecRunner:
         return {"draft_ms": mean(ms.get("draft", [])), "verify_ms": mean(verifies),
                 "plain_ms": mean(ms.get("plain", [])),
                 "verify_ms_by_width": {w: mean(ms[f"verify{w}"]) for w in self.widths if ms.get(f"verify{w}")}}
+
+
+def marks_ms(marks: list) -> float | None:
+    """The milliseconds of SpecRunner timing marks together (None where timing was off); CUDA
+    events must have completed."""
+    if not marks or any(m is None for m in marks):
+        return None
+    return sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in marks)

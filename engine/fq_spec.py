@@ -141,7 +141,8 @@ class AutoPolicy:
     did not pay, up to `max_probe`) keeps the estimate current, with the width that pays at the
     lowest acceptance (none where no width would pay even if every draft were right: then no
     probes). A probe waits for a step where some sequence's drafts are more than padding
-    (`found`: prompt lookup found its last token earlier)."""
+    (`found`: prompt lookup found its last token earlier). observe_cost moves a kind's cost
+    toward what its steps measure (the context grows as the call goes on)."""
 
     def __init__(self, verify_ms: dict, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
                  window: int = 64, probe: int = 16, max_probe: int = 128):
@@ -157,9 +158,26 @@ class AutoPolicy:
     def set_costs(self, verify_ms: dict, plain_ms: float) -> None:
         """The costs to weigh from now on ({width: verify ms}, plain ms): a server's batch size changes."""
         self.verify_ms, self.plain_ms = dict(sorted(verify_ms.items())), plain_ms
-        self.probe_width = min(self.verify_ms, key=self.break_even)
-        if self.break_even(self.probe_width) > 1.0:
-            self.probe_width = 0
+        self._probe_width = None
+
+    def observe_cost(self, width: int, ms: float, weight: float = 0.25) -> None:
+        """A step's measured milliseconds (width 0: a plain step; else a draft and a verify of that
+        width): its kind's cost moves `weight` of the way there."""
+        if ms is None or not ms > 0:
+            return
+        if width:
+            self.verify_ms[width] += weight * (ms - self.verify_ms[width])
+        else:
+            self.plain_ms += weight * (ms - self.plain_ms)
+        self._probe_width = None
+
+    @property
+    def probe_width(self) -> int:
+        """The width a probe verifies: the one that pays at the lowest acceptance, 0 where none can."""
+        if self._probe_width is None:
+            width = min(self.verify_ms, key=self.break_even)
+            self._probe_width = width if self.break_even(width) <= 1.0 else 0
+        return self._probe_width
 
     def break_even(self, width: int) -> float:
         """The lowest acceptance at which a verify of `width` drafts pays (above 1.0: none)."""

@@ -232,6 +232,24 @@ def test_auto_probes_with_the_width_that_pays_first_and_never_where_none_can():
         hopeless.observe_plain()
 
 
+def test_auto_moves_its_costs_toward_what_the_steps_measure():
+    # timed at the start, width 4 pays at a = 0.5; the call's verifies turn out to cost twice that
+    policy = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, prior=0.5)
+    assert policy.best() == 4 and policy.probe_width == 4
+    for _ in range(30):
+        policy.observe_cost(4, 6.4)
+    assert policy.verify_ms[4] == pytest.approx(6.4, rel=0.01) and policy.best() == 1
+    assert policy.probe_width == 1
+    for _ in range(30):
+        policy.observe_cost(0, 1.0)              # plain steps cheaper than timed: no width pays
+    assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0
+    policy.observe_cost(1, None)                 # timing off: nothing moves
+    assert policy.verify_ms[1] == 3.0
+    from fq_decode import marks_ms
+
+    assert marks_ms([1.5, 2.0]) == 3.5 and marks_ms([None]) is None and marks_ms([]) is None
+
+
 def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
     # a verify costs 1.2 plain steps: it pays from about a = 0.2 with 4 drafts
     good = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5, prior=0.0)
@@ -313,9 +331,11 @@ def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
     st = eng.spec_stats()
     assert st["mode"] == mode.split(":")[0] and st["k"] == 3
     assert st["emitted"] == st["verified_rows"] + st["accepted"]
-    # drafts count where a sequence had room for them: with r < k + 1 tokens left, r - 1 (at most
-    # k verifies a sequence, k - 1 + ... + 1 drafts fewer)
-    assert 3 * st["verified_rows"] - 3 * (3 * 4 // 2) <= st["drafted"] <= 3 * st["verified_rows"]
+    # drafts count where a sequence had room for them: with r < w + 1 tokens left, r - 1 (at most
+    # k verifies a sequence, k - 1 + ... + 1 drafts fewer); auto's verifies draft 1, 2 or 3
+    widths = st["width_steps"] or {3: 0}
+    assert set(widths) <= ({1, 2, 3} if mode == "auto" else {3})
+    assert min(widths) * st["verified_rows"] - 3 * (3 * 4 // 2) <= st["drafted"] <= max(widths) * st["verified_rows"]
     assert st["verify_steps"] + st["plain_steps"] >= (30 - 1) / 4
     # auto's choices follow this machine's timings: whichever kinds of step ran have their times
     assert (st["verify_ms"] is not None) == (st["verify_steps"] > 0) == (st["draft_ms"] is not None)
@@ -328,6 +348,25 @@ def test_speculation_emits_the_plain_tokens(plain, tiny_model, mode):
         assert st["accepted"] == st["drafted"] and st["acceptance"] == 1.0
     if mode == "oracle:0.0":                # every draft wrong: one token a verify, as plain decode
         assert st["accepted"] == 0 and st["verify_steps"] == 29
+
+
+def test_the_runner_times_its_steps_at_the_calls_context_and_leaves_the_state_there(plain):
+    from fq_decode import SpecRunner
+
+    with torch.inference_mode():
+        plain._prepare_cache(2, 256)
+        state = fq_spec.SpecState(2, 256, 3, plain.device)
+        runner = SpecRunner(plain.model, fq_spec.NgramDrafter(), state, False, plain=True, widths=(1, 3),
+                            context=200)
+        # every warm-up and timed step ran at position 200 with no room to emit: nothing appended
+        assert state.length.tolist() == [201, 201] and state.limit.tolist() == [201, 201]
+        assert set(runner.costs) == {"draft_ms", "verify1_ms", "verify3_ms", "plain_ms"}
+        assert all(ms > 0 for ms in runner.costs.values())
+        with pytest.raises(ValueError, match="context 256 outside"):
+            SpecRunner(plain.model, fq_spec.NgramDrafter(), fq_spec.SpecState(2, 256, 3, plain.device), False,
+                       context=256)
+    plain._drop_graphs()
+    plain.model.allocate_cache(1, 2)
 
 
 class _CyclingPolicy(fq_spec.AutoPolicy):
