@@ -55,11 +55,12 @@ takes its snapshot where a chunk starts there or crosses it by whole rule chunks
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
 
-from fq_decode import ChunkGraph, LogitsStep, VerifyStep
+from fq_decode import ChunkGraph, LogitsStep, VerifyStep, marks_ms
 
 
 class SlotError(RuntimeError):
@@ -363,6 +364,9 @@ class Slots:
             for width in self.widths:
                 self._verifies[rows, width] = VerifyStep(model, rows, width, use_graphs, pool=verify_pool)
         self._verified = None      # the last verify's (bucket rows, positions) until commit()
+        # timing on (speculation "auto"): each step's device time, read once its tokens are
+        self.timing = False
+        self.last_timing = None    # the last step's (bucket rows, drafts a row: 0 a plain step, mark)
 
     @property
     def running(self) -> tuple:
@@ -705,9 +709,31 @@ class Slots:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
         with torch.inference_mode():
-            logits = step.run()
+            logits = self._run(step, 0)
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:n]
+
+    def _run(self, step, width: int):
+        """step.run(), timed (last_timing) while timing is on."""
+        if not self.timing:
+            return step.run()
+        if self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = step.run()
+            b.record()
+            mark = (a, b)
+        else:
+            t0 = time.perf_counter()
+            out = step.run()
+            mark = (time.perf_counter() - t0) * 1e3
+        self.last_timing = (step.rows, width, mark)
+        return out
+
+    @staticmethod
+    def timing_ms(timing) -> float | None:
+        """A last_timing's milliseconds (None for none); its step must have finished on the device."""
+        return None if timing is None else marks_ms([timing[2]])
 
     def auto_policy(self):
         """Speculation "auto" for these slots (fq_spec.AutoPolicy): each bucket's plain step and
@@ -753,7 +779,7 @@ class Slots:
         positions[:n] = torch.tensor(self.lengths, dtype=torch.int32)
         step.positions.copy_(positions)
         with torch.inference_mode():
-            picks = step.run()
+            picks = self._run(step, k)
         self._verified = (step.rows, step.positions.clone(), k)
         return picks[:n]
 
@@ -809,7 +835,7 @@ class BucketPolicy:
     def __init__(self, costs: dict):
         from fq_spec import AutoPolicy
 
-        self.costs = dict(sorted(costs.items()))
+        self.costs = {rows: (plain, dict(verify)) for rows, (plain, verify) in sorted(costs.items())}
         plain, verify = self.costs[min(self.costs)]
         self.policy = AutoPolicy(verify, plain)
         self._bucket = min(self.costs)
@@ -825,6 +851,20 @@ class BucketPolicy:
 
     def observe_verify(self, accepted: int, rejected: int) -> None:
         self.policy.observe_verify(accepted, rejected)
+
+    def observe_cost(self, rows: int, width: int, ms: float | None, weight: float = 0.25) -> None:
+        """A step of bucket `rows` measured `ms` (width 0: a plain step): that bucket's cost moves
+        `weight` of the way there (the contexts the server runs at, not the startup's position 0)."""
+        if ms is None or not ms > 0 or rows not in self.costs:
+            return
+        plain, verify = self.costs[rows]
+        if width:
+            verify[width] += weight * (ms - verify[width])
+        else:
+            plain += weight * (ms - plain)
+        self.costs[rows] = (plain, verify)
+        if rows == self._bucket:
+            self.policy.set_costs(verify, plain)
 
     def observe_plain(self) -> None:
         self.policy.observe_plain()

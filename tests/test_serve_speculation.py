@@ -132,8 +132,12 @@ def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):
     with serving(srv) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         prompt = _repeating(5, 50)
+        before = {rows: (plain, dict(verify)) for rows, (plain, verify) in srv.scheduler.spec_policy.costs.items()}
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
         assert out.choices[0].token_ids == _until_eos(srv, _alone(srv.model_dir, prompt, 40))
+    # the steps were timed and bucket 1's costs moved toward what they measured
+    assert srv.scheduler.slots.timing and srv.scheduler.slots.last_timing[0] == 1
+    assert srv.scheduler.spec_policy.costs[1] != before[1]
 
 
 def test_auto_verifies_of_every_width_keep_the_tokens(tiny_model):

@@ -250,6 +250,21 @@ def test_auto_moves_its_costs_toward_what_the_steps_measure():
     assert marks_ms([1.5, 2.0]) == 3.5 and marks_ms([None]) is None and marks_ms([]) is None
 
 
+def test_the_servers_policy_keeps_a_cost_per_bucket_and_moves_the_one_a_step_measured():
+    from fq_slots import BucketPolicy
+
+    policy = BucketPolicy({1: (2.5, {1: 3.0, 4: 3.2}), 16: (3.5, {1: 5.0, 4: 9.0})})
+    policy.policy.accepted = policy.policy.checked * 0.6          # a = 0.6
+    assert policy.next_width(1) == 4 and policy.next_width(9) == 1
+    for _ in range(30):
+        policy.observe_cost(16, 1, 12.0)     # bucket 16's verify of 1 costs more at the requests' contexts
+    assert policy.costs[16][1][1] == pytest.approx(12.0, rel=0.01) and policy.next_width(16) == 0
+    assert policy.costs[1] == (2.5, {1: 3.0, 4: 3.2}) and policy.next_width(1) == 4     # bucket 1 kept its own
+    policy.observe_cost(8, 0, 1.0)           # no such bucket, and timing off: nothing moves
+    policy.observe_cost(1, 0, None)
+    assert policy.costs[1][0] == 2.5
+
+
 def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
     # a verify costs 1.2 plain steps: it pays from about a = 0.2 with 4 drafts
     good = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5, prior=0.0)

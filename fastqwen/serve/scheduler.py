@@ -141,6 +141,7 @@ class Scheduler:
             raise ValueError(f"the server speculates with prompt lookup (speculation 'ngram' or 'auto'), "
                              f"not {mode!r}")
         self.spec_policy = self.slots.auto_policy() if mode == "auto" else None
+        self.slots.timing = self.spec_policy is not None       # its costs follow what steps measure
         self.spec_stats = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self.slots.warm()          # the prompt passes' kernels compiled before the first request
         self._hit_tokens = 0                         # prefix hits already reported to the metrics
@@ -487,6 +488,9 @@ class Scheduler:
         drafts = [self._lookup(r).draft(k) for r in reqs]
         rows = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64)
         picks = self.slots.verify_rows(rows.to(self.device)).tolist()
+        if self.spec_policy is not None:          # the verify has finished (its picks are read)
+            timing = self.slots.last_timing
+            self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
         emits, right, rejected = [], 0, 0        # the policy's: drafts right, rows with a wrong one
         for r, d, p in zip(reqs, drafts, picks):
             matched = accepted(d, p)
@@ -529,6 +533,7 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         n = len(ids)
         logits = self.slots.step_rows(self._tokens[:n])
+        timing = self.slots.last_timing if self.slots.timing else None
         masked = [row for row, req in enumerate(reqs) if req.matcher is not None]
         failed = {}
         if masked:
@@ -554,7 +559,7 @@ class Scheduler:
         for req, exc in failed.items():      # their rows' tokens are never handed out (not running)
             if req.finish_reason is None:
                 self._fail(req, exc)
-        return ids, host, event, queued_logprobs
+        return ids, host, event, queued_logprobs, timing
 
     def _feed_pending(self) -> dict:
         """Wait for the step in flight's tokens and give them to their requests' matchers (before
@@ -562,7 +567,7 @@ class Scheduler:
         failed = {}
         if self._pending is None:
             return failed
-        ids, host, event, _ = self._pending
+        ids, host, event, *_ = self._pending
         if event is not None:
             event.synchronize()
         for rid, tok in zip(ids, host[:len(ids)].tolist()):
@@ -583,9 +588,11 @@ class Scheduler:
     def _hand_out(self, pending: tuple, ahead: set) -> None:
         """A finished step's tokens to their requests (those still running); `ahead`: the ids
         the step queued after it includes (their slots hold one more position already)."""
-        ids, host, event, queued_logprobs = pending
+        ids, host, event, queued_logprobs, timing = pending
         if event is not None:
             event.synchronize()
+        if timing is not None and self.spec_policy is not None:     # the step has finished
+            self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
         entries = {}
         if queued_logprobs is not None:
             try:
