@@ -20,6 +20,8 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
+#   startup-precompile  scripts/precompile.py, then a cold and a warm server start, synthetic Qwen3.5-4B
+#                     and Qwen3-4B -> startup_precompile_qwen35.json / startup_precompile_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
 #   fidelity-q35      the same on a synthetic Qwen3.5-4B -> fidelity_qwen35.json
 # Any other argument runs as a command (bash -c), e.g. a `python3 -m bench ENTRY ... --out $OUT/FILE.json`.
@@ -104,6 +106,11 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" \
                   --out "$OUT/spec_qwen35.json" ;;
+      startup-precompile)
+        for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
+          timeout 280 python3 -m bench startup --model "${pair%%:*}" --precompile \
+            --out "$OUT/startup_precompile_${pair##*:}.json"
+        done ;;
       fidelity) timeout 560 python3 -m bench fidelity --model qwen3-4b --out "$OUT/fidelity_qwen3.json" ;;
       fidelity-q35) FASTQWEN_QWEN35_SITE=$(q35_site) timeout 560 python3 -m bench fidelity --model qwen3.5-4b \
                       --out "$OUT/fidelity_qwen35.json" ;;

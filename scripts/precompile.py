@@ -1,0 +1,233 @@
+"""Fill Triton's cache with the kernels a `fastqwen serve` start launches, compiled in parallel,
+before the server starts: a start on an empty cache otherwise compiles them one after another
+(Qwen3.5-4B: ~140 s of its 152 s to ready on the H200, docs/SERVING.md).
+
+How: the server's start is run over meta tensors that say "cuda" (scripts/compile_kernels.py's
+capture: nothing is allocated or launched, no GPU is needed): the model at the checkpoint's
+config, the slots of the server's settings, each bucket's step (and verifies) with our GEMV and
+with cuBLAS for the decode products (the start's tuning picks per product; both are compiled),
+and the slots' warm prompt passes. Every launch's specialization is recorded as Triton's own
+launch path computes it, then compiled for the target into the cache (TRITON_CACHE_DIR or
+--cache-dir): threads on a Triton that releases the GIL while it compiles (3.4+), worker
+processes on 3.1. A launch the capture did not foresee compiles at the start as before.
+
+Usage:
+    python scripts/precompile.py --model DIR [--max-batch 16] [--max-model-len 4096] [--block-size 0]
+        [--speculation off|ngram|auto] [--speculative-tokens 4] [--target sm_90] [--jobs N]
+        [--cache-dir DIR] [--capture-only] [--json PATH]
+DIR is a checkpoint folder (its config.json is read; its weights are not). Exit status 0 when
+every captured specialization compiled, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import compile_kernels as ck  # noqa: E402  (its capture machinery; it puts engine/ on the path)
+
+
+def threads_compile() -> bool:
+    """Whether this Triton compiles with the GIL released (3.4+: compile in threads)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 4)
+
+
+class _Meta(ck.MetaAsCuda):
+    """ck.MetaAsCuda, and pinned host buffers as plain ones (the slots stage positions there)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        kwargs.pop("pin_memory", None)
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def recording(recorder: ck.Recorder, target):
+    """ck.recording on Triton 3.1; on 3.4+ the same through knobs.runtime.jit_cache_hook (which
+    takes 3.1's cache_hook arguments), with the driver stub set without building a real one."""
+    if not threads_compile():
+        with ck.recording(recorder, target):
+            yield
+        return
+    from triton import knobs
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    original_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        with torch._C.DisableTorchFunction():
+            args = tuple(ck._Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: ck._Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+    capturing = torch.cuda.is_current_stream_capturing
+    JITFunction.run = run
+    knobs.runtime.jit_cache_hook = recorder.hook
+    driver._active = ck._SpecOnlyDriver(target)
+    torch.cuda.is_current_stream_capturing = lambda: False
+    try:
+        yield
+    finally:
+        JITFunction.run = original_run
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver._active = previous_driver
+        torch.cuda.is_current_stream_capturing = capturing
+
+
+def meta_model(model_dir: pathlib.Path):
+    """The engine's model for the checkpoint's config over meta weights (the file's tensors are not read)."""
+    import fq_config
+    import fq_ops
+    import fq_qwen3
+    import fq_qwen35
+    import fq_weights
+
+    cfg = fq_config.config_for(str(model_dir))
+    ops = fq_ops.ops_for("triton", ck.CUDA, True)
+    real = fq_weights.safe_open
+    with tempfile.TemporaryDirectory(prefix="fq_precompile_") as tmp:
+        folder = pathlib.Path(tmp)
+        raw = json.loads((model_dir / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(raw))
+        (folder / "model.safetensors").touch()
+        if isinstance(cfg, fq_config.Qwen35Config):
+            from fastqwen.checkpoint import expected_tensors
+
+            fq_weights.safe_open = ck._MetaCheckpoint(dict(expected_tensors(raw)))
+            try:
+                weights = fq_weights.load_qwen35_weights(str(folder), cfg, ck.CUDA)
+            finally:
+                fq_weights.safe_open = real
+            return fq_qwen35.Qwen35Model(cfg, weights, ck.CUDA, ops, exact_decode=True)
+        fq_weights.safe_open = ck._MetaCheckpoint(fq_weights.expected_shapes(cfg))
+        try:
+            weights = fq_weights.load_weights(str(folder), cfg, ck.CUDA)
+        finally:
+            fq_weights.safe_open = real
+        return fq_qwen3.Qwen3Model(cfg, weights, ck.CUDA, ops)
+
+
+def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, block_size: int | None,
+                         speculation: str, k: int, target, pdl: bool) -> tuple[list, list]:
+    """The specializations a server start launches (see the module doc), and the problems met."""
+    import fq_slots
+    import fq_spec
+
+    recorder, problems = ck.Recorder(), []
+    with _Meta(), torch.inference_mode(), ck.pdl_forced(pdl):
+        model = meta_model(model_dir)
+        recorder.pdl = pdl
+        widths = fq_spec.verify_widths(k) if speculation == "auto" else None
+        slots = fq_slots.Slots(model, ck.CUDA, max_batch, max_len, use_graphs=False, page_size=block_size,
+                               speculative_tokens=k if speculation != "off" else 0, verify_widths=widths)
+        with recording(recorder, target):
+            for gemv in (True, False):
+                model.ops.use_gemv = ck._GemvChoice(gemv, model.ops.GEMV_MAX_ROWS)
+                for rows, step in slots._steps.items():
+                    steps = [("step", step)] + [(f"verify {w}", slots._verifies[rows, w]) for w in slots.widths]
+                    for name, one in steps:
+                        recorder.scenario = f"bucket {rows} {name} ({'gemv' if gemv else 'cublas'})"
+                        try:
+                            one._step()
+                        except Exception as exc:  # noqa: BLE001 - a finding, reported
+                            problems.append(f"{recorder.scenario}: {type(exc).__name__}: {exc}")
+            recorder.scenario = "warm prompt passes"
+            try:
+                slots.warm()
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"warm: {type(exc).__name__}: {exc}")
+    return list(recorder.specs.values()), problems
+
+
+def compile_threads(specs: list, target, jobs: int, cache_dir: str, progress=print) -> None:
+    """Compile each spec into cache_dir in `jobs` threads (Triton 3.4+ compiles without the GIL)."""
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    done = 0
+
+    def one(spec):
+        return spec, ck._compile_one("", "", "", spec.signature, spec.constants, spec.attrs, spec.options, target,
+                                     kernel=spec.kernel)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for spec, result in pool.map(one, sorted(specs, key=lambda s: -len(s.constants))):
+            spec.ok, spec.seconds, spec.cubin_bytes, spec.error = result
+            done += 1
+            progress(f"[{done}/{len(specs)}] {'ok  ' if spec.ok else 'FAIL'} {spec.seconds:5.1f} s  {spec.name}"
+                     + (f"  {spec.error}" if spec.error else ""))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a checkpoint folder (its config.json)")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's (default 16)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="the server's (default 4096)")
+    p.add_argument("--block-size", type=int, default=0, help="the server's (default 0: rows, no pages)")
+    p.add_argument("--speculation", default="off", choices=["off", "ngram", "auto"], help="the server's (default off)")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="the server's (default 4)")
+    p.add_argument("--target", default=None, help="e.g. sm_90 (default: this machine's GPU, else sm_90)")
+    p.add_argument("--jobs", type=int, default=0, help="compile threads or processes (default: one per CPU)")
+    p.add_argument("--cache-dir", default=None, help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+    p.add_argument("--capture-only", action="store_true", help="record the specializations, compile nothing")
+    p.add_argument("--json", default=None, help="write what was captured and compiled here")
+    args = p.parse_args(argv)
+    model_dir = pathlib.Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
+    if args.target:
+        target = ck.parse_target(args.target)
+    elif torch.cuda.is_available():
+        from triton.runtime.driver import driver
+
+        target = driver.active.get_current_target()
+    else:
+        target = ck.parse_target("sm_90")
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    pdl = "launch_pdl" in CUDAOptions.__dataclass_fields__        # as fqkernels.pdl decides on a GPU
+    began = time.perf_counter()
+    specs, problems = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
+                                           args.speculation, args.speculative_tokens, target, pdl)
+    captured = time.perf_counter() - began
+    print(f"captured {len(specs)} specializations of {len({s.kernel for s in specs})} kernels in {captured:.1f} s"
+          + (f"; {len(problems)} problem(s):" if problems else ""), flush=True)
+    for line in problems:
+        print("  " + line)
+    compile_s = 0.0
+    if not args.capture_only:
+        cache_dir = args.cache_dir or os.environ.get("TRITON_CACHE_DIR") or str(pathlib.Path.home() / ".triton" / "cache")
+        jobs = args.jobs or os.cpu_count() or 1
+        t0 = time.perf_counter()
+        if threads_compile():
+            compile_threads(specs, target, jobs, cache_dir)
+        else:
+            ck.compile_all(specs, target, jobs, cache_dir, progress=print)
+        compile_s = time.perf_counter() - t0
+        failed = [s for s in specs if not s.ok]
+        print(f"compiled {len(specs) - len(failed)}/{len(specs)} into {cache_dir} in {compile_s:.1f} s wall "
+              f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} {'threads' if threads_compile() else 'processes'})")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "triton": triton.__version__, "target": str(target), "capture_s": captured, "compile_wall_s": compile_s,
+            "problems": problems,
+            "specs": [{"kernel": s.name, "scenario": s.scenario, "ok": s.ok, "seconds": s.seconds} for s in specs]},
+            indent=1))
+    return 0 if not problems and all(s.ok for s in specs if s.ok is not None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

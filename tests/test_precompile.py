@@ -1,0 +1,66 @@
+"""scripts/precompile.py: a server start's kernel launches captured over meta tensors (no GPU) and
+compiled into a Triton cache before the server starts. Here, on the tiny presets: the capture
+covers every bucket's step and each verify width of speculation "auto", and the slots' warm
+prompt passes, with no problem; the tiny Qwen3's specializations compile into the cache folder
+asked for. Whether a GPU start then finds them (Triton's cache key at launch) is measured on the
+GPU: `python -m bench startup --precompile`. Run in a subprocess, as the sm_90 check is (the
+capture leaves meta tensors in the kernels' workspace caches)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine_modules import REPO
+
+SCRIPT = REPO / "scripts" / "precompile.py"
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="the interpreter compiles nothing")
+
+
+def _config(folder, family: str):
+    from fastqwen import presets, synth35
+
+    folder.mkdir()
+    raw = presets.get_preset("tiny") if family == "qwen3" else synth35.get_preset("qwen3.5-tiny")
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, cwd=REPO)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_the_capture_covers_every_bucket_every_verify_width_and_the_warm_passes(family, tmp_path):
+    model = _config(tmp_path / "model", family)
+    out = tmp_path / "capture.json"
+    proc = _run("--model", str(model), "--max-batch", "4", "--max-model-len", "256", "--speculation", "auto",
+                "--capture-only", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["problems"] == [] and report["specs"]
+    scenarios = {s["scenario"] for s in report["specs"]}
+    # a scenario is named where a specialization was first launched: bucket 1's step first, then
+    # what the other buckets, the verifies of 1, 2 and 4 drafts and the warm passes add
+    assert "bucket 1 step (gemv)" in scenarios and "warm prompt passes" in scenarios
+    assert any(s.startswith("bucket 1 verify") for s in scenarios)
+    assert any(s.startswith(("bucket 2", "bucket 4")) for s in scenarios)
+    assert all(s["ok"] is None for s in report["specs"])          # nothing compiled
+
+
+def test_the_tiny_qwen3s_start_compiles_into_the_cache_asked_for(tmp_path):
+    model = _config(tmp_path / "model", "qwen3")
+    cache = tmp_path / "cache"
+    out = tmp_path / "compiled.json"
+    proc = _run("--model", str(model), "--max-batch", "2", "--max-model-len", "256", "--cache-dir", str(cache),
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    specs = json.loads(out.read_text())["specs"]
+    assert specs and all(s["ok"] for s in specs)
+    assert sum(1 for p in cache.rglob("*.cubin")) == len(specs)      # one binary a specialization
+    assert "compiled" in proc.stdout and str(cache) in proc.stdout
