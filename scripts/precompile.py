@@ -55,37 +55,50 @@ class _Meta(ck.MetaAsCuda):
 
 
 @contextlib.contextmanager
-def recording(recorder: ck.Recorder, target):
-    """ck.recording on Triton 3.1; on 3.4+ the same through knobs.runtime.jit_cache_hook (which
-    takes 3.1's cache_hook arguments), with the driver stub set without building a real one."""
-    if not threads_compile():
-        with ck.recording(recorder, target):
-            yield
-        return
-    from triton import knobs
+def recording(recorder: ck.Recorder, target, through: bool = False):
+    """Within: every Triton launch is bound by Triton's own JITFunction.run for `target` and recorded
+    by `recorder`; nothing launches, no GPU or driver is needed. through=False: nothing compiles
+    either (ck.recording's capture). through=True: run() goes on as a launch's first call does,
+    through its own cache lookup and compile (as a warm-up: no launch), so a cache the capture's
+    compiles filled is checked against Triton's own launch path: a key of its own adds files.
+    On Triton 3.4+ the hook is knobs.runtime.jit_cache_hook (3.1's cache_hook's arguments)."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
+    knobs = getattr(triton, "knobs", None)
     original_run = JITFunction.run
+
+    def hook(**kwargs):
+        recorder.hook(**kwargs)
+        return not through
 
     def run(self, *args, grid, warmup, **kwargs):
         with torch._C.DisableTorchFunction():
             args = tuple(ck._Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: ck._Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return original_run(self, *args, grid=grid, warmup=warmup or through, **kwargs)
 
-    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
     capturing = torch.cuda.is_current_stream_capturing
     JITFunction.run = run
-    knobs.runtime.jit_cache_hook = recorder.hook
-    driver._active = ck._SpecOnlyDriver(target)
+    if threads_compile():
+        previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = hook
+        driver._active = ck._SpecOnlyDriver(target)
+    else:
+        previous_driver, previous_hook = driver.active, JITFunction.cache_hook
+        JITFunction.cache_hook = hook
+        driver.set_active(ck._SpecOnlyDriver(target))
     torch.cuda.is_current_stream_capturing = lambda: False
     try:
         yield
     finally:
         JITFunction.run = original_run
-        knobs.runtime.jit_cache_hook = previous_hook
-        driver._active = previous_driver
+        if threads_compile():
+            knobs.runtime.jit_cache_hook = previous_hook
+            driver._active = previous_driver
+        else:
+            JITFunction.cache_hook = previous_hook
+            driver.set_active(previous_driver)
         torch.cuda.is_current_stream_capturing = capturing
 
 
@@ -123,8 +136,9 @@ def meta_model(model_dir: pathlib.Path):
 
 
 def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, block_size: int | None,
-                         speculation: str, k: int, target, pdl: bool) -> tuple[list, list]:
-    """The specializations a server start launches (see the module doc), and the problems met."""
+                         speculation: str, k: int, target, pdl: bool, through: bool = False) -> tuple[list, list]:
+    """The specializations a server start launches (see the module doc), and the problems met;
+    through: each launch goes on through Triton's own cache lookup and compile (recording)."""
     import fq_slots
     import fq_spec
 
@@ -135,7 +149,7 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
         widths = fq_spec.verify_widths(k) if speculation == "auto" else None
         slots = fq_slots.Slots(model, ck.CUDA, max_batch, max_len, use_graphs=False, page_size=block_size,
                                speculative_tokens=k if speculation != "off" else 0, verify_widths=widths)
-        with recording(recorder, target):
+        with recording(recorder, target, through):
             for gemv in (True, False):
                 model.ops.use_gemv = ck._GemvChoice(gemv, model.ops.GEMV_MAX_ROWS)
                 for rows, step in slots._steps.items():
@@ -184,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None, help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
     p.add_argument("--capture-only", action="store_true", help="record the specializations, compile nothing")
     p.add_argument("--json", default=None, help="write what was captured and compiled here")
+    p.add_argument("--check", action="store_true",
+                   help="after compiling, run the capture again through Triton's own launch path (its cache "
+                   "lookup and compile) and count the cache files that adds: 0 when every key matched")
     args = p.parse_args(argv)
     model_dir = pathlib.Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -220,6 +237,19 @@ def main(argv=None) -> int:
         failed = [s for s in specs if not s.ok]
         print(f"compiled {len(specs) - len(failed)}/{len(specs)} into {cache_dir} in {compile_s:.1f} s wall "
               f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} {'threads' if threads_compile() else 'processes'})")
+        if args.check:
+            def files():
+                return sum(1 for p in pathlib.Path(cache_dir).rglob("*") if p.is_file())
+
+            before = files()
+            os.environ["TRITON_CACHE_DIR"] = cache_dir
+            _, again = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
+                                            args.speculation, args.speculative_tokens, target, pdl, through=True)
+            added = files() - before
+            problems += [f"check: {line}" for line in again]
+            print(f"check: Triton's own launch path added {added} cache file(s)")
+            if added:
+                problems.append(f"check: Triton's own launch path added {added} cache file(s): a key differs")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "triton": triton.__version__, "target": str(target), "capture_s": captured, "compile_wall_s": compile_s,

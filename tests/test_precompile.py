@@ -53,14 +53,34 @@ def test_the_capture_covers_every_bucket_every_verify_width_and_the_warm_passes(
     assert all(s["ok"] is None for s in report["specs"])          # nothing compiled
 
 
-def test_the_tiny_qwen3s_start_compiles_into_the_cache_asked_for(tmp_path):
+def test_the_tiny_qwen3s_start_compiles_into_the_cache_triton_itself_looks_in(tmp_path):
+    """Compiled, then --check runs the capture again through Triton's own launch path (its key, its
+    cache lookup, its compile on a miss): it adds no file, so every key the capture compiled is the
+    one a launch computes."""
     model = _config(tmp_path / "model", "qwen3")
     cache = tmp_path / "cache"
     out = tmp_path / "compiled.json"
     proc = _run("--model", str(model), "--max-batch", "2", "--max-model-len", "256", "--cache-dir", str(cache),
-                "--json", str(out))
+                "--json", str(out), "--check")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     specs = json.loads(out.read_text())["specs"]
     assert specs and all(s["ok"] for s in specs)
     assert sum(1 for p in cache.rglob("*.cubin")) == len(specs)      # one binary a specialization
-    assert "compiled" in proc.stdout and str(cache) in proc.stdout
+    assert "check: Triton's own launch path added 0 cache file(s)" in proc.stdout
+
+
+def test_the_check_sees_a_launch_path_that_finds_nothing(tmp_path):
+    """The same launch path over an empty cache compiles every specialization itself: files appear
+    (so the check above can fail)."""
+    model = _config(tmp_path / "model", "qwen3")
+    cache = tmp_path / "empty"
+    cache.mkdir()
+    code = (f"import os, pathlib, sys; os.environ['TRITON_CACHE_DIR'] = {str(cache)!r}; "
+            f"sys.path.insert(0, {str(SCRIPT.parent)!r}); import precompile as pc; "
+            f"specs, problems = pc.capture_server_start(pathlib.Path({str(model)!r}), 2, 256, None, 'off', 4, "
+            f"pc.ck.parse_target('sm_90'), False, through=True); "
+            f"print(len(specs), len(problems), sum(1 for p in pathlib.Path({str(cache)!r}).rglob('*.cubin')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    specs, problems, cubins = map(int, proc.stdout.split()[-3:])
+    assert problems == 0 and specs > 0 and cubins == specs
