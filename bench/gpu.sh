@@ -65,7 +65,8 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
     "tests/kernels/test_gemv.py tests/kernels/test_lm_screen.py tests/kernels/test_rmsnorm_order.py"
     "tests/kernels/test_gdn_kernels.py -k '$plans'"
     "tests/kernels/test_gdn_kernels.py -k 'not ($plans)'"
-    "tests/kernels/test_gdn_exact_step.py tests/kernels/test_gdn_exact_step_plan.py tests/kernels/test_sigmoid_gate.py"
+    "tests/kernels/test_gdn_exact_step.py"
+    "tests/kernels/test_gdn_exact_step_plan.py tests/kernels/test_sigmoid_gate.py"
     "tests/kernels/test_qwen35_step.py tests/kernels/test_norm_rope_swiglu.py tests/kernels/test_pdl.py tests/kernels/test_compile_sm90.py"
     "tests/test_engine_gpu.py")
   local i
