@@ -20,6 +20,8 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
+#   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes
+#                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   startup-precompile  scripts/precompile.py, then a cold and a warm server start, synthetic Qwen3.5-4B
 #                     and Qwen3-4B -> startup_precompile_qwen35.json / startup_precompile_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
@@ -107,6 +109,11 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" \
                   --out "$OUT/spec_qwen35.json" ;;
+      spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms auto --reps 5 --out "$OUT/spec_auto_qwen3.json" \
+                   --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
+      spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 \
+                       --out "$OUT/spec_auto_qwen35.json" \
+                       --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
       startup-precompile)
         for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
           timeout 280 python3 -m bench startup --model "${pair%%:*}" --precompile \
