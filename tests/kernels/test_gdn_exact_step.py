@@ -7,15 +7,13 @@ under Triton's CPU interpreter (>= 3.4) the logic, within rounding (the interpre
 are not the GPU's chains)."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
@@ -23,12 +21,9 @@ if str(ENGINE_DIR) not in sys.path:
 from fqkernels import gdn_exact_step as step  # noqa: E402
 from fqkernels import gdn_norm, gdn_ref  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DEV = KERNEL_DEVICE
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+              pytest.mark.skipif(not KERNELS_RUN, reason=KERNELS_SKIP_REASON)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -5,14 +5,12 @@ Triton's CPU interpreter (Triton >= 3.4) for the logic, on a GPU for the bits.""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import pytest
 import torch
-import triton
 
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
@@ -21,12 +19,9 @@ from fqkernels import gdn_norm, gdn_prefill, gdn_ref, gdn_step  # noqa: E402
 
 from test_gdn import GATE_OUT, GATE_STATE, inputs, oracle_recurrent, rel  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DEV = KERNEL_DEVICE
 pytestmark = [pytest.mark.gpu,   # selected by `-m gpu` on a GPU machine; also runs under the interpreter
-              pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+              pytest.mark.skipif(not KERNELS_RUN, reason=KERNELS_SKIP_REASON)]
 
 
 @pytest.fixture(autouse=True)

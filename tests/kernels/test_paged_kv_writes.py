@@ -8,15 +8,13 @@ tests/kernels/test_gdn_kernels.py). Kernels: under Triton's CPU interpreter (Tri
 or on a GPU; the references and the argument checks run anywhere."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-import triton
 
 from bf16_checks import close_to_ulp as _close_to_ulp
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
@@ -24,13 +22,11 @@ if str(ENGINE_DIR) not in sys.path:
 from fqkernels.rope_kv import (qk_norm_rope_store, qk_norm_rope_store_reference, rope_store_kv,  # noqa: E402
                                rope_store_kv_reference, rope_tables)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-KERNELS = not (DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)))
+DEV = KERNEL_DEVICE
+KERNELS = KERNELS_RUN
 # the kernel tests (@pytest.mark.gpu, selected by `-m gpu` on a GPU machine, and @needs_kernels):
 # on a GPU, or under the interpreter; the references' and the argument checks' tests run anywhere
-needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+needs_kernels = pytest.mark.skipif(not KERNELS, reason=KERNELS_SKIP_REASON)
 
 
 @pytest.fixture(autouse=True)
@@ -351,7 +347,7 @@ def test_bad_paged_caches_are_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not KERNELS, reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+@pytest.mark.skipif(not KERNELS, reason=KERNELS_SKIP_REASON)
 @pytest.mark.parametrize("B,H,KVH,D,R,page", [(3, 4, 2, 256, 64, None), (2, 4, 2, 256, 64, 16),
                                               (5, 2, 1, 64, 16, None), (1, 16, 4, 256, 64, 64)])
 @pytest.mark.parametrize("early", [False, True], ids=["", "early"])

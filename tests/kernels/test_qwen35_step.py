@@ -7,14 +7,12 @@ Triton's CPU interpreter (Triton >= 3.4) for the logic; on a GPU for the bits, a
 step captured as a CUDA graph must replay what it computes eagerly."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-import triton
 
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
@@ -26,12 +24,9 @@ from fq_ops import TorchOps, TritonOps  # noqa: E402
 
 from fastqwen import synth35  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+DEV = torch.device(KERNEL_DEVICE)
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEV.type == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")]
+              pytest.mark.skipif(not KERNELS_RUN, reason=KERNELS_SKIP_REASON)]
 
 B, S, N = 2, 70, 6
 

@@ -3,25 +3,20 @@ reference, on views with a layer stride (the first B of more rows), under Triton
 (Triton >= 3.4) for the logic and on a GPU for the bits; the argument checks everywhere."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-import triton
 
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
 from fqkernels.rows_copy import copy_rows_where, copy_rows_where_reference  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-runs_kernel = pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                 reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+DEV = KERNEL_DEVICE
+runs_kernel = pytest.mark.skipif(not KERNELS_RUN, reason=KERNELS_SKIP_REASON)
 
 
 @pytest.mark.gpu

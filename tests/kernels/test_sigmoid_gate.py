@@ -7,26 +7,21 @@ or, where a subnormal sigmoid enters the product, by less than 2^-120 (the inter
 subnormal BF16 to float32 wrongly: bf16 6.06e-39 becomes 3.67e-40)."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-import triton
 
-from engine_modules import ENGINE_DIR
+from engine_modules import ENGINE_DIR, KERNEL_DEVICE, KERNELS_RUN, KERNELS_SKIP_REASON
 
 if str(ENGINE_DIR) not in sys.path:
     sys.path.insert(0, str(ENGINE_DIR))
 
 from fqkernels.swiglu import sigmoid_gate_mul, sigmoid_gate_mul_reference  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DEV = KERNEL_DEVICE
 # the kernel tests: selected by `-m gpu` on a GPU machine, and run under the interpreter too
-needs_kernels = pytest.mark.skipif(DEV == "cpu" and not (INTERPRET and _TRITON >= (3, 4)),
-                                   reason="needs a GPU, or TRITON_INTERPRET=1 with Triton >= 3.4")
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN, reason=KERNELS_SKIP_REASON)
 
 
 @pytest.fixture(autouse=True)
