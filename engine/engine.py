@@ -39,11 +39,11 @@ import time
 import torch
 
 from fq_config import Qwen35Config, config_for
-from fq_decode import DecodeRunner, PrefillGraph, SpecRunner, marks_ms
+from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
-from fq_spec import (AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, parse_speculation,
+from fq_spec import (AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, marks_ms, parse_speculation,
                      verify_observed, verify_widths)
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl

@@ -21,11 +21,10 @@ the first call of that shape runs eagerly and then captures; later calls copy
 their ids into the static buffer and replay. It removes the host's per-kernel
 launch cost (a few hundred launches) from the time to first token.
 """
-import time
 
 import torch
 
-from fq_spec import accept_rows, time_ms
+from fq_spec import accept_rows, marks_ms, time_ms, timed_call
 
 
 def _capture_step(step, pool=None) -> torch.cuda.CUDAGraph:
@@ -301,21 +300,12 @@ class SpecRunner:
         self._marks = {name: [] for name in self.graphs}
 
     def _timed(self, name: str):
-        """Run step `name`; timing on, its mark (a pair of CUDA events, or host ms on the CPU)."""
+        """Run step `name`; timing on, its mark (fq_spec.timed_call's)."""
         marks = getattr(self, "_marks", None)
         if marks is None:
             self._run(name)
             return None
-        if self.state.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self._run(name)
-            b.record()
-            mark = (a, b)
-        else:
-            t0 = time.perf_counter()
-            self._run(name)
-            mark = (time.perf_counter() - t0) * 1e3
+        _, mark = timed_call(lambda: self._run(name), self.state.device)
         marks[name].append(mark)
         return mark
 
@@ -334,11 +324,3 @@ class SpecRunner:
         return {"draft_ms": mean(ms.get("draft", [])), "verify_ms": mean(verifies),
                 "plain_ms": mean(ms.get("plain", [])),
                 "verify_ms_by_width": {w: mean(ms[f"verify{w}"]) for w in self.widths if ms.get(f"verify{w}")}}
-
-
-def marks_ms(marks: list) -> float | None:
-    """The milliseconds of SpecRunner timing marks together (None where timing was off); CUDA
-    events must have completed."""
-    if not marks or any(m is None for m in marks):
-        return None
-    return sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in marks)

@@ -55,12 +55,12 @@ takes its snapshot where a chunk starts there or crosses it by whole rule chunks
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
 import torch
 
-from fq_decode import ChunkGraph, LogitsStep, VerifyStep, marks_ms
+from fq_decode import ChunkGraph, LogitsStep, VerifyStep
+from fq_spec import AutoPolicy, marks_ms, time_ms, timed_call
 
 
 class SlotError(RuntimeError):
@@ -717,16 +717,7 @@ class Slots:
         """step.run(), timed (last_timing) while timing is on."""
         if not self.timing:
             return step.run()
-        if self.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = step.run()
-            b.record()
-            mark = (a, b)
-        else:
-            t0 = time.perf_counter()
-            out = step.run()
-            mark = (time.perf_counter() - t0) * 1e3
+        out, mark = timed_call(step.run, self.device)
         self.last_timing = (step.rows, width, mark)
         return out
 
@@ -740,8 +731,6 @@ class Slots:
         verifies timed now (before any request is admitted: the steps write the rows' caches);
         policy.next_width(running) says the next step of that many requests: a verify of that
         many drafts, or 0 for a plain step."""
-        from fq_spec import time_ms
-
         if not self.k:
             raise SlotError("auto_policy(): these slots were opened without speculative_tokens")
         if self.keys or self._staged is not None:
@@ -833,8 +822,6 @@ class BucketPolicy:
     running acceptance over all."""
 
     def __init__(self, costs: dict):
-        from fq_spec import AutoPolicy
-
         self.costs = {rows: (plain, dict(verify)) for rows, (plain, verify) in sorted(costs.items())}
         plain, verify = self.costs[min(self.costs)]
         self.policy = AutoPolicy(verify, plain)

@@ -485,22 +485,36 @@ def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Dr
     raise ValueError(f"no drafter for speculation mode {spec.mode!r}")
 
 
+def timed_call(fn, device):
+    """(fn(), its timing mark): a pair of CUDA events around the call on a GPU (read by marks_ms
+    once the device has run it), the host's milliseconds elsewhere."""
+    if torch.device(device).type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        return out, (a, b)
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def marks_ms(marks: list) -> float | None:
+    """The milliseconds of timing marks (timed_call's) together, None where one is missing (timing
+    was off); CUDA events must have completed."""
+    if not marks or any(m is None for m in marks):
+        return None
+    return sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in marks)
+
+
 def time_ms(fn, device, reps: int = 3) -> float:
-    """Milliseconds one call of fn takes on `device` (CUDA events on a GPU, the host clock
-    elsewhere), the median of reps after one untimed call."""
+    """Milliseconds one call of fn takes on `device` (timed_call's clock), the median of reps after
+    one untimed call."""
     fn()
-    cuda = torch.device(device).type == "cuda"
     times = []
     for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        _, mark = timed_call(fn, device)
+        if not isinstance(mark, float):
+            mark[1].synchronize()
+        times.append(marks_ms([mark]))
     return sorted(times)[len(times) // 2]

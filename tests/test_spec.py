@@ -245,9 +245,7 @@ def test_auto_moves_its_costs_toward_what_the_steps_measure():
     assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0
     policy.observe_cost(1, None)                 # timing off: nothing moves
     assert policy.verify_ms[1] == 3.0
-    from fq_decode import marks_ms
-
-    assert marks_ms([1.5, 2.0]) == 3.5 and marks_ms([None]) is None and marks_ms([]) is None
+    assert fq_spec.marks_ms([1.5, 2.0]) == 3.5 and fq_spec.marks_ms([None]) is None and fq_spec.marks_ms([]) is None
 
 
 def test_the_servers_policy_keeps_a_cost_per_bucket_and_moves_the_one_a_step_measured():
