@@ -158,7 +158,8 @@ class MetaAsCuda(TorchFunctionMode):
     FakeTensorMode cannot stand in here: it keeps a real CUDA device on the tensor,
     and Python indexing then sets that device (a CUDA call, which fails without a
     driver). Host reads of values (.item(), .tolist()) fail, as they would inside
-    a CUDA graph: the model's prefill and decode make none.
+    a CUDA graph: the model's prefill and decode make none. Pinned host buffers
+    are plain ones (without a GPU there is no pinned allocator).
     """
 
     _DEVICE = torch.Tensor.device.__get__
@@ -166,12 +167,15 @@ class MetaAsCuda(TorchFunctionMode):
     _IS_META = torch.Tensor.is_meta.__get__
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
         if func == self._DEVICE:
             device = func(*args)
             return CUDA if device.type == "meta" else device
         if func == self._IS_CUDA:
             return func(*args) or self._IS_META(args[0])
+        if func is torch.Tensor.pin_memory:                        # pinned host buffers: plain ones
+            return args[0]
+        kwargs.pop("pin_memory", None)
         if "device" in kwargs and _names_cuda(kwargs["device"]):   # factories: torch.empty(..., device=)
             kwargs = dict(kwargs, device="meta")
         if func is torch.Tensor.to:                                # the one method taking a device positionally
@@ -361,33 +365,54 @@ class Recorder:
         return {(spec.kernel, spec.key) for spec in self.specs.values()}
 
 
+# Triton 3.4+ takes the launch hook from knobs.runtime.jit_cache_hook (3.1's JITFunction.cache_hook
+# arguments) and compiles with the GIL released.
+TRITON_3_4 = tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4)
+
+
 @contextlib.contextmanager
-def recording(recorder: Recorder, target) -> Iterator[None]:
+def recording(recorder: Recorder, target, through: bool = False) -> Iterator[None]:
     """Within: every Triton launch is bound by Triton's own JITFunction.run for `target` and
-    recorded by `recorder`; nothing compiles, nothing launches, no GPU or driver is needed."""
+    recorded by `recorder`; nothing launches, no GPU or driver is needed. through=False: nothing
+    compiles either. through=True: run() goes on as a launch's first call does, through its own
+    cache lookup and compile (as a warm-up: no launch), so a cache filled from the recorded
+    specializations can be checked against Triton's own launch path (scripts/precompile.py)."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
     original_run = JITFunction.run
 
+    def hook(**kwargs):
+        recorder.hook(**kwargs)
+        return not through          # True stops run() before it compiles and launches
+
     def run(self, *args, grid, warmup, **kwargs):
         with torch._C.DisableTorchFunction():   # plain tensor reads, outside MetaAsCuda
             args = tuple(_Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: _Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return original_run(self, *args, grid=grid, warmup=warmup or through, **kwargs)
 
-    previous_driver, previous_hook = driver.active, JITFunction.cache_hook
     capturing = torch.cuda.is_current_stream_capturing
     JITFunction.run = run
-    JITFunction.cache_hook = recorder.hook
-    driver.set_active(_SpecOnlyDriver(target))
+    if TRITON_3_4:   # set without building a real driver first (there is none without a GPU)
+        previous_driver, previous_hook = getattr(driver, "_active", None), triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = hook
+        driver._active = _SpecOnlyDriver(target)
+    else:
+        previous_driver, previous_hook = driver.active, JITFunction.cache_hook
+        JITFunction.cache_hook = hook
+        driver.set_active(_SpecOnlyDriver(target))
     torch.cuda.is_current_stream_capturing = lambda: False   # asked by decode attention's workspace
     try:
         yield
     finally:
         JITFunction.run = original_run
-        JITFunction.cache_hook = previous_hook
-        driver.set_active(previous_driver)
+        if TRITON_3_4:
+            triton.knobs.runtime.jit_cache_hook = previous_hook
+            driver._active = previous_driver
+        else:
+            JITFunction.cache_hook = previous_hook
+            driver.set_active(previous_driver)
         torch.cuda.is_current_stream_capturing = capturing
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import os
 import pathlib
@@ -35,71 +34,6 @@ import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import compile_kernels as ck  # noqa: E402  (its capture machinery; it puts engine/ on the path)
-
-
-def threads_compile() -> bool:
-    """Whether this Triton compiles with the GIL released (3.4+: compile in threads)."""
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 4)
-
-
-class _Meta(ck.MetaAsCuda):
-    """ck.MetaAsCuda, and pinned host buffers as plain ones (the slots stage positions there)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        kwargs.pop("pin_memory", None)
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-@contextlib.contextmanager
-def recording(recorder: ck.Recorder, target, through: bool = False):
-    """Within: every Triton launch is bound by Triton's own JITFunction.run for `target` and recorded
-    by `recorder`; nothing launches, no GPU or driver is needed. through=False: nothing compiles
-    either (ck.recording's capture). through=True: run() goes on as a launch's first call does,
-    through its own cache lookup and compile (as a warm-up: no launch), so a cache the capture's
-    compiles filled is checked against Triton's own launch path: a key of its own adds files.
-    On Triton 3.4+ the hook is knobs.runtime.jit_cache_hook (3.1's cache_hook's arguments)."""
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
-
-    knobs = getattr(triton, "knobs", None)
-    original_run = JITFunction.run
-
-    def hook(**kwargs):
-        recorder.hook(**kwargs)
-        return not through
-
-    def run(self, *args, grid, warmup, **kwargs):
-        with torch._C.DisableTorchFunction():
-            args = tuple(ck._Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: ck._Pointer(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return original_run(self, *args, grid=grid, warmup=warmup or through, **kwargs)
-
-    capturing = torch.cuda.is_current_stream_capturing
-    JITFunction.run = run
-    if threads_compile():
-        previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = hook
-        driver._active = ck._SpecOnlyDriver(target)
-    else:
-        previous_driver, previous_hook = driver.active, JITFunction.cache_hook
-        JITFunction.cache_hook = hook
-        driver.set_active(ck._SpecOnlyDriver(target))
-    torch.cuda.is_current_stream_capturing = lambda: False
-    try:
-        yield
-    finally:
-        JITFunction.run = original_run
-        if threads_compile():
-            knobs.runtime.jit_cache_hook = previous_hook
-            driver._active = previous_driver
-        else:
-            JITFunction.cache_hook = previous_hook
-            driver.set_active(previous_driver)
-        torch.cuda.is_current_stream_capturing = capturing
 
 
 def meta_model(model_dir: pathlib.Path):
@@ -138,18 +72,18 @@ def meta_model(model_dir: pathlib.Path):
 def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, block_size: int | None,
                          speculation: str, k: int, target, pdl: bool, through: bool = False) -> tuple[list, list]:
     """The specializations a server start launches (see the module doc), and the problems met;
-    through: each launch goes on through Triton's own cache lookup and compile (recording)."""
+    through: each launch goes on through Triton's own cache lookup and compile (ck.recording)."""
     import fq_slots
     import fq_spec
 
     recorder, problems = ck.Recorder(), []
-    with _Meta(), torch.inference_mode(), ck.pdl_forced(pdl):
+    with ck.MetaAsCuda(), torch.inference_mode(), ck.pdl_forced(pdl):
         model = meta_model(model_dir)
         recorder.pdl = pdl
         widths = fq_spec.verify_widths(k) if speculation == "auto" else None
         slots = fq_slots.Slots(model, ck.CUDA, max_batch, max_len, use_graphs=False, page_size=block_size,
                                speculative_tokens=k if speculation != "off" else 0, verify_widths=widths)
-        with recording(recorder, target, through):
+        with ck.recording(recorder, target, through):
             for gemv in (True, False):
                 model.ops.use_gemv = ck._GemvChoice(gemv, model.ops.GEMV_MAX_ROWS)
                 for rows, step in slots._steps.items():
@@ -226,17 +160,19 @@ def main(argv=None) -> int:
         print("  " + line)
     compile_s = 0.0
     if not args.capture_only:
-        cache_dir = args.cache_dir or os.environ.get("TRITON_CACHE_DIR") or str(pathlib.Path.home() / ".triton" / "cache")
+        cache_dir = (args.cache_dir or os.environ.get("TRITON_CACHE_DIR")
+                     or str(pathlib.Path.home() / ".triton" / "cache"))
         jobs = args.jobs or os.cpu_count() or 1
         t0 = time.perf_counter()
-        if threads_compile():
+        if ck.TRITON_3_4:
             compile_threads(specs, target, jobs, cache_dir)
         else:
             ck.compile_all(specs, target, jobs, cache_dir, progress=print)
         compile_s = time.perf_counter() - t0
         failed = [s for s in specs if not s.ok]
+        workers = "threads" if ck.TRITON_3_4 else "processes"
         print(f"compiled {len(specs) - len(failed)}/{len(specs)} into {cache_dir} in {compile_s:.1f} s wall "
-              f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} {'threads' if threads_compile() else 'processes'})")
+              f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} {workers})")
         if args.check:
             def files():
                 return sum(1 for p in pathlib.Path(cache_dir).rglob("*") if p.is_file())
