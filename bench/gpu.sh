@@ -20,7 +20,8 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
-#   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes
+#   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
+#                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   startup-precompile  scripts/precompile.py, then a cold and a warm server start, synthetic Qwen3.5-4B
 #                     and Qwen3-4B -> startup_precompile_qwen35.json / startup_precompile_qwen3.json
@@ -84,6 +85,8 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
 # the speculation curve's shapes and arms (the oracle at a, auto; Qwen3.5 adds its MTP head)
 SPEC_SHAPES=${SPEC_SHAPES:-1x1024x256,4x2048x128,16x512x128}
 SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,auto}
+# the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
+AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
 
 main() {
   install .whl /tmp/site && install .whl_serve /tmp/serve_site && install .whl_fla /tmp/fla_site \
@@ -109,9 +112,9 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" \
                   --out "$OUT/spec_qwen35.json" ;;
-      spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms auto --reps 5 --out "$OUT/spec_auto_qwen3.json" \
+      spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
                    --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
-      spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 \
+      spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
                        --out "$OUT/spec_auto_qwen35.json" \
                        --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
       startup-precompile)
