@@ -341,7 +341,7 @@ class TritonOps(TorchOps):
         """A decode-sized call (at most GEMV_MAX_ROWS rows) is one product of the pack, its columns
         split (views); a prompt's runs cuBLAS on the pack's row slices, the separate products'
         shapes, so their bits."""
-        if x.numel() // x.shape[-1] <= self.GEMV_MAX_ROWS:
+        if (self.rows_as or x.numel() // x.shape[-1]) <= self.GEMV_MAX_ROWS:
             return self.linear_split(x, w, sizes)
         return tuple(F.linear(x, part) for part in _parts(w, sizes))
 
@@ -444,14 +444,21 @@ class TritonOps(TorchOps):
         attention's arithmetic (fqkernels/decode_attention.py, fa2)."""
         from fqkernels.decode_attention import decode_attention
 
-        paged = {} if block_table is None else {"block_table": block_table}
+        return decode_attention(q, k_cache, v_cache, lengths, scale, window=window, fa2=self.exact_decode,
+                                **self._attention_launch(q, k_cache, block_table))
+
+    def _attention_launch(self, q, k_cache, block_table) -> dict:
+        """The decode attention's keyword arguments: the page table, and inside planned_as the plan
+        (its split count) of the plain step of rows_as rows, so a verify row sums its keys in the
+        order that step would (the default plan follows the row count)."""
+        launch = {} if block_table is None else {"block_table": block_table}
         if self.rows_as is not None:
             from fqkernels.decode_attention import decode_attention_plan
 
             capacity = k_cache.shape[2] * (block_table.shape[1] if block_table is not None else 1)
-            paged["plan"] = decode_attention_plan(self.rows_as, q.shape[1], k_cache.shape[1], capacity, q.shape[2],
-                                                  fa2=self.exact_decode)
-        return decode_attention(q, k_cache, v_cache, lengths, scale, window=window, fa2=self.exact_decode, **paged)
+            launch["plan"] = decode_attention_plan(self.rows_as, q.shape[1], k_cache.shape[1], capacity, q.shape[2],
+                                                   fa2=self.exact_decode)
+        return launch
 
     # ---- Qwen3.5 gated attention --------------------------------------------------------
     def qk_norm_rope(self, q, k, q_norm, k_norm, eps, cos, sin) -> tuple:
@@ -484,7 +491,7 @@ class TritonOps(TorchOps):
         B, D = h.shape[0], k_cache.shape[-1]
         table = {} if block_table is None else {"block_table": block_table}
         sizes = (2 * heads * D, kv_heads * D, kv_heads * D)
-        if B <= self.GEMV_MAX_ROWS:
+        if (self.rows_as or B) <= self.GEMV_MAX_ROWS:     # a verify's rows take its step's kernels
             y = self.linear(h, w_qkv).view(B, -1)
             q = qk_norm_partial_rope_store(y, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps, heads,
                                            kv_heads, **table)
@@ -502,8 +509,8 @@ class TritonOps(TorchOps):
         a layer fewer; the same bits): [B, 1, H * D]."""
         from fqkernels.decode_attention import decode_attention
 
-        paged = {} if block_table is None else {"block_table": block_table}
-        attn = decode_attention(q, k_cache, v_cache, lengths, scale, gate=gate[:, 0], fa2=self.exact_decode, **paged)
+        attn = decode_attention(q, k_cache, v_cache, lengths, scale, gate=gate[:, 0], fa2=self.exact_decode,
+                                **self._attention_launch(q, k_cache, block_table))
         return attn.view(q.shape[0], 1, -1)
 
     # ---- GDN (Qwen3.5) --------------------------------------------------------------------

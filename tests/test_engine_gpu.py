@@ -304,6 +304,38 @@ def test_verify_rows_equal_the_plain_decode_steps_bits(engine, batch):
         engine._drop_graphs()
 
 
+@pytest.mark.parametrize("family,batch,prompt", [("qwen3", 4, 1100), ("qwen3.5", 4, 1100), ("qwen3.5", 9, 600)])
+def test_verify_rows_keep_the_plain_steps_attention_splits(engine, engine35, family, batch, prompt):
+    """Past a few hundred positions the attention's split count follows the row count: the verify's
+    B * (k + 1) rows must still sum each row's keys in the B-row step's splits (fq_ops.planned_as;
+    Qwen3.5's gated attention once did not, and at 1,024 positions its verify's picks were not the
+    step's). The capacity here gives the B-row and verify launches different default splits."""
+    from fqkernels.decode_attention import decode_attention_plan
+
+    eng, T = (engine if family == "qwen3" else engine35), 5
+    model, cfg = eng.model, eng.cfg
+    ids = torch.tensor(_prompts(batch, prompt, seed=batch, vocab=eng.cfg.vocab_size)).cuda()
+    tokens = torch.tensor(_prompts(batch, T, seed=batch + 100, vocab=eng.cfg.vocab_size)).cuda()
+    start = torch.full((batch,), prompt, dtype=torch.int32, device="cuda")
+    eng._close_slots()
+    try:
+        with torch.inference_mode():
+            eng._prepare_cache(batch, prompt + T)
+            sizes = (cfg.num_attention_heads, cfg.num_key_value_heads, model.k_cache.shape[3], cfg.head_dim)
+            assert decode_attention_plan(batch, *sizes).num_splits != decode_attention_plan(batch * T, *sizes).num_splits
+            eng._tune(batch)
+            model.prefill_logits(ids)
+            verify = model.verify_logits(tokens, start).clone()
+            model.prefill_logits(ids)          # the state and cache again as the prompt left them
+            steps = []
+            for j in range(T):
+                pos = start + j
+                steps.append(model.decode_logits(tokens[:, j].contiguous(), pos, pos + 1))
+        assert torch.equal(verify, torch.stack(steps, dim=1))
+    finally:
+        eng._drop_graphs()
+
+
 @pytest.mark.parametrize("mode,batch", [("ngram", 1), ("oracle:0.7", 1), ("oracle:0.7", 4), ("recycle", 9)])
 def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
     prompts = _prompts(batch, 64, seed=7 * batch)
