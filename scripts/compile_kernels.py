@@ -546,6 +546,27 @@ def _with_tl_sum_norm(run: Callable[[], None]) -> None:
 
 
 @contextlib.contextmanager
+def norm_orders_measured() -> Iterator[None]:
+    """Within (and within MetaAsCuda): fqkernels.rmsnorm.torch_order measures this torch's order on
+    the real GPU where there is one, as the start it stands in for does (under MetaAsCuda its
+    tensors would be meta ones, which torch.equal cannot compare); without a GPU it answers
+    without measuring, as before."""
+    from fqkernels import rmsnorm
+
+    measure = rmsnorm.torch_order
+
+    def torch_order(n, device):
+        with torch._C.DisableTorchFunction():
+            return measure(n, device)
+
+    rmsnorm.torch_order = torch_order
+    try:
+        yield
+    finally:
+        rmsnorm.torch_order = measure
+
+
+@contextlib.contextmanager
 def pdl_forced(on: bool) -> Iterator[None]:
     """fqkernels.pdl as on a Triton that can (on) or cannot (off) launch with PDL."""
     from fqkernels import pdl
@@ -570,7 +591,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
     problems found while capturing (a scenario that raised, a depth mismatch)."""
     recorder = Recorder()
     problems = []
-    with tempfile.TemporaryDirectory(prefix="fq_compile_models_") as tmp, MetaAsCuda(), torch.inference_mode():
+    with tempfile.TemporaryDirectory(prefix="fq_compile_models_") as tmp, MetaAsCuda(), norm_orders_measured(), \
+            torch.inference_mode():
         folders = (pathlib.Path(tmp) / str(i) for i in range(1 << 30))
         for model in models:
             for pdl_on in pdl_modes:

@@ -77,7 +77,7 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
     import fq_spec
 
     recorder, problems = ck.Recorder(), []
-    with ck.MetaAsCuda(), torch.inference_mode(), ck.pdl_forced(pdl):
+    with ck.MetaAsCuda(), ck.norm_orders_measured(), torch.inference_mode(), ck.pdl_forced(pdl):
         model = meta_model(model_dir)
         recorder.pdl = pdl
         widths = fq_spec.verify_widths(k) if speculation == "auto" else None

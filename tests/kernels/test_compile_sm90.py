@@ -159,6 +159,29 @@ def test_capture_specializes_as_a_gpu_launch():
     assert first.site.startswith("test_compile_sm90.py:")
 
 
+def test_norm_orders_are_measured_outside_the_meta_stand_in(monkeypatch):
+    """On a machine with a GPU a start measures torch's norm order (rmsnorm.torch_order) on it: the
+    capture must let it, not hand it meta tensors (torch.equal has no meta kernel). The stand-in
+    for the measurement reports what its tensors would be."""
+    from fqkernels import rmsnorm
+
+    seen = []
+
+    def measure(n, device):
+        try:
+            seen.append("meta" if torch.empty(1, device="cuda").is_meta else "cuda")
+        except (AssertionError, RuntimeError):      # a real CUDA tensor, on a machine without one
+            seen.append("cuda")
+
+    monkeypatch.setattr(rmsnorm, "torch_order", measure)
+    with ck.MetaAsCuda():
+        rmsnorm.torch_order(128, ck.CUDA)
+        with ck.norm_orders_measured():
+            rmsnorm.torch_order(128, ck.CUDA)
+        rmsnorm.torch_order(128, ck.CUDA)
+    assert seen == ["meta", "cuda", "meta"]
+
+
 def test_a_kernel_that_compiles_is_reported_with_its_cubin():
     specs = _capture(lambda: _launch_1d(_copy_kernel))
     ck.compile_all(specs, SM90, jobs=1)
