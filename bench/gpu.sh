@@ -108,9 +108,9 @@ main() {
       judge-ab) judge_ab public "$(checkpoint qwen3-4b)" ;;
       judge-ab-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge_ab public_q35 "$(checkpoint qwen3.5-4b)" ;;
       gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
-      spec) timeout 560 python3 -m bench spec --model qwen3-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" \
+      spec) timeout 560 python3 -m bench spec --model qwen3-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" --k 3,4 \
               --out "$OUT/spec_qwen3.json" ;;
-      spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" \
+      spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" --k 3,4 \
                   --out "$OUT/spec_qwen35.json" ;;
       spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
                    --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;

@@ -37,7 +37,9 @@ def add_arguments(parser) -> None:
                              "--prompt and --steps)")
     parser.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--steps", type=positive_int, default=128, help="tokens generated a call (default 128)")
-    parser.add_argument("--k", type=positive_int, default=4, help="drafts a verify (default 4)")
+    parser.add_argument("--k", type=int_list, default=[4],
+                        help="drafts a verify, each arm at each (default 4; e.g. 3,4: at one sequence a verify of 3 "
+                             "fills the one-row GEMV's 4-row tile)")
     parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
@@ -63,8 +65,9 @@ def run(args, report) -> None:
     if "mtp" in arms:                 # the engine loads the MTP head only when built with it
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
-    for arm in arms:                  # a bad arm fails before any work
-        eng.set_speculation(arm, args.k)
+    for arm in arms:                  # a bad arm or k fails before any work
+        for k in args.k:
+            eng.set_speculation(arm, k)
     eng.set_speculation("off")
     report.note(f"# {model_dir}: {eng.describe()}")
     sync = torch.cuda.synchronize if gpu_visible() else (lambda: None)
@@ -78,12 +81,12 @@ def run(args, report) -> None:
         shape = {"batch": batch, "prompt": prompt, "steps": steps}
         report.add({**shape, "arm": "plain", "k": 0, "tok_s": batch * steps / plain_s, "vs_plain": 1.0,
                     "same_tokens": True})
-        for arm in arms:
-            eng.set_speculation(arm, args.k)
+        for arm, k in ((arm, k) for arm in arms for k in args.k):
+            eng.set_speculation(arm, k)
             list(eng.generate(prompts, steps))             # the oracle records here; compiles, tunes
             seconds, tokens = _timed(eng, prompts, steps, args.reps, sync)
             st = eng.spec_stats()
-            report.add({**shape, "arm": arm, "k": args.k, "tok_s": batch * steps / seconds,
+            report.add({**shape, "arm": arm, "k": k, "tok_s": batch * steps / seconds,
                         "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
                         "tokens_per_verify": st["tokens_per_verify"],
                         "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],

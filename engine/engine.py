@@ -21,7 +21,7 @@ deployment can change through the environment variable beside each):
                         noise; docs/NUMERICS.md). False: the faster recurrent GDN step and
                         cuBLAS where it is faster                         FASTQWEN_EXACT_DECODE=0
   speculation   "off"   exact speculative decoding (fq_spec): "auto" (prompt lookup: a verify
-                        of the width among 1, 2, 4 .. k drafts that pays best at the running
+                        of the width among 1-4 .. k drafts that pays best at the running
                         acceptance and the costs measured at this batch size, else a plain
                         step), "ngram" (prompt lookup), "recycle" (token recycling),
                         "mtp" (Qwen3.5's multi-token-prediction head), "oracle:<a>"

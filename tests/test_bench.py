@@ -468,12 +468,13 @@ def test_fidelity_on_qwen35_teacher_forced_on_the_engines_tokens(tmp_path, capsy
 
 def test_spec_times_each_arm_beside_plain_and_the_tokens_agree(tmp_path, capsys, bench_cache):
     doc = run_entry(["spec", "--model", "tiny", "--batches", "2", "--prompt", "8", "--steps", "9", "--reps", "1",
-                     "--k", "3", "--arms", "ngram,oracle:1"], tmp_path, capsys)
-    assert [r["arm"] for r in doc["rows"]] == ["plain", "ngram", "oracle:1"]
+                     "--k", "3,2", "--arms", "ngram,oracle:1"], tmp_path, capsys)
+    assert [(r["arm"], r["k"]) for r in doc["rows"]] == [("plain", 0), ("ngram", 3), ("ngram", 2), ("oracle:1", 3),
+                                                         ("oracle:1", 2)]
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in doc["rows"])
-    oracle = doc["rows"][2]
-    assert oracle["k"] == 3 and oracle["acceptance"] == 1.0 and oracle["stats"]["record_s"] == 0.0
-    assert oracle["verify_ms"] > 0 and oracle["plain_steps"] == 0
+    for oracle, k in zip(doc["rows"][3:], (3, 2)):
+        assert oracle["acceptance"] == 1.0 and oracle["stats"]["record_s"] == 0.0
+        assert oracle["verify_ms"] > 0 and oracle["plain_steps"] == 0 and set(oracle["stats"]["width_steps"]) == {str(k)}
 
 
 def test_spec_runs_shapes_of_their_own_and_auto(tmp_path, capsys, bench_cache):

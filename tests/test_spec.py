@@ -167,12 +167,13 @@ def test_expected_tokens_is_the_geometric_sum():
     assert fq_spec.expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
-def test_verify_widths_are_the_powers_of_two_below_k_then_k():
+def test_verify_widths_are_every_width_to_4_then_the_tile_filling_ones_and_k():
     assert fq_spec.verify_widths(1) == (1,)
     assert fq_spec.verify_widths(3) == (1, 2, 3)
-    assert fq_spec.verify_widths(4) == (1, 2, 4)
-    assert fq_spec.verify_widths(6) == (1, 2, 4, 6)
-    assert fq_spec.verify_widths(8) == (1, 2, 4, 8)
+    assert fq_spec.verify_widths(4) == (1, 2, 3, 4)
+    assert fq_spec.verify_widths(6) == (1, 2, 3, 4, 6)
+    assert fq_spec.verify_widths(8) == (1, 2, 3, 4, 7, 8)
+    assert fq_spec.verify_widths(16) == (1, 2, 3, 4, 7, 8, 15, 16)
 
 
 def test_verify_observed_counts_a_rejection_only_where_one_was_seen():
@@ -406,15 +407,15 @@ def test_auto_mixes_verify_widths_and_plain_steps_and_keeps_the_plain_tokens(pla
 
 
 def test_qwen35_auto_mixes_verify_widths_across_a_chunks_end(plain35, qwen35_tiny_model, monkeypatch):
-    """Verifies of 1, 2 and 4 drafts and plain steps in turn over prompts ending 6 positions before
-    a chunk's end: the narrower verifies close chunks at other rows than the widest."""
+    """Verifies of 1-4 drafts and plain steps in turn over prompts ending 6 positions before a
+    chunk's end: the narrower verifies close chunks at other rows than the widest."""
     prompts = _prompts(3, 58, seed=58)
     prompts[1] = ([5, 6, 7, 8] * 20)[:58]
     want = list(plain35.generate(prompts, 30))
     monkeypatch.setattr(engine_module, "AutoPolicy", _CyclingPolicy)
     eng = engine_module.Engine(str(qwen35_tiny_model), speculation="auto")
     assert list(eng.generate(prompts, 30)) == want
-    assert set(eng.spec_stats()["width_steps"]) == {1, 2, 4}
+    assert set(eng.spec_stats()["width_steps"]) == {1, 2, 3, 4}
 
 
 def test_the_oracle_records_once_then_replays(tiny_model):

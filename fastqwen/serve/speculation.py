@@ -4,7 +4,7 @@ log-probabilities), a step may be a verify: each request's last token and k draf
 lookup over its prompt and output, checked in one pass of the engine's slots
 (fq_slots.Slots.verify_rows: each row the plain step's bits), the agreeing drafts and the
 target's next pick emitted. The tokens are those plain steps would give. "auto" verifies, with
-the number of drafts (1, 2, 4 .. k) that pays best, only while the running acceptance pays for
+the number of drafts (1-4 .. k) that pays best, only while the running acceptance pays for
 the verify's measured cost at the running batch (the engine's AutoPolicy rule).
 """
 from __future__ import annotations
