@@ -319,6 +319,21 @@ class Qwen35Model:
         head's own K/V cache, written at those positions), its final norm, the LM head. Returns
         (picks [B, n] int64: each row's guess at the token after tokens[:, j]; the rows' normed
         outputs [B, n, hidden], a chained draft's hidden)."""
+        h = self.mtp_hidden(tokens, hidden, positions)
+        return self.mtp_picks(h), h
+
+    def mtp_picks(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's picks for its normed outputs h [..., hidden]: the LM head's argmax (screened
+        at one row, the same pick) -> int64 [...]. A caller that needs some rows' picks only
+        selects them first: the LM head is most of the head's cost (1.27 GB on the 4B)."""
+        rows = h.reshape(-1, h.shape[-1])
+        if self.screen is not None and rows.shape[0] == 1:
+            return self.screen.argmax(rows.contiguous()).view(h.shape[:-1])
+        return self.ops.argmax(self._logits(rows)).view(h.shape[:-1])
+
+    def mtp_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """mtp_draft up to its final norm: the rows' normed outputs [B, n, hidden] (the head's K/V
+        written at their positions), no LM head."""
         c, ops, eps, w = self.cfg, self.ops, self.cfg.rms_norm_eps, self.w
         B, n = tokens.shape
         pos, table = rows_of(positions, n)           # the head's cache: rows, never paged
@@ -337,8 +352,7 @@ class Qwen35Model:
             nxt = w[f"mtp.layers.{L + 1}.input_layernorm.weight"] if L + 1 < c.mtp_layers else w["mtp.norm.weight"]
             mlp = ops.mlp(h, w[p + "mlp.gate_up.weight"], w[p + "mlp.down_proj.weight"])
             h = ops.add_rmsnorm(x, mlp.reshape(x.shape), nxt, eps, one_plus=True)
-        picks = ops.argmax(self._logits(h)).view(B, n)
-        return picks, h.view(B, n, -1)
+        return h.view(B, n, -1)
 
     def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
         """After verify_logits at positions [B] int32: sequence b keeps its first kept[b] rows (kept

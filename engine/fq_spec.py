@@ -442,8 +442,8 @@ class MtpDrafter(Drafter):
     def start(self, state, prompt, steps):
         nxt = state.seq[:, 1:prompt + 1]            # each position's next token (the last: the first pick)
         zeros = torch.zeros(state.batch, dtype=torch.int32, device=state.device)
-        picks, hidden = self.model.mtp_draft(nxt, self.model.hidden, zeros)
-        self._ready(picks[:, -1], hidden[:, -1], zeros + prompt - 1)
+        hidden = self.model.mtp_hidden(nxt, self.model.hidden, zeros)[:, -1]   # every row's K/V, the last's pick
+        self._ready(self.model.mtp_picks(hidden), hidden, zeros + prompt - 1)
 
     def _ready(self, pick, hidden, position) -> None:
         """The first draft of each sequence, the head's state that gave it and that row's position
@@ -462,10 +462,11 @@ class MtpDrafter(Drafter):
 
     def observe(self, state, rows, picks, kept):
         pos = state.positions() - kept.to(torch.int32)       # the verify's first row's position
-        heads, hidden = self.model.mtp_draft(picks, self.model.hidden, pos)
+        hidden = self.model.mtp_hidden(picks, self.model.hidden, pos)  # every row's K/V ...
         last = (kept - 1).clamp(min=0)
         at = torch.arange(kept.shape[0], device=kept.device)
-        self._ready(heads[at, last], hidden[at, last], pos + last.to(torch.int32))
+        hidden = hidden[at, last]                             # ... the LM head for the last kept row's only
+        self._ready(self.model.mtp_picks(hidden), hidden, pos + last.to(torch.int32))
 
 
 def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Drafter:

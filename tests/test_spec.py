@@ -528,6 +528,37 @@ def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
     assert drafts == chain
 
 
+def test_mtp_observe_readies_the_heads_pick_at_each_sequences_last_kept_row(qwen35_tiny_model):
+    """After a verify the head runs over all its rows (their K/V) and the LM head over each
+    sequence's last kept row only: that row's pick, state and position are the next first draft's,
+    as the head over all rows (mtp_draft) gives them."""
+    class Verified:                     # what observe reads of the speculation state
+        def __init__(self, positions):
+            self._positions = positions
+
+        def positions(self):
+            return self._positions
+
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
+    model, drafter = eng.model, eng._drafter
+    prompts = _prompts(2, 20, seed=11)
+    with torch.inference_mode():
+        eng._prepare_cache(2, 64)
+        st = fq_spec.SpecState(2, 64, 3, "cpu")
+        drafter.prepare(st)
+        st.start(torch.tensor(prompts), model.prefill(torch.tensor(prompts)), 10)
+        drafter.start(st, 20, 10)
+        model.hidden = torch.randn(2, 4, eng.cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+        picks = torch.tensor(_prompts(2, 4, seed=12))
+        kept = torch.tensor([1, 3])
+        drafter.observe(Verified(20 + kept.to(torch.int32)), None, picks, kept)
+        want_picks, want_hidden = model.mtp_draft(picks, model.hidden, torch.full((2,), 20, dtype=torch.int32))
+    rows = (torch.tensor([0, 1]), torch.tensor([0, 2]))
+    assert drafter.pick.tolist() == want_picks[rows].tolist()
+    assert torch.equal(drafter.state, want_hidden[rows])
+    assert drafter.position.tolist() == [20, 22]
+
+
 def test_set_speculation_switches_a_loaded_engine(plain35, qwen35_tiny_model):
     """One engine, its modes switched: the same tokens in each; "mtp" needs the head loaded."""
     eng = engine_module.Engine(str(qwen35_tiny_model))
