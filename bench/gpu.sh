@@ -23,6 +23,8 @@
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
+#   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
+#                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   startup-precompile  scripts/precompile.py, then a cold and a warm server start, synthetic Qwen3.5-4B
 #                     and Qwen3-4B -> startup_precompile_qwen35.json / startup_precompile_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
@@ -117,6 +119,10 @@ main() {
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
                        --out "$OUT/spec_auto_qwen35.json" \
                        --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
+      profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
+                        --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
+      profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
+                            --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
       startup-precompile)
         for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
           timeout 280 python3 -m bench startup --model "${pair%%:*}" --precompile \

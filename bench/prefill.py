@@ -1,7 +1,9 @@
 """Where a decode step and a prefill spend their device time, kernel by kernel (torch.profiler).
 
 Per shape BxP: one generate() of 4 tokens first (tuning, compiles, captures), then under the
-profiler --steps eager decode steps (the graph's kernels, launched one by one) and one prompt pass.
+profiler --steps eager decode steps (the graph's kernels, launched one by one), with --verify W,...
+a speculative verify of each W drafts (model.verify_logits over W + 1 rows a sequence, --steps
+times: phase "verify_W"), and one prompt pass.
 Device time is summed per kernel name: a row per kernel (the --top largest of each phase) with
 microseconds and calls per pass, and a row "(all kernels)" per phase. The graphed step's own time
 (the `step` entry) less the decode step's sum is what launch gaps cost.
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options,
-                          engine_on_path, gpu_visible, positive_int, resolve_model, shape_list)
+                          engine_on_path, gpu_visible, int_list, positive_int, resolve_model, shape_list)
 
 COLUMNS = [Column("shape", width=9, left=True), Column("phase", width=11, left=True), Column("us", fmt="{:.1f}"),
            Column("share", fmt="{:.3f}", width=6), Column("calls", width=5), Column("kernel", width=70, left=True)]
@@ -26,6 +28,8 @@ def add_arguments(parser) -> None:
                         help="batch x prompt tokens (default 1x512,4x2048,16x512)")
     parser.add_argument("--steps", type=positive_int, default=10, help="profiled decode steps (default 10)")
     parser.add_argument("--top", type=positive_int, default=40, help="kernels kept per phase (default 40)")
+    parser.add_argument("--verify", type=int_list, default=[],
+                        help="drafts of each speculative verify profiled, e.g. 3,4 (default: none)")
 
 
 def kernel_times(prof, passes: int, gpu: bool) -> list[tuple[str, float, int]]:
@@ -68,7 +72,8 @@ def run(args, report) -> None:
             pass
         ids = torch.tensor(prompts, device=eng.device)
         with torch.inference_mode():
-            eng._prepare(batch, prompt + args.steps + 1)        # the cache for every profiled step
+            # the cache for every profiled step and verify
+            eng._prepare(batch, prompt + args.steps + 2 + max(args.verify, default=0))
             runner = DecodeRunner(model, batch, use_graph=False)
             runner.start(model.prefill(ids), prompt)
             runner.step()                                       # the eager path's own first-call work
@@ -80,12 +85,25 @@ def run(args, report) -> None:
                 if gpu:
                     torch.cuda.synchronize()
             decode = kernel_times(prof, args.steps, gpu)
+            phases = [("decode_step", decode)]
+            at = torch.full((batch,), prompt + args.steps + 1, dtype=torch.int32, device=eng.device)
+            for width in args.verify:
+                tokens = torch.randint(0, eng.cfg.vocab_size, (batch, width + 1), device=eng.device)
+                model.verify_logits(tokens, at)                 # its first-call work
+                if gpu:
+                    torch.cuda.synchronize()
+                with profile(activities=[activity]) as prof:
+                    for _ in range(args.steps):
+                        model.verify_logits(tokens, at)
+                    if gpu:
+                        torch.cuda.synchronize()
+                phases.append((f"verify_{width}", kernel_times(prof, args.steps, gpu)))
             with profile(activities=[activity]) as prof:
                 model.prefill(ids)
                 if gpu:
                     torch.cuda.synchronize()
-            prefill = kernel_times(prof, 1, gpu)
-        for phase, rows in (("decode_step", decode), ("prefill", prefill)):
+            phases.append(("prefill", kernel_times(prof, 1, gpu)))
+        for phase, rows in phases:
             total = sum(us for _, us, _ in rows)
             shape = f"{batch}x{prompt}"
             report.add({"shape": shape, "batch": batch, "prompt": prompt, "phase": phase, "kernel": "(all kernels)",

@@ -230,6 +230,14 @@ def test_prefill_groups_device_time_by_kernel_for_both_phases(tmp_path, capsys, 
     assert sum(r["phase"] == "prefill" and r["kernel"] != "(all kernels)" for r in doc["rows"]) == 3
 
 
+def test_prefill_profiles_a_verify_of_each_width_asked(tmp_path, capsys, bench_cache):
+    doc = run_entry(["prefill", "--model", "tiny", "--shapes", "2x8", "--steps", "2", "--top", "3", "--verify", "1,3"],
+                    tmp_path, capsys)
+    totals = {r["phase"]: r for r in doc["rows"] if r["kernel"] == "(all kernels)"}
+    assert list(totals) == ["decode_step", "verify_1", "verify_3", "prefill"]
+    assert all(r["us"] > 0 for r in totals.values())
+
+
 def test_lm_screen_picks_equal_the_full_argmax(tmp_path, capsys, bench_cache):
     doc = run_entry(["lm-screen", "--model", "tiny", "--prompt", "8", "--steps", "3", "--prompts", "1",
                      "--reps", "1"], tmp_path, capsys)
