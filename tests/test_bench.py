@@ -508,3 +508,18 @@ def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
     files.add("tests/test_engine_gpu.py")
     assert files - named == set(), sorted(files - named)
     assert named - files == set(), sorted(named - files)
+
+
+def test_every_test_that_needs_a_gpu_is_marked_gpu():
+    """The kernels stage selects `-m gpu`: a test skipped without a GPU (needs_gpu) but not marked
+    gpu, in a file without a module-wide gpu mark, would run nowhere."""
+    unmarked = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        source = path.read_text()
+        if re.search(r"^pytestmark = .*pytest\.mark\.gpu", source, re.M):
+            continue
+        for block in re.findall(r"((?:^@.*\n(?:^ .*\n)*)+)^def (test_\w+)", source, re.M):
+            decorators, name = block
+            if "needs_gpu" in decorators and "pytest.mark.gpu" not in decorators:
+                unmarked.append(f"{path.relative_to(REPO)}::{name}")
+    assert unmarked == []

@@ -636,8 +636,9 @@ def _one_row_fma_products():
     return out
 
 
+@pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("rows", [2, 3, 5])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5])
 @pytest.mark.parametrize("name,shape,silu", _one_row_fma_products(), ids=[p[0] for p in _one_row_fma_products()])
 def test_gpu_shared_rows_give_each_row_its_one_row_bits(name, shape, silu, rows):
     """A speculative verify at batch 1 runs its k + 1 rows as the one-row step, its fma row tile
