@@ -302,19 +302,43 @@ FMA_SHARED_REGS = 192
 
 
 def shared_rows(config: GemvConfig, rows: int, silu_mul: bool = False) -> GemvConfig:
-    """`config` with its fma row tile widened toward `rows` rows (block_m 2 or 4) where the
-    accumulators fit FMA_SHARED_REGS: the tile's rows then share each weight load. Every row's
-    code in the fma kernel is the same at any block_m, so each row keeps its bits; a
-    speculative verify's rows, planned as a one-row step, read the weights once, not once a row.
-    Tensor-core modes come back unchanged (their tiles already hold 16+ rows)."""
+    """`config` with its row tile widened toward `rows` rows, so the tile's rows share each weight
+    load: a speculative verify's B (k + 1) rows, planned as the B-row step, read the weights once
+    or twice, not once a tile of the step's rows. fma: block_m 2 or 4 where the accumulators fit
+    FMA_SHARED_REGS; every row's code in the fma kernel is the same at any block_m, so each row
+    keeps its bits. Tensor-core modes: block_m 32 or 64 where the tiles of its stages fit
+    DOT_SHARED_SMEM (fewer stages where that makes them fit: the pipeline's depth, not the sums'
+    order); an MMA never mixes rows and K is walked in the same blocks, so each row keeps its
+    bits (a GPU test over every product's 4- and 16-row configs)."""
     if config.mode != "fma":
-        return config
+        return _shared_dot_rows(config, rows, silu_mul)
     per_block = config.block_n * config.block_k // (32 * config.num_warps) * (2 if silu_mul else 1)
     block_m = config.block_m
     for wider in _FMA_BLOCK_M:
         if block_m < wider and (wider // 2) < rows and per_block * (wider + 1) <= FMA_SHARED_REGS:
             block_m = wider
     return dataclasses.replace(config, block_m=block_m) if block_m != config.block_m else config
+
+
+# Shared memory a widened tensor-core tile's stages may take (its x and weight tiles in bf16); an
+# H100 or H200 gives a program at most 227 KB, and the epilogue needs some.
+DOT_SHARED_SMEM = 160 * 1024
+
+
+def _shared_dot_rows(config: GemvConfig, rows: int, silu_mul: bool) -> GemvConfig:
+    weight_rows = config.block_n * (2 if silu_mul else 1)
+    block_m, stages = config.block_m, config.num_stages
+    for wider in _DOT_BLOCK_M:
+        if block_m >= wider or wider // 2 >= rows:
+            continue
+        fit = stages
+        while fit > 2 and (wider + weight_rows) * config.block_k * 2 * fit > DOT_SHARED_SMEM:
+            fit -= 1
+        if (wider + weight_rows) * config.block_k * 2 * fit <= DOT_SHARED_SMEM:
+            block_m, stages = wider, fit
+    if block_m == config.block_m:
+        return config
+    return dataclasses.replace(config, block_m=block_m, num_stages=stages)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -270,7 +270,22 @@ def test_shared_rows_widens_an_fma_tile_within_its_registers(rows, block_m):
     assert gemv.shared_rows(big, rows).block_m == min(block_m, 2)
     assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 1         # gate and up blocks: 128 a row
     tiles = GemvConfig(block_n=64, block_k=256, mode="dot_t")
-    assert gemv.shared_rows(tiles, rows) is tiles
+    assert gemv.shared_rows(tiles, rows).block_m == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+
+
+@pytest.mark.parametrize("rows,block_m", [(4, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (80, 64)])
+def test_shared_rows_widens_a_tensor_core_tile_within_shared_memory(rows, block_m):
+    """A verify's rows planned as a 4- or 16-row step: the tile takes up to 64 of them, its stages
+    cut to fit DOT_SHARED_SMEM (x and weight tiles in bf16, each stage), never below 2; a tile
+    that cannot fit at 2 stages stays as it was."""
+    cfg = GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")
+    wide = gemv.shared_rows(cfg, rows)
+    assert wide.block_m == block_m and (wide.block_n, wide.block_k, wide.split_k, wide.mode) == (64, 256, 2, "dot_t")
+    assert (wide.block_m + 64) * 256 * 2 * wide.num_stages <= gemv.DOT_SHARED_SMEM
+    assert wide.num_stages == 4 if block_m == 16 else 2 <= wide.num_stages < 4
+    big = GemvConfig(block_n=128, block_k=256, num_stages=3, mode="dot")    # 2 stages of 32 + 128 rows fit, of 64 not
+    assert gemv.shared_rows(big, rows).block_m == min(block_m, 32)
+    assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 16         # gate and up: 256 weight rows
 
 
 def test_select_config_rejects_zero_rows():
@@ -651,6 +666,29 @@ def test_gpu_shared_rows_give_each_row_its_one_row_bits(name, shape, silu, rows)
     got = fn(x, w, config=wide)
     for r in range(rows):
         assert torch.equal(got[r], fn(x[r:r + 1].contiguous(), w, config=one)[0]), (r, wide)
+
+
+def _planned_products():
+    """(family-product name, (n, k), silu) of every decode product of both families."""
+    return [(f"{family}-{name}", shape, name == "gate_up")
+            for family, shapes in (("qwen3", SHAPES_4B), ("qwen3.5", SHAPES_Q35)) for name, shape in sorted(shapes.items())]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("planned,rows", [(2, 10), (4, 16), (4, 20), (16, 64), (16, 80)])
+@pytest.mark.parametrize("name,shape,silu", _planned_products(), ids=[p[0] for p in _planned_products()])
+def test_gpu_shared_tensor_core_rows_give_each_row_the_planned_steps_bits(name, shape, silu, planned, rows):
+    """A verify at batch B runs its B (k + 1) rows as the B-row step, its tensor-core row tile
+    widened (gemv.shared_rows): every row, the bits of the B-row launch that holds it."""
+    n, k = shape
+    fn = linear_silu_mul if silu else linear
+    step = select_config(n, k, silu, planned)
+    wide = gemv.shared_rows(step, rows, silu)
+    x, w = _gpu_inputs(rows, n, k, seed=rows)
+    got = fn(x, w, config=wide)
+    for r0 in range(0, rows, planned):
+        assert torch.equal(got[r0:r0 + planned], fn(x[r0:r0 + planned].contiguous(), w, config=step)), (r0, wide)
 
 
 @pytest.mark.gpu
