@@ -556,12 +556,13 @@ class Qwen35Model:
         mixed, z, b, a = ops.linear_split(h.reshape(B * T, -1), w_in, self.in_proj_sizes)
         mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
         conv_w = self.w[p + "conv1d.weight"].squeeze(1)
+        z = z.transpose(0, 1).contiguous()          # [T, B, ...]: each row's z whole, one copy, not T
         rule = []
         for j in range(T):
             x, g, beta = ops.gdn_conv_gates_step(mixed[:, j], self.conv_state[slot, :B], conv_w, a[:, j], b[:, j],
                                                  self.w[p + "A_log"], self.w[p + "dt_bias"])
             conv_after(j)
-            rule.append(self._gdn_rule(i, x, z[:, j].contiguous(), g, beta, positions + j).reshape(B, -1))
+            rule.append(self._gdn_rule(i, x, z[j], g, beta, positions + j).reshape(B, -1))
         return ops.linear(torch.stack(rule, dim=1), w_out)
 
     def _gdn_rule(self, i: int, x, z, g, beta, positions) -> torch.Tensor:
