@@ -20,6 +20,8 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
+#   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the attention's split count,
+#                     speculation's tokens), two pytest groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
@@ -114,6 +116,13 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" --k 3,4 \
                   --out "$OUT/spec_qwen35.json" ;;
+      spec-tests)
+        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k shared \
+          > /tmp/pytest_spec_0.log 2>&1 &
+        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
+          -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &
+        wait
+        tail -40 /tmp/pytest_spec_0.log /tmp/pytest_spec_1.log | tee "$OUT/pytest_spec.log" ;;
       spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
                    --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
