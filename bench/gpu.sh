@@ -86,9 +86,10 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
   cat "$OUT/pytest_gpu.log"
 }
 
-# the speculation curve's shapes and arms (the oracle at a, auto; Qwen3.5 adds its MTP head)
+# the speculation curve's shapes and arms (the oracle at a, each at k = 3 and 4; Qwen3.5 adds its MTP head;
+# auto is the spec-auto stages')
 SPEC_SHAPES=${SPEC_SHAPES:-1x1024x256,4x2048x128,16x512x128}
-SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,auto}
+SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
 
