@@ -27,8 +27,8 @@
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
-#   startup-precompile  scripts/precompile.py, then a cold and a warm server start, synthetic Qwen3.5-4B
-#                     and Qwen3-4B -> startup_precompile_qwen35.json / startup_precompile_qwen3.json
+#   startup          a cold start (empty Triton cache: the server's kernel precompile beside its weight load)
+#                     and a warm one, synthetic Qwen3.5-4B and Qwen3-4B -> startup_qwen35.json / startup_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
 #   fidelity-q35      the same on a synthetic Qwen3.5-4B -> fidelity_qwen35.json
 # Any other argument runs as a command (bash -c), e.g. a `python3 -m bench ENTRY ... --out $OUT/FILE.json`.
@@ -133,10 +133,9 @@ main() {
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
-      startup-precompile)
+      startup)
         for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
-          timeout 280 python3 -m bench startup --model "${pair%%:*}" --precompile \
-            --out "$OUT/startup_precompile_${pair##*:}.json"
+          timeout 280 python3 -m bench startup --model "${pair%%:*}" --out "$OUT/startup_${pair##*:}.json"
         done ;;
       fidelity) timeout 560 python3 -m bench fidelity --model qwen3-4b --out "$OUT/fidelity_qwen3.json" ;;
       fidelity-q35) FASTQWEN_QWEN35_SITE=$(q35_site) timeout 560 python3 -m bench fidelity --model qwen3.5-4b \

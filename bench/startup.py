@@ -3,11 +3,12 @@
 Each start is a fresh process on a free port with its own TRITON_CACHE_DIR: "cold" an empty folder
 (every kernel compiled, as on a machine that never ran fastqwen), then --warm-starts more starts
 reusing the folder the cold start filled (Triton's on-disk cache, the only compile cache the engine
-relies on; a machine keeps it in ~/.triton/cache between processes). With --precompile,
-scripts/precompile.py first fills the cold start's empty folder (its wall time is the row
-"precompile"), and the cold row's cache_files_added counts what the start still compiled. The row gives the time to
-ready as a client sees it and the server's own figure from its "ready" line (model load, memory
-plan, warmup and graph capture; the rest is Python start-up and imports). With --profile, one more
+relies on; a machine keeps it in ~/.triton/cache between processes). On a GPU the server compiles
+its start's kernels in parallel beside the weight load (fastqwen/serve/precompile.py; its line of
+the log is the row's "precompile"); --no-precompile starts it without (each kernel compiled as it
+is first launched). The row gives the time to ready as a client sees it and the server's own
+figure from its "ready" line (model load, the precompile's wait, memory plan, warmup and graph
+capture; the rest is Python start-up and imports). With --profile, one more
 start (warm cache) builds the server's state in a child process under cProfile: the functions that
 take the start-up's time, by cumulative seconds.
 """
@@ -37,8 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--server-timeout-s", type=positive_int, default=300,
                         help="for the server to answer /health (default 300)")
     parser.add_argument("--profile", action="store_true", help="one more warm start under cProfile")
-    parser.add_argument("--precompile", action="store_true",
-                        help="scripts/precompile.py fills the empty cache before the cold start (its time reported)")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="the server started with --no-precompile (each kernel compiled as it is first launched)")
 
 
 def profile_child(model_dir: str, max_batch: int, max_model_len: int, out: str, top: int = 40) -> None:
@@ -66,14 +67,18 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "fastqwen.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len)]
+    if args.no_precompile:
+        cmd.append("--no-precompile")
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
     with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
         pass
     text = log.read_text()
     found = re.search(r"loaded in ([0-9.]+) s", text)
+    kernels = re.search(r"fastqwen serve: (kernels? precompile.*)", text)
     return {"ready_s": ready, "server_s": float(found.group(1)) if found else None, "slots": _slots(log),
-            "cache_files": sum(1 for p in cache.rglob("*") if p.is_file())}
+            "cache_files": sum(1 for p in cache.rglob("*") if p.is_file()),
+            "precompile": kernels.group(1).strip() if kernels else None}
 
 
 def run(args, report) -> None:
@@ -85,17 +90,6 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         cache = Path(tmp) / "triton"
         cache.mkdir()
-        before = 0
-        if args.precompile:
-            began = time.monotonic()
-            done = subprocess.run([sys.executable, str(REPO / "scripts" / "precompile.py"), "--model", str(model_dir),
-                                   "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
-                                   "--cache-dir", str(cache)], cwd=REPO, env=_env(), capture_output=True, text=True,
-                                  timeout=args.server_timeout_s)
-            before = sum(1 for p in cache.rglob("*") if p.is_file())
-            report.add({"start": "precompile", "ready_s": time.monotonic() - began, "cache_files": before,
-                        **({"error": (done.stderr or done.stdout)[-2000:]} if done.returncode else {}),
-                        "log_tail": done.stdout[-1500:]})
         for i in range(1 + args.warm_starts):
             start = "cold" if i == 0 else "warm"
             try:
@@ -103,8 +97,6 @@ def run(args, report) -> None:
             except BenchError as exc:
                 report.add({"start": start, "error": str(exc)[-2000:]})
                 continue
-            if i == 0 and args.precompile:
-                row["cache_files_added"] = row["cache_files"] - before
             report.add({"start": start, "model": str(model_dir), **row})
         if args.profile:
             out = Path(tmp) / "profile.json"

@@ -289,6 +289,7 @@ def test_startup_times_a_cold_then_a_warm_server_start(tmp_path, capsys, bench_c
     doc = run_entry(["startup", "--model", "tiny", "--max-model-len", "64", "--max-batch", "2"], tmp_path, capsys)
     assert [r["start"] for r in doc["rows"]] == ["cold", "warm"]
     assert all("error" not in r and 0 < r["server_s"] < r["ready_s"] and r["slots"] == 2 for r in doc["rows"])
+    assert all(r["precompile"] is None for r in doc["rows"])        # no GPU: nothing to precompile
 
 
 # ---------------------------------------------------------------- gdn: plans and the best one

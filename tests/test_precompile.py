@@ -3,7 +3,7 @@ compiled into a Triton cache before the server starts. Here, on the tiny presets
 covers every bucket's step and each verify width of speculation "auto", and the slots' warm
 prompt passes, with no problem; the tiny Qwen3's specializations compile into the cache folder
 asked for. Whether a GPU start then finds them (Triton's cache key at launch) is measured on the
-GPU: `python -m bench startup --precompile`. Run in a subprocess, as the sm_90 check is (the
+GPU: `python -m bench startup` (the server runs it beside its weight load). Run in a subprocess, as the sm_90 check is (the
 capture leaves meta tensors in the kernels' workspace caches)."""
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ import uuid
 
 from fastqwen.serve.grammar import GrammarError, response_format_spec
 from fastqwen.serve.logprobs import chat_logprobs, completion_logprobs
+from fastqwen.serve.precompile import Precompile
 from fastqwen.serve.sampling import Fields, SamplingError, SamplingParams, show
 from fastqwen.serve.text import TextError
 from fastqwen.serve.tools import ToolError, ToolStream, parse_tool_calls, prepare_messages, tools_from_request
@@ -120,7 +121,7 @@ class Server:
                  memory_fraction: float | None = None, block_size: int | None = None,
                  prefill_chunk: int | None = None, share_prefixes: bool = True,
                  state_snapshots: int | None = None, max_echo_tokens: int | None = None,
-                 speculation: str | None = None, speculative_tokens: int | None = None):
+                 speculation: str | None = None, speculative_tokens: int | None = None, precompile: bool = True):
         """block_size: a paged KV cache of pages of that many positions (fq_slots); None or 0: a
         row of max_model_len positions per slot. prefill_chunk: the most prompt tokens prefilled
         between two decode steps while requests run, a longer prompt in chunks of it
@@ -130,7 +131,8 @@ class Server:
         default). max_echo_tokens: the longest prompt an echo with logprobs takes (None: as many
         as ECHO_LOGITS_BYTES of its logits hold). speculation, speculative_tokens: the engine's
         options (None: its defaults and FASTQWEN_SPECULATION); the server takes "off", "ngram" and
-        "auto" (speculation.py)."""
+        "auto" (speculation.py). precompile: the start's Triton kernels compiled in parallel
+        beside the weight load where a GPU runs them (precompile.py); the slots wait for it."""
         from concurrent.futures import ThreadPoolExecutor
 
         from fastqwen.serve.grammar import Grammars
@@ -141,11 +143,24 @@ class Server:
 
         self.model_dir = str(model_dir)
         self.name = served_model_name or pathlib.Path(model_dir).resolve().name
-        self.codec = TextCodec(model_dir)
-        self.engine = _engine_module().Engine(self.model_dir, speculation=speculation,
-                                              speculative_tokens=speculative_tokens)
-        limit = int(self.engine.cfg.max_position_embeddings)
+        self.precompiled = None        # what the kernel precompile did, in a line (None: it did not run)
+        engine_module = _engine_module()
+        import fq_config
+
+        limit = int(fq_config.config_for(self.model_dir).max_position_embeddings)
         self.max_model_len = min(limit, max_model_len or 4096)
+        kernels = Precompile.start(self.model_dir, max_batch, self.max_model_len, block_size, speculation,
+                                   speculative_tokens) if precompile else None
+        try:
+            self.codec = TextCodec(model_dir)
+            self.engine = engine_module.Engine(self.model_dir, speculation=speculation,
+                                               speculative_tokens=speculative_tokens)
+        except BaseException:
+            if kernels is not None:
+                kernels.stop()
+            raise
+        if kernels is not None:   # before the slots launch a kernel, and before the memory plan (its CUDA context gone)
+            self.precompiled = kernels.wait()
         # A token never covers more characters than the longest one in the vocabulary, so a text
         # longer than this has at least max_model_len tokens: refused before it is tokenized.
         self.max_prompt_chars = self.max_model_len * self.codec.longest_token
@@ -774,7 +789,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
           prefill_chunk: int | None = None, share_prefixes: bool = True, state_snapshots: int | None = None,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
           body_timeout: float = DEFAULT_BODY_TIMEOUT_S, speculation: str | None = None,
-          speculative_tokens: int | None = None) -> None:
+          speculative_tokens: int | None = None, precompile: bool = True) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (`fastqwen serve`). The port answers
     while the model loads; a failure to load is raised here after the port closes."""
     import torch
@@ -793,7 +808,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         server = Server(model_dir, max_batch, max_model_len, served_model_name, max_waiting,
                         memory_fraction=gpu_memory_fraction, block_size=block_size, prefill_chunk=prefill_chunk,
                         share_prefixes=share_prefixes, state_snapshots=state_snapshots, speculation=speculation,
-                        speculative_tokens=speculative_tokens)
+                        speculative_tokens=speculative_tokens, precompile=precompile)
+        if server.precompiled:
+            print(f"fastqwen serve: {server.precompiled}", file=sys.stderr, flush=True)
         cache = (f"{server.max_batch} slots of {server.max_model_len} tokens" if server.block_size is None else
                  f"{server.max_batch} slots of up to {server.max_model_len} tokens, {server.num_blocks} KV blocks "
                  f"of {server.block_size}")

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the same tokens as off (default: FASTQWEN_SPECULATION, else off)")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens drafted per verify, 1-16 (default 4)")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="do not compile the start's Triton kernels in parallel beside the weight load (on a "
+                        "GPU, by default: an empty Triton cache otherwise compiles them one after another)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM or SIGINT: seconds the requests in flight may run on while new ones get "
                         "503; those still running then end with an error and their usage so far (default 30)")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
               args.served_model_name, args.max_waiting, args.block_size or None, args.prefill_chunk or None,
               not args.no_prefix_sharing, args.state_snapshots, max_request_bytes=args.max_request_bytes,
               drain_timeout=args.drain_timeout, speculation=args.speculation,
-              speculative_tokens=args.speculative_tokens)
+              speculative_tokens=args.speculative_tokens, precompile=not args.no_precompile)
     except ValueError as exc:       # a size that cannot fit (the slots' KV rows, the engine's limits)
         raise UserError(str(exc)) from None
     return 0

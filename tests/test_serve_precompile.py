@@ -1,0 +1,98 @@
+"""The server's kernel precompile (fastqwen/serve/precompile.py): scripts/precompile.py in a
+subprocess for the server's settings, started before the weights load and waited for before the
+slots launch anything; its failure or a hang never fails the start. Here the script is a stand-in
+that records its arguments and takes a second (whether a GPU start then finds the kernels is the
+GPU's measurement: `python -m bench startup`)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from fastqwen.serve import precompile
+
+
+def _stand_in(tmp_path, body: str):
+    script = tmp_path / "scripts" / "precompile.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text("import json, pathlib, sys, time\n" + body)
+    return script
+
+
+def test_the_command_is_the_servers_settings(monkeypatch):
+    monkeypatch.delenv("FASTQWEN_SPECULATION", raising=False)
+    argv = precompile.command("/m", None, 2048, None, None, None)
+    assert argv[:2] == [sys.executable, str(precompile.SCRIPT)]
+    assert argv[2:] == ["--model", "/m", "--max-batch", "64", "--max-model-len", "2048", "--block-size", "0",
+                        "--speculation", "off", "--speculative-tokens", "4"]
+    argv = precompile.command("/m", 8, 512, 64, "auto", 3)
+    assert argv[argv.index("--max-batch") + 1] == "8" and argv[argv.index("--block-size") + 1] == "64"
+    assert argv[argv.index("--speculation") + 1] == "auto" and argv[argv.index("--speculative-tokens") + 1] == "3"
+    monkeypatch.setenv("FASTQWEN_SPECULATION", "ngram")      # the engine's own default then
+    assert precompile.command("/m", 8, 512, 0, None, None)[-3] == "ngram"
+    monkeypatch.setenv("FASTQWEN_SPECULATION", "mtp")        # not a server mode: nothing of it to compile
+    assert precompile.command("/m", 8, 512, 0, None, None)[-3] == "off"
+
+
+def test_nothing_runs_where_no_gpu_compiles(monkeypatch):
+    monkeypatch.setenv("FASTQWEN_BACKEND", "torch")
+    assert not precompile.wanted() and precompile.Precompile.start("/m", 1, 64, None, None, None) is None
+
+
+def test_the_server_waits_for_it_before_its_slots(tiny_model, tmp_path, monkeypatch):
+    """The stand-in starts before the engine loads and ends after 4 s, longer than the tiny
+    engine takes to load: the slots' memory plan finds it done, and the server keeps its summary."""
+    from fastqwen.serve import app
+
+    marker = tmp_path / "done.json"
+    script = _stand_in(tmp_path, f"time.sleep(4.0)\n"
+                                 f"pathlib.Path({str(marker)!r}).write_text(json.dumps(sys.argv[1:]))\n"
+                                 "print('captured 3 specializations of 2 kernels in 0.1 s')\n"
+                                 "print('compiled 3/3 into /c in 0.9 s wall (1.8 s of compiles, 2 threads)')\n")
+    monkeypatch.setattr(precompile, "SCRIPT", script)
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    engine_cls = app._engine_module().Engine
+    plan = engine_cls.plan_slots
+    seen = []
+
+    def plan_slots(self, *args, **kwargs):
+        seen.append(marker.is_file())
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_cls, "plan_slots", plan_slots)
+    srv = app.Server(str(tiny_model), max_batch=2, max_model_len=128, served_model_name="tiny")
+    try:
+        assert seen == [True]
+        argv = json.loads(marker.read_text())
+        assert argv[argv.index("--model") + 1] == str(tiny_model) and argv[argv.index("--max-batch") + 1] == "2"
+        assert srv.precompiled.startswith("kernels precompiled in ") and "compiled 3/3" in srv.precompiled
+    finally:
+        srv.close()
+
+
+def test_a_failed_or_hung_precompile_never_fails_the_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "print('boom'); sys.exit(3)\n"))
+    failed = precompile.Precompile(precompile.command("/m", 1, 64, None, None, None))
+    said = failed.wait()
+    assert said.startswith("kernel precompile exited 3 after ") and said.endswith("(boom); the start compiles the rest")
+    monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "time.sleep(60)\n"))
+    hung = precompile.Precompile(precompile.command("/m", 1, 64, None, None, None))
+    assert hung.wait(timeout=0.5) == "kernel precompile stopped after 0 s; the start compiles the rest"
+    assert hung.proc.poll() is not None                        # stopped, not left running
+
+
+@pytest.mark.parametrize("flag,expected", [([], True), (["--no-precompile"], False)])
+def test_the_cli_passes_its_flag(flag, expected, tmp_path, monkeypatch):
+    import argparse
+
+    from fastqwen.serve import app, cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    got = {}
+    monkeypatch.setattr(app, "serve", lambda *a, **kw: got.update(kw))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert cli.run(parser.parse_args(["--model", str(tmp_path), *flag])) == 0
+    assert got["precompile"] is expected
