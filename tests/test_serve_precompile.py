@@ -20,19 +20,29 @@ def _stand_in(tmp_path, body: str):
     return script
 
 
-def test_the_command_is_the_servers_settings(monkeypatch):
+def test_the_command_is_the_servers_settings(tiny_model, monkeypatch):
     monkeypatch.delenv("FASTQWEN_SPECULATION", raising=False)
-    argv = precompile.command("/m", None, 2048, None, None, None)
+    m = str(tiny_model)
+    limit = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    argv = precompile.command(m, None, None, None, None, None)
     assert argv[:2] == [sys.executable, str(precompile.SCRIPT)]
-    assert argv[2:] == ["--model", "/m", "--max-batch", "64", "--max-model-len", "2048", "--block-size", "0",
-                        "--speculation", "off", "--speculative-tokens", "4"]
-    argv = precompile.command("/m", 8, 512, 64, "auto", 3)
-    assert argv[argv.index("--max-batch") + 1] == "8" and argv[argv.index("--block-size") + 1] == "64"
-    assert argv[argv.index("--speculation") + 1] == "auto" and argv[argv.index("--speculative-tokens") + 1] == "3"
+    assert argv[2:] == ["--model", m, "--max-batch", "64", "--max-model-len", str(min(4096, limit)), "--block-size",
+                        "0", "--speculation", "off", "--speculative-tokens", "4"]
+    argv = precompile.command(m, 8, 512, 64, "auto", 3)
+    assert argv[argv.index("--max-batch") + 1] == "8" and argv[argv.index("--max-model-len") + 1] == "512"
+    assert argv[argv.index("--block-size") + 1] == "64" and argv[argv.index("--speculation") + 1] == "auto"
+    assert argv[argv.index("--speculative-tokens") + 1] == "3"
+    argv = precompile.command(m, 8, limit + 1000, 0, None, None)     # the server caps it at the model's limit too
+    assert argv[argv.index("--max-model-len") + 1] == str(limit)
     monkeypatch.setenv("FASTQWEN_SPECULATION", "ngram")      # the engine's own default then
-    assert precompile.command("/m", 8, 512, 0, None, None)[-3] == "ngram"
+    assert precompile.command(m, 8, 512, 0, None, None)[-3] == "ngram"
     monkeypatch.setenv("FASTQWEN_SPECULATION", "mtp")        # not a server mode: nothing of it to compile
-    assert precompile.command("/m", 8, 512, 0, None, None)[-3] == "off"
+    assert precompile.command(m, 8, 512, 0, None, None)[-3] == "off"
+
+
+def test_an_unreadable_config_leaves_the_error_to_the_engine(tmp_path, monkeypatch):
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    assert precompile.Precompile.start(str(tmp_path), 1, 64, None, None, None) is None
 
 
 def test_nothing_runs_where_no_gpu_compiles(monkeypatch):
@@ -71,13 +81,13 @@ def test_the_server_waits_for_it_before_its_slots(tiny_model, tmp_path, monkeypa
         srv.close()
 
 
-def test_a_failed_or_hung_precompile_never_fails_the_start(tmp_path, monkeypatch):
+def test_a_failed_or_hung_precompile_never_fails_the_start(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "print('boom'); sys.exit(3)\n"))
-    failed = precompile.Precompile(precompile.command("/m", 1, 64, None, None, None))
+    failed = precompile.Precompile(precompile.command(str(tiny_model), 1, 64, None, None, None))
     said = failed.wait()
     assert said.startswith("kernel precompile exited 3 after ") and said.endswith("(boom); the start compiles the rest")
     monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "time.sleep(60)\n"))
-    hung = precompile.Precompile(precompile.command("/m", 1, 64, None, None, None))
+    hung = precompile.Precompile(precompile.command(str(tiny_model), 1, 64, None, None, None))
     assert hung.wait(timeout=0.5) == "kernel precompile stopped after 0 s; the start compiles the rest"
     assert hung.proc.poll() is not None                        # stopped, not left running
 

@@ -144,23 +144,20 @@ class Server:
         self.model_dir = str(model_dir)
         self.name = served_model_name or pathlib.Path(model_dir).resolve().name
         self.precompiled = None        # what the kernel precompile did, in a line (None: it did not run)
-        engine_module = _engine_module()
-        import fq_config
-
-        limit = int(fq_config.config_for(self.model_dir).max_position_embeddings)
-        self.max_model_len = min(limit, max_model_len or 4096)
-        kernels = Precompile.start(self.model_dir, max_batch, self.max_model_len, block_size, speculation,
+        kernels = Precompile.start(self.model_dir, max_batch, max_model_len, block_size, speculation,
                                    speculative_tokens) if precompile else None
         try:
             self.codec = TextCodec(model_dir)
-            self.engine = engine_module.Engine(self.model_dir, speculation=speculation,
-                                               speculative_tokens=speculative_tokens)
+            self.engine = _engine_module().Engine(self.model_dir, speculation=speculation,
+                                                  speculative_tokens=speculative_tokens)
         except BaseException:
             if kernels is not None:
                 kernels.stop()
             raise
         if kernels is not None:   # before the slots launch a kernel, and before the memory plan (its CUDA context gone)
             self.precompiled = kernels.wait()
+        limit = int(self.engine.cfg.max_position_embeddings)
+        self.max_model_len = min(limit, max_model_len or 4096)
         # A token never covers more characters than the longest one in the vocabulary, so a text
         # longer than this has at least max_model_len tokens: refused before it is tokenized.
         self.max_prompt_chars = self.max_model_len * self.codec.longest_token

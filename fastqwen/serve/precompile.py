@@ -34,13 +34,20 @@ def wanted() -> bool:
     return torch.cuda.is_available()
 
 
-def command(model_dir: str, max_batch: int | None, max_model_len: int, block_size: int | None,
+def command(model_dir: str, max_batch: int | None, max_model_len: int | None, block_size: int | None,
             speculation: str | None, speculative_tokens: int | None) -> list[str]:
-    """scripts/precompile.py's arguments for a server of these settings (max_model_len already
-    capped at the model's limit; max_batch None: the most slots the server may plan, 64)."""
+    """scripts/precompile.py's arguments for a server of these settings, as the server resolves
+    them: max_model_len None 4096, both capped at the config's max_position_embeddings; max_batch
+    None the most slots the server may plan, 64; speculation None FASTQWEN_SPECULATION, else off."""
+    from fastqwen.checkpoint import read_config
+
+    length = max_model_len or 4096
+    limit = read_config(model_dir).get("max_position_embeddings")
+    if isinstance(limit, int) and limit > 0:
+        length = min(length, limit)
     mode = speculation or os.environ.get("FASTQWEN_SPECULATION") or "off"
     return [sys.executable, str(SCRIPT), "--model", str(model_dir), "--max-batch", str(max_batch or 64),
-            "--max-model-len", str(max_model_len), "--block-size", str(block_size or 0),
+            "--max-model-len", str(length), "--block-size", str(block_size or 0),
             "--speculation", mode if mode in SPECULATION else "off",
             "--speculative-tokens", str(speculative_tokens or 4)]
 
@@ -56,12 +63,17 @@ class Precompile:
                                      cwd=str(SCRIPT.parents[1]))
 
     @classmethod
-    def start(cls, model_dir: str, max_batch: int | None, max_model_len: int, block_size: int | None,
+    def start(cls, model_dir: str, max_batch: int | None, max_model_len: int | None, block_size: int | None,
               speculation: str | None, speculative_tokens: int | None) -> Precompile | None:
-        """The subprocess for a server of these settings, or None where nothing compiles (wanted)."""
+        """The subprocess for a server of these settings, or None where nothing compiles (wanted) or
+        the config cannot be read (the engine's load then says why)."""
         if not wanted():
             return None
-        return cls(command(model_dir, max_batch, max_model_len, block_size, speculation, speculative_tokens))
+        try:
+            argv = command(model_dir, max_batch, max_model_len, block_size, speculation, speculative_tokens)
+        except Exception:  # noqa: BLE001 - the engine's own load reports a bad checkpoint
+            return None
+        return cls(argv)
 
     def wait(self, timeout: float = WAIT_S) -> str:
         """Block until the subprocess ends (stopped after `timeout` seconds); what it did, in a line."""
