@@ -257,9 +257,13 @@ class Qwen35Model:
         """One step for every sequence: tokens [B] int64 at positions [B] int32 (lengths =
         positions + 1) -> next tokens [B] int64 (into `out` if given). Graph-safe on the Triton op
         set: no host reads, no shape depends on the positions."""
-        h = self._decode_hidden(tokens, positions, lengths)
-        if self.screen is not None and h.shape[0] == 1:   # the LM head screened: argmax of its GEMV's logits
-            return self.screen.argmax(h, out)
+        return self._picks(self._decode_hidden(tokens, positions, lengths), out)
+
+    def _picks(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head's argmax of final-normed rows h [R, hidden] -> int64 [R]; at one row screened
+        (fqkernels/lm_screen: the argmax of its GEMV's logits, without the whole head)."""
+        if self.screen is not None and h.shape[0] == 1:
+            return self.screen.argmax(h.contiguous(), out)
         return self.ops.argmax(self._logits(h), out=out)
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -323,13 +327,10 @@ class Qwen35Model:
         return self.mtp_picks(h), h
 
     def mtp_picks(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's picks for its normed outputs h [..., hidden]: the LM head's argmax (screened
-        at one row, the same pick) -> int64 [...]. A caller that needs some rows' picks only
-        selects them first: the LM head is most of the head's cost (1.27 GB on the 4B)."""
-        rows = h.reshape(-1, h.shape[-1])
-        if self.screen is not None and rows.shape[0] == 1:
-            return self.screen.argmax(rows.contiguous()).view(h.shape[:-1])
-        return self.ops.argmax(self._logits(rows)).view(h.shape[:-1])
+        """The head's picks for its normed outputs h [..., hidden]: the LM head's argmax (_picks) ->
+        int64 [...]. A caller that needs some rows' picks only selects them first: the LM head is
+        most of the head's cost (1.27 GB on the 4B)."""
+        return self._picks(h.reshape(-1, h.shape[-1])).view(h.shape[:-1])
 
     def mtp_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """mtp_draft up to its final norm: the rows' normed outputs [B, n, hidden] (the head's K/V
