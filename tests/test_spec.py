@@ -500,19 +500,28 @@ def test_qwen35_mtp_head_drafts_and_the_plain_tokens_stay(plain35, qwen35_tiny_m
     assert eng.model.mtp_k.shape[:2] == (eng.cfg.mtp_layers, 2)
 
 
+def _mtp_after_prompts(model_dir, batch: int, seed: int):
+    """An "mtp" engine's drafter ready after the prompt pass over `batch` random 20-token prompts
+    (a cache of 64 positions, 3 drafts, 10 steps to go): (engine, speculation state, prompts, the
+    prompt pass's picks)."""
+    eng = engine_module.Engine(str(model_dir), speculation="mtp")
+    prompts = _prompts(batch, 20, seed=seed)
+    with torch.inference_mode():
+        eng._prepare_cache(batch, 64)
+        st = fq_spec.SpecState(batch, 64, 3, "cpu")
+        eng._drafter.prepare(st)
+        first = eng.model.prefill(torch.tensor(prompts))
+        st.start(torch.tensor(prompts), first, 10)
+        eng._drafter.start(st, 20, 10)
+    return eng, st, prompts, first
+
+
 def test_mtp_drafts_are_the_heads_argmax_chain(qwen35_tiny_model):
     """The drafter's k drafts after the prompt pass: the head's pick at the last prompt row, then
     each chained row's pick (checked against mtp_draft called row by row)."""
-    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
+    eng, st, prompts, first_t = _mtp_after_prompts(qwen35_tiny_model, 1, seed=9)
     model, drafter = eng.model, eng._drafter
-    prompts = _prompts(1, 20, seed=9)
     with torch.inference_mode():
-        eng._prepare_cache(1, 64)
-        st = fq_spec.SpecState(1, 64, 3, "cpu")
-        drafter.prepare(st)
-        first_t = model.prefill(torch.tensor(prompts))
-        st.start(torch.tensor(prompts), first_t, 10)
-        drafter.start(st, 20, 10)
         drafts = drafter.draft(st)[0].tolist()
         first = first_t.tolist()
         # again by hand: the head over the prompt rows, then two chained rows
@@ -539,15 +548,9 @@ def test_mtp_observe_readies_the_heads_pick_at_each_sequences_last_kept_row(qwen
         def positions(self):
             return self._positions
 
-    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
+    eng = _mtp_after_prompts(qwen35_tiny_model, 2, seed=11)[0]
     model, drafter = eng.model, eng._drafter
-    prompts = _prompts(2, 20, seed=11)
     with torch.inference_mode():
-        eng._prepare_cache(2, 64)
-        st = fq_spec.SpecState(2, 64, 3, "cpu")
-        drafter.prepare(st)
-        st.start(torch.tensor(prompts), model.prefill(torch.tensor(prompts)), 10)
-        drafter.start(st, 20, 10)
         model.hidden = torch.randn(2, 4, eng.cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
         picks = torch.tensor(_prompts(2, 4, seed=12))
         kept = torch.tensor([1, 3])
