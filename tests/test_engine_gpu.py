@@ -321,7 +321,7 @@ def test_verify_rows_keep_the_plain_steps_attention_splits(engine, engine35, fam
     try:
         with torch.inference_mode():
             eng._prepare_cache(batch, prompt + T)
-            sizes = (cfg.num_attention_heads, cfg.num_key_value_heads, model.k_cache.shape[3], cfg.head_dim)
+            sizes = (cfg.num_heads, cfg.num_kv_heads, model.k_cache.shape[3], cfg.head_dim)
             assert decode_attention_plan(batch, *sizes).num_splits != decode_attention_plan(batch * T, *sizes).num_splits
             eng._tune(batch)
             model.prefill_logits(ids)
