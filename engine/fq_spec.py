@@ -134,23 +134,26 @@ class AutoPolicy:
     plain_ms; a verify is chosen when its rate beats the plain step's by `margin`. The acceptance a
     is a draft's chance to be right, estimated over about the last `window` drafts checked
     (accepted / (accepted + rejected): each verify row checks its drafts up to its first
-    rejection), from a prior of `prior`.
+    rejection), from a prior of `prior` that counts as `prior_drafts` drafts, so a few probes that
+    find right drafts are enough to turn verifies on.
 
-    While no width pays, a probe verify every `probe` plain steps (doubling after each probe that
-    did not pay, up to `max_probe`) keeps the estimate current, with the width that pays at the
-    lowest acceptance (none where no width would pay even if every draft were right: then no
-    probes). A probe waits for a step where some sequence's drafts are more than padding
-    (`found`: prompt lookup found its last token earlier). observe_cost moves a kind's cost
-    toward what its steps measure (the context grows as the call goes on)."""
+    While no width pays, a probe verify every `probe` plain steps keeps the estimate current: the
+    interval doubles after a probe that found no right draft (up to `max_probe`) and returns to
+    `probe` after one that found some. A probe verifies the cheapest width among those that could
+    pay (none where no width would pay even if every draft were right: then no probes): any width
+    measures the same acceptance, and while it is low a probe checks about one draft whatever its
+    width. A probe waits for a step where some sequence's drafts are more than padding (`found`:
+    prompt lookup found its last token earlier). observe_cost moves a kind's cost toward what its
+    steps measure (the context grows as the call goes on)."""
 
     def __init__(self, verify_ms: dict, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
-                 window: int = 64, probe: int = 16, max_probe: int = 128):
+                 prior_drafts: int = 4, window: int = 64, probe: int = 16, max_probe: int = 128):
         if not verify_ms or not all(ms > 0 for ms in verify_ms.values()) or not plain_ms > 0:
             raise ValueError(f"AutoPolicy needs positive costs, got verify {verify_ms!r} ms, plain {plain_ms!r} ms")
         self.margin, self.window, self.first_probe, self.max_probe = margin, window, probe, max_probe
         self.set_costs(verify_ms, plain_ms)
-        self.checked = float(window)
-        self.accepted = prior * window
+        self.checked = float(prior_drafts)
+        self.accepted = prior * prior_drafts
         self.probe = probe
         self.since = 0
 
@@ -172,10 +175,10 @@ class AutoPolicy:
 
     @property
     def probe_width(self) -> int:
-        """The width a probe verifies: the one that pays at the lowest acceptance, 0 where none can."""
+        """The width a probe verifies: the cheapest that could pay, 0 where none can."""
         if self._probe_width is None:
-            width = min(self.verify_ms, key=self.break_even)
-            self._probe_width = width if self.break_even(width) <= 1.0 else 0
+            can = [w for w in self.verify_ms if self.break_even(w) <= 1.0]
+            self._probe_width = min(can, key=lambda w: self.verify_ms[w]) if can else 0
         return self._probe_width
 
     def break_even(self, width: int) -> float:
@@ -221,7 +224,7 @@ class AutoPolicy:
         self.checked = self.checked * keep + checked
         self.accepted = self.accepted * keep + accepted
         if not paid:        # a probe
-            self.probe = self.first_probe if self.pays() else min(self.max_probe, self.probe * 2)
+            self.probe = self.first_probe if accepted else min(self.max_probe, self.probe * 2)
         self.since = 0
 
     def observe_plain(self) -> None:

@@ -220,12 +220,17 @@ def test_auto_picks_the_width_that_pays_best_at_the_running_acceptance():
     assert _fed(policy, 4, 0).next_width() == 4       # a = 1
 
 
-def test_auto_probes_with_the_width_that_pays_first_and_never_where_none_can():
+def test_auto_probes_with_the_cheapest_width_that_could_pay_and_never_where_none_can():
     # width 1 pays from a ~ 0.58, width 2 from ~ 0.85, width 4 never (5 tokens / 6 ms < 1.05 / 1 ms)
     policy = fq_spec.AutoPolicy({1: 1.5, 2: 2.5, 4: 6.0}, plain_ms=1.0)
     assert policy.break_even(1) == pytest.approx(0.575, abs=0.01)
     assert 0.8 < policy.break_even(2) < 0.9 and policy.break_even(4) > 1.0
     assert policy.probe_width == 1
+    # one sequence: width 4 pays first (at a lower acceptance than width 1), but a probe of 1 costs less
+    flat = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
+    assert flat.break_even(4) < flat.break_even(1) < 1.0 and flat.probe_width == 1
+    # the cheapest width that could never pay is not probed: the cheapest of those that could is
+    assert fq_spec.AutoPolicy({1: 2.2, 3: 2.4, 4: 9.0}, plain_ms=1.0).probe_width == 3
     hopeless = fq_spec.AutoPolicy({4: 10.0}, plain_ms=1.0)
     assert hopeless.probe_width == 0
     for _ in range(1000):
@@ -236,14 +241,14 @@ def test_auto_probes_with_the_width_that_pays_first_and_never_where_none_can():
 def test_auto_moves_its_costs_toward_what_the_steps_measure():
     # timed at the start, width 4 pays at a = 0.5; the call's verifies turn out to cost twice that
     policy = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, prior=0.5)
-    assert policy.best() == 4 and policy.probe_width == 4
+    assert policy.best() == 4
     for _ in range(30):
         policy.observe_cost(4, 6.4)
     assert policy.verify_ms[4] == pytest.approx(6.4, rel=0.01) and policy.best() == 1
     assert policy.probe_width == 1
     for _ in range(30):
-        policy.observe_cost(0, 1.0)              # plain steps cheaper than timed: no width pays
-    assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0
+        policy.observe_cost(0, 1.0)              # plain steps cheaper than timed: no width pays, even at a = 1
+    assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0 and policy.probe_width == 0
     policy.observe_cost(1, None)                 # timing off: nothing moves
     assert policy.verify_ms[1] == 3.0
     assert fq_spec.marks_ms([1.5, 2.0]) == 3.5 and fq_spec.marks_ms([None]) is None and fq_spec.marks_ms([]) is None
@@ -282,6 +287,19 @@ def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
             bad.observe_plain()
     # probes after 16, 32, 64 and then every 128 plain steps
     assert 8 <= verifies <= 11
+    # a drafter that turns out to be right: the probes that find right drafts come every 16 steps again,
+    # and two of them (a = 2 / 6 against a prior of 0 worth 4 drafts) turn the verifies on
+    found = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
+    widths = []
+    for _ in range(200):
+        width = found.next_width()
+        if width:
+            widths.append(width)
+            found.observe_verify(width, 0)
+        else:
+            found.observe_plain()
+    assert widths[:2] == [1, 1] and found.pays() and widths[2:] and set(widths[2:]) == {4}
+    assert len(widths) > 100
     # a probe waits for a step with drafts to check: none while prompt lookup finds nothing
     idle = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
     for _ in range(500):
