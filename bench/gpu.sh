@@ -123,7 +123,7 @@ main() {
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
           -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &
         wait
-        tail -40 /tmp/pytest_spec_0.log /tmp/pytest_spec_1.log | tee "$OUT/pytest_spec.log" ;;
+        tail -n 40 /tmp/pytest_spec_0.log /tmp/pytest_spec_1.log | tee "$OUT/pytest_spec.log" ;;
       spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
                    --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \

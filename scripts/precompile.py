@@ -8,8 +8,9 @@ config, the slots of the server's settings, each bucket's step (and verifies) wi
 with cuBLAS for the decode products (the start's tuning picks per product; both are compiled),
 and the slots' warm prompt passes. Every launch's specialization is recorded as Triton's own
 launch path computes it, then compiled for the target into the cache (TRITON_CACHE_DIR or
---cache-dir): threads on a Triton that releases the GIL while it compiles (3.4+), worker
-processes on 3.1. A launch the capture did not foresee compiles at the start as before.
+--cache-dir) in worker processes, the longest kernels' first (on Triton 3.6 threads would share the
+compiler's Python front end: docs/SERVING.md). A launch the capture did not foresee compiles at the
+start as before.
 
 Usage:
     python scripts/precompile.py --model DIR [--max-batch 16] [--max-model-len 4096] [--block-size 0]
@@ -21,7 +22,6 @@ every captured specialization compiled, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -102,21 +102,10 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
     return list(recorder.specs.values()), problems
 
 
-def compile_threads(specs: list, target, jobs: int, cache_dir: str, progress=print) -> None:
-    """Compile each spec into cache_dir in `jobs` threads (Triton 3.4+ compiles without the GIL)."""
-    os.environ["TRITON_CACHE_DIR"] = cache_dir
-    done = 0
-
-    def one(spec):
-        return spec, ck._compile_one("", "", "", spec.signature, spec.constants, spec.attrs, spec.options, target,
-                                     kernel=spec.kernel)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for spec, result in pool.map(one, sorted(specs, key=lambda s: -len(s.constants))):
-            spec.ok, spec.seconds, spec.cubin_bytes, spec.error = result
-            done += 1
-            progress(f"[{done}/{len(specs)}] {'ok  ' if spec.ok else 'FAIL'} {spec.seconds:5.1f} s  {spec.name}"
-                     + (f"  {spec.error}" if spec.error else ""))
+def longest_first(specs: list) -> list:
+    """The specs in the order to compile them: the longest kernel sources first (the exact GDN step's
+    take 10-18 s each, most others under a second), so no long one starts last."""
+    return sorted(specs, key=lambda s: -len(getattr(s.kernel, "src", "")))
 
 
 def main(argv=None) -> int:
@@ -128,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--speculation", default="off", choices=["off", "ngram", "auto"], help="the server's (default off)")
     p.add_argument("--speculative-tokens", type=int, default=4, help="the server's (default 4)")
     p.add_argument("--target", default=None, help="e.g. sm_90 (default: this machine's GPU, else sm_90)")
-    p.add_argument("--jobs", type=int, default=0, help="compile threads or processes (default: one per CPU)")
+    p.add_argument("--jobs", type=int, default=0, help="compile processes (default: one per CPU)")
     p.add_argument("--cache-dir", default=None, help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
     p.add_argument("--capture-only", action="store_true", help="record the specializations, compile nothing")
     p.add_argument("--json", default=None, help="write what was captured and compiled here")
@@ -164,15 +153,11 @@ def main(argv=None) -> int:
                      or str(pathlib.Path.home() / ".triton" / "cache"))
         jobs = args.jobs or os.cpu_count() or 1
         t0 = time.perf_counter()
-        if ck.TRITON_3_4:
-            compile_threads(specs, target, jobs, cache_dir)
-        else:
-            ck.compile_all(specs, target, jobs, cache_dir, progress=print)
+        ck.compile_all(longest_first(specs), target, jobs, cache_dir, progress=print)
         compile_s = time.perf_counter() - t0
         failed = [s for s in specs if not s.ok]
-        workers = "threads" if ck.TRITON_3_4 else "processes"
         print(f"compiled {len(specs) - len(failed)}/{len(specs)} into {cache_dir} in {compile_s:.1f} s wall "
-              f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} {workers})")
+              f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} processes)")
         if args.check:
             def files():
                 return sum(1 for p in pathlib.Path(cache_dir).rglob("*") if p.is_file())

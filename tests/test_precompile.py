@@ -84,3 +84,21 @@ def test_the_check_sees_a_launch_path_that_finds_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     specs, problems, cubins = map(int, proc.stdout.split()[-3:])
     assert problems == 0 and specs > 0 and cubins == specs
+
+
+def test_the_longest_kernels_compile_first():
+    """A long compile started last would set the wall time alone: the order puts the longest kernel
+    sources (the exact GDN step's, 10-18 s each) first, and keeps every spec."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import precompile as pc
+
+    class Kernel:
+        def __init__(self, n):
+            self.src = "x" * n
+
+    class Spec:
+        def __init__(self, n):
+            self.kernel = Kernel(n)
+
+    specs = [Spec(n) for n in (10, 5000, 300, 20000, 1)]
+    assert [len(s.kernel.src) for s in pc.longest_first(specs)] == [20000, 5000, 300, 10, 1]
