@@ -306,10 +306,10 @@ def shared_rows(config: GemvConfig, rows: int, silu_mul: bool = False) -> GemvCo
     load: a speculative verify's B (k + 1) rows, planned as the B-row step, read the weights once
     or twice, not once a tile of the step's rows. fma: block_m 2 or 4 where the accumulators fit
     FMA_SHARED_REGS; every row's code in the fma kernel is the same at any block_m, so each row
-    keeps its bits. Tensor-core modes: block_m 32 or 64 where the tiles of its stages fit
-    DOT_SHARED_SMEM (fewer stages where that makes them fit: the pipeline's depth, not the sums'
-    order); an MMA never mixes rows and K is walked in the same blocks, so each row keeps its
-    bits (a GPU test over every product's 4- and 16-row configs)."""
+    keeps its bits. Tensor-core modes: block_m 32 or 64, the narrowest that holds every row, where
+    the tiles of its stages fit DOT_SHARED_SMEM (fewer stages where that makes them fit: the
+    pipeline's depth, not the sums' order); an MMA never mixes rows and K is walked in the same
+    blocks, so each row keeps its bits (a GPU test over every product's 4- and 16-row configs)."""
     if config.mode != "fma":
         return _shared_dot_rows(config, rows, silu_mul)
     per_block = config.block_n * config.block_k // (32 * config.num_warps) * (2 if silu_mul else 1)
@@ -328,9 +328,10 @@ DOT_SHARED_SMEM = 160 * 1024
 def _shared_dot_rows(config: GemvConfig, rows: int, silu_mul: bool) -> GemvConfig:
     weight_rows = config.block_n * (2 if silu_mul else 1)
     block_m, stages = config.block_m, config.num_stages
-    for wider in _DOT_BLOCK_M:
-        if block_m >= wider or wider // 2 >= rows:
-            continue
+    # Only to a width that holds every row: a remainder tile re-reads each weight block in a second,
+    # mostly padded program of less work (docs/PERFORMANCE.md: 80 rows as 64 + 16 cost more than 5 x 16).
+    wider = next((w for w in _DOT_BLOCK_M if w >= rows), None)
+    if wider is not None and wider > block_m:
         fit = stages
         while fit > 2 and (wider + weight_rows) * config.block_k * 2 * fit > DOT_SHARED_SMEM:
             fit -= 1

@@ -270,21 +270,22 @@ def test_shared_rows_widens_an_fma_tile_within_its_registers(rows, block_m):
     assert gemv.shared_rows(big, rows).block_m == min(block_m, 2)
     assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 1         # gate and up blocks: 128 a row
     tiles = GemvConfig(block_n=64, block_k=256, mode="dot_t")
-    assert gemv.shared_rows(tiles, rows).block_m == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+    assert gemv.shared_rows(tiles, rows).block_m == (16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 16)
 
 
-@pytest.mark.parametrize("rows,block_m", [(4, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (80, 64)])
+@pytest.mark.parametrize("rows,block_m", [(4, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (64, 64), (80, 16)])
 def test_shared_rows_widens_a_tensor_core_tile_within_shared_memory(rows, block_m):
-    """A verify's rows planned as a 4- or 16-row step: the tile takes up to 64 of them, its stages
-    cut to fit DOT_SHARED_SMEM (x and weight tiles in bf16, each stage), never below 2; a tile
-    that cannot fit at 2 stages stays as it was."""
+    """A verify's rows planned as a 4- or 16-row step: the tile widens to the narrowest of 32 and 64
+    that holds every row (past 64 it stays: a remainder tile would read the weights a second time),
+    its stages cut to fit DOT_SHARED_SMEM (x and weight tiles in bf16, each stage), never below 2; a
+    tile that cannot fit at 2 stages stays as it was."""
     cfg = GemvConfig(block_n=64, block_k=256, split_k=2, num_stages=4, mode="dot_t")
     wide = gemv.shared_rows(cfg, rows)
     assert wide.block_m == block_m and (wide.block_n, wide.block_k, wide.split_k, wide.mode) == (64, 256, 2, "dot_t")
     assert (wide.block_m + 64) * 256 * 2 * wide.num_stages <= gemv.DOT_SHARED_SMEM
     assert wide.num_stages == 4 if block_m == 16 else 2 <= wide.num_stages < 4
     big = GemvConfig(block_n=128, block_k=256, num_stages=3, mode="dot")    # 2 stages of 32 + 128 rows fit, of 64 not
-    assert gemv.shared_rows(big, rows).block_m == min(block_m, 32)
+    assert gemv.shared_rows(big, rows).block_m == (block_m if block_m <= 32 else 16)
     assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 16         # gate and up: 256 weight rows
 
 
