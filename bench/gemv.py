@@ -11,7 +11,14 @@ summation bound for all) is a row with its error. After the measurements: the be
 (op, M) against cuBLAS, and per op the one config nearest the per-M bests across every M (one
 config for every M keeps a row's bits independent of the batch).
 
-Without a GPU the kernel arm is gemv.linear_reference (torch), one row per (op, M), no sweep.
+--shared times instead the row tiles a speculative verify could give a product whose one-row config
+is the fma kernel (gemv.shared_rows): at each M, that config at block_m 1, 2 and 4 (1: every row a
+program of its own, side by side, re-reading the weights from L2) and, where the config has more
+columns a program than warps, with as many columns as warps (half the registers a row); each
+row's output against the one-row launch's bits (`same_bits`) and the engine's pick marked.
+
+Without a GPU the kernel arm is gemv.linear_reference (torch), one row per (op, M), no sweep, and
+--shared records the variants without timing them.
 """
 from __future__ import annotations
 
@@ -47,7 +54,8 @@ GROUPS = {"qwen3": list(QWEN3_OPS), "qwen3.5": list(QWEN35_OPS)}
 COLUMNS = [Column("op", width=16, left=True), Column("rows", width=4), Column("impl", width=9, left=True),
            Column("config_text", "config", width=30, left=True),
            Column("us", fmt="{:.1f}", width=9), Column("tbps", "TB/s", fmt="{:.2f}", width=6),
-           Column("vs_cublas", "x cuBLAS", fmt="{:.3f}", width=8), Column("error", width=30, left=True)]
+           Column("vs_cublas", "x cuBLAS", fmt="{:.3f}", width=8), Column("same_bits", "same", width=4),
+           Column("error", width=30, left=True)]
 
 
 def _shape(text: str) -> tuple[str, tuple[int, int, bool]]:
@@ -110,6 +118,9 @@ def add_arguments(parser) -> None:
                         help="the table's configs for exact decode (on, the engine's default) or not")
     parser.add_argument("--calls", type=positive_int, default=20, help="launches per graph (default 20)")
     parser.add_argument("--reps", type=positive_int, default=15, help="timed graph replays (default 15)")
+    parser.add_argument("--shared", action="store_true",
+                        help="time the fma products' shared row tiles (block_m 1, 2, 4; fewer columns a program) "
+                             "at each --rows, with each row's bits against the one-row launch")
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="no new sweep config after this many seconds; table configs and cuBLAS always run")
 
@@ -174,6 +185,62 @@ def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extr
     return out
 
 
+def shared_variants(gemv, one, m: int, silu: bool) -> list:
+    """The shared row tiles to time for m rows of a product whose one-row config is `one` (fma):
+    the engine's pick (gemv.shared_rows) first, then block_m 1, 2, 4 (no wider than m needs) at the
+    config's columns a program and, where that is more than its warps, at as many columns as warps
+    (the layout keeps a warp a column, so each lane's sums, and so the bits, should not move)."""
+    out = [gemv.shared_rows(one, m, silu)]
+    widths = [1] + [b for b in (2, 4) if b // 2 < m]
+    columns = [one.block_n] + ([one.num_warps] if one.num_warps < one.block_n else [])
+    for block_n in columns:
+        for block_m in widths:
+            cfg = dataclasses.replace(one, block_m=block_m, block_n=block_n)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def run_shared(args, report, gemv, torch, shapes: dict, gpu: bool) -> None:
+    """--shared: see the module note."""
+    device = "cuda" if gpu else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    for op, (n, k, silu) in shapes.items():
+        one = table_config(gemv, n, k, silu, 1, args.exact_decode)
+        if one.mode != "fma":
+            report.note(f"# {op}: its one-row config is {one.mode}, not fma: no shared tiles")
+            continue
+        cols, nbytes = (n // 2 if silu else n), n * k * 2
+        weights = [torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(torch.bfloat16)
+                   for _ in range(min(args.calls, copies(nbytes)))] if gpu else []
+        calls = [weights[i % len(weights)] for i in range(args.calls)] if gpu else []
+        launch = gemv.linear_silu_mul if silu else gemv.linear
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16) if gpu else None
+            want = torch.cat([launch(x[j:j + 1].contiguous(), weights[0], config=one) for j in range(m)]) if gpu else None
+            out = torch.empty(m, cols, device=device, dtype=torch.bfloat16) if gpu else None
+            for i, cfg in enumerate(shared_variants(gemv, one, m, silu)):
+                row = {"kind": "shared", "op": op, "n": n, "k": k, "silu_mul": silu, "rows": m, "impl": "gemv",
+                       "config": dataclasses.asdict(cfg), "config_text": None, "engine": i == 0, "us": None,
+                       "tbps": None, "same_bits": None, "error": None if gpu else "no GPU: not run"}
+                row["config_text"] = short(row["config"]) + (" engine" if i == 0 else "")
+                if gpu:
+                    fn = lambda w, cfg=cfg: launch(x, w, out=out, config=cfg)   # noqa: E731
+                    try:
+                        fn(weights[0])
+                        torch.cuda.synchronize()
+                        row["same_bits"] = bool(torch.equal(out, want))
+                        row["us"] = time_graph(fn, calls, args.reps)
+                        row["tbps"] = nbytes / row["us"] / 1e6
+                    except Exception as exc:   # noqa: BLE001 - a config that does not compile or launch is data
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                        torch.cuda.synchronize()
+                report.add(row)
+        del weights, calls
+        if gpu:
+            torch.cuda.empty_cache()
+
+
 def short(cfg: dict | None) -> str | None:
     if cfg is None:
         return None
@@ -214,6 +281,8 @@ def run(args, report) -> None:
     shapes = {name: OPS[name] for name in names}
     shapes.update(dict(args.shape))
     gpu = gpu_visible()
+    if args.shared:
+        return run_shared(args, report, gemv, torch, shapes, gpu)
     device = "cuda" if gpu else "cpu"
     if not gpu:
         report.note("# no GPU: the kernel arm is gemv.linear_reference, no sweep")

@@ -25,6 +25,8 @@
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
+#   shared-tiles     bench gemv --shared: the fma products' verify row tiles (block_m 1, 2, 4; fewer columns a
+#                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   startup          a cold start (empty Triton cache: the server's kernel precompile beside its weight load)
@@ -129,6 +131,8 @@ main() {
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
                        --out "$OUT/spec_auto_qwen35.json" \
                        --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
+      shared-tiles) timeout 400 python3 -m bench gemv --shared --ops qwen3 qwen3.5 --rows 2,3,4,5 \
+                      --out "$OUT/bench_gemv_shared.json" ;;
       profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
