@@ -8,7 +8,9 @@ its start's kernels in parallel beside the weight load (fastqwen/serve/precompil
 the log is the row's "precompile"); --no-precompile starts it without (each kernel compiled as it
 is first launched). The row gives the time to ready as a client sees it and the server's own
 figure from its "ready" line (model load, the precompile's wait, memory plan, warmup and graph
-capture; the rest is Python start-up and imports). With --profile, one more
+capture; the rest is Python start-up and imports), and the kernels the start compiled ("compiled":
+seconds after its launch and name, one a cubin; the precompile's first, any after them the
+server's own). With --profile, one more
 start (warm cache) builds the server's state in a child process under cProfile: the functions that
 take the start-up's time, by cumulative seconds.
 """
@@ -27,6 +29,7 @@ from bench.serve import _env, _free_port, _server, _slots
 
 COLUMNS = [Column("start", width=6, left=True), Column("ready_s", "ready s", fmt="{:.1f}"),
            Column("server_s", "server s", fmt="{:.1f}"), Column("slots", width=6),
+           Column("kernels_compiled", "compiled", width=8),
            Column("error", width=30, left=True)]
 
 
@@ -71,6 +74,8 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
         cmd.append("--no-precompile")
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
+    before = {p for p in cache.rglob("*.cubin")}
+    launched = time.time()
     with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
         pass
     text = log.read_text()
@@ -78,7 +83,15 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
     kernels = re.search(r"fastqwen serve: (kernels? precompile.*)", text)
     return {"ready_s": ready, "server_s": float(found.group(1)) if found else None, "slots": _slots(log),
             "cache_files": sum(1 for p in cache.rglob("*") if p.is_file()),
-            "precompile": kernels.group(1).strip() if kernels else None}
+            "precompile": kernels.group(1).strip() if kernels else None,
+            "compiled": (compiled := compiled_since(cache, before, launched)), "kernels_compiled": len(compiled)}
+
+
+def compiled_since(cache: Path, before: set, launched: float) -> list:
+    """The kernels this start compiled, [seconds after its launch, kernel name], in time order: one
+    cubin each in Triton's cache. The precompile's come first; any after its last were the server's
+    own (a launch the precompile's capture did not foresee)."""
+    return sorted([round(p.stat().st_mtime - launched, 1), p.stem] for p in cache.rglob("*.cubin") if p not in before)
 
 
 def run(args, report) -> None:

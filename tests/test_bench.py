@@ -290,6 +290,28 @@ def test_startup_times_a_cold_then_a_warm_server_start(tmp_path, capsys, bench_c
     assert [r["start"] for r in doc["rows"]] == ["cold", "warm"]
     assert all("error" not in r and 0 < r["server_s"] < r["ready_s"] and r["slots"] == 2 for r in doc["rows"])
     assert all(r["precompile"] is None for r in doc["rows"])        # no GPU: nothing to precompile
+    assert all(r["compiled"] == [] and r["kernels_compiled"] == 0 for r in doc["rows"])    # nor anything compiled
+
+
+def test_startup_lists_the_kernels_a_start_compiled_in_time_order(tmp_path):
+    """The cubins a start added to the cache (not those it found), seconds after its launch, in time order."""
+    import os
+
+    from bench.startup import compiled_since
+
+    cache = tmp_path / "triton"
+    (cache / "a").mkdir(parents=True)
+    old = cache / "a" / "_found_kernel.cubin"
+    old.write_bytes(b"x")
+    before = set(cache.rglob("*.cubin"))
+    for folder, name, t in (("b", "_late_kernel", 30.0), ("c", "_early_kernel", 5.0), ("d", "_early_kernel", 6.5)):
+        (cache / folder).mkdir()
+        path = cache / folder / f"{name}.cubin"
+        path.write_bytes(b"x")
+        (cache / folder / f"{name}.json").write_text("{}")
+        os.utime(path, (1000.0 + t, 1000.0 + t))
+    assert compiled_since(cache, before, 1000.0) == [[5.0, "_early_kernel"], [6.5, "_early_kernel"],
+                                                     [30.0, "_late_kernel"]]
 
 
 # ---------------------------------------------------------------- gdn: plans and the best one
