@@ -298,7 +298,9 @@ class Qwen35Model:
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
         pos, table = rows_of(positions, T, self.block_table)
+        lengths = pos + 1
         shape = (B, T, self.cfg.hidden_size)
+        row_positions = [positions + j for j in range(T)]       # once a verify, not once a layer
 
         def gdn(i, h):
             slot = self.gdn_slot[i]
@@ -306,10 +308,10 @@ class Qwen35Model:
             def conv_after(j):
                 self._verify_conv[j, slot] = self.conv_state[slot, :B]
 
-            return self._gdn_verify(i, h, positions, conv_after)
+            return self._gdn_verify(i, h, row_positions, conv_after)
 
         def attention(i, h):
-            return self._attention_step(i, h.reshape(B * T, 1, -1), pos, pos + 1, table=table).view(shape)
+            return self._attention_step(i, h.reshape(B * T, 1, -1), pos, lengths, table=table).view(shape)
 
         with self.ops.planned_as(B):
             h = self._layers(tokens, gdn, attention, all_positions=True)
@@ -539,9 +541,9 @@ class Qwen35Model:
                                              self.w[p + "A_log"], self.w[p + "dt_bias"])
         return ops.linear(self._gdn_rule(i, x, z, g, beta, positions).reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
-    def _gdn_verify(self, i: int, h: torch.Tensor, positions: torch.Tensor, conv_after) -> torch.Tensor:
+    def _gdn_verify(self, i: int, h: torch.Tensor, row_positions: list, conv_after) -> torch.Tensor:
         """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), each row the decode step
-        at positions + j: where the layer's products keep each row's bits over more rows
+        at row_positions[j] ([B] int32): where the layer's products keep each row's bits over more rows
         (ops.rows_keep_bits), in_proj and out_proj once over all B T rows and the conv, gates and
         rule a row at a time; elsewhere a whole step a row. conv_after(j): keeps the conv state after row j."""
         p, ops = f"model.layers.{i}.linear_attn.", self.ops
@@ -551,7 +553,7 @@ class Qwen35Model:
         if not (ops.rows_keep_bits(B, w_in) and ops.rows_keep_bits(B, w_out)):
             outs = []
             for j in range(T):
-                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), positions + j))
+                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), row_positions[j]))
                 conv_after(j)
             return torch.cat(outs, dim=1)
         mixed, z, b, a = ops.linear_split(h.reshape(B * T, -1), w_in, self.in_proj_sizes)
@@ -563,7 +565,7 @@ class Qwen35Model:
             x, g, beta = ops.gdn_conv_gates_step(mixed[:, j], self.conv_state[slot, :B], conv_w, a[:, j], b[:, j],
                                                  self.w[p + "A_log"], self.w[p + "dt_bias"])
             conv_after(j)
-            rule.append(self._gdn_rule(i, x, z[j], g, beta, positions + j).reshape(B, -1))
+            rule.append(self._gdn_rule(i, x, z[j], g, beta, row_positions[j]).reshape(B, -1))
         return ops.linear(torch.stack(rule, dim=1), w_out)
 
     def _gdn_rule(self, i: int, x, z, g, beta, positions) -> torch.Tensor:
