@@ -29,6 +29,9 @@
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
+#   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
+#                     (Qwen3.5 with pages of 64) -> serve_qwen3.json / serve_qwen35.json
+#   serve-cap        128 requests of 1,024 + 256 under a 24 GiB cap, pages of 64 -> serve_qwen3_memory_cap.json
 #   startup          a cold start (empty Triton cache: the server's kernel precompile beside its weight load)
 #                     and a warm one, synthetic Qwen3.5-4B and Qwen3-4B -> startup_qwen35.json / startup_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
@@ -137,6 +140,13 @@ main() {
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
+      serve) timeout 560 python3 -m bench serve --model qwen3-4b --streams 1,16 --waves 2 --engine-reps 3 \
+               --out "$OUT/serve_qwen3.json" ;;
+      serve-q35) timeout 560 python3 -m bench serve --model qwen3.5-4b --streams 1,16 --waves 2 --engine-reps 3 \
+                   --block-size 64 --out "$OUT/serve_qwen35.json" ;;
+      serve-cap) timeout 560 python3 -m bench serve --model qwen3-4b --no-engine --streams 128 --max-batch 128 --waves 1 \
+                   --prompt-len 1024 --output-len 256 --max-model-len 1280 --block-size 64 --memory-gib 24 \
+                   --out "$OUT/serve_qwen3_memory_cap.json" ;;
       startup)
         for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
           timeout 280 python3 -m bench startup --model "${pair%%:*}" --out "$OUT/startup_${pair##*:}.json"
