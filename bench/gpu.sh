@@ -20,6 +20,8 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
+#   spec-dot          bench spec --one-row dot at one sequence (plain decode's products on the tensor cores, the
+#                     other design for batch 1), the oracle at 0.5 / 0.9 / 1, k = 3 and 4 -> spec_qwen3_one_row_dot.json
 #   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the attention's split count,
 #                     speculation's tokens), two pytest groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
@@ -122,6 +124,8 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" --k 3,4 \
                   --out "$OUT/spec_qwen35.json" ;;
+      spec-dot) timeout 400 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256,1x512x32 --one-row dot \
+                  --arms oracle:0.5,oracle:0.9,oracle:1 --k 3,4 --out "$OUT/spec_qwen3_one_row_dot.json" ;;
       spec-tests)
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k shared \
           > /tmp/pytest_spec_0.log 2>&1 &
