@@ -14,6 +14,8 @@
 #   kernels           the GPU kernel and engine tests (pytest -m gpu, file groups in parallel) -> pytest_gpu.log
 #   judge-public      the judge, official, the public workloads, synthetic Qwen3-4B -> judge_public.json/.png
 #   judge-public-q35  the same on a synthetic Qwen3.5-4B -> judge_public_q35.json/.png
+#   judge-spec, judge-spec-q35  the same with speculation "auto" (FASTQWEN_SPECULATION, the deployment's variable; the
+#                     report lists it among its engine switches) -> judge_spec_public[_q35].json/.png
 #   judge-ab, judge-ab-q35  the same with an earlier engine folder as a third, never-gated side in the
 #                     same run (--baseline .base/engine: carry .base, made here with
 #                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
@@ -117,6 +119,8 @@ main() {
       kernels) kernels ;;
       judge-public) judge public "$(checkpoint qwen3-4b)" ;;
       judge-public-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge public_q35 "$(checkpoint qwen3.5-4b)" ;;
+      judge-spec) FASTQWEN_SPECULATION=auto judge spec_public "$(checkpoint qwen3-4b)" ;;
+      judge-spec-q35) FASTQWEN_SPECULATION=auto FASTQWEN_QWEN35_SITE=$(q35_site) judge spec_public_q35 "$(checkpoint qwen3.5-4b)" ;;
       judge-ab) judge_ab public "$(checkpoint qwen3-4b)" ;;
       judge-ab-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge_ab public_q35 "$(checkpoint qwen3.5-4b)" ;;
       gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
