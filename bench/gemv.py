@@ -13,9 +13,9 @@ config for every M keeps a row's bits independent of the batch).
 
 --shared times instead the row tiles a speculative verify could give a product whose one-row config
 is the fma kernel (gemv.shared_rows): at each M, that config at block_m 1, 2 and 4 (1: every row a
-program of its own, side by side, re-reading the weights from L2) and, where the config has more
-columns a program than warps, with as many columns as warps (half the registers a row); each
-row's output against the one-row launch's bits (`same_bits`) and the engine's pick marked.
+program of its own, side by side, re-reading the weights from L2), each at the config's columns a
+program and at fewer (down to 2: fewer registers a row); each row's output against the one-row
+launch's bits (`same_bits`) and the engine's pick marked.
 
 Without a GPU the kernel arm is gemv.linear_reference (torch), one row per (op, M), no sweep, and
 --shared records the variants without timing them.
@@ -119,7 +119,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calls", type=positive_int, default=20, help="launches per graph (default 20)")
     parser.add_argument("--reps", type=positive_int, default=15, help="timed graph replays (default 15)")
     parser.add_argument("--shared", action="store_true",
-                        help="time the fma products' shared row tiles (block_m 1, 2, 4; fewer columns a program) "
+                        help="time the fma products' shared row tiles (block_m 1, 2, 4; 2 or more columns a program) "
                              "at each --rows, with each row's bits against the one-row launch")
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="no new sweep config after this many seconds; table configs and cuBLAS always run")
@@ -188,11 +188,16 @@ def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extr
 def shared_variants(gemv, one, m: int, silu: bool) -> list:
     """The shared row tiles to time for m rows of a product whose one-row config is `one` (fma):
     the engine's pick (gemv.shared_rows) first, then block_m 1, 2, 4 (no wider than m needs) at the
-    config's columns a program and, where that is more than its warps, at as many columns as warps
-    (the layout keeps a warp a column, so each lane's sums, and so the bits, should not move)."""
+    config's columns a program and at each halving of them down to 2. Fewer columns hold fewer
+    accumulators (at 4 rows of qkv's 8 x 256 block: 115 registers a thread at 8 columns, 72 at 4,
+    56 at 2; ptxas for sm_90) and should keep each column's bits: Triton lays the [block_n,
+    block_k] tile out with its warps and lanes along K for every block_n >= 2, so a column's sums
+    run in the same order."""
     out = [gemv.shared_rows(one, m, silu)]
     widths = [1] + [b for b in (2, 4) if b // 2 < m]
-    columns = [one.block_n] + ([one.num_warps] if one.num_warps < one.block_n else [])
+    columns = [one.block_n]
+    while columns[-1] > 2:
+        columns.append(columns[-1] // 2)
     for block_n in columns:
         for block_m in widths:
             cfg = dataclasses.replace(one, block_m=block_m, block_n=block_n)
