@@ -8,8 +8,9 @@ config, the slots of the server's settings, each bucket's step (and verifies) wi
 with cuBLAS for the decode products (the start's tuning picks per product; both are compiled),
 and the slots' warm prompt passes. Every launch's specialization is recorded as Triton's own
 launch path computes it, then compiled for the target into the cache (TRITON_CACHE_DIR or
---cache-dir) in worker processes, the longest kernels' first (on Triton 3.6, 16 threads spent 4.4x
-the compile time one process does, most likely on the compiler's Python front end: docs/SERVING.md). A launch the capture did not foresee compiles at the
+--cache-dir) in worker processes, the longest kernels' first (on Triton 3.6, 16 threads on a GPU
+machine summed 4.4x the compile time 2 threads do on a 2-core one, most likely waiting on the
+compiler's Python front end: docs/SERVING.md). A launch the capture did not foresee compiles at the
 start as before.
 
 Usage:
