@@ -206,24 +206,36 @@ def shared_variants(gemv, one, m: int, silu: bool) -> list:
     return out
 
 
+def _weights(torch, n: int, k: int, calls: int, device: str, gen) -> tuple[list, list]:
+    """Copies of an [n, k] bf16 weight (as many as keep the graph's reads out of L2, at most `calls`),
+    and the `calls` launches' weights cycling through them."""
+    weights = [torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(torch.bfloat16)
+               for _ in range(min(calls, copies(n * k * 2)))]
+    return weights, [weights[i % len(weights)] for i in range(calls)]
+
+
+def _launch_error(exc: Exception) -> str:
+    """A config that does not compile or launch, as its row's error."""
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
 def run_shared(args, report, gemv, torch, shapes: dict, gpu: bool) -> None:
     """--shared: see the module note."""
-    device = "cuda" if gpu else "cpu"
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0) if gpu else None
     for op, (n, k, silu) in shapes.items():
         one = table_config(gemv, n, k, silu, 1, args.exact_decode)
         if one.mode != "fma":
             report.note(f"# {op}: its one-row config is {one.mode}, not fma: no shared tiles")
             continue
         cols, nbytes = (n // 2 if silu else n), n * k * 2
-        weights = [torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(torch.bfloat16)
-                   for _ in range(min(args.calls, copies(nbytes)))] if gpu else []
-        calls = [weights[i % len(weights)] for i in range(args.calls)] if gpu else []
+        weights, calls = _weights(torch, n, k, args.calls, "cuda", gen) if gpu else ([], [])
         launch = gemv.linear_silu_mul if silu else gemv.linear
         for m in args.rows:
-            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16) if gpu else None
-            want = torch.cat([launch(x[j:j + 1].contiguous(), weights[0], config=one) for j in range(m)]) if gpu else None
-            out = torch.empty(m, cols, device=device, dtype=torch.bfloat16) if gpu else None
+            if gpu:
+                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+                want = torch.cat([launch(x[j:j + 1].contiguous(), weights[0], config=one) for j in range(m)])
+                out = torch.empty(m, cols, device="cuda", dtype=torch.bfloat16)
             for i, cfg in enumerate(shared_variants(gemv, one, m, silu)):
                 row = {"kind": "shared", "op": op, "n": n, "k": k, "silu_mul": silu, "rows": m, "impl": "gemv",
                        "config": dataclasses.asdict(cfg), "config_text": None, "engine": i == 0, "us": None,
@@ -238,7 +250,7 @@ def run_shared(args, report, gemv, torch, shapes: dict, gpu: bool) -> None:
                         row["us"] = time_graph(fn, calls, args.reps)
                         row["tbps"] = nbytes / row["us"] / 1e6
                     except Exception as exc:   # noqa: BLE001 - a config that does not compile or launch is data
-                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                        row["error"] = _launch_error(exc)
                         torch.cuda.synchronize()
                 report.add(row)
         del weights, calls
@@ -296,9 +308,7 @@ def run(args, report) -> None:
     for op, (n, k, silu) in shapes.items():
         cols = n // 2 if silu else n
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(torch.bfloat16)
-                   for _ in range(min(args.calls, copies(nbytes)))]
-        calls = [weights[i % len(weights)] for i in range(args.calls)]
+        weights, calls = _weights(torch, n, k, args.calls, device, gen)
         for m in args.rows:
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, cols, device=device, dtype=torch.bfloat16)
@@ -350,8 +360,7 @@ def run(args, report) -> None:
                         row["tbps"] = nbytes / row["us"] / 1e6
                         row["vs_cublas"] = row["us"] / cublas_us
                 except Exception as exc:   # noqa: BLE001 - a config that does not compile or launch is data
-                    text = str(exc).splitlines()[0][:300] if str(exc) else ""
-                    row["error"] = f"{type(exc).__name__}: {text}"
+                    row["error"] = _launch_error(exc)
                     if gpu:
                         torch.cuda.synchronize()
                 report.add(row, show=row["error"] is None or i == 0)

@@ -74,7 +74,7 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
         cmd.append("--no-precompile")
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
-    before = {p for p in cache.rglob("*.cubin")}
+    before = set(cache.rglob("*.cubin"))
     launched = time.time()
     with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
         pass
