@@ -419,6 +419,8 @@ def test_report_shows_the_engines_speculation_per_workload():
 
     report = _rendered_report()
     assert not any(line.startswith("speculation") for line in format_table(report).splitlines())
+    report["results"][0]["engine"]["speculation"] = {"mode": "off", "k": 0, "verify_steps": 0, "plain_steps": 0}
+    assert not any(line.startswith("speculation") for line in format_table(report).splitlines())
     report["results"][0]["engine"]["speculation"] = {
         "mode": "auto", "k": 4, "acceptance": 0.5, "tokens_per_verify": 2.25, "verify_steps": 12,
         "width_steps": {"4": 10, "1": 2}, "plain_steps": 30, "draft_ms": 0.05, "verify_ms": 3.1, "plain_ms": 2.5}

@@ -140,7 +140,7 @@ def speculation_lines(report: dict) -> list[str]:
     lines = []
     for r in report["results"]:
         st = (r.get("engine") or {}).get("speculation")
-        if not st:
+        if not st or st.get("mode") == "off":     # an engine that reports its figures with speculation off
             continue
         by_width = sorted((st.get("width_steps") or {}).items(), key=lambda item: int(item[0]))
         widths = " ".join(f"{w}:{n}" for w, n in by_width)
