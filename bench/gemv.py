@@ -185,7 +185,7 @@ def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extr
     return out
 
 
-def shared_variants(gemv, one, m: int, silu: bool) -> list:
+def shared_variants(gemv, one, m: int, silu: bool, n: int) -> list:
     """The shared row tiles to time for m rows of a product whose one-row config is `one` (fma):
     the engine's pick (gemv.shared_rows) first, then block_m 1, 2, 4 (no wider than m needs) at the
     config's columns a program and at each halving of them down to 2. Fewer columns hold fewer
@@ -193,7 +193,7 @@ def shared_variants(gemv, one, m: int, silu: bool) -> list:
     56 at 2; ptxas for sm_90) and should keep each column's bits: Triton lays the [block_n,
     block_k] tile out with its warps and lanes along K for every block_n >= 2, so a column's sums
     run in the same order."""
-    out = [gemv.shared_rows(one, m, silu)]
+    out = [gemv.shared_rows(one, m, silu, n=n)]
     widths = [1] + [b for b in (2, 4) if b // 2 < m]
     columns = [one.block_n]
     while columns[-1] > 2:
@@ -236,7 +236,7 @@ def run_shared(args, report, gemv, torch, shapes: dict, gpu: bool) -> None:
                 x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
                 want = torch.cat([launch(x[j:j + 1].contiguous(), weights[0], config=one) for j in range(m)])
                 out = torch.empty(m, cols, device="cuda", dtype=torch.bfloat16)
-            for i, cfg in enumerate(shared_variants(gemv, one, m, silu)):
+            for i, cfg in enumerate(shared_variants(gemv, one, m, silu, n)):
                 row = {"kind": "shared", "op": op, "n": n, "k": k, "silu_mul": silu, "rows": m, "impl": "gemv",
                        "config": dataclasses.asdict(cfg), "config_text": None, "engine": i == 0, "us": None,
                        "tbps": None, "same_bits": None, "error": None if gpu else "no GPU: not run"}

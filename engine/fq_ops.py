@@ -307,7 +307,7 @@ class TritonOps(TorchOps):
         if not self._on_gemv(silu, planned, w):
             return None
         config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode)
-        return self._gemv.shared_rows(config, rows, silu) if rows > planned else config
+        return self._gemv.shared_rows(config, rows, silu, n=w.shape[0]) if rows > planned else config
 
     def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
         """Our GEMV's rows do not depend on the row count (its contract); cuBLAS's do."""

@@ -299,25 +299,47 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: 
 # fp32 registers a thread may give the fma kernel's accumulators and its weight block(s) when
 # shared_rows widens a row tile (a thread has 255; the rest holds addresses and x).
 FMA_SHARED_REGS = 192
+# The columns a program of a shared fma tile: fewer accumulators a thread, so more programs an SM
+# keep loads in flight. Not below 4: at 2 columns and block_k 256 Triton lays the tile out
+# differently and a column's sums change order (docs/PERFORMANCE.md, "shared row tiles").
+FMA_SHARED_COLUMNS = 4
+# A product at least this wide (a vocabulary) keeps its columns and widens its row tile instead:
+# its weights, far larger than L2, are then read once, not once a 2-row tile.
+VOCAB_COLUMNS = 65536
 
 
-def shared_rows(config: GemvConfig, rows: int, silu_mul: bool = False) -> GemvConfig:
-    """`config` with its row tile widened toward `rows` rows, so the tile's rows share each weight
-    load: a speculative verify's B (k + 1) rows, planned as the B-row step, read the weights once
-    or twice, not once a tile of the step's rows. fma: block_m 2 or 4 where the accumulators fit
-    FMA_SHARED_REGS; every row's code in the fma kernel is the same at any block_m, so each row
-    keeps its bits. Tensor-core modes: block_m 32 or 64, the narrowest that holds every row, where
-    the tiles of its stages fit DOT_SHARED_SMEM (fewer stages where that makes them fit: the
-    pipeline's depth, not the sums' order); an MMA never mixes rows and K is walked in the same
-    blocks, so each row keeps its bits (a GPU test over every product's 4- and 16-row configs)."""
+def shared_rows(config: GemvConfig, rows: int, silu_mul: bool = False, n: int = 0) -> GemvConfig:
+    """`config` (the one-row or B-row step's, for a weight of n output rows) with its row tile
+    widened toward `rows` rows, so the tile's rows share each weight load: a speculative verify's
+    B (k + 1) rows, planned as the B-row step.
+    fma (the one-row step's kernel): tiles of 2 rows at FMA_SHARED_COLUMNS columns a program; a
+    vocabulary-wide product keeps its columns and takes block_m 2 or 4 where the accumulators fit
+    FMA_SHARED_REGS. Every row's code in the fma kernel is the same at any block_m, and a column's
+    sums keep their order at 4 or more columns, so each row keeps its bits.
+    Tensor-core modes: block_m 32 or 64, the narrowest that holds every row, where the tiles of its
+    stages fit DOT_SHARED_SMEM (fewer stages where that makes them fit: the pipeline's depth, not
+    the sums' order); an MMA never mixes rows and K is walked in the same blocks, so each row keeps
+    its bits. GPU tests check every product's widened configs against its one-row or B-row launch."""
     if config.mode != "fma":
         return _shared_dot_rows(config, rows, silu_mul)
-    per_block = config.block_n * config.block_k // (32 * config.num_warps) * (2 if silu_mul else 1)
+    if rows < 2 or config.block_m != 1:
+        return config
+    if n < VOCAB_COLUMNS:
+        narrow = dataclasses.replace(config, block_m=2, block_n=min(config.block_n, FMA_SHARED_COLUMNS))
+        return narrow if _fma_registers(narrow, silu_mul) <= FMA_SHARED_REGS else config
     block_m = config.block_m
     for wider in _FMA_BLOCK_M:
-        if block_m < wider and (wider // 2) < rows and per_block * (wider + 1) <= FMA_SHARED_REGS:
+        if block_m < wider and (wider // 2) < rows and _fma_registers(
+                dataclasses.replace(config, block_m=wider), silu_mul) <= FMA_SHARED_REGS:
             block_m = wider
     return dataclasses.replace(config, block_m=block_m) if block_m != config.block_m else config
+
+
+def _fma_registers(config: GemvConfig, silu_mul: bool) -> int:
+    """fp32 registers a thread holds for an fma tile: a weight block (two with SiLU) and a row of
+    accumulators per block row."""
+    per_block = config.block_n * config.block_k // (32 * config.num_warps) * (2 if silu_mul else 1)
+    return per_block * (config.block_m + 1)
 
 
 # Shared memory a widened tensor-core tile's stages may take (its x and weight tiles in bf16); an

@@ -11,6 +11,7 @@ Which tests run where:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
@@ -261,14 +262,31 @@ def test_exact_decode_puts_every_4b_product_in_order():
                 assert gemv.in_order(cfg) or (not exact and name == "down"), (name, rows, cfg)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+def test_shared_rows_narrows_an_fma_tile_to_two_rows_of_four_columns(rows):
+    """A verify's rows on the one-row step's fma config: 2-row tiles of at most 4 columns a program
+    (no fewer: at 2 columns and block_k 256 a column's sums change order); one row keeps the config."""
+    for block_n, block_k in ((8, 256), (16, 256), (4, 512), (8, 1024)):
+        one = GemvConfig(block_n=block_n, block_k=block_k, mode="fma", block_m=1)
+        got = gemv.shared_rows(one, rows, n=6144)
+        want = one if rows == 1 else dataclasses.replace(one, block_m=2, block_n=min(block_n, 4))
+        assert got == want, (block_n, block_k, got)
+        assert gemv.shared_rows(one, rows, silu_mul=True, n=6144) == want
+    two = GemvConfig(block_n=8, block_k=256, mode="fma", block_m=2)      # already a row tile: kept
+    assert gemv.shared_rows(two, rows, n=6144) == two
+
+
 @pytest.mark.parametrize("rows,block_m", [(1, 1), (2, 2), (3, 4), (5, 4), (64, 4)])
-def test_shared_rows_widens_an_fma_tile_within_its_registers(rows, block_m):
+def test_shared_rows_widens_a_vocabulary_fma_tile_within_its_registers(rows, block_m):
+    """An LM head (n >= VOCAB_COLUMNS) keeps its columns and widens its row tile, reading its
+    weights once, as far as the accumulators fit FMA_SHARED_REGS."""
+    vocab = gemv.VOCAB_COLUMNS
     small = GemvConfig(block_n=8, block_k=256, mode="fma", block_m=1)       # 16 fp32 a thread a block
-    assert gemv.shared_rows(small, rows).block_m == block_m
-    assert gemv.shared_rows(small, rows).block_n == 8 and gemv.shared_rows(small, rows).block_k == 256
+    assert gemv.shared_rows(small, rows, n=vocab).block_m == block_m
+    assert gemv.shared_rows(small, rows, n=vocab).block_n == 8 and gemv.shared_rows(small, rows, n=vocab).block_k == 256
     big = GemvConfig(block_n=16, block_k=512, mode="fma", block_m=1)        # 64 a block: 2 rows fit, 4 do not
-    assert gemv.shared_rows(big, rows).block_m == min(block_m, 2)
-    assert gemv.shared_rows(big, rows, silu_mul=True).block_m == 1         # gate and up blocks: 128 a row
+    assert gemv.shared_rows(big, rows, n=vocab).block_m == min(block_m, 2)
+    assert gemv.shared_rows(big, rows, silu_mul=True, n=vocab).block_m == 1  # gate and up blocks: 128 a row
     tiles = GemvConfig(block_n=64, block_k=256, mode="dot_t")
     assert gemv.shared_rows(tiles, rows).block_m == (16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 16)
 
@@ -662,7 +680,7 @@ def test_gpu_shared_rows_give_each_row_its_one_row_bits(name, shape, silu, rows)
     n, k = shape
     fn = linear_silu_mul if silu else linear
     one = select_config(n, k, silu, 1)
-    wide = gemv.shared_rows(one, rows, silu)
+    wide = gemv.shared_rows(one, rows, silu, n=n)
     x, w = _gpu_inputs(rows, n, k, seed=rows)
     got = fn(x, w, config=wide)
     for r in range(rows):
@@ -685,7 +703,7 @@ def test_gpu_shared_tensor_core_rows_give_each_row_the_planned_steps_bits(name, 
     n, k = shape
     fn = linear_silu_mul if silu else linear
     step = select_config(n, k, silu, planned)
-    wide = gemv.shared_rows(step, rows, silu)
+    wide = gemv.shared_rows(step, rows, silu, n=n)
     x, w = _gpu_inputs(rows, n, k, seed=rows)
     got = fn(x, w, config=wide)
     for r0 in range(0, rows, planned):
