@@ -36,8 +36,9 @@
 #   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
 #                     (Qwen3.5 with pages of 64) -> serve_qwen3.json / serve_qwen35.json
 #   serve-cap        128 requests of 1,024 + 256 under a 24 GiB cap, pages of 64 -> serve_qwen3_memory_cap.json
-#   startup          a cold start (empty Triton cache: the server's kernel precompile beside its weight load)
-#                     and a warm one, synthetic Qwen3.5-4B and Qwen3-4B -> startup_qwen35.json / startup_qwen3.json
+#   startup          a cold start (empty Triton cache: the server's kernel precompile beside its weight load),
+#                     a warm one, one on a cache built with the GPU hidden (the README's image build) and a
+#                     profiled one, synthetic Qwen3.5-4B and Qwen3-4B -> startup_qwen35.json / startup_qwen3.json
 #   fidelity          which op moves the logits, synthetic Qwen3-4B -> fidelity_qwen3.json
 #   fidelity-q35      the same on a synthetic Qwen3.5-4B -> fidelity_qwen35.json
 # Any other argument runs as a command (bash -c), e.g. a `python3 -m bench ENTRY ... --out $OUT/FILE.json`.
@@ -157,7 +158,8 @@ main() {
                    --out "$OUT/serve_qwen3_memory_cap.json" ;;
       startup)
         for pair in qwen3.5-4b:qwen35 qwen3-4b:qwen3; do
-          timeout 280 python3 -m bench startup --model "${pair%%:*}" --out "$OUT/startup_${pair##*:}.json"
+          timeout 290 python3 -m bench startup --model "${pair%%:*}" --image-build --profile \
+            --out "$OUT/startup_${pair##*:}.json"
         done ;;
       fidelity) timeout 560 python3 -m bench fidelity --model qwen3-4b --out "$OUT/fidelity_qwen3.json" ;;
       fidelity-q35) FASTQWEN_QWEN35_SITE=$(q35_site) timeout 560 python3 -m bench fidelity --model qwen3.5-4b \

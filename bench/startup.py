@@ -10,7 +10,9 @@ is first launched). The row gives the time to ready as a client sees it and the 
 figure from its "ready" line (model load, the precompile's wait, memory plan, warmup and graph
 capture; the rest is Python start-up and imports), and the kernels the start compiled ("compiled":
 seconds after its launch and name, one a cubin; the precompile's first, any after them the
-server's own). With --profile, one more
+server's own). With --image-build, one more start on a cache filled as an image build does it
+(scripts/precompile.py with no GPU visible, --target sm_90): whether a GPU start finds that cache
+and its stamp. With --profile, one more
 start (warm cache) builds the server's state in a child process under cProfile: the functions that
 take the start-up's time, by cumulative seconds.
 """
@@ -41,6 +43,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--server-timeout-s", type=positive_int, default=300,
                         help="for the server to answer /health (default 300)")
     parser.add_argument("--profile", action="store_true", help="one more warm start under cProfile")
+    parser.add_argument("--image-build", action="store_true",
+                        help="one more start on a fresh cache that scripts/precompile.py filled with the GPU hidden "
+                        "(--target sm_90, as an image build without a GPU does): the row 'image', its build_s apart")
     parser.add_argument("--no-precompile", action="store_true",
                         help="the server started with --no-precompile (each kernel compiled as it is first launched)")
 
@@ -94,6 +99,26 @@ def compiled_since(cache: Path, before: set, launched: float) -> list:
     return sorted([round(p.stat().st_mtime - launched, 1), p.stem] for p in cache.rglob("*.cubin") if p not in before)
 
 
+def _image_start(model_dir: Path, args, tmp: Path) -> dict:
+    """A fresh cache filled as the README's image build does (no GPU visible), then a start on it."""
+    cache = tmp / "image_triton"
+    cache.mkdir()
+    env = _env()
+    env.update(TRITON_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(REPO / "scripts" / "precompile.py"), "--model", str(model_dir), "--max-batch",
+           str(args.max_batch), "--max-model-len", str(args.max_model_len), "--target", "sm_90"]
+    began = time.monotonic()
+    built = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.server_timeout_s)
+    row = {"start": "image", "model": str(model_dir), "build_s": round(time.monotonic() - began, 1),
+           "build": [line for line in built.stdout.splitlines() if line.startswith(("captured", "compiled", "stamp"))]}
+    if built.returncode != 0:
+        return row | {"error": f"the image build exited {built.returncode}: {(built.stderr or built.stdout)[-1500:]}"}
+    try:
+        return row | _start(model_dir, args, cache, tmp / "server_image.log")
+    except BenchError as exc:
+        return row | {"error": str(exc)[-2000:]}
+
+
 def run(args, report) -> None:
     from bench import runner
 
@@ -111,6 +136,8 @@ def run(args, report) -> None:
                 report.add({"start": start, "error": str(exc)[-2000:]})
                 continue
             report.add({"start": start, "model": str(model_dir), **row})
+        if args.image_build:
+            report.add(_image_start(model_dir, args, Path(tmp)))
         if args.profile:
             out = Path(tmp) / "profile.json"
             env = _env()

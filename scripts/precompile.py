@@ -103,6 +103,16 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
     return list(recorder.specs.values()), problems
 
 
+def precompile_stamp(model_dir: pathlib.Path, args, cache: pathlib.Path, target) -> pathlib.Path:
+    """Where the server looks for this precompile's stamp (fastqwen/serve/precompile.py): the
+    settings resolved as the server resolves its own."""
+    from fastqwen.serve import precompile
+
+    resolved = precompile.command(str(model_dir), args.max_batch, args.max_model_len, args.block_size or None,
+                                  args.speculation, args.speculative_tokens)[4:]
+    return precompile.stamp_path(cache, str(model_dir), resolved, triton.__version__, target.arch)
+
+
 def longest_first(specs: list) -> list:
     """The specs in the order to compile them: the longest kernel sources first (the exact GDN step's
     take 10-18 s each, most others under a second), so no long one starts last."""
@@ -159,6 +169,12 @@ def main(argv=None) -> int:
         failed = [s for s in specs if not s.ok]
         print(f"compiled {len(specs) - len(failed)}/{len(specs)} into {cache_dir} in {compile_s:.1f} s wall "
               f"({sum(s.seconds for s in specs):.1f} s of compiles, {jobs} processes)")
+        if not failed and not problems:
+            stamp = precompile_stamp(model_dir, args, pathlib.Path(cache_dir), target)
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(json.dumps({"triton": triton.__version__, "target": str(target), "specializations": len(specs),
+                                         "settings": sys.argv[1:] if argv is None else list(argv)}, indent=1))
+            print(f"stamp {stamp}: a server start of these settings skips its precompile")
         if args.check:
             def files():
                 return sum(1 for p in pathlib.Path(cache_dir).rglob("*") if p.is_file())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -291,6 +292,18 @@ def test_startup_times_a_cold_then_a_warm_server_start(tmp_path, capsys, bench_c
     assert all("error" not in r and 0 < r["server_s"] < r["ready_s"] and r["slots"] == 2 for r in doc["rows"])
     assert all(r["precompile"] is None for r in doc["rows"])        # no GPU: nothing to precompile
     assert all(r["compiled"] == [] and r["kernels_compiled"] == 0 for r in doc["rows"])    # nor anything compiled
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter compiles nothing")
+def test_startup_image_build_fills_a_fresh_cache_without_a_gpu_then_starts_on_it(tmp_path, capsys, bench_cache):
+    """--image-build: scripts/precompile.py with no GPU visible (--target sm_90) fills a cache and
+    stamps it, then a server starts on that cache (here, without a GPU, it compiles nothing)."""
+    doc = run_entry(["startup", "--model", "tiny", "--max-model-len", "64", "--max-batch", "2", "--warm-starts", "1",
+                     "--image-build"], tmp_path, capsys)
+    image = doc["rows"][-1]
+    assert image["start"] == "image" and "error" not in image and image["slots"] == 2, image
+    assert image["build_s"] > 0 and any(line.startswith("stamp ") for line in image["build"])
+    assert any(line.startswith("compiled ") and "/" in line for line in image["build"])
 
 
 def test_startup_lists_the_kernels_a_start_compiled_in_time_order(tmp_path):

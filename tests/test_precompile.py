@@ -67,6 +67,15 @@ def test_the_tiny_qwen3s_start_compiles_into_the_cache_triton_itself_looks_in(tm
     assert specs and all(s["ok"] for s in specs)
     assert sum(1 for p in cache.rglob("*.cubin")) == len(specs)      # one binary a specialization
     assert "check: Triton's own launch path added 0 cache file(s)" in proc.stdout
+    # every kernel compiled: the stamp a server start of these settings on sm_90 looks for
+    import triton
+
+    from fastqwen.serve import precompile
+
+    settings = precompile.command(str(model), 2, 256, None, "off", 4)[4:]
+    stamp = precompile.stamp_path(cache, str(model), settings, triton.__version__, 90)
+    assert stamp.is_file() and f"stamp {stamp}" in proc.stdout
+    assert json.loads(stamp.read_text())["specializations"] == len(specs)
 
 
 def test_the_check_sees_a_launch_path_that_finds_nothing(tmp_path):

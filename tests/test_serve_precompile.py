@@ -40,6 +40,65 @@ def test_the_command_is_the_servers_settings(tiny_model, monkeypatch):
     assert precompile.command(m, 8, 512, 0, None, None)[-3] == "off"
 
 
+def _on_sm90(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+
+def test_a_start_that_finds_its_stamp_runs_no_precompile(tiny_model, tmp_path, monkeypatch):
+    """The stamp a finished precompile leaves in the cache: a start of the same settings runs no
+    subprocess; one of other settings runs its own."""
+    import triton
+
+    _on_sm90(monkeypatch)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "print('captured 1 specializations')\n"))
+    m = str(tiny_model)
+    stamp = precompile.stamp_path(precompile.cache_dir(), m, precompile.command(m, 2, 128, None, "off", 4)[4:],
+                                  triton.__version__, 90)
+    stamp.parent.mkdir(parents=True)
+    stamp.write_text("{}")
+    found = precompile.Precompile.start(m, 2, 128, None, "off", 4)
+    assert found.proc is None and found.wait() == f"kernels precompiled already (stamp {stamp})"
+    other = precompile.Precompile.start(m, 4, 128, None, "off", 4)
+    assert other.proc is not None and other.wait().startswith("kernels precompiled in ")
+
+
+def test_the_stamp_names_everything_the_kernels_depend_on(tiny_model, tmp_path, monkeypatch):
+    """Another value of any input gives another stamp: the settings, Triton's version, the
+    architecture, an engine variable, the checkpoint's config, an engine source's text."""
+    m, cache = str(tiny_model), tmp_path / "cache"
+    source = tmp_path / "engine" / "fq_x.py"
+    source.parent.mkdir()
+    source.write_text("A = 1\n")
+    monkeypatch.setattr(precompile, "SCRIPT", tmp_path / "scripts" / "precompile.py")
+    monkeypatch.setattr(precompile, "sources", lambda: [source])
+    monkeypatch.delenv("FASTQWEN_NO_PDL", raising=False)
+    settings = precompile.command(m, 2, 128, None, "off", 4)[4:]
+
+    def name(**change):
+        args = {"settings": settings, "triton_version": "3.6.0", "arch": 90} | change
+        return precompile.stamp_path(cache, m, **args).name
+
+    first = name()
+    assert name() == first and precompile.stamp_path(cache, m, settings, "3.6.0", 90).parent == cache / "fastqwen-precompiled"
+    others = [name(settings=precompile.command(m, 3, 128, None, "off", 4)[4:]), name(triton_version="3.1.0"),
+              name(arch=100)]
+    monkeypatch.setenv("FASTQWEN_NO_PDL", "1")
+    others.append(name())
+    monkeypatch.delenv("FASTQWEN_NO_PDL")
+    source.write_text("A = 2\n")
+    others.append(name())
+    source.write_text("A = 1\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((tiny_model / "config.json").read_text() + " ")
+    others.append(precompile.stamp_path(cache, str(model), settings, "3.6.0", 90).name)
+    assert name() == first and len(set(others)) == len(others) and first not in others
+
+
 def test_an_unreadable_config_leaves_the_error_to_the_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(precompile, "wanted", lambda: True)
     assert precompile.Precompile.start(str(tmp_path), 1, 64, None, None, None) is None
@@ -61,7 +120,8 @@ def test_the_server_waits_for_it_before_its_slots(tiny_model, tmp_path, monkeypa
                                  "print('captured 3 specializations of 2 kernels in 0.1 s')\n"
                                  "print('compiled 3/3 into /c in 0.9 s wall (1.8 s of compiles, 2 threads)')\n")
     monkeypatch.setattr(precompile, "SCRIPT", script)
-    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    _on_sm90(monkeypatch)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     engine_cls = app._engine_module().Engine
     plan = engine_cls.plan_slots
     seen = []
