@@ -19,6 +19,7 @@ take the start-up's time, by cumulative seconds.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--image-build", action="store_true",
                         help="one more start on a fresh cache that scripts/precompile.py filled with the GPU hidden "
                         "(--target sm_90, as an image build without a GPU does): the row 'image', its build_s apart")
+    parser.add_argument("--launches", action="store_true",
+                        help="one more warm start that logs each kernel's first launch in the server's process "
+                        "(its name and Triton's specialization key): the row 'launches', to set beside the "
+                        "precompile's capture")
     parser.add_argument("--no-precompile", action="store_true",
                         help="the server started with --no-precompile (each kernel compiled as it is first launched)")
 
@@ -71,7 +76,7 @@ def profile_child(model_dir: str, max_batch: int, max_model_len: int, out: str, 
                                      "top": [{"cum_s": c, "tot_s": t, "calls": n, "fn": f} for c, t, n, f in rows]}))
 
 
-def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
+def _start(model_dir: Path, args, cache: Path, log: Path, extra_env: dict | None = None) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "fastqwen.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len)]
@@ -79,6 +84,11 @@ def _start(model_dir: Path, args, cache: Path, log: Path) -> dict:
         cmd.append("--no-precompile")
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
+    if extra_env:
+        extra = dict(extra_env)
+        if "PYTHONPATH" in extra:     # in front of the serving libraries' path _env() set
+            extra["PYTHONPATH"] = os.pathsep.join(p for p in [extra["PYTHONPATH"], env.get("PYTHONPATH", "")] if p)
+        env.update(extra)
     before = set(cache.rglob("*.cubin"))
     launched = time.time()
     with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
@@ -119,6 +129,40 @@ def _image_start(model_dir: Path, args, tmp: Path) -> dict:
         return row | {"error": str(exc)[-2000:]}
 
 
+# A sitecustomize for the --launches start: Triton's launch hook (3.4+: knobs.runtime.jit_cache_hook;
+# 3.1: JITFunction.cache_hook) appends each first launch's kernel and key to a file of its process.
+LAUNCH_HOOK = """
+import json, os
+if os.environ.get("BENCH_LAUNCH_LOG"):
+    import triton
+    from triton.runtime.jit import JITFunction
+    _log = open(os.environ["BENCH_LAUNCH_LOG"] + "." + str(os.getpid()), "a")
+    def _hook(*, key, repr, fn, **_):
+        _log.write(json.dumps([getattr(fn, "name", str(fn)), str(key)]) + "\\n")
+        _log.flush()
+        return False
+    if hasattr(triton, "knobs"):
+        triton.knobs.runtime.jit_cache_hook = _hook
+    else:
+        JITFunction.cache_hook = _hook
+"""
+
+
+def _launches_start(model_dir: Path, args, cache: Path, tmp: Path) -> dict:
+    """A warm start with LAUNCH_HOOK: every kernel specialization the server's process launched."""
+    hook = tmp / "launch_hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LAUNCH_HOOK)
+    log = tmp / "launches"
+    env = {"BENCH_LAUNCH_LOG": str(log), "PYTHONPATH": str(hook)}
+    try:
+        row = _start(model_dir, args, cache, tmp / "server_launches.log", extra_env=env)
+    except BenchError as exc:
+        return {"start": "launches", "error": str(exc)[-2000:]}
+    seen = [json.loads(line) for path in sorted(tmp.glob("launches.*")) for line in path.read_text().splitlines()]
+    return {"start": "launches", "model": str(model_dir), **row, "launches": len(seen), "launched": seen}
+
+
 def run(args, report) -> None:
     from bench import runner
 
@@ -138,6 +182,8 @@ def run(args, report) -> None:
             report.add({"start": start, "model": str(model_dir), **row})
         if args.image_build:
             report.add(_image_start(model_dir, args, Path(tmp)))
+        if args.launches:
+            report.add(_launches_start(model_dir, args, cache, Path(tmp)))
         if args.profile:
             out = Path(tmp) / "profile.json"
             env = _env()
