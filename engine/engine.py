@@ -43,8 +43,8 @@ from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
-from fq_spec import (AutoPolicy, OracleDrafter, SpecState, SpecStats, make_drafter, marks_ms, parse_speculation,
-                     verify_observed, verify_widths)
+from fq_spec import (AutoPolicy, OracleDrafter, PromptLookup, SpecState, SpecStats, make_drafter, marks_ms,
+                     parse_speculation, verify_observed, verify_widths)
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl
 
@@ -477,19 +477,18 @@ class Engine:
                 first = self._prefill(dev_ids)
                 runner.state.start(dev_ids, first, steps)
                 self._drafter.start(runner.state, prompt, steps)
+                # "auto": prompt lookup on the host over each sequence, indexed while the device
+                # runs the prompt pass; it checks what a plain step's draft would have been
+                lookups = [PromptLookup(p) for p in ids.tolist()] if spec.mode == "auto" else None
                 first = first.tolist()
             yield first
             policy = None
             if spec.mode == "auto":
                 costs = runner.costs
                 policy = AutoPolicy({w: costs["draft_ms"] + costs[f"verify{w}_ms"] for w in runner.widths},
-                                    costs["plain_ms"])
-                # each sequence's tokens so far, as the host has read them: prompt lookup drafts more
-                # than padding only where the last one occurred before
-                seen = [set(p) for p in ids.tolist()]
-                for b, t in enumerate(first):
-                    seen[b].add(t)
-                found = [False] * batch
+                                    costs["plain_ms"], shadow=True)
+                for lookup, t in zip(lookups, first):
+                    lookup.extend([t])
             out = [[t] for t in first]
             runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
@@ -500,7 +499,7 @@ class Engine:
                 # the queued one emits (some sequence needs more than a step can give)
                 most = (queue[-1][0] + 1) if queue else spec.k + 1
                 if not queue or (len(queue) < 2 and max(remaining) > most):
-                    width = spec.k if policy is None else policy.next_width(any(found))
+                    width = spec.k if policy is None else policy.next_width()
                     with torch.inference_mode():
                         picks, emit = runner.verify(width) if width else runner.plain()
                         packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
@@ -514,9 +513,14 @@ class Engine:
                 if policy is not None:         # the step's own device time (its events are done)
                     policy.observe_cost(width, marks_ms(marks))
                 rows = host.tolist()
-                drafted = accepted = rejected = 0
+                drafted = accepted = rejected = right = wrong = 0
                 for b, row in enumerate(rows):
                     emit = row[-1]
+                    if emit and lookups is not None:
+                        if not width:      # the draft prompt lookup would have made, against the pick
+                            hit = lookups[b].draft(1)[0] == row[0]
+                            right, wrong = right + hit, wrong + (not hit)
+                        lookups[b].extend(row[:emit])
                     if emit:
                         if width:       # drafts count where a sequence had room for them
                             drafted += min(width, remaining[b] - 1)
@@ -524,10 +528,6 @@ class Engine:
                             rejected += verify_observed(emit, width, remaining[b])[1]
                             stats.verified_rows += 1
                             stats.emitted += emit
-                        if policy is not None:
-                            seen[b].update(row[:emit - 1])
-                            found[b] = row[emit - 1] in seen[b]
-                            seen[b].add(row[emit - 1])
                         out[b].extend(row[:emit])
                         remaining[b] -= emit
                 if width:
@@ -539,6 +539,8 @@ class Engine:
                         policy.observe_verify(accepted, rejected)
                 else:
                     stats.plain_steps += 1
+                    if policy is not None:
+                        policy.observe_shadow(right, wrong)
                 while done < steps and all(len(seq) > done for seq in out):
                     yield [seq[done] for seq in out]
                     done += 1

@@ -730,7 +730,8 @@ class Slots:
         """Speculation "auto" for these slots (fq_spec.AutoPolicy): each bucket's plain step and
         verifies timed now (before any request is admitted: the steps write the rows' caches);
         policy.next_width(running) says the next step of that many requests: a verify of that
-        many drafts, or 0 for a plain step."""
+        many drafts, or 0 for a plain step; the caller checks each plain step's would-be drafts on
+        the host (policy.observe_shadow), so the policy spends no verify on probes."""
         if not self.k:
             raise SlotError("auto_policy(): these slots were opened without speculative_tokens")
         if self.keys or self._staged is not None:
@@ -824,7 +825,7 @@ class BucketPolicy:
     def __init__(self, costs: dict):
         self.costs = {rows: (plain, dict(verify)) for rows, (plain, verify) in sorted(costs.items())}
         plain, verify = self.costs[min(self.costs)]
-        self.policy = AutoPolicy(verify, plain)
+        self.policy = AutoPolicy(verify, plain, shadow=True)
         self._bucket = min(self.costs)
 
     def next_width(self, running: int, found: bool = True) -> int:
@@ -838,6 +839,9 @@ class BucketPolicy:
 
     def observe_verify(self, accepted: int, rejected: int) -> None:
         self.policy.observe_verify(accepted, rejected)
+
+    def observe_shadow(self, right: int, wrong: int) -> None:
+        self.policy.observe_shadow(right, wrong)
 
     def observe_cost(self, rows: int, width: int, ms: float | None, weight: float = 0.25) -> None:
         """A step of bucket `rows` measured `ms` (width 0: a plain step): that bucket's cost moves

@@ -93,8 +93,7 @@ def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
 
 def test_prompt_lookup_kept_as_tokens_come_drafts_as_a_scan_of_the_sequence_does():
     """PromptLookup's index, extended a token or a few at a time, gives at every length the draft
-    of a plain scan for the latest earlier occurrence of the tail (written here), and found()
-    says whether the last token occurred before."""
+    of a plain scan for the latest earlier occurrence of the tail (written here)."""
     from fastqwen.serve.speculation import PromptLookup
 
     def scan(seq, k, max_n=3):
@@ -116,8 +115,7 @@ def test_prompt_lookup_kept_as_tokens_come_drafts_as_a_scan_of_the_sequence_does
             at = min(n, at + step)
             for k in (1, 4):
                 assert lookup.draft(k) == scan(seq[:at], k), (vocab, at, k)
-            assert lookup.found() == (seq[at - 1] in seq[:at - 1])
-    assert PromptLookup([7]).draft(3) == [7, 7, 7] and not PromptLookup([7]).found()
+    assert PromptLookup([7]).draft(3) == [7, 7, 7]
     assert PromptLookup([1, 2, 3, 9, 1, 2, 3]).draft(2) == [9, 1]
 
 
@@ -138,6 +136,30 @@ def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):
     # the steps were timed and bucket 1's costs moved toward what they measured
     assert srv.scheduler.slots.timing and srv.scheduler.slots.last_timing[0] == 1
     assert srv.scheduler.spec_policy.costs[1] != before[1]
+
+
+def test_auto_checks_each_plain_steps_would_be_draft_on_the_host(tiny_model):
+    """"auto" spends no verify on probes: each plain step's token of a greedy request is set
+    against prompt lookup's first draft over the tokens before it; the counts the policy got equal
+    a replay of PromptLookup over the request's output."""
+    from fastqwen.serve.app import Server
+    from fastqwen.serve.speculation import PromptLookup
+
+    srv = Server(str(tiny_model), max_batch=2, max_model_len=256, served_model_name="tiny", speculation="auto",
+                 speculative_tokens=3)
+    policy, seen = srv.scheduler.spec_policy, []
+    policy.next_width = lambda running, found=True: 0           # every step a plain one
+    shadow = policy.observe_shadow
+    policy.observe_shadow = lambda right, wrong: (seen.append((right, wrong)), shadow(right, wrong))
+    with serving(srv) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        prompt = _repeating(7, 40)
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    tokens = out.choices[0].token_ids
+    hits = [PromptLookup(prompt + tokens[:j]).draft(1)[0] == tokens[j] for j in range(1, len(tokens))]
+    assert len(tokens) > 1 and srv.scheduler.spec_stats["verify_steps"] == 0
+    assert (sum(r for r, _ in seen), sum(w for _, w in seen)) == (sum(hits), len(hits) - sum(hits))
+    assert policy.policy.checked > 4          # the prior's 4 drafts and the checks since
 
 
 def test_auto_verifies_of_every_width_keep_the_tokens(tiny_model):

@@ -312,6 +312,59 @@ def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
         fq_spec.AutoPolicy({}, plain_ms=1.0)
 
 
+def test_auto_with_shadow_checks_never_probes_and_turns_on_from_right_checks():
+    """shadow: plain steps' would-be drafts are checked on the host, so no verify is spent on a
+    probe; wrong checks keep every step plain, two right ones (a = 2 / 6 against the prior worth 4
+    drafts) turn verifies on, and verifies' own outcomes count as before."""
+    wrong = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, shadow=True)
+    for _ in range(1000):
+        assert wrong.next_width() == 0
+        wrong.observe_plain()
+        wrong.observe_shadow(0, 2)
+    assert wrong.acceptance == 0.0
+    right = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, shadow=True)
+    right.observe_shadow(1, 0)
+    assert right.next_width() == 0
+    right.observe_shadow(1, 0)
+    assert right.next_width() == 4 and right.acceptance == pytest.approx(2 / 6, rel=0.05)
+    for _ in range(40):
+        right.observe_verify(0, 1)
+    assert right.next_width() == 0
+
+
+class _PlainPolicy(fq_spec.AutoPolicy):
+    """auto's policy that never verifies, recording what the shadow checks told it."""
+    seen = []
+
+    def best(self):
+        return 0
+
+    def observe_shadow(self, right, wrong):
+        type(self).seen.append((right, wrong))
+        super().observe_shadow(right, wrong)
+
+
+def test_auto_checks_each_plain_steps_would_be_draft_against_its_pick(plain, tiny_model, monkeypatch):
+    """Every plain step's pick of every sequence is set against prompt lookup's first draft over
+    the tokens before it (on the host): the counts equal a replay of PromptLookup over the output."""
+    prompts = _prompts(3, 12, seed=6)
+    prompts[1] = [5, 6, 7, 8] * 3
+    want = list(plain.generate(prompts, 30))
+    monkeypatch.setattr(engine_module, "AutoPolicy", _PlainPolicy)
+    _PlainPolicy.seen = []
+    eng = engine_module.Engine(str(tiny_model), speculation="auto", speculative_tokens=3)
+    got = list(eng.generate(prompts, 30))
+    assert got == want and eng.spec_stats()["verify_steps"] == 0
+    right = wrong = 0
+    for b, prompt in enumerate(prompts):
+        out = [step[b] for step in got]
+        for j in range(1, len(out)):            # out[0] is the prompt pass's, the rest plain steps'
+            hit = fq_spec.PromptLookup(prompt + out[:j]).draft(1)[0] == out[j]
+            right, wrong = right + hit, wrong + (not hit)
+    assert (sum(r for r, _ in _PlainPolicy.seen), sum(w for _, w in _PlainPolicy.seen)) == (right, wrong)
+    assert right + wrong == 3 * 29
+
+
 # ---- verify rows are the decode step's bits ------------------------------------------------
 def _allocate(model, B, capacity, paged=None):
     """Caches of B rows of `capacity` positions; paged = (each row's pages {row: [page, ...]}, pages

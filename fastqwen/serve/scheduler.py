@@ -456,6 +456,12 @@ class Scheduler:
                 and self.slots.room(req.id) >= self.spec_k + 1
                 and req.params.max_tokens - len(req.output) - in_flight >= 2)
 
+    @staticmethod
+    def _shadowed(req: Request) -> bool:
+        """Whether a plain step's token of this request counts for auto's acceptance: a greedy
+        request with nothing per token on the host, past its first token (a decode step's)."""
+        return bool(req.params.greedy and req.matcher is None and req.params.logprobs is None and req.output)
+
     def _speculate_now(self) -> int:
         """This step's drafts a request, 0 for a plain step (speculation.py): a verify where every
         running request can take one and, with "auto", of the width that pays best at the running
@@ -465,10 +471,7 @@ class Scheduler:
         policy = self.spec_policy
         if policy is None:
             return self.spec_k
-        found = False
-        for r in self.running.values():
-            found = self._lookup(r).found() or found
-        width = policy.next_width(len(self.running), found)
+        width = policy.next_width(len(self.running))
         if not width:
             policy.observe_plain()
         return width
@@ -603,10 +606,17 @@ class Scheduler:
                     req = self.running.get(ids[row])
                     if req is not None:
                         self._fail(req, exc)
+        right = wrong = 0
         for rid, tok in zip(ids, host[:len(ids)].tolist()):
             req = self.running.get(rid)
             if req is not None:
+                if self.spec_policy is not None and self._shadowed(req):
+                    # auto: the draft prompt lookup would have made for this token, against it
+                    hit = self._lookup(req).draft(1)[0] == tok
+                    right, wrong = right + hit, wrong + (not hit)
                 self._emit(req, tok, ahead=rid in ahead, entry=entries.get(rid))
+        if right + wrong:
+            self.spec_policy.observe_shadow(right, wrong)
 
     def _echo_only(self, req: Request, prompt) -> None:
         """A request for its prompt alone (echo, max_tokens 0): the prompt's log-probabilities
