@@ -486,7 +486,7 @@ class Engine:
             if spec.mode == "auto":
                 costs = runner.costs
                 policy = AutoPolicy({w: costs["draft_ms"] + costs[f"verify{w}_ms"] for w in runner.widths},
-                                    costs["plain_ms"], shadow=True)
+                                    costs["plain_ms"])
                 for lookup, t in zip(lookups, first):
                     lookup.extend([t])
             out = [[t] for t in first]
@@ -504,8 +504,6 @@ class Engine:
                         picks, emit = runner.verify(width) if width else runner.plain()
                         packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
                         queue.append(self._spec_copy(packed, width) + (runner.last_marks,))
-                    if policy is not None and not width:
-                        policy.observe_plain()
                     continue
                 width, host, event, marks = queue.pop(0)
                 if event is not None:

@@ -731,7 +731,7 @@ class Slots:
         verifies timed now (before any request is admitted: the steps write the rows' caches);
         policy.next_width(running) says the next step of that many requests: a verify of that
         many drafts, or 0 for a plain step; the caller checks each plain step's would-be drafts on
-        the host (policy.observe_shadow), so the policy spends no verify on probes."""
+        the host (policy.observe_shadow), so the policy spends no verify on finding out."""
         if not self.k:
             raise SlotError("auto_policy(): these slots were opened without speculative_tokens")
         if self.keys or self._staged is not None:
@@ -825,17 +825,17 @@ class BucketPolicy:
     def __init__(self, costs: dict):
         self.costs = {rows: (plain, dict(verify)) for rows, (plain, verify) in sorted(costs.items())}
         plain, verify = self.costs[min(self.costs)]
-        self.policy = AutoPolicy(verify, plain, shadow=True)
+        self.policy = AutoPolicy(verify, plain)
         self._bucket = min(self.costs)
 
-    def next_width(self, running: int, found: bool = True) -> int:
+    def next_width(self, running: int) -> int:
         """The next step of `running` requests: a verify of that many drafts, 0 a plain step."""
         bucket = next(b for b in self.costs if b >= running)
         if bucket != self._bucket:
             plain, verify = self.costs[bucket]
             self.policy.set_costs(verify, plain)
             self._bucket = bucket
-        return self.policy.next_width(found)
+        return self.policy.next_width()
 
     def observe_verify(self, accepted: int, rejected: int) -> None:
         self.policy.observe_verify(accepted, rejected)
@@ -857,5 +857,3 @@ class BucketPolicy:
         if rows == self._bucket:
             self.policy.set_costs(verify, plain)
 
-    def observe_plain(self) -> None:
-        self.policy.observe_plain()

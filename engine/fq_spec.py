@@ -131,41 +131,28 @@ class AutoPolicy:
     """speculation "auto": per step, a plain decode step or a verify of w drafts (w among the widths
     whose costs were measured), whichever emits more tokens per millisecond at the running
     acceptance: verify w emits expected_tokens(a, w) per verify_ms[w], a plain step 1 per
-    plain_ms; a verify is chosen when its rate beats the plain step's by `margin`. The acceptance a
-    is a draft's chance to be right, estimated over about the last `window` drafts checked
-    (accepted / (accepted + rejected): each verify row checks its drafts up to its first
-    rejection), from a prior of `prior` that counts as `prior_drafts` drafts, so a few probes that
-    find right drafts are enough to turn verifies on.
+    plain_ms; a verify is chosen when its rate beats the plain step's by `margin`.
 
-    shadow: the caller checks each plain step's would-be draft against the target's pick on the
-    host (observe_shadow: PromptLookup, the device drafter's twin, so no verify is spent on it):
-    those checks keep the estimate current, and there are no probes. Otherwise, while no width
-    pays, a probe verify every `probe` plain steps keeps the estimate current: the
-    interval doubles after a probe that found no right draft (up to `max_probe`) and returns to
-    `probe` after one that found some. A probe verifies the cheapest width among those that could
-    pay (none where no width would pay even if every draft were right: then no probes): any width
-    measures the same acceptance, and while it is low a probe checks about one draft whatever its
-    width. A probe waits for a step where some sequence's drafts are more than padding (`found`:
-    prompt lookup found its last token earlier). observe_cost moves a kind's cost toward what its
-    steps measure (the context grows as the call goes on)."""
+    The acceptance a is a draft's chance to be right, estimated over about the last `window`
+    drafts checked, from a prior of `prior` worth `prior_drafts` drafts. Two kinds of checks feed
+    it: a verify's (observe_verify: each row checks its drafts up to its first rejection), and a
+    plain step's, made on the host by the caller (observe_shadow: each sequence's token against
+    the first draft prompt lookup would have made, PromptLookup). So no verify is spent finding
+    out: a drafter that is right shows at once, one that is wrong costs nothing. observe_cost
+    moves a kind's cost toward what its steps measure (the context grows as the call goes on)."""
 
     def __init__(self, verify_ms: dict, plain_ms: float, margin: float = 1.05, prior: float = 0.0,
-                 prior_drafts: int = 4, window: int = 64, probe: int = 16, max_probe: int = 128,
-                 shadow: bool = False):
+                 prior_drafts: int = 4, window: int = 64):
         if not verify_ms or not all(ms > 0 for ms in verify_ms.values()) or not plain_ms > 0:
             raise ValueError(f"AutoPolicy needs positive costs, got verify {verify_ms!r} ms, plain {plain_ms!r} ms")
-        self.margin, self.window, self.first_probe, self.max_probe = margin, window, probe, max_probe
+        self.margin, self.window = margin, window
         self.set_costs(verify_ms, plain_ms)
         self.checked = float(prior_drafts)
         self.accepted = prior * prior_drafts
-        self.probe = probe
-        self.since = 0
-        self.shadow = shadow
 
     def set_costs(self, verify_ms: dict, plain_ms: float) -> None:
         """The costs to weigh from now on ({width: verify ms}, plain ms): a server's batch size changes."""
         self.verify_ms, self.plain_ms = dict(sorted(verify_ms.items())), plain_ms
-        self._probe_width = None
 
     def observe_cost(self, width: int, ms: float, weight: float = 0.25) -> None:
         """A step's measured milliseconds (width 0: a plain step; else a draft and a verify of that
@@ -176,15 +163,6 @@ class AutoPolicy:
             self.verify_ms[width] += weight * (ms - self.verify_ms[width])
         else:
             self.plain_ms += weight * (ms - self.plain_ms)
-        self._probe_width = None
-
-    @property
-    def probe_width(self) -> int:
-        """The width a probe verifies: the cheapest that could pay, 0 where none can."""
-        if self._probe_width is None:
-            can = [w for w in self.verify_ms if self.break_even(w) <= 1.0]
-            self._probe_width = min(can, key=lambda w: self.verify_ms[w]) if can else 0
-        return self._probe_width
 
     def break_even(self, width: int) -> float:
         """The lowest acceptance at which a verify of `width` drafts pays (above 1.0: none)."""
@@ -213,21 +191,13 @@ class AutoPolicy:
         """Whether some verify beats a plain step at the running acceptance."""
         return self.best() > 0
 
-    def next_width(self, found: bool = True) -> int:
-        """The next step: a verify of that many drafts, or 0 for a plain step. found: whether any
-        sequence has a draft to check (a probe waits for one)."""
-        width = self.best()
-        if width or self.shadow:
-            return width
-        return self.probe_width if found and self.since >= self.probe else 0
+    def next_width(self) -> int:
+        """The next step: a verify of that many drafts, or 0 for a plain step."""
+        return self.best()
 
     def observe_verify(self, accepted: int, rejected: int) -> None:
         """A verify's outcome over its sequences: drafts accepted, rejections seen (verify_observed)."""
-        paid = self.pays()
         self._observe(accepted, accepted + rejected)
-        if not paid and not self.shadow:        # a probe
-            self.probe = self.first_probe if accepted else min(self.max_probe, self.probe * 2)
-        self.since = 0
 
     def observe_shadow(self, right: int, wrong: int) -> None:
         """A plain step's sequences' would-be first drafts checked against its picks on the host:
@@ -238,9 +208,6 @@ class AutoPolicy:
         keep = max(0.0, 1.0 - checked / self.window)      # a running mean over about `window` drafts
         self.checked = self.checked * keep + checked
         self.accepted = self.accepted * keep + accepted
-
-    def observe_plain(self) -> None:
-        self.since += 1
 
 
 # ---- the device state of one speculative call ---------------------------------------------------

@@ -148,7 +148,7 @@ def test_auto_checks_each_plain_steps_would_be_draft_on_the_host(tiny_model):
     srv = Server(str(tiny_model), max_batch=2, max_model_len=256, served_model_name="tiny", speculation="auto",
                  speculative_tokens=3)
     policy, seen = srv.scheduler.spec_policy, []
-    policy.next_width = lambda running, found=True: 0           # every step a plain one
+    policy.next_width = lambda running: 0           # every step a plain one
     shadow = policy.observe_shadow
     policy.observe_shadow = lambda right, wrong: (seen.append((right, wrong)), shadow(right, wrong))
     with serving(srv) as url:
@@ -172,7 +172,7 @@ def test_auto_verifies_of_every_width_keep_the_tokens(tiny_model):
     assert srv.scheduler.slots.widths == (1, 2, 3)
     chosen = []
 
-    def cycle(running, found=True):
+    def cycle(running):
         chosen.append((0, 1, 2, 3)[len(chosen) % 4])
         return chosen[-1]
 

@@ -220,22 +220,16 @@ def test_auto_picks_the_width_that_pays_best_at_the_running_acceptance():
     assert _fed(policy, 4, 0).next_width() == 4       # a = 1
 
 
-def test_auto_probes_with_the_cheapest_width_that_could_pay_and_never_where_none_can():
+def test_auto_says_the_acceptance_from_which_a_width_pays():
     # width 1 pays from a ~ 0.58, width 2 from ~ 0.85, width 4 never (5 tokens / 6 ms < 1.05 / 1 ms)
     policy = fq_spec.AutoPolicy({1: 1.5, 2: 2.5, 4: 6.0}, plain_ms=1.0)
     assert policy.break_even(1) == pytest.approx(0.575, abs=0.01)
     assert 0.8 < policy.break_even(2) < 0.9 and policy.break_even(4) > 1.0
-    assert policy.probe_width == 1
-    # one sequence: width 4 pays first (at a lower acceptance than width 1), but a probe of 1 costs less
+    # one sequence: width 4 pays at a lower acceptance than width 1
     flat = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
-    assert flat.break_even(4) < flat.break_even(1) < 1.0 and flat.probe_width == 1
-    # the cheapest width that could never pay is not probed: the cheapest of those that could is
-    assert fq_spec.AutoPolicy({1: 2.2, 3: 2.4, 4: 9.0}, plain_ms=1.0).probe_width == 3
-    hopeless = fq_spec.AutoPolicy({4: 10.0}, plain_ms=1.0)
-    assert hopeless.probe_width == 0
-    for _ in range(1000):
-        assert hopeless.next_width(found=True) == 0
-        hopeless.observe_plain()
+    assert flat.break_even(4) < flat.break_even(1) < 1.0
+    hopeless = fq_spec.AutoPolicy({4: 10.0}, plain_ms=1.0, prior=1.0)
+    assert hopeless.acceptance == 1.0 and hopeless.next_width() == 0
 
 
 def test_auto_moves_its_costs_toward_what_the_steps_measure():
@@ -245,10 +239,9 @@ def test_auto_moves_its_costs_toward_what_the_steps_measure():
     for _ in range(30):
         policy.observe_cost(4, 6.4)
     assert policy.verify_ms[4] == pytest.approx(6.4, rel=0.01) and policy.best() == 1
-    assert policy.probe_width == 1
     for _ in range(30):
         policy.observe_cost(0, 1.0)              # plain steps cheaper than timed: no width pays, even at a = 1
-    assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0 and policy.probe_width == 0
+    assert policy.plain_ms == pytest.approx(1.0, rel=0.01) and policy.best() == 0
     policy.observe_cost(1, None)                 # timing off: nothing moves
     assert policy.verify_ms[1] == 3.0
     assert fq_spec.marks_ms([1.5, 2.0]) == 3.5 and fq_spec.marks_ms([None]) is None and fq_spec.marks_ms([]) is None
@@ -269,60 +262,22 @@ def test_the_servers_policy_keeps_a_cost_per_bucket_and_moves_the_one_a_step_mea
     assert policy.costs[1][0] == 2.5
 
 
-def test_auto_verifies_while_they_pay_and_probes_rarely_when_they_do_not():
-    # a verify costs 1.2 plain steps: it pays from about a = 0.2 with 4 drafts
+def test_auto_verifies_while_they_pay_and_learns_from_plain_steps_without_verifying():
+    """A verify costs 1.2 plain steps here (it pays from about a = 0.2 with 4 drafts). Verifies'
+    outcomes and plain steps' host checks (observe_shadow) feed one running estimate: wrong checks
+    keep every step plain, with no verify spent on finding out; two right ones (a = 2 / 6 against
+    the prior of 0 worth 4 drafts) turn verifies on; wrong verifies turn them off again."""
     good = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5, prior=0.0)
-    assert not good.pays()
+    assert not good.pays() and good.next_width() == 0
     for _ in range(20):
         good.observe_verify(3, 1)
     assert good.pays() and good.next_width() == 4
-    bad = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
-    verifies = 0
-    for _ in range(1000):
-        width = bad.next_width()
-        if width:
-            verifies += 1
-            bad.observe_verify(0, 1)
-        else:
-            bad.observe_plain()
-    # probes after 16, 32, 64 and then every 128 plain steps
-    assert 8 <= verifies <= 11
-    # a drafter that turns out to be right: the probes that find right drafts come every 16 steps again,
-    # and two of them (a = 2 / 6 against a prior of 0 worth 4 drafts) turn the verifies on
-    found = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
-    widths = []
-    for _ in range(200):
-        width = found.next_width()
-        if width:
-            widths.append(width)
-            found.observe_verify(width, 0)
-        else:
-            found.observe_plain()
-    assert widths[:2] == [1, 1] and found.pays() and widths[2:] and set(widths[2:]) == {4}
-    assert len(widths) > 100
-    # a probe waits for a step with drafts to check: none while prompt lookup finds nothing
-    idle = fq_spec.AutoPolicy({4: 3.0}, plain_ms=2.5)
-    for _ in range(500):
-        assert idle.next_width(found=False) == 0
-        idle.observe_plain()
-    assert idle.next_width(found=True) == 4
-    with pytest.raises(ValueError, match="positive costs"):
-        fq_spec.AutoPolicy({4: 0.0}, plain_ms=1.0)
-    with pytest.raises(ValueError, match="positive costs"):
-        fq_spec.AutoPolicy({}, plain_ms=1.0)
-
-
-def test_auto_with_shadow_checks_never_probes_and_turns_on_from_right_checks():
-    """shadow: plain steps' would-be drafts are checked on the host, so no verify is spent on a
-    probe; wrong checks keep every step plain, two right ones (a = 2 / 6 against the prior worth 4
-    drafts) turn verifies on, and verifies' own outcomes count as before."""
-    wrong = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, shadow=True)
+    wrong = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
     for _ in range(1000):
         assert wrong.next_width() == 0
-        wrong.observe_plain()
         wrong.observe_shadow(0, 2)
     assert wrong.acceptance == 0.0
-    right = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5, shadow=True)
+    right = fq_spec.AutoPolicy({1: 3.0, 4: 3.2}, plain_ms=2.5)
     right.observe_shadow(1, 0)
     assert right.next_width() == 0
     right.observe_shadow(1, 0)
@@ -330,6 +285,10 @@ def test_auto_with_shadow_checks_never_probes_and_turns_on_from_right_checks():
     for _ in range(40):
         right.observe_verify(0, 1)
     assert right.next_width() == 0
+    with pytest.raises(ValueError, match="positive costs"):
+        fq_spec.AutoPolicy({4: 0.0}, plain_ms=1.0)
+    with pytest.raises(ValueError, match="positive costs"):
+        fq_spec.AutoPolicy({}, plain_ms=1.0)
 
 
 class _PlainPolicy(fq_spec.AutoPolicy):
@@ -457,7 +416,7 @@ def test_the_runner_times_its_steps_at_the_calls_context_and_leaves_the_state_th
 class _CyclingPolicy(fq_spec.AutoPolicy):
     """auto's policy, its choice replaced by a cycle through every verify width and a plain step."""
 
-    def next_width(self, found=True):
+    def next_width(self):
         self.turn = getattr(self, "turn", -1) + 1
         choices = list(self.verify_ms) + [0]
         return choices[self.turn % len(choices)]

@@ -471,10 +471,7 @@ class Scheduler:
         policy = self.spec_policy
         if policy is None:
             return self.spec_k
-        width = policy.next_width(len(self.running))
-        if not width:
-            policy.observe_plain()
-        return width
+        return policy.next_width(len(self.running))
 
     def _verify_step(self, k: int) -> None:
         """One verify of every running request (all greedy): the step in flight's tokens handed out
