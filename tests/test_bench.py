@@ -569,11 +569,11 @@ def test_gemv_shared_lists_each_fma_products_row_tiles_with_the_engines_pick_fir
                     tmp_path, capsys)
     rows = [r for r in doc["rows"] if r["kind"] == "shared"]
     qkv2 = [r["config"] for r in rows if r["op"] == "qkv" and r["rows"] == 2]
-    assert [(c["block_m"], c["block_n"]) for c in qkv2] == [(2, 8), (1, 8), (1, 4), (2, 4), (1, 2), (2, 2)]
+    assert [(c["block_m"], c["block_n"]) for c in qkv2] == [(2, 4), (1, 8), (2, 8), (1, 4), (1, 2), (2, 2)]
     assert rows[0]["engine"] and not any(r["engine"] for r in rows if r["config"] != rows[0]["config"] and
                                          r["op"] == "qkv" and r["rows"] == 2)
     qkv5 = [(c["block_m"], c["block_n"]) for c in (r["config"] for r in rows if r["op"] == "qkv" and r["rows"] == 5)]
-    assert qkv5[0] == (4, 8) and set(qkv5) == {(m, n) for m in (1, 2, 4) for n in (8, 4, 2)} and len(qkv5) == 9
+    assert qkv5[0] == (2, 4) and set(qkv5) == {(m, n) for m in (1, 2, 4) for n in (8, 4, 2)} and len(qkv5) == 9
     assert {r["op"] for r in rows} == {"qkv", "o"}          # 64x128 has a tensor-core one-row config
     if not torch.cuda.is_available():
         assert all(r["us"] is None and r["error"] == "no GPU: not run" for r in rows)

@@ -679,7 +679,9 @@ def test_sigterm_drains_within_its_bound(process):
         time.sleep(0.5)
         short = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "short", "max_tokens": 20,
                                                                        "ignore_eos": True}, timeout=30)
-        time.sleep(0.1)
+        deadline = time.monotonic() + 10     # both running before the signal, on a busy machine too
+        while _metric(url, "fastqwen:num_requests_running") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
