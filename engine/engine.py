@@ -289,6 +289,13 @@ class Engine:
         self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
         return self._generate(ids, max_new_tokens)
 
+    @staticmethod
+    def prompt_lookup(tokens=()) -> PromptLookup:
+        """Prompt lookup on the host over `tokens` (extend() them as they come, draft(k)): the twin
+        of the device drafter that "ngram" and "auto" use, for a caller that drafts, or checks what
+        would have been drafted, itself (the server's scheduler)."""
+        return PromptLookup(tokens)
+
     def spec_stats(self) -> dict:
         """The last generate() call's speculation (fq_spec.SpecStats): drafted and accepted tokens,
         acceptance, verify passes, tokens per verify row, host seconds drafting / verifying /

@@ -91,34 +91,6 @@ def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
         Server(str(tiny_model), max_batch=2, max_model_len=128, speculation="recycle")
 
 
-def test_prompt_lookup_kept_as_tokens_come_drafts_as_a_scan_of_the_sequence_does():
-    """PromptLookup's index, extended a token or a few at a time, gives at every length the draft
-    of a plain scan for the latest earlier occurrence of the tail (written here)."""
-    from fastqwen.serve.speculation import PromptLookup
-
-    def scan(seq, k, max_n=3):
-        for n in range(min(max_n, len(seq) - 1), 0, -1):
-            for i in range(len(seq) - n - 1, -1, -1):
-                if seq[i:i + n] == seq[-n:]:
-                    got = seq[i + n:i + n + k]
-                    return got + [seq[-1]] * (k - len(got))
-        return [seq[-1]] * k
-
-    g = torch.Generator().manual_seed(3)
-    for vocab, n in ((3, 60), (6, 80), (50, 40)):
-        seq = torch.randint(0, vocab, (n,), generator=g).tolist()
-        lookup = PromptLookup(seq[:5])
-        at = 5
-        while at < n:
-            step = 1 + at % 3
-            lookup.extend(seq[at:at + step])
-            at = min(n, at + step)
-            for k in (1, 4):
-                assert lookup.draft(k) == scan(seq[:at], k), (vocab, at, k)
-    assert PromptLookup([7]).draft(3) == [7, 7, 7]
-    assert PromptLookup([1, 2, 3, 9, 1, 2, 3]).draft(2) == [9, 1]
-
-
 def test_auto_keeps_the_tokens_whatever_it_chooses(tiny_model):
     """speculation "auto": each bucket's plain step and verify timed when the slots open; whatever
     steps it takes on this machine, the greedy tokens are the engine's own."""
@@ -143,7 +115,6 @@ def test_auto_checks_each_plain_steps_would_be_draft_on_the_host(tiny_model):
     against prompt lookup's first draft over the tokens before it; the counts the policy got equal
     a replay of PromptLookup over the request's output."""
     from fastqwen.serve.app import Server
-    from fastqwen.serve.speculation import PromptLookup
 
     srv = Server(str(tiny_model), max_batch=2, max_model_len=256, served_model_name="tiny", speculation="auto",
                  speculative_tokens=3)
@@ -156,7 +127,7 @@ def test_auto_checks_each_plain_steps_would_be_draft_on_the_host(tiny_model):
         prompt = _repeating(7, 40)
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
     tokens = out.choices[0].token_ids
-    hits = [PromptLookup(prompt + tokens[:j]).draft(1)[0] == tokens[j] for j in range(1, len(tokens))]
+    hits = [srv.engine.prompt_lookup(prompt + tokens[:j]).draft(1)[0] == tokens[j] for j in range(1, len(tokens))]
     assert len(tokens) > 1 and srv.scheduler.spec_stats["verify_steps"] == 0
     assert (sum(r for r, _ in seen), sum(w for _, w in seen)) == (sum(hits), len(hits) - sum(hits))
     assert policy.policy.checked > 4          # the prior's 4 drafts and the checks since

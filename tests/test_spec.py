@@ -10,7 +10,6 @@ engine_module = load_engine_module(ENGINE_DIR, "fastqwen_engine_spec_under_test"
 
 import fq_spec  # noqa: E402  (on the path once the engine module is loaded)
 
-from fastqwen.serve.speculation import ngram_draft  # noqa: E402
 
 
 def _prompts(batch, length, seed, vocab=1000):
@@ -95,6 +94,34 @@ def test_the_state_appends_what_each_sequence_emits_and_stops_at_its_limit():
     assert st.last().tolist() == [2, 6] and st.positions().tolist() == [3, 3]
 
 
+def test_prompt_lookup_kept_as_tokens_come_drafts_as_a_scan_of_the_sequence_does():
+    """PromptLookup's index, extended a token or a few at a time, gives at every length the draft
+    of a plain scan for the latest earlier occurrence of the tail (written here)."""
+    PromptLookup = fq_spec.PromptLookup
+
+    def scan(seq, k, max_n=3):
+        for n in range(min(max_n, len(seq) - 1), 0, -1):
+            for i in range(len(seq) - n - 1, -1, -1):
+                if seq[i:i + n] == seq[-n:]:
+                    got = seq[i + n:i + n + k]
+                    return got + [seq[-1]] * (k - len(got))
+        return [seq[-1]] * k
+
+    g = torch.Generator().manual_seed(3)
+    for vocab, n in ((3, 60), (6, 80), (50, 40)):
+        seq = torch.randint(0, vocab, (n,), generator=g).tolist()
+        lookup = PromptLookup(seq[:5])
+        at = 5
+        while at < n:
+            step = 1 + at % 3
+            lookup.extend(seq[at:at + step])
+            at = min(n, at + step)
+            for k in (1, 4):
+                assert lookup.draft(k) == scan(seq[:at], k), (vocab, at, k)
+    assert PromptLookup([7]).draft(3) == [7, 7, 7]
+    assert PromptLookup([1, 2, 3, 9, 1, 2, 3]).draft(2) == [9, 1]
+
+
 def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
     d = fq_spec.NgramDrafter()
     # tail (2, 3) last seen before at index 5 -> followed by 5, 6, then the sequence's own tail
@@ -104,7 +131,7 @@ def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_tail():
     seqs = [torch.randint(0, v, (n,), generator=g).tolist() for v, n in [(3, 20), (5, 30), (8, 12), (2, 4), (4, 1)]]
     for k in (1, 4, 7):
         # the device's drafts are the server's host-side prompt lookup's (fastqwen.serve.speculation)
-        assert d.draft(_state(seqs, k)).tolist() == [ngram_draft(x, k) for x in seqs]
+        assert d.draft(_state(seqs, k)).tolist() == [fq_spec.PromptLookup(x).draft(k) for x in seqs]
 
 
 def test_recycle_chains_the_targets_latest_picks_from_confirmed_rows():

@@ -89,10 +89,9 @@ class ClientGone(Exception):
 
 def _engine_module():
     """The engine folder's Engine (the repository's engine/, the folder a user submits)."""
-    from fastqwen.serve.speculation import ENGINE_DIR    # its import puts the folder on the path
-
-    if ENGINE_DIR not in sys.path:
-        sys.path.insert(0, ENGINE_DIR)
+    folder = pathlib.Path(__file__).resolve().parents[2] / "engine"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     import engine
 
     return engine

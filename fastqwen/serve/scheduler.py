@@ -58,7 +58,7 @@ import torch
 from fastqwen.serve import logprobs as lp
 from fastqwen.serve.grammar import apply_masks, to_device
 from fastqwen.serve.sampling import SamplingParams, make_generator, sample
-from fastqwen.serve.speculation import PromptLookup, accepted
+from fastqwen.serve.speculation import accepted
 
 log = logging.getLogger("fastqwen.serve")
 
@@ -102,7 +102,7 @@ class Request:
     grammar: object = None       # a compiled grammar (grammar.Grammars.compile) its output must follow
     matcher: object = None       # its position in the grammar (made with its slot)
     fed: int = 0                 # tokens the matcher has been given
-    lookup: object = None        # speculation.PromptLookup over its prompt and output (speculation on)
+    lookup: object = None        # the engine's prompt_lookup over its prompt and output (speculation on)
 
     def send(self, event: Event) -> None:
         try:
@@ -512,11 +512,10 @@ class Scheduler:
                     break                     # it ended (an end token, a stop string): the rest dropped
                 self._emit(r, tok)
 
-    @staticmethod
-    def _lookup(req: Request) -> PromptLookup:
-        """The request's prompt lookup, caught up with its output."""
+    def _lookup(self, req: Request):
+        """The request's prompt lookup (Engine.prompt_lookup), caught up with its output."""
         if req.lookup is None:
-            req.lookup = PromptLookup(req.prompt)
+            req.lookup = self.engine.prompt_lookup(req.prompt)
         have = len(req.lookup.seq) - len(req.prompt)
         if have < len(req.output):
             req.lookup.extend(req.output[have:])
