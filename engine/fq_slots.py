@@ -856,4 +856,3 @@ class BucketPolicy:
         self.costs[rows] = (plain, verify)
         if rows == self._bucket:
             self.policy.set_costs(verify, plain)
-
