@@ -84,11 +84,7 @@ def _start(model_dir: Path, args, cache: Path, log: Path, extra_env: dict | None
         cmd.append("--no-precompile")
     env = _env()
     env["TRITON_CACHE_DIR"] = str(cache)
-    if extra_env:
-        extra = dict(extra_env)
-        if "PYTHONPATH" in extra:     # in front of the serving libraries' path _env() set
-            extra["PYTHONPATH"] = os.pathsep.join(p for p in [extra["PYTHONPATH"], env.get("PYTHONPATH", "")] if p)
-        env.update(extra)
+    env.update(extra_env or {})
     before = set(cache.rglob("*.cubin"))
     launched = time.time()
     with _server(cmd, env, f"http://127.0.0.1:{port}", log, args.server_timeout_s) as ready:
@@ -154,7 +150,8 @@ def _launches_start(model_dir: Path, args, cache: Path, tmp: Path) -> dict:
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(LAUNCH_HOOK)
     log = tmp / "launches"
-    env = {"BENCH_LAUNCH_LOG": str(log), "PYTHONPATH": str(hook)}
+    path = os.pathsep.join(p for p in (str(hook), _env().get("PYTHONPATH", "")) if p)   # the hook's first
+    env = {"BENCH_LAUNCH_LOG": str(log), "PYTHONPATH": path}
     try:
         row = _start(model_dir, args, cache, tmp / "server_launches.log", extra_env=env)
     except BenchError as exc:

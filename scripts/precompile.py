@@ -108,8 +108,8 @@ def precompile_stamp(model_dir: pathlib.Path, args, cache: pathlib.Path, target)
     settings resolved as the server resolves its own."""
     from fastqwen.serve import precompile
 
-    resolved = precompile.command(str(model_dir), args.max_batch, args.max_model_len, args.block_size or None,
-                                  args.speculation, args.speculative_tokens)[4:]
+    resolved = precompile.settings(str(model_dir), args.max_batch, args.max_model_len, args.block_size or None,
+                                   args.speculation, args.speculative_tokens)
     return precompile.stamp_path(cache, str(model_dir), resolved, triton.__version__, target.arch)
 
 
@@ -160,8 +160,9 @@ def main(argv=None) -> int:
         print("  " + line)
     compile_s = 0.0
     if not args.capture_only:
-        cache_dir = (args.cache_dir or os.environ.get("TRITON_CACHE_DIR")
-                     or str(pathlib.Path.home() / ".triton" / "cache"))
+        from fastqwen.serve.precompile import cache_dir as triton_cache_dir
+
+        cache_dir = args.cache_dir or str(triton_cache_dir())
         jobs = args.jobs or os.cpu_count() or 1
         t0 = time.perf_counter()
         ck.compile_all(longest_first(specs), target, jobs, cache_dir, progress=print)

@@ -72,7 +72,7 @@ def test_the_tiny_qwen3s_start_compiles_into_the_cache_triton_itself_looks_in(tm
 
     from fastqwen.serve import precompile
 
-    settings = precompile.command(str(model), 2, 256, None, "off", 4)[4:]
+    settings = precompile.settings(str(model), 2, 256, None, "off", 4)
     stamp = precompile.stamp_path(cache, str(model), settings, triton.__version__, 90)
     assert stamp.is_file() and f"stamp {stamp}" in proc.stdout
     assert json.loads(stamp.read_text())["specializations"] == len(specs)

@@ -56,7 +56,7 @@ def test_a_start_that_finds_its_stamp_runs_no_precompile(tiny_model, tmp_path, m
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(precompile, "SCRIPT", _stand_in(tmp_path, "print('captured 1 specializations')\n"))
     m = str(tiny_model)
-    stamp = precompile.stamp_path(precompile.cache_dir(), m, precompile.command(m, 2, 128, None, "off", 4)[4:],
+    stamp = precompile.stamp_path(precompile.cache_dir(), m, precompile.settings(m, 2, 128, None, "off", 4),
                                   triton.__version__, 90)
     stamp.parent.mkdir(parents=True)
     stamp.write_text("{}")
@@ -76,7 +76,7 @@ def test_the_stamp_names_everything_the_kernels_depend_on(tiny_model, tmp_path, 
     monkeypatch.setattr(precompile, "SCRIPT", tmp_path / "scripts" / "precompile.py")
     monkeypatch.setattr(precompile, "sources", lambda: [source])
     monkeypatch.delenv("FASTQWEN_NO_PDL", raising=False)
-    settings = precompile.command(m, 2, 128, None, "off", 4)[4:]
+    settings = precompile.settings(m, 2, 128, None, "off", 4)
 
     def name(**change):
         args = {"settings": settings, "triton_version": "3.6.0", "arch": 90} | change
@@ -84,7 +84,7 @@ def test_the_stamp_names_everything_the_kernels_depend_on(tiny_model, tmp_path, 
 
     first = name()
     assert name() == first and precompile.stamp_path(cache, m, settings, "3.6.0", 90).parent == cache / "fastqwen-precompiled"
-    others = [name(settings=precompile.command(m, 3, 128, None, "off", 4)[4:]), name(triton_version="3.1.0"),
+    others = [name(settings=precompile.settings(m, 3, 128, None, "off", 4)), name(triton_version="3.1.0"),
               name(arch=100)]
     monkeypatch.setenv("FASTQWEN_NO_PDL", "1")
     others.append(name())

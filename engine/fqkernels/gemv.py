@@ -301,7 +301,7 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: 
 FMA_SHARED_REGS = 192
 # The columns a program of a shared fma tile: fewer accumulators a thread, so more programs an SM
 # keep loads in flight. Not below 4: at 2 columns and block_k 256 Triton lays the tile out
-# differently and a column's sums change order (docs/PERFORMANCE.md, "shared row tiles").
+# differently and a column's sums change order (docs/PERFORMANCE.md, Speculation: the shared FMA tile).
 FMA_SHARED_COLUMNS = 4
 # A product at least this wide (a vocabulary) keeps its columns and widens its row tile instead:
 # its weights, far larger than L2, are then read once, not once a 2-row tile.

@@ -47,7 +47,7 @@ def sources() -> list[pathlib.Path]:
 
 
 def stamp_path(cache: pathlib.Path, model_dir: str, settings: list[str], triton_version: str, arch: int) -> pathlib.Path:
-    """Where a precompile of these settings (command()'s arguments after the model) leaves its stamp."""
+    """Where a precompile of these settings (settings()) leaves its stamp."""
     root, digest = SCRIPT.parents[1], hashlib.sha256()
     for part in (triton_version, f"sm_{arch}", " ".join(settings),
                  " ".join(f"{name}={os.environ.get(name, '')}" for name in KERNEL_ENV)):
@@ -71,9 +71,21 @@ def wanted() -> bool:
 
 def command(model_dir: str, max_batch: int | None, max_model_len: int | None, block_size: int | None,
             speculation: str | None, speculative_tokens: int | None) -> list[str]:
-    """scripts/precompile.py's arguments for a server of these settings, as the server resolves
-    them: max_model_len None 4096, both capped at the config's max_position_embeddings; max_batch
-    None the most slots the server may plan, 64; speculation None FASTQWEN_SPECULATION, else off."""
+    """scripts/precompile.py's command line for a server of these settings (settings())."""
+    return _script(model_dir) + settings(model_dir, max_batch, max_model_len, block_size, speculation,
+                                         speculative_tokens)
+
+
+def _script(model_dir: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--model", str(model_dir)]
+
+
+def settings(model_dir: str, max_batch: int | None, max_model_len: int | None, block_size: int | None,
+             speculation: str | None, speculative_tokens: int | None) -> list[str]:
+    """scripts/precompile.py's arguments after the model for a server of these settings, as the
+    server resolves them (the stamp's name is made of them): max_model_len None 4096, both capped
+    at the config's max_position_embeddings; max_batch None the most slots the server may plan, 64;
+    speculation None FASTQWEN_SPECULATION, else off."""
     from fastqwen.checkpoint import read_config
 
     length = max_model_len or 4096
@@ -81,14 +93,8 @@ def command(model_dir: str, max_batch: int | None, max_model_len: int | None, bl
     if isinstance(limit, int) and limit > 0:
         length = min(length, limit)
     mode = speculation or os.environ.get("FASTQWEN_SPECULATION") or "off"
-    return [sys.executable, str(SCRIPT), "--model", str(model_dir)] + settings(
-        max_batch or 64, length, block_size or 0, mode if mode in SPECULATION else "off", speculative_tokens or 4)
-
-
-def settings(max_batch: int, max_model_len: int, block_size: int, speculation: str, speculative_tokens: int) -> list[str]:
-    """scripts/precompile.py's arguments after the model, resolved (the stamp's name is made of them)."""
-    return ["--max-batch", str(max_batch), "--max-model-len", str(max_model_len), "--block-size", str(block_size),
-            "--speculation", speculation, "--speculative-tokens", str(speculative_tokens)]
+    return ["--max-batch", str(max_batch or 64), "--max-model-len", str(length), "--block-size", str(block_size or 0),
+            "--speculation", mode if mode in SPECULATION else "off", "--speculative-tokens", str(speculative_tokens or 4)]
 
 
 def found_stamp(model_dir: str, settings: list[str]) -> pathlib.Path | None:
@@ -122,14 +128,14 @@ class Precompile:
         if not wanted():
             return None
         try:
-            argv = command(model_dir, max_batch, max_model_len, block_size, speculation, speculative_tokens)
+            resolved = settings(model_dir, max_batch, max_model_len, block_size, speculation, speculative_tokens)
         except Exception:  # noqa: BLE001 - the engine's own load reports a bad checkpoint
             return None
         try:
-            stamp = found_stamp(model_dir, argv[4:])
+            stamp = found_stamp(model_dir, resolved)
         except Exception:  # noqa: BLE001 - no stamp to go by: the precompile runs
             stamp = None
-        return cls(argv, stamp)
+        return cls(_script(model_dir) + resolved, stamp)
 
     def wait(self, timeout: float = WAIT_S) -> str:
         """Block until the subprocess ends (stopped after `timeout` seconds); what it did, in a line."""

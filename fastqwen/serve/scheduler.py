@@ -452,14 +452,13 @@ class Scheduler:
         """Whether the request can be one row of a verify now: greedy, nothing per token on the host
         (no grammar, no log-probabilities), room for k + 1 positions and two tokens to go."""
         in_flight = self._pending is not None and req.id in self._pending[0]
-        return (req.params.greedy and req.matcher is None and req.params.logprobs is None and req.output
-                and self.slots.room(req.id) >= self.spec_k + 1
+        return (self._speculable(req) and self.slots.room(req.id) >= self.spec_k + 1
                 and req.params.max_tokens - len(req.output) - in_flight >= 2)
 
     @staticmethod
-    def _shadowed(req: Request) -> bool:
-        """Whether a plain step's token of this request counts for auto's acceptance: a greedy
-        request with nothing per token on the host, past its first token (a decode step's)."""
+    def _speculable(req: Request) -> bool:
+        """A greedy request with nothing per token on the host, past its first token: its tokens
+        can come from a verify (_can_verify), and a plain step's count for auto's acceptance."""
         return bool(req.params.greedy and req.matcher is None and req.params.logprobs is None and req.output)
 
     def _speculate_now(self) -> int:
@@ -606,7 +605,7 @@ class Scheduler:
         for rid, tok in zip(ids, host[:len(ids)].tolist()):
             req = self.running.get(rid)
             if req is not None:
-                if self.spec_policy is not None and self._shadowed(req):
+                if self.spec_policy is not None and self._speculable(req):
                     # auto: the draft prompt lookup would have made for this token, against it
                     hit = self._lookup(req).draft(1)[0] == tok
                     right, wrong = right + hit, wrong + (not hit)
