@@ -22,10 +22,11 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
-#   spec-dot          bench spec --one-row dot at one sequence (plain decode's products on the tensor cores, the
-#                     other design for batch 1), the oracle at 0.5 / 0.9 / 1, k = 3 and 4 -> spec_qwen3_one_row_dot.json
-#   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the attention's split count,
-#                     speculation's tokens), two pytest groups at once -> pytest_spec.log
+#   spec-b1           the curve at one sequence (1 x 1024 x 256; the oracle at 0.5-1, k = 3, 4 and 8) on each
+#                     family's own one-row products, and Qwen3's with its products fma (bench spec --one-row fma)
+#                     -> spec_qwen3_b1.json, spec_qwen3_b1_one_row_fma.json, spec_qwen35_b1.json
+#   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the one-row tensor-core tile, the
+#                     attention's split count, speculation's tokens), two pytest groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
@@ -129,10 +130,15 @@ main() {
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" --k 3,4 \
                   --out "$OUT/spec_qwen35.json" ;;
-      spec-dot) timeout 400 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256,1x512x32 --one-row dot \
-                  --arms oracle:0.5,oracle:0.9,oracle:1 --k 3,4 --out "$OUT/spec_qwen3_one_row_dot.json" ;;
+      spec-b1)
+        timeout 170 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --arms "$SPEC_ARMS" --k 3,4,8 \
+          --out "$OUT/spec_qwen3_b1.json"
+        timeout 120 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --one-row fma --arms "$SPEC_ARMS" --k 3,4 \
+          --out "$OUT/spec_qwen3_b1_one_row_fma.json"
+        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
+          --out "$OUT/spec_qwen35_b1.json" ;;
       spec-tests)
-        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k shared \
+        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k 'shared or one_row' \
           > /tmp/pytest_spec_0.log 2>&1 &
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
           -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &

@@ -11,17 +11,18 @@ and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptan
 verify, the device's mean milliseconds a draft and a verify over the timed call (CUDA events), the
 plain steps "auto" took and its verifies of each width, and whether the arm's tokens equal plain's.
 
---one-row dot measures the other design for one sequence: the products' one-row configs replaced by
-their 2-4-row tensor-core ones (the LM head's kept: its one-row pick is the screen's) before the
-engine is built, so a plain batch-1 step runs on the tensor cores and a verify's rows share its tile
-at no extra pass; plain decode and every arm in that process, against the same arms without it.
+--one-row fma|dot sets which kernel one sequence's products run on (default: the model family's
+choice, the engine's ops.one_row_tensor_cores: Qwen3 on the tensor cores, Qwen3.5 fma): on the
+tensor cores a verify's rows fit the plain step's 16-row tile (about one step, its bits); fma is
+the faster plain step with verify rows in narrower shared tiles. Plain decode and every arm of the
+process run that way, so compare two processes' rows against one baseline (the docs' trade).
 """
 from __future__ import annotations
 
 import statistics
 import time
 
-from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_on_path,
+from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine,
                           engine_options, gpu_visible, int_list, positive_int, resolve_model, shape_list)
 
 COLUMNS = [Column("batch", width=5), Column("prompt", width=6), Column("steps", width=5),
@@ -48,23 +49,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
-    parser.add_argument("--one-row", choices=("fma", "dot"), default="fma",
-                        help="the products' one-row configs: fma (the engine's table) or dot (their 2-4-row tensor-core "
-                             "configs; see the module note)")
-
-
-def one_row_on_tensor_cores(gemv) -> list:
-    """Replace, in gemv's tables, each product's one-row fma config by its next range's tensor-core
-    config (the LM heads, N > 100,000, kept); the (N, K) keys replaced."""
-    replaced = []
-    for table in (gemv.LINEAR_CONFIGS, gemv.SILU_MUL_CONFIGS):
-        for key, entry in list(table.items()):
-            if (isinstance(entry, tuple) and len(entry) > 1 and entry[0][0] == 1 and entry[0][1].mode == "fma"
-                    and entry[1][1].mode != "fma" and key[0] <= 100_000):
-                table[key] = ((1, entry[1][1]),) + tuple(entry[1:])
-                replaced.append(key)
-    gemv.select_config.cache_clear()
-    return replaced
+    parser.add_argument("--one-row", choices=("family", "fma", "dot"), default="family",
+                        help="one sequence's products: the model family's choice (default), fma, or dot (the tensor "
+                             "cores; see the module note)")
 
 
 def _timed(eng, prompts, steps, reps, sync):
@@ -84,14 +71,11 @@ def run(args, report) -> None:
     model_dir = resolve_model(args.model)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     options = engine_options(args)
-    if args.one_row == "dot":
-        engine_on_path()
-        from fqkernels import gemv
-
-        report.note(f"# one-row products on the tensor cores: {one_row_on_tensor_cores(gemv)}")
     if "mtp" in arms:                 # the engine loads the MTP head only when built with it
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
+    if args.one_row != "family":      # before the first call: its tuning and graphs follow the choice
+        eng.model.ops.one_row_tensor_cores = args.one_row == "dot"
     for arm in arms:                  # a bad arm or k fails before any work
         for k in args.k:
             eng.set_speculation(arm, k)

@@ -144,7 +144,8 @@ class Engine:
 
     def describe(self) -> dict:
         """What runs: the model family, its op set, whether the decode step and prompts are graphs,
-        exact decode, the LM-head screen and (Qwen3.5) the GDN rule's forms."""
+        exact decode, the LM-head screen, one sequence's products' kernel and (Qwen3.5) the GDN
+        rule's forms."""
         qwen35 = isinstance(self.model, Qwen35Model)
         backend = self.model.ops.name
         out = {"family": "qwen3.5" if qwen35 else "qwen3", "backend": backend,
@@ -153,6 +154,8 @@ class Engine:
                "speculation": self.spec.mode if not self.spec.on else f"{self.spec.mode} (k={self.spec.k})",
                # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
                "lm_screen": self.model.screen is not None}
+        if backend == "triton":       # one sequence's products: a verify's rows share their tile (fq_ops)
+            out["one_row_products"] = "tensor cores" if self.model.ops.one_row_tensor_cores else "fma"
         if qwen35:
             out["gdn_prompt_rule"] = "kernels" if backend == "triton" else "reference"
             out["gdn_decode"] = "recurrent"

@@ -84,6 +84,9 @@ class TorchOps:
         # plan) as the plain step of this many rows does, so each row's sums run in that step's
         # order (fq_spec); None: by their own row count
         self.rows_as = None
+        # one sequence's products on the tensor cores (gemv.select_config's one_row_tensor_cores):
+        # the model family chooses (Qwen3 does; docs/PERFORMANCE.md has the trade)
+        self.one_row_tensor_cores = False
 
     @contextlib.contextmanager
     def planned_as(self, rows: int):
@@ -306,7 +309,8 @@ class TritonOps(TorchOps):
         planned = self.rows_as or rows
         if not self._on_gemv(silu, planned, w):
             return None
-        config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode)
+        config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode,
+                                          one_row_tensor_cores=self.one_row_tensor_cores)
         return self._gemv.shared_rows(config, rows, silu, n=w.shape[0]) if rows > planned else config
 
     def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
@@ -382,7 +386,8 @@ class TritonOps(TorchOps):
         as the step calls it (with what it fuses around the product), over all layers' copies in
         one CUDA graph so the weights stream from HBM as in a real step and launch costs are the
         graph's, and keep the faster; at exact decode's rows an in-order GEMV is taken whatever the
-        times (its sums are the full forward's, cuBLAS's at decode rows are not).
+        times (its sums are the full forward's, cuBLAS's at decode rows are not), and so is the
+        one-row GEMV on the tensor cores (one_row_tensor_cores: a verify shares its tile).
         Returns {product: (cuBLAS us, GEMV us)}, or the GEMV's error where it cannot run here (the
         product then stays on cuBLAS)."""
         from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials
@@ -397,7 +402,8 @@ class TritonOps(TorchOps):
             N, K = ws[0].shape
             dev = ws[0].device
             x = torch.randn(rows, K, device=dev).to(torch.bfloat16)
-            config = gemv.select_config(N, K, product.silu, rows, exact=self.exact_decode)
+            config = gemv.select_config(N, K, product.silu, rows, exact=self.exact_decode,
+                                        one_row_tensor_cores=self.one_row_tensor_cores)
             if product.kind == "silu_mul":
                 ours = lambda w: gemv.linear_silu_mul(x, w, config=config)     # noqa: E731
                 theirs = lambda w: silu_mul(F.linear(x, w))                     # noqa: E731
@@ -418,7 +424,10 @@ class TritonOps(TorchOps):
                 self.use_gemv[key] = False
                 continue
             exact = gemv.exact_rows(rows, self.exact_decode) and gemv.in_order(config)
-            self.use_gemv[key] = exact or t_ours < t_theirs
+            # one sequence on the tensor cores: a verify's rows share the one-row tile only on our
+            # GEMV (cuBLAS's bits change with the row count), whatever the times
+            shared = rows == 1 and self.one_row_tensor_cores
+            self.use_gemv[key] = exact or shared or t_ours < t_theirs
             report[product.name] = (round(t_theirs, 2), round(t_ours, 2))
         return report
 

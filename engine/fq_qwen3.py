@@ -39,6 +39,9 @@ class Qwen3Model:
         self.w = weights
         self.device = device
         self.ops = ops
+        # One sequence's products on the tensor cores: a speculative verify's rows then cost about
+        # one step and keep its bits, for ~2% on a plain step (docs/PERFORMANCE.md).
+        ops.one_row_tensor_cores = True
         self.scale = cfg.head_dim ** -0.5
         self.cos = self.sin = None
         self.k_cache = self.v_cache = None

@@ -577,25 +577,3 @@ def test_gemv_shared_lists_each_fma_products_row_tiles_with_the_engines_pick_fir
     assert {r["op"] for r in rows} == {"qkv", "o"}          # 64x128 has a tensor-core one-row config
     if not torch.cuda.is_available():
         assert all(r["us"] is None and r["error"] == "no GPU: not run" for r in rows)
-
-
-def test_spec_one_row_dot_puts_every_products_one_row_config_but_the_lm_heads_on_the_tensor_cores():
-    runner.engine_on_path()
-    from fqkernels import gemv
-
-    from bench.spec import one_row_on_tensor_cores
-
-    saved = (dict(gemv.LINEAR_CONFIGS), dict(gemv.SILU_MUL_CONFIGS))
-    try:
-        replaced = one_row_on_tensor_cores(gemv)
-        assert (6144, 2560) in replaced and (19456, 2560) in replaced and (12352, 2560) in replaced
-        assert (151936, 2560) not in replaced and (248320, 2560) not in replaced
-        for n, k in replaced:
-            silu = (n, k) in gemv.SILU_MUL_CONFIGS
-            assert gemv.select_config(n, k, silu, 1) == gemv.select_config(n, k, silu, 4) != saved[silu][(n, k)][0][1]
-            assert gemv.select_config(n, k, silu, 1).mode in ("dot", "dot_t")
-        assert gemv.select_config(151936, 2560, False, 1).mode == "fma"
-    finally:
-        gemv.LINEAR_CONFIGS.clear(), gemv.LINEAR_CONFIGS.update(saved[0])
-        gemv.SILU_MUL_CONFIGS.clear(), gemv.SILU_MUL_CONFIGS.update(saved[1])
-        gemv.select_config.cache_clear()

@@ -252,6 +252,7 @@ def test_backend_is_explicit(tiny, monkeypatch):
                     "pdl": False, "exact_decode": True, "speculation": "off", "lm_screen": False,
                     "gdn_prompt_rule": "reference",
                     "gdn_decode": "full forward's rows"}
+    assert eng.model.ops.one_row_tensor_cores is False      # Qwen3.5's one-sequence products stay fma
     monkeypatch.setenv("FASTQWEN_EXACT_DECODE", "0")
     assert Engine(str(tiny)).describe()["gdn_decode"] == "recurrent"
     assert Engine(str(tiny), exact_decode=True).describe()["gdn_decode"] == "full forward's rows"

@@ -255,12 +255,17 @@ _MIN_BLOCKS_PER_SPLIT = 4
 
 
 @functools.lru_cache(maxsize=None)
-def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: bool = True) -> GemvConfig:
+def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: bool = True,
+                  one_row_tensor_cores: bool = False) -> GemvConfig:
     """The config for a weight of shape [n, k] (for silu_mul: the packed [2I, k]) and
     `rows` rows of x.
 
     A table entry is one config, or a tuple of (max_rows, config) pairs in
     increasing max_rows (None = no limit): the first pair whose max_rows >= rows.
+    With `one_row_tensor_cores`, one row takes the 2-4-row range's tensor-core config where the
+    table's one-row config is fma (vocabulary-wide products excepted: their one-row pick is the
+    LM-head screen's): a speculative verify's k + 1 rows then fit the one-row step's 16-row tile,
+    so they cost about one step and keep its bits (one_row_on_tensor_cores).
     Without an entry, a default that ignores rows: the largest block_k in 256..16
     that divides k (so the inner loop needs no mask; 64 with a masked tail when
     none does), 64 output columns per program (less for narrow outputs), and
@@ -279,6 +284,8 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: 
         entry = EXACT_CONFIGS[(n, k)]
     if isinstance(entry, GemvConfig):
         return entry
+    if rows == 1 and one_row_tensor_cores and entry is not None:
+        entry = one_row_on_tensor_cores(entry, n)
     if entry is not None:
         for max_rows, cfg in entry:
             if max_rows is None or rows <= max_rows:
@@ -294,6 +301,15 @@ def select_config(n: int, k: int, silu_mul: bool = False, rows: int = 1, exact: 
            and k_blocks % (split * 2) == 0 and k_blocks // (split * 2) >= _MIN_BLOCKS_PER_SPLIT):
         split *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def one_row_on_tensor_cores(entry: tuple, n: int) -> tuple:
+    """A table entry with its one-row fma config replaced by the next range's tensor-core config,
+    where it has both and n < VOCAB_COLUMNS; otherwise the entry as it is."""
+    if (n < VOCAB_COLUMNS and len(entry) > 1 and entry[0][0] == 1 and entry[0][1].mode == "fma"
+            and entry[1][1].mode != "fma"):
+        return ((1, entry[1][1]),) + tuple(entry[1:])
+    return entry
 
 
 # fp32 registers a thread may give the fma kernel's accumulators and its weight block(s) when

@@ -241,6 +241,25 @@ def test_q35_shapes_take_mask_free_table_configs(name):
         assert rows == 1 or cfg.mode in ("dot", "dot_t")
 
 
+def test_one_row_on_tensor_cores_takes_the_next_ranges_tensor_core_config():
+    """one_row_tensor_cores: every 4B product whose one-row config is fma takes its 2-4-row
+    tensor-core config at one row (a verify's k + 1 <= 16 rows then fit that tile unwidened); the
+    LM heads keep theirs (the screen's); other row counts are unchanged."""
+    for shapes in (SHAPES_4B, SHAPES_Q35):
+        for name, (n, k) in shapes.items():
+            silu = name == "gate_up"
+            one = select_config(n, k, silu, 1, one_row_tensor_cores=True)
+            if n >= gemv.VOCAB_COLUMNS:
+                assert one == select_config(n, k, silu, 1) and one.mode == "fma", name
+                continue
+            assert one.mode in ("dot", "dot_t") and one == select_config(n, k, silu, 4), name
+            assert select_config(n, k, silu, 1).mode == "fma", name
+            for rows in (2, 16):
+                assert gemv.shared_rows(one, rows, silu, n=n) == one, (name, rows)
+            for rows in (2, 4, 7, 16, 64):
+                assert select_config(n, k, silu, rows, one_row_tensor_cores=True) == select_config(n, k, silu, rows)
+
+
 def test_exact_decode_puts_every_4b_product_in_order():
     """Exact decode (the engine's exact_decode): from EXACT_FROM_ROWS to EXACT_TO_ROWS rows every 4B
     decode product walks K in order (what gives the full forward's bits,
@@ -682,6 +701,31 @@ def test_gpu_shared_rows_give_each_row_its_one_row_bits(name, shape, silu, rows)
     one = select_config(n, k, silu, 1)
     wide = gemv.shared_rows(one, rows, silu, n=n)
     x, w = _gpu_inputs(rows, n, k, seed=rows)
+    got = fn(x, w, config=wide)
+    for r in range(rows):
+        assert torch.equal(got[r], fn(x[r:r + 1].contiguous(), w, config=one)[0]), (r, wide)
+
+
+def _one_row_tensor_core_products():
+    """(family-product name, (n, k), silu) of every product that one_row_tensor_cores moves."""
+    return [(f"{family}-{name}", (n, k), name == "gate_up")
+            for family, shapes in (("qwen3", SHAPES_4B), ("qwen3.5", SHAPES_Q35)) for name, (n, k) in sorted(shapes.items())
+            if select_config(n, k, name == "gate_up", 1, one_row_tensor_cores=True).mode != "fma"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 4, 5, 9, 16])
+@pytest.mark.parametrize("name,shape,silu", _one_row_tensor_core_products(),
+                         ids=[p[0] for p in _one_row_tensor_core_products()])
+def test_gpu_one_row_tensor_core_tile_gives_each_verify_row_its_one_row_bits(name, shape, silu, rows):
+    """One sequence on the tensor cores (Qwen3's products): a verify's k + 1 rows run the one-row
+    step's own config (shared_rows leaves it: 16 rows a tile); every row, the one-row launch's bits."""
+    n, k = shape
+    fn = linear_silu_mul if silu else linear
+    one = select_config(n, k, silu, 1, one_row_tensor_cores=True)
+    wide = gemv.shared_rows(one, rows, silu, n=n)
+    x, w = _gpu_inputs(rows, n, k, seed=100 + rows)
     got = fn(x, w, config=wide)
     for r in range(rows):
         assert torch.equal(got[r], fn(x[r:r + 1].contiguous(), w, config=one)[0]), (r, wide)
