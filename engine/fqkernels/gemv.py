@@ -34,7 +34,8 @@ every call. The three kernel modes ("dot": tl.dot over 16-row tiles; "dot_t": th
 same with the operands swapped, the weight tile on the MMA's row side; "fma": an
 elementwise multiply-add loop over 1-4 rows) sum in different orders. The table
 holds one config per (N, K) and row-count range (one row; 2-4; more), so a row's
-bits are independent of the batch within a range, not across ranges. The config
+bits are independent of the batch within a range, not across ranges (a model may run its one
+row in the 2-4-row range's tile: select_config's one_row_tensor_cores). The config
 is a function of the shapes alone, never of the device, so an H100 and an H200 run
 the same code (given the same Triton version).
 
