@@ -25,6 +25,9 @@
 #   spec-b1           the curve at one sequence (1 x 1024 x 256; the oracle at 0.5-1, k = 3, 4 and 8) on each
 #                     family's own one-row products, and Qwen3's with its products fma (bench spec --one-row fma)
 #                     -> spec_qwen3_b1.json, spec_qwen3_b1_one_row_fma.json, spec_qwen35_b1.json
+#   spec-one-row-q35  Qwen3.5 at one sequence (1 x 1024 x 256, the oracle at 0.5 / 0.9 / 1 and the MTP head, k = 3
+#                     and 4) with every product on the tensor cores, and with all but in_proj (its one-row kernel
+#                     fuses the conv and gates) -> spec_qwen35_b1_one_row_dot.json, spec_qwen35_b1_one_row_dot_but_in_proj.json
 #   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the one-row tensor-core tile, the
 #                     attention's split count, speculation's tokens), two pytest groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
@@ -137,6 +140,12 @@ main() {
           --out "$OUT/spec_qwen3_b1_one_row_fma.json"
         timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
           --out "$OUT/spec_qwen35_b1.json" ;;
+      spec-one-row-q35)
+        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row dot \
+          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot.json"
+        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 \
+          --one-row linear_attn.out_proj,self_attn.qkv_proj,self_attn.o_proj,mlp.gate_up,mlp.down_proj \
+          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot_but_in_proj.json" ;;
       spec-tests)
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k 'shared or one_row' \
           > /tmp/pytest_spec_0.log 2>&1 &

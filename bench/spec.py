@@ -11,11 +11,14 @@ and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptan
 verify, the device's mean milliseconds a draft and a verify over the timed call (CUDA events), the
 plain steps "auto" took and its verifies of each width, and whether the arm's tokens equal plain's.
 
---one-row fma|dot sets which kernel one sequence's products run on (default: the model family's
-choice, the engine's ops.one_row_tensor_cores: Qwen3 on the tensor cores, Qwen3.5 fma): on the
-tensor cores a verify's rows fit the plain step's 16-row tile (about one step, its bits); fma is
-the faster plain step with verify rows in narrower shared tiles. Plain decode and every arm of the
-process run that way, so compare two processes' rows against one baseline (the docs' trade).
+--one-row sets which kernel one sequence's products run on (default "family": the model family's
+choice, the engine's ops.one_row_tensor_cores: Qwen3 on the tensor cores, Qwen3.5 fma): "dot" every
+product on the tensor cores, "fma" none, or the names of those on the tensor cores (the
+decode_products names, e.g. "self_attn.qkv_proj,mlp.gate_up"; products of one weight shape move
+together). On the tensor cores a verify's rows
+fit the plain step's 16-row tile (about one step, its bits); fma is the faster plain step with a
+verify's rows in narrower shared tiles. Plain decode and every arm of the process run that way, so
+compare two processes' rows against one baseline (the docs' trade).
 """
 from __future__ import annotations
 
@@ -49,9 +52,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
-    parser.add_argument("--one-row", choices=("family", "fma", "dot"), default="family",
-                        help="one sequence's products: the model family's choice (default), fma, or dot (the tensor "
-                             "cores; see the module note)")
+    parser.add_argument("--one-row", default="family",
+                        help="one sequence's products: family (the model family's choice, default), fma, dot (the "
+                             "tensor cores), or the comma-separated names of the products on the tensor cores")
+
+
+def one_row_shapes(products, choice: str) -> frozenset:
+    """The weight shapes --one-row puts on the tensor cores: "dot" every product's, "fma" none, or
+    those of the named products (a name not among them is an error that lists them)."""
+    if choice in ("dot", "fma"):
+        return frozenset(tuple(p.weights[0].shape) for p in products) if choice == "dot" else frozenset()
+    by_name = {p.name: tuple(p.weights[0].shape) for p in products}
+    names = [n.strip() for n in choice.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise ValueError(f"--one-row: {', '.join(unknown) or repr(choice)} is not family, fma, dot or products "
+                         f"among {', '.join(by_name)}")
+    return frozenset(by_name[n] for n in names)
 
 
 def _timed(eng, prompts, steps, reps, sync):
@@ -75,7 +92,7 @@ def run(args, report) -> None:
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
     if args.one_row != "family":      # before the first call: its tuning and graphs follow the choice
-        eng.model.ops.one_row_tensor_cores = args.one_row == "dot"
+        eng.model.ops.one_row_tensor_cores = one_row_shapes(eng.model.decode_products(), args.one_row)
     for arm in arms:                  # a bad arm or k fails before any work
         for k in args.k:
             eng.set_speculation(arm, k)

@@ -155,7 +155,7 @@ class Engine:
                # one sequence's LM head screened through its int8 copy (fqkernels/lm_screen)
                "lm_screen": self.model.screen is not None}
         if backend == "triton":       # one sequence's products: a verify's rows share their tile (fq_ops)
-            out["one_row_products"] = "tensor cores" if self.model.ops.one_row_tensor_cores else "fma"
+            out["one_row_products"] = self.one_row_products()
         if qwen35:
             out["gdn_prompt_rule"] = "kernels" if backend == "triton" else "reference"
             out["gdn_decode"] = "recurrent"
@@ -165,6 +165,16 @@ class Engine:
                 out["gdn_decode"] = ("full forward's rows" + (f" ({gdn_exact_step.step_form()})"
                                                               if backend == "triton" else ""))
         return out
+
+    def one_row_products(self) -> str:
+        """Where one sequence's products run: "tensor cores", "fma", or "tensor cores: " and the
+        products there where only some are (the LM head, screened at one row, counts as neither)."""
+        moved = self.model.ops.one_row_tensor_cores
+        layer_products = [p for p in self.model.decode_products() if p.name != "lm_head"]
+        names = [p.name for p in layer_products if tuple(p.weights[0].shape) in moved]
+        if not names:
+            return "fma"
+        return "tensor cores" if len(names) == len(layer_products) else "tensor cores: " + ", ".join(names)
 
     # ---- serving: continuous batching over the engine's caches ------------------------
     def plan_slots(self, max_len: int, max_slots: int | None = None, page_size: int | None = None,

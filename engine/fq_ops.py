@@ -84,9 +84,9 @@ class TorchOps:
         # plan) as the plain step of this many rows does, so each row's sums run in that step's
         # order (fq_spec); None: by their own row count
         self.rows_as = None
-        # one sequence's products on the tensor cores (gemv.select_config's one_row_tensor_cores):
-        # the model family chooses (Qwen3 does; docs/PERFORMANCE.md has the trade)
-        self.one_row_tensor_cores = False
+        # the weight shapes (N, K) whose one-row product runs on the tensor cores (gemv.select_config's
+        # one_row_tensor_cores): the model family chooses (Qwen3: all; docs/PERFORMANCE.md has the trade)
+        self.one_row_tensor_cores = frozenset()
 
     @contextlib.contextmanager
     def planned_as(self, rows: int):
@@ -310,7 +310,7 @@ class TritonOps(TorchOps):
         if not self._on_gemv(silu, planned, w):
             return None
         config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode,
-                                          one_row_tensor_cores=self.one_row_tensor_cores)
+                                          one_row_tensor_cores=tuple(w.shape) in self.one_row_tensor_cores)
         return self._gemv.shared_rows(config, rows, silu, n=w.shape[0]) if rows > planned else config
 
     def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
@@ -403,7 +403,7 @@ class TritonOps(TorchOps):
             dev = ws[0].device
             x = torch.randn(rows, K, device=dev).to(torch.bfloat16)
             config = gemv.select_config(N, K, product.silu, rows, exact=self.exact_decode,
-                                        one_row_tensor_cores=self.one_row_tensor_cores)
+                                        one_row_tensor_cores=(N, K) in self.one_row_tensor_cores)
             if product.kind == "silu_mul":
                 ours = lambda w: gemv.linear_silu_mul(x, w, config=config)     # noqa: E731
                 theirs = lambda w: silu_mul(F.linear(x, w))                     # noqa: E731
@@ -426,7 +426,7 @@ class TritonOps(TorchOps):
             exact = gemv.exact_rows(rows, self.exact_decode) and gemv.in_order(config)
             # one sequence on the tensor cores: a verify's rows share the one-row tile only on our
             # GEMV (cuBLAS's bits change with the row count), whatever the times
-            shared = rows == 1 and self.one_row_tensor_cores
+            shared = rows == 1 and (N, K) in self.one_row_tensor_cores
             self.use_gemv[key] = exact or shared or t_ours < t_theirs
             report[product.name] = (round(t_theirs, 2), round(t_ours, 2))
         return report

@@ -39,9 +39,6 @@ class Qwen3Model:
         self.w = weights
         self.device = device
         self.ops = ops
-        # One sequence's products on the tensor cores: a speculative verify's rows then cost about
-        # one step and keep its bits, for ~2% on a plain step (docs/PERFORMANCE.md).
-        ops.one_row_tensor_cores = True
         self.scale = cfg.head_dim ** -0.5
         self.cos = self.sin = None
         self.k_cache = self.v_cache = None
@@ -50,6 +47,9 @@ class Qwen3Model:
         self.block_table = None
         # one sequence's decode pick without the whole LM head (fqkernels/lm_screen: the same pick)
         self.screen = ops.lm_screen(weights.lm_head)
+        # One sequence's products on the tensor cores: a speculative verify's rows then cost about
+        # one step and keep its bits, for ~2% on a plain step (docs/PERFORMANCE.md).
+        ops.one_row_tensor_cores = frozenset(tuple(p.weights[0].shape) for p in self.decode_products())
 
     def decode_products(self) -> list:
         """The decode step's matrices, for the op set's tuner (fq_ops.DecodeProduct)."""

@@ -293,4 +293,6 @@ def test_engine_describes_what_runs(engines):
     assert info == {"family": "qwen3", "backend": "torch", "decode_graph": False, "prefill_graphs": False,
                     "pdl": False, "exact_decode": True, "speculation": "off", "lm_screen": False}
     # the family's choice for one sequence's products (Qwen3: the tensor cores; the op set's default fma)
-    assert engines[0].model.ops.one_row_tensor_cores is True
+    model = engines[0].model
+    assert model.ops.one_row_tensor_cores == {tuple(p.weights[0].shape) for p in model.decode_products()}
+    assert engines[0].one_row_products() == "tensor cores"

@@ -252,7 +252,21 @@ def test_backend_is_explicit(tiny, monkeypatch):
                     "pdl": False, "exact_decode": True, "speculation": "off", "lm_screen": False,
                     "gdn_prompt_rule": "reference",
                     "gdn_decode": "full forward's rows"}
-    assert eng.model.ops.one_row_tensor_cores is False      # Qwen3.5's one-sequence products stay fma
+    assert not eng.model.ops.one_row_tensor_cores and eng.one_row_products() == "fma"  # Qwen3.5's stay fma
+    from bench.spec import one_row_shapes
+
+    products = eng.model.decode_products()
+    eng.model.ops.one_row_tensor_cores = one_row_shapes(products, "mlp.gate_up")
+    assert eng.one_row_products() == "tensor cores: mlp.gate_up"
+    eng.model.ops.one_row_tensor_cores = one_row_shapes(products, "mlp.down_proj")   # products of one shape move together
+    together = [p.name for p in products if p.weights[0].shape == eng.model.w["model.layers.0.mlp.down_proj.weight"].shape]
+    assert "mlp.down_proj" in together and eng.one_row_products() == "tensor cores: " + ", ".join(together)
+    eng.model.ops.one_row_tensor_cores = one_row_shapes(products, "dot")
+    assert eng.one_row_products() == "tensor cores"
+    with pytest.raises(ValueError, match="mlp.gate is not family, fma, dot or products among linear_attn.in_proj"):
+        one_row_shapes(products, "mlp.gate")
+    assert one_row_shapes(products, "fma") == frozenset()
+    eng.model.ops.one_row_tensor_cores = frozenset()
     monkeypatch.setenv("FASTQWEN_EXACT_DECODE", "0")
     assert Engine(str(tiny)).describe()["gdn_decode"] == "recurrent"
     assert Engine(str(tiny), exact_decode=True).describe()["gdn_decode"] == "full forward's rows"
