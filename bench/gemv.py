@@ -94,6 +94,16 @@ def _config_text(text: str) -> dict:
     return fields
 
 
+def _modes(text: str) -> tuple:
+    import argparse
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("fma", "dot", "dot_t")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"--modes {text!r}: each must be fma, dot or dot_t")
+    return modes
+
+
 def _int_field(value: str, part: str) -> int:
     import argparse
 
@@ -121,6 +131,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shared", action="store_true",
                         help="time the fma products' shared row tiles (block_m 1, 2, 4; 2 or more columns a program) "
                              "at each --rows, with each row's bits against the one-row launch")
+    parser.add_argument("--modes", type=_modes, default=None, metavar="MODE,...",
+                        help="sweep only these kernel modes (fma, dot, dot_t; e.g. dot,dot_t: one row's tensor-core "
+                             "configs); the table's config is always timed")
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="no new sweep config after this many seconds; table configs and cuBLAS always run")
 
@@ -132,12 +145,14 @@ def table_config(gemv, n: int, k: int, silu: bool, m: int, exact: bool):
     return gemv.select_config(n, k, silu, m)
 
 
-def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extra: list, exact: bool) -> list:
+def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extra: list, exact: bool,
+                      modes: tuple | None = None) -> list:
     """The table's config for this M first, the --config ones, then with sweep "around" a sweep
     sized for M: M = 1 fma with one row (block_n 4-32, block_k 256-1024, split-K 1-8) and dot;
-    M <= 4 fma with 4 rows and dot; larger M dot; M > 1 also dot_t (swapped operands). Only
-    mask-free configs (block_k divides K into whole equal split-K chunks, block_n divides the
-    output width) whose fma accumulators fit in registers (<= 128 fp32 a thread)."""
+    M <= 4 fma with 4 rows and dot; larger M dot; every M dot_t (swapped operands: one row in a
+    16-row tile, as Qwen3's one sequence runs). Only mask-free configs (block_k divides K into
+    whole equal split-K chunks, block_n divides the output width) whose fma accumulators fit in
+    registers (<= 128 fp32 a thread); with `modes`, the sweep's configs of those modes only."""
     cols = n // 2 if silu else n
     out = [table_config(gemv, n, k, silu, m, exact)]
 
@@ -146,7 +161,7 @@ def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extr
             cfg = gemv.GemvConfig(**fields)
         except (TypeError, ValueError):
             return
-        if cfg in out:
+        if cfg in out or (modes and cfg.mode not in modes):
             return
         if check:
             if cols % cfg.block_n or k % cfg.block_k or (k // cfg.block_k) % cfg.split_k:
@@ -176,12 +191,11 @@ def candidate_configs(gemv, n: int, k: int, silu: bool, m: int, sweep: str, extr
         for bk in (128, 256):
             for split in splits[:3]:
                 add(mode="dot", block_m=16, block_n=bn, block_k=bk, split_k=split)
-    if m > 1:
-        for bn in (64, 128):
-            for bk in (128, 256):
-                for split in splits:
-                    for stages in (3, 4):
-                        add(mode="dot_t", block_m=16, block_n=bn, block_k=bk, split_k=split, num_stages=stages)
+    for bn in (64, 128):
+        for bk in (128, 256):
+            for split in splits:
+                for stages in (3, 4):
+                    add(mode="dot_t", block_m=16, block_n=bn, block_k=bk, split_k=split, num_stages=stages)
     return out
 
 
@@ -331,7 +345,7 @@ def run(args, report) -> None:
             report.add(dict(base, kind="measure", impl="cublas", config=None, config_text=None, table=False, us=us,
                             tbps=nbytes / us / 1e6, vs_cublas=1.0, error=None))
             configs = candidate_configs(gemv, n, k, silu, m, args.sweep if gpu else "table", args.config,
-                                        args.exact_decode)
+                                        args.exact_decode, args.modes)
             if not gpu:
                 configs = configs[:1]
             for i, cfg in enumerate(configs):

@@ -35,6 +35,8 @@
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   shared-tiles     bench gemv --shared: the fma products' verify row tiles (block_m 1, 2, 4; fewer columns a
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
+#   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
+#                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
@@ -160,6 +162,8 @@ main() {
                        --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
       shared-tiles) timeout 400 python3 -m bench gemv --shared --ops qwen3 qwen3.5 --rows 2,3,4,5 \
                       --out "$OUT/bench_gemv_shared.json" ;;
+      one-row-tiles) timeout 400 python3 -m bench gemv --ops qwen3 qwen3.5 --rows 1 --modes dot,dot_t --budget-s 300 \
+                       --out "$OUT/bench_gemv_one_row_tensor_cores.json" ;;
       profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \

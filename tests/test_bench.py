@@ -577,3 +577,20 @@ def test_gemv_shared_lists_each_fma_products_row_tiles_with_the_engines_pick_fir
     assert {r["op"] for r in rows} == {"qkv", "o"}          # 64x128 has a tensor-core one-row config
     if not torch.cuda.is_available():
         assert all(r["us"] is None and r["error"] == "no GPU: not run" for r in rows)
+
+
+def test_gemv_sweep_at_one_row_takes_the_tensor_core_tiles_and_modes_filter_it():
+    """bench gemv's sweep at one row holds dot_t configs (Qwen3's one sequence runs in that 16-row
+    tile) beside fma and dot; --modes keeps only the named modes' sweep configs, the table's first."""
+    runner.engine_on_path()
+    from fqkernels import gemv
+
+    from bench.gemv import candidate_configs
+
+    every = candidate_configs(gemv, 6144, 2560, False, 1, "around", [], True)
+    assert every[0] == gemv.select_config(6144, 2560, False, 1) and {c.mode for c in every} == {"fma", "dot", "dot_t"}
+    tensor = candidate_configs(gemv, 6144, 2560, False, 1, "around", [], True, modes=("dot", "dot_t"))
+    assert tensor[0] == every[0] and len(tensor) > 8
+    assert {c.mode for c in tensor[1:]} == {"dot", "dot_t"} and set(tensor[1:]) <= set(every)
+    assert gemv.select_config(6144, 2560, False, 1, one_row_tensor_cores=True) in tensor
+
