@@ -162,7 +162,8 @@ main() {
                        --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
       shared-tiles) timeout 400 python3 -m bench gemv --shared --ops qwen3 qwen3.5 --rows 2,3,4,5 \
                       --out "$OUT/bench_gemv_shared.json" ;;
-      one-row-tiles) timeout 400 python3 -m bench gemv --ops qwen3 qwen3.5 --rows 1 --modes dot,dot_t --budget-s 300 \
+      one-row-tiles) timeout 400 python3 -m bench gemv --ops qkv o gate_up_silu down q35_in_proj q35_qkv q35_gate_up_silu \
+                       q35_down --rows 1 --modes dot,dot_t --budget-s 300 \
                        --out "$OUT/bench_gemv_one_row_tensor_cores.json" ;;
       profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
