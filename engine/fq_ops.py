@@ -247,6 +247,15 @@ class TorchOps:
         conv_state.copy_(state)
         return x.transpose(1, 2)[:, 0], g[:, 0], beta[:, 0]
 
+    def gdn_conv_gates_rows(self, mixed, conv_state, conv_w, a, b, a_log, dt_bias, states) -> tuple:
+        """gdn_conv_gates_step over T rows of each sequence in turn (mixed [B, T, C], a and b [B, T, Hv]),
+        the conv state after row t into states[t] ([T, B, C, W]): (x [T, B, C], g, beta [T, B, Hv])."""
+        out = []
+        for t in range(mixed.shape[1]):
+            out.append(self.gdn_conv_gates_step(mixed[:, t], conv_state, conv_w, a[:, t], b[:, t], a_log, dt_bias))
+            states[t].copy_(conv_state)
+        return tuple(torch.stack(parts) for parts in zip(*out))
+
     def gdn_rule_step(self, q, k, v, g, beta, state) -> torch.Tensor:
         """The rule's recurrent step (q, k [B, Hk, Dk], v [B, Hv, Dv]; state updated in place)."""
         return gdn_ref.decode_step_reference(q, k, v, g, beta, state)
@@ -558,6 +567,15 @@ class TritonOps(TorchOps):
         from fqkernels import gdn_step
 
         return gdn_step.conv_gates_step(mixed, conv_state, conv_w, a, b, a_log, dt_bias)
+
+    def gdn_conv_gates_rows(self, mixed, conv_state, conv_w, a, b, a_log, dt_bias, states) -> tuple:
+        """One kernel for the T rows (gdn_step.conv_gates_rows: each row the one-row kernel's bits),
+        where the conv has its window of 4."""
+        from fqkernels import gdn_step
+
+        if conv_w.shape[1] != 4:
+            return super().gdn_conv_gates_rows(mixed, conv_state, conv_w, a, b, a_log, dt_bias, states)
+        return gdn_step.conv_gates_rows(mixed, conv_state, conv_w, a, b, a_log, dt_bias, states)
 
     def gdn_rule_step(self, q, k, v, g, beta, state) -> torch.Tensor:
         from fqkernels.gdn_step import decode_step

@@ -303,12 +303,7 @@ class Qwen35Model:
         row_positions = [positions + j for j in range(T)]       # once a verify, not once a layer
 
         def gdn(i, h):
-            slot = self.gdn_slot[i]
-
-            def conv_after(j):
-                self._verify_conv[j, slot] = self.conv_state[slot, :B]
-
-            return self._gdn_verify(i, h, row_positions, conv_after)
+            return self._gdn_verify(i, h, row_positions, self._verify_conv[:, self.gdn_slot[i]])
 
         def attention(i, h):
             return self._attention_step(i, h.reshape(B * T, 1, -1), pos, lengths, table=table).view(shape)
@@ -541,11 +536,12 @@ class Qwen35Model:
                                              self.w[p + "A_log"], self.w[p + "dt_bias"])
         return ops.linear(self._gdn_rule(i, x, z, g, beta, positions).reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
-    def _gdn_verify(self, i: int, h: torch.Tensor, row_positions: list, conv_after) -> torch.Tensor:
+    def _gdn_verify(self, i: int, h: torch.Tensor, row_positions: list, conv_rows: torch.Tensor) -> torch.Tensor:
         """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), each row the decode step
         at row_positions[j] ([B] int32): where the layer's products keep each row's bits over more rows
-        (ops.rows_keep_bits), in_proj and out_proj once over all B T rows and the conv, gates and
-        rule a row at a time; elsewhere a whole step a row. conv_after(j): keeps the conv state after row j."""
+        (ops.rows_keep_bits), in_proj and out_proj once over all B T rows, the conv and gates of
+        the T rows in one op, and the rule a row at a time; elsewhere a whole step a row.
+        conv_rows [T, B, C, W] receives the conv state after each row."""
         p, ops = f"model.layers.{i}.linear_attn.", self.ops
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
@@ -554,18 +550,14 @@ class Qwen35Model:
             outs = []
             for j in range(T):
                 outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), row_positions[j]))
-                conv_after(j)
+                conv_rows[j].copy_(self.conv_state[slot, :B])
             return torch.cat(outs, dim=1)
         mixed, z, b, a = ops.linear_split(h.reshape(B * T, -1), w_in, self.in_proj_sizes)
         mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
-        conv_w = self.w[p + "conv1d.weight"].squeeze(1)
+        x, g, beta = ops.gdn_conv_gates_rows(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
+                                             a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
         z = z.transpose(0, 1).contiguous()          # [T, B, ...]: each row's z whole, one copy, not T
-        rule = []
-        for j in range(T):
-            x, g, beta = ops.gdn_conv_gates_step(mixed[:, j], self.conv_state[slot, :B], conv_w, a[:, j], b[:, j],
-                                                 self.w[p + "A_log"], self.w[p + "dt_bias"])
-            conv_after(j)
-            rule.append(self._gdn_rule(i, x, z[j], g, beta, row_positions[j]).reshape(B, -1))
+        rule = [self._gdn_rule(i, x[j], z[j], g[j], beta[j], row_positions[j]).reshape(B, -1) for j in range(T)]
         return ops.linear(torch.stack(rule, dim=1), w_out)
 
     def _gdn_rule(self, i: int, x, z, g, beta, positions) -> torch.Tensor:

@@ -717,6 +717,12 @@ def _gdn_decode_step(batch: int) -> None:
     gdn_step.conv_gates_step(mixed, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA), a, b,
                         per_head, per_head)
     gdn_norm.gated_rmsnorm(rows, z, torch.empty(128, dtype=torch.bfloat16, device=CUDA))
+    # a verify's conv and gates over its rows (4 drafts: 5 rows), from the same packed product's rows
+    packed_rows = torch.empty((batch, 5, 8192 + 4096 + 64), dtype=torch.bfloat16, device=CUDA)
+    mixed_rows, _, b_rows, a_rows = torch.split(packed_rows, [8192, 4096, 32, 32], dim=-1)
+    gdn_step.conv_gates_rows(mixed_rows, conv_state, torch.empty((8192, 4), dtype=torch.bfloat16, device=CUDA),
+                             a_rows, b_rows, per_head, per_head,
+                             torch.empty((5, batch, 8192, 4), dtype=torch.bfloat16, device=CUDA))
     # the step as the model runs it: in_proj's GEMV with the conv and gates in its epilogue (the
     # table's config for the batch), the rule reading beta in place
     from fqkernels import gemv

@@ -2,6 +2,8 @@
 gdn_exact_step's):
 
   conv_gates_step           the conv over the conv state's window (shifted in place) and the gates
+  conv_gates_rows           the same for T rows of each sequence in turn (a speculative verify), one
+                            kernel, each row's conv state kept: each row conv_gates_step's bits
   in_proj_conv_gates_step   in_proj's product with the conv and gates in its epilogue, one kernel
                             (gemv's sums, so the product's bits; used where the GEMV runs in_proj)
   decode_step               the gated delta rule's recurrent step on the fp32 state, in place
@@ -183,6 +185,98 @@ def conv_gates_step(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch
         mixed, conv_state, conv_w, x, a, b, a_log, dt_bias, g, beta, C, mixed.stride(0), conv_state.stride(0),
         conv_state.stride(1), x.stride(0), a.stride(0), HV=Hv, W=W, BLOCK_C=block_c, INTERPRETED=_INTERPRETED,
         PDL=use_pdl, num_warps=4, **pdl_launch)
+    return x, g, beta
+
+
+@triton.jit
+def _conv_gates_rows_kernel(mixed_ptr, conv_state_ptr, conv_w_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
+                            g_ptr, beta_ptr, states_ptr, B, C, stride_mb, stride_mt, stride_sb, stride_sc,
+                            stride_ab, stride_at, stride_ot, stride_ob, stride_oc, T: tl.constexpr,
+                            HV: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """conv_gates_step's program (a window of 4) over a sequence's T rows in turn: the window in
+    registers, each row's conv summed as that kernel sums it, the state after each row stored to
+    states[t, b] and the last one to the conv state; program (b, 0) forms every row's gates.
+    Outputs row-major in t: x [T, B, C], g and beta [T, B, HV]. T (a verify's rows) is a constant:
+    the rows unroll."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < C
+    pdl.wait(PDL)  # mixed, a and b are the previous product's; the conv state an earlier step's
+    pdl.launch_dependents(PDL)
+    state = conv_state_ptr + b * stride_sb + offs * stride_sc
+    s0 = tl.load(state + 0, mask=ok, other=0.0)
+    s1 = tl.load(state + 1, mask=ok, other=0.0)
+    s2 = tl.load(state + 2, mask=ok, other=0.0)
+    s3 = tl.load(state + 3, mask=ok, other=0.0)
+    w0 = tl.load(conv_w_ptr + offs * 4 + 0, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(conv_w_ptr + offs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(conv_w_ptr + offs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(conv_w_ptr + offs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    for t in tl.static_range(T):
+        new = tl.load(mixed_ptr + b * stride_mb + t * stride_mt + offs, mask=ok, other=0.0)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        acc += w0 * s1.to(tl.float32)
+        acc += w1 * s2.to(tl.float32)
+        acc += w2 * s3.to(tl.float32)
+        acc += w3 * new.to(tl.float32)
+        s0, s1, s2, s3 = s1, s2, s3, new
+        conv = acc.to(tl.bfloat16).to(tl.float32)
+        tl.store(x_ptr + (t * B + b) * C + offs, silu_f32(conv, INTERPRETED).to(tl.bfloat16), mask=ok)
+        out = states_ptr + t * stride_ot + b * stride_ob + offs * stride_oc
+        tl.store(out + 0, s0, mask=ok)
+        tl.store(out + 1, s1, mask=ok)
+        tl.store(out + 2, s2, mask=ok)
+        tl.store(out + 3, s3, mask=ok)
+    tl.store(state + 0, s0, mask=ok)
+    tl.store(state + 1, s1, mask=ok)
+    tl.store(state + 2, s2, mask=ok)
+    tl.store(state + 3, s3, mask=ok)
+    if tl.program_id(1) == 0:
+        h = tl.arange(0, HV)
+        for t in tl.static_range(T):
+            g, beta = _gate_values(tl.load(a_ptr + b * stride_ab + t * stride_at + h).to(tl.float32),
+                                   tl.load(b_ptr + b * stride_ab + t * stride_at + h).to(tl.float32),
+                                   tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32),
+                                   INTERPRETED)
+            tl.store(beta_ptr + (t * B + b) * HV + h, beta)
+            tl.store(g_ptr + (t * B + b) * HV + h, g)
+
+
+def conv_gates_rows(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                    block_c: int = 512):
+    """conv_gates_step for T rows of each sequence in turn, in one kernel: mixed [B, T, C] bf16 (unit
+    last stride; e.g. column slices of in_proj's rows), conv_state [B, C, 4] bf16 (left after the
+    last row), conv_w [C, 4]; a, b [B, T, Hv] bf16 (one stride pair); a_log, dt_bias [Hv]; states
+    [T, B, C, 4] bf16 (any strides, unit last), written with the conv state after each row (a
+    verify's rollback keeps the one after its last kept row). Returns (x [T, B, C] bf16, g [T, B,
+    Hv] fp32, beta [T, B, Hv] bf16), row t of each conv_gates_step's bits at that row."""
+    B, T, C = mixed.shape
+    Hv = a.shape[-1]
+    if (tuple(conv_state.shape) != (B, C, 4) or conv_state.stride(2) != 1 or tuple(conv_w.shape) != (C, 4)
+            or tuple(states.shape) != (T, B, C, 4) or states.stride(3) != 1 or states.dtype != conv_state.dtype):
+        raise ValueError(f"gdn_step.conv_gates_rows: conv_state {tuple(conv_state.shape)}, conv_w "
+                         f"{tuple(conv_w.shape)} and states {tuple(states.shape)} do not fit mixed {tuple(mixed.shape)} "
+                         f"(a window of 4; unit last strides)")
+    if (tuple(a.shape) != (B, T, Hv) or tuple(b.shape) != (B, T, Hv) or tuple(a_log.shape) != (Hv,)
+            or tuple(dt_bias.shape) != (Hv,) or Hv & (Hv - 1)):
+        raise ValueError(f"gdn_step.conv_gates_rows: gates a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
+                         f"{tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} (heads a power of two)")
+    if mixed.stride(-1) != 1:
+        mixed = mixed.contiguous()
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride()[:2] != b.stride()[:2]:
+        a, b = a.contiguous(), b.contiguous()
+    conv_w = conv_w.contiguous()
+    x = torch.empty((T, B, C), dtype=mixed.dtype, device=mixed.device)
+    g = torch.empty((T, B, Hv), dtype=torch.float32, device=mixed.device)
+    beta = torch.empty((T, B, Hv), dtype=torch.bfloat16, device=mixed.device)
+    use_pdl, pdl_launch = pdl.for_rows(B)
+    _conv_gates_rows_kernel[(B, triton.cdiv(C, block_c))](
+        mixed, conv_state, conv_w, x, a, b, a_log, dt_bias, g, beta, states, B, C, mixed.stride(0),
+        mixed.stride(1), conv_state.stride(0), conv_state.stride(1), a.stride(0), a.stride(1), states.stride(0),
+        states.stride(1), states.stride(2), T=T, HV=Hv, BLOCK_C=block_c, INTERPRETED=_INTERPRETED, PDL=use_pdl,
+        num_warps=4, **pdl_launch)
     return x, g, beta
 
 

@@ -95,6 +95,32 @@ def test_conv_gates_step_is_the_reference(B, C, Hv, packed):
         assert rel(gk.cpu(), gr) <= 1e-6
 
 
+@pytest.mark.parametrize("B,T,C,Hv", [(1, 4, 320, 4), (3, 9, 8192, 32), (2, 1, 320, 4)])
+def test_conv_gates_rows_are_the_one_row_kernels_rows(B, T, C, Hv):
+    """A verify's T rows in one kernel (gdn_step.conv_gates_rows) against conv_gates_step run T times:
+    every row's x, g and beta, the state after every row and the conv state left, bit for bit; mixed,
+    b and a column slices of one packed [B, T, C + 40 + 2 Hv] product, read in place."""
+    g_ = torch.Generator().manual_seed(C + T)
+    w = (torch.randn(C, 4, generator=g_) * 0.5).bfloat16().to(DEV)
+    a_log = torch.log(torch.empty(Hv).uniform_(0.01, 16, generator=g_)).bfloat16().to(DEV)
+    dt_bias = (torch.rand(Hv, generator=g_) * 2).bfloat16().to(DEV)
+    start = torch.randn(B, C, 4, generator=g_).bfloat16().to(DEV)
+    packed = torch.randn(B, T, C + 40 + 2 * Hv, generator=g_).bfloat16()
+    packed[:, -1, -Hv:] *= 100                     # a's large values: softplus's linear branch
+    mixed, _, b, a = torch.split(packed.to(DEV), [C, 40, Hv, Hv], dim=-1)
+    st_rows = start.clone()
+    states = torch.full((T, B, C, 4), float("nan"), dtype=torch.bfloat16, device=DEV)
+    x, g, beta = gdn_step.conv_gates_rows(mixed, st_rows, w, a, b, a_log, dt_bias, states)
+    st_one = start.clone()
+    for t in range(T):
+        x1, g1, beta1 = gdn_step.conv_gates_step(mixed[:, t], st_one, w, a[:, t], b[:, t], a_log, dt_bias)
+        assert torch.equal(x[t], x1) and torch.equal(g[t], g1) and torch.equal(beta[t], beta1), t
+        assert torch.equal(states[t], st_one), t
+    assert torch.equal(st_rows, st_one)
+    with pytest.raises(ValueError, match="do not fit"):
+        gdn_step.conv_gates_rows(mixed, st_rows, w, a, b, a_log, dt_bias, states[:, :, :, :3])
+
+
 @pytest.mark.parametrize("B,mode", [(1, "fma"), (2, "fma"), (3, "dot_t"), (5, "dot")])
 def test_in_proj_epilogue_is_the_product_then_conv_gates(B, mode):
     """in_proj's product with the conv and gates in its epilogue (gdn_step.in_proj_conv_gates_step)
