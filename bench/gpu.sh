@@ -29,7 +29,8 @@
 #                     and 4) with every product on the tensor cores, and with all but in_proj (its one-row kernel
 #                     fuses the conv and gates) -> spec_qwen35_b1_one_row_dot.json, spec_qwen35_b1_one_row_dot_but_in_proj.json
 #   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the one-row tensor-core tile, the
-#                     attention's split count, speculation's tokens), two pytest groups at once -> pytest_spec.log
+#                     conv of a verify's rows, the attention's split count, speculation's tokens), two pytest
+#                     groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
@@ -149,7 +150,8 @@ main() {
           --one-row linear_attn.out_proj,self_attn.qkv_proj,self_attn.o_proj,mlp.gate_up,mlp.down_proj \
           --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot_but_in_proj.json" ;;
       spec-tests)
-        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py -k 'shared or one_row' \
+        timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_gdn_kernels.py \
+          -k 'shared or one_row or conv_gates_rows' \
           > /tmp/pytest_spec_0.log 2>&1 &
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
           -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &

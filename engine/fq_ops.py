@@ -269,6 +269,15 @@ class TorchOps:
         """Exact decode's chunk rows of `batch` sequences for each of `layers` GDN layers."""
         return [gdn_exact_step.ReferenceRows(batch, Hk, Hv, Dk, Dv, device) for _ in range(layers)]
 
+    def gdn_rows_head(self, rows: list, batch: int, n: int) -> list:
+        """A verify's save of sequences [0, batch)'s first n chunk rows in every GDN layer (a verify
+        past a chunk's end writes the next chunk's rows there): gdn_exact_step.rows_head."""
+        return gdn_exact_step.rows_head(rows, batch, n)
+
+    def gdn_rows_put_head_where(self, rows: list, batch: int, saved: list, mask: torch.Tensor) -> None:
+        """gdn_rows_head's rows back where mask [batch] is set."""
+        gdn_exact_step.rows_put_head_where(rows, batch, saved, mask)
+
     def gdn_rows_bytes(self, Hk: int, Hv: int, Dk: int, Dv: int) -> int:
         """Bytes of one sequence's chunk rows in one GDN layer."""
         return gdn_exact_step.ReferenceRows.row_bytes(Hk, Hv, Dk, Dv)
@@ -594,9 +603,7 @@ class TritonOps(TorchOps):
 
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
         """The kernel's form, one scratch shared by the layers' steps (only used within a launch)."""
-        ChunkRows = gdn_exact_step.ChunkRows
-        scratch = ChunkRows.scratch_for(batch, Hv, Dk, Dv, device)
-        return [ChunkRows(batch, Hv, Dk, Dv, device, scratch=scratch) for _ in range(layers)]
+        return gdn_exact_step.ChunkRows.stacked(layers, batch, Hv, Dk, Dv, device)
 
     def gdn_rows_bytes(self, Hk: int, Hv: int, Dk: int, Dv: int) -> int:
         return gdn_exact_step.ChunkRows.row_bytes(Hv, Dk, Dv)

@@ -294,7 +294,7 @@ class Qwen35Model:
         state_before = torch.empty_like(self.state[:, :B])
         self.ops.copy_rows_where(state_before, self.state[:, :B], closes)
         self._verify_before = (self.conv_state[:, :B].clone(), state_before,
-                               [self.rows[slot].narrow(0, B).head(T) for slot in range(G)])
+                               self.ops.gdn_rows_head(self.rows, B, T))
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
         pos, table = rows_of(positions, T, self.block_table)
@@ -368,8 +368,7 @@ class Qwen35Model:
         close = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK      # the row whose position ends a chunk
         back = (kept <= close) & (close < T)                           # that row was not kept
         self.ops.copy_rows_where(self.state[:, :B], state_before, back)
-        for slot, head in enumerate(heads):
-            self.rows[slot].narrow(0, B).put_head_where(head, back)
+        self.ops.gdn_rows_put_head_where(self.rows, B, heads, back)
         self._verify_before = self._verify_conv = None
 
     def _layers(self, ids: torch.Tensor, gdn, attention, all_positions: bool = False) -> torch.Tensor:

@@ -264,3 +264,36 @@ def test_the_steps_grid_plan(monkeypatch):
     assert gdn_exact_step.close_blocks("fused", "auto") == (16, 16)
     assert gdn_exact_step.close_blocks("merged", "auto") == (32, 16)
     assert gdn_exact_step.close_blocks("fused", (64, 64)) == (64, 64)
+
+
+def test_stacked_chunk_rows_save_and_restore_a_verifys_heads_as_each_layer_does():
+    """ChunkRows.stacked (the kernel op set's chunk rows: every layer a view of one buffer a kind):
+    rows_head copies every layer's first n rows of sequences [0, B) in one copy a kind, and
+    rows_put_head_where puts them back only where the mask is set, as the per-layer head and
+    put_head_where do; a list that is not one stack in order takes the per-layer path."""
+    layers, Bmax, Hv, Dk, Dv, n, Bv = 3, 4, 2, 32, 32, 5, 3
+    stacked = gdn_exact_step.ChunkRows.stacked(layers, Bmax, Hv, Dk, Dv, torch.device("cpu"))
+    single = [gdn_exact_step.ChunkRows(Bmax, Hv, Dk, Dv, torch.device("cpu")) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(5)
+    for a, b in zip(stacked, single):
+        assert a.X.data_ptr() != b.X.data_ptr() and a.stack is stacked[0].stack
+        for name in ("X", "VN", "G", "KT"):
+            getattr(a, name).copy_(torch.randn(getattr(a, name).shape, generator=gen))
+            getattr(b, name).copy_(getattr(a, name))
+    saved_s = gdn_exact_step.rows_head(stacked, Bv, n)
+    saved_p = gdn_exact_step.rows_head(list(reversed(single)), Bv, n)[::-1]     # not a stack: per layer
+    assert len(saved_s) == 4 and len(saved_p) == layers
+    for rows in (stacked, single):                  # a verify past the chunk's end overwrites the heads
+        for r in rows:
+            for name, axis in gdn_exact_step.ChunkRows.ROW_AXES:
+                getattr(r, name).narrow(axis, 0, n).fill_(7.0)
+    mask = torch.tensor([True, False, True])
+    gdn_exact_step.rows_put_head_where(stacked, Bv, saved_s, mask)
+    for r, head in zip(single, saved_p):
+        r.narrow(0, Bv).put_head_where(head, mask)
+    for a, b in zip(stacked, single):
+        for name in ("X", "VN", "G", "KT"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        # put back at sequences 0 and 2; not at 1 (masked off) nor 3 (past the verify's B)
+        assert (a.X[0, :, :n] != 7.0).any() and (a.X[2, :, :n] != 7.0).any()
+        assert (a.X[1, :, :n] == 7.0).all() and (a.X[3, :, :n] == 7.0).all()

@@ -184,17 +184,38 @@ class ChunkRows:
     block_v: the step's value columns a program. scratch: a step's working rows, only used
     within one launch, so the GDN layers of a model can share one (scratch_for); None: its own."""
 
-    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = BLOCK_V, scratch=None):
+    # set by stacked(): the layers' buffers [layers, B, ...] in ROW_AXES' order, and this layer's index
+    stack = None
+    layer = 0
+
+    def __init__(self, B: int, Hv: int, Dk: int, Dv: int, device, block_v: int = BLOCK_V, scratch=None,
+                 buffers: tuple | None = None):
         f32 = dict(dtype=torch.float32, device=device)
-        self.X = torch.zeros((B, Hv, C, Dv + Dk), **f32)
-        self.VN = torch.zeros((B, Hv, C, Dv), **f32)
-        self.G = torch.zeros((B, Hv, C), **f32)
-        self.KT = torch.zeros((B, Hv, Dk, C), **f32)          # transposed: the step reads its rows
+        self.X, self.VN, self.G, self.KT = buffers or (
+            torch.zeros((B, Hv, C, Dv + Dk), **f32), torch.zeros((B, Hv, C, Dv), **f32),
+            torch.zeros((B, Hv, C), **f32),
+            torch.zeros((B, Hv, Dk, C), **f32))               # KT transposed: the step reads its rows
         self.block_v = min(block_v, Dv)
         self.scratch = ChunkRows.scratch_for(B, Hv, Dk, Dv, device) if scratch is None else scratch
         need = ChunkRows._scratch_shape(B, Hv, Dk, Dv)
         if self.scratch.shape[1:] != need[1:] or self.scratch.shape[0] < B:
             raise ValueError(f"ChunkRows: scratch {tuple(self.scratch.shape)} does not fit {need}")
+
+    @staticmethod
+    def stacked(layers: int, B: int, Hv: int, Dk: int, Dv: int, device, scratch=None) -> list:
+        """Every GDN layer's ChunkRows as views of one buffer of each kind ([layers, B, ...]), one
+        scratch shared: a verify saves and restores all layers' first chunk rows in one copy a kind
+        (rows_head, rows_put_head_where)."""
+        f32 = dict(dtype=torch.float32, device=device)
+        stack = (torch.zeros((layers, B, Hv, C, Dv + Dk), **f32), torch.zeros((layers, B, Hv, C, Dv), **f32),
+                 torch.zeros((layers, B, Hv, C), **f32), torch.zeros((layers, B, Hv, Dk, C), **f32))
+        scratch = ChunkRows.scratch_for(B, Hv, Dk, Dv, device) if scratch is None else scratch
+        out = []
+        for i in range(layers):
+            rows = ChunkRows(B, Hv, Dk, Dv, device, scratch=scratch, buffers=tuple(t[i] for t in stack))
+            rows.stack, rows.layer = stack, i
+            out.append(rows)
+        return out
 
     @staticmethod
     def _scratch_shape(B: int, Hv: int, Dk: int, Dv: int) -> tuple:
@@ -270,6 +291,38 @@ class ReferenceRows:
     ROW_AXES = (("q", 1), ("k", 1), ("v", 1), ("g", 1), ("beta", 1))
     head = ChunkRows.head
     put_head_where = ChunkRows.put_head_where
+
+
+def _one_stack(rows: list):
+    """The stacked buffers `rows` are the layers of, in order (ChunkRows.stacked), else None."""
+    stack = getattr(rows[0], "stack", None) if rows else None
+    if stack is None or len(rows) != stack[0].shape[0]:
+        return None
+    if any(getattr(r, "stack", None) is not stack or r.layer != i for i, r in enumerate(rows)):
+        return None
+    return stack
+
+
+def rows_head(rows: list, B: int, n: int) -> list:
+    """A copy of sequences [0, B)'s first n chunk rows in every layer of `rows` (ChunkRows or
+    ReferenceRows, one a layer): one copy a buffer kind where the layers are one stack, else
+    each layer's head(n). rows_put_head_where takes it back."""
+    stack = _one_stack(rows)
+    if stack is None:
+        return [r.narrow(0, B).head(n) for r in rows]
+    return [t[:, :B].narrow(axis + 1, 0, n).clone() for t, (_, axis) in zip(stack, ChunkRows.ROW_AXES)]
+
+
+def rows_put_head_where(rows: list, B: int, saved: list, mask: torch.Tensor) -> None:
+    """rows_head's rows back for the sequences where mask [B] bool is set (graph-safe)."""
+    stack = _one_stack(rows)
+    if stack is None:
+        for r, head in zip(rows, saved):
+            r.narrow(0, B).put_head_where(head, mask)
+        return
+    for t, (_, axis), head in zip(stack, ChunkRows.ROW_AXES, saved):
+        now = t[:, :B].narrow(axis + 1, 0, head.shape[axis + 1])
+        now.copy_(torch.where(mask.view(1, -1, *([1] * (head.dim() - 2))), head, now))
 
 
 def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):
