@@ -556,12 +556,17 @@ class Qwen35Model:
         x, g, beta = ops.gdn_conv_gates_rows(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
         z = z.transpose(0, 1).contiguous()          # [T, B, ...]: each row's z whole, one copy, not T
-        rule = [self._gdn_rule(i, x[j], z[j], g[j], beta[j], row_positions[j]).reshape(B, -1) for j in range(T)]
-        return ops.linear(torch.stack(rule, dim=1), w_out)
+        rule = [self._gdn_rule(i, x[j], z[j], g[j], beta[j], row_positions[j], norm_later=True) for j in range(T)]
+        o = torch.stack([o.reshape(B, -1) for o, _ in rule])                        # [T, B, Hv Dv]
+        if not rule[0][1]:      # the step left the gated norm (at every row alike): one launch for all rows
+            o = ops.gated_rmsnorm(o, z.reshape(T * B, -1), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+        return ops.linear(o.reshape(T, B, -1).transpose(0, 1).contiguous(), w_out)
 
-    def _gdn_rule(self, i: int, x, z, g, beta, positions) -> torch.Tensor:
+    def _gdn_rule(self, i: int, x, z, g, beta, positions, norm_later: bool = False):
         """A decode step's rule of GDN layer i from its conv output x [B, C], z, the gates: the rule
-        (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape)."""
+        (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape).
+        norm_later: (the rule's rows, whether they are normed): the norm is left to the caller where
+        the step did not apply it (a verify norms all its rows in one launch; per row, the same bits)."""
         c, p, ops = self.cfg, f"model.layers.{i}.linear_attn.", self.ops
         B = x.shape[0]
         slot = self.gdn_slot[i]
@@ -574,6 +579,8 @@ class Qwen35Model:
                                            tile=self.decode_tile, norm=(z, norm_w, c.rms_norm_eps))
         else:
             o = ops.gdn_rule_step(q, k, v, g, beta, state)
+        if norm_later:
+            return o, normed
         if not normed:
             o = ops.gated_rmsnorm(o, z, norm_w, c.rms_norm_eps)
         return o
