@@ -602,7 +602,8 @@ class TritonOps(TorchOps):
         return o, step_norm
 
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
-        """The kernel's form, one scratch shared by the layers' steps (only used within a launch)."""
+        """The kernel's form: the layers' rows views of one buffer a kind (a verify saves them in one
+        copy a kind), one scratch shared by the layers' steps (only used within a launch)."""
         return gdn_exact_step.ChunkRows.stacked(layers, batch, Hv, Dk, Dv, device)
 
     def gdn_rows_bytes(self, Hk: int, Hv: int, Dk: int, Dv: int) -> int:
