@@ -348,12 +348,25 @@ class TritonOps(TorchOps):
             for w in product.weights:
                 self.use_gemv[(product.silu, rows) + tuple(w.shape)] = True
 
+    def _as_step(self, x: torch.Tensor, product) -> torch.Tensor:
+        """product (cuBLAS over [M, K] rows) over x [R, K]; inside planned_as(B), a verify's B T rows
+        (T a sequence, sequence-major) go as the B-row step calls it: each of its T row groups, one
+        row a sequence, in a call of B rows (cuBLAS picks its kernel by the row count, so only then
+        do the rows keep the step's bits; the GEMV's rows keep them in any tile)."""
+        B, R = self.rows_as, x.shape[0]
+        if not B or R <= B or R % B:
+            return product(x)
+        rows = x.view(B, R // B, -1)
+        return torch.stack([product(rows[:, j].contiguous()) for j in range(R // B)], dim=1).reshape(R, -1)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         config = self.gemv_config(rows, w)
         if config is not None:
             out = self._gemv.linear(x.reshape(rows, -1).contiguous(), w, config=config)
             return out.view(*x.shape[:-1], w.shape[0])
+        if self.rows_as:
+            return self._as_step(x.reshape(rows, -1), lambda a: F.linear(a, w)).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
     def linear_split(self, x: torch.Tensor, w: torch.Tensor, sizes) -> tuple:
@@ -375,7 +388,7 @@ class TritonOps(TorchOps):
         else:
             from fqkernels.swiglu import silu_mul
 
-            out = silu_mul(F.linear(x.reshape(rows, -1), w_gate_up))
+            out = self._as_step(x.reshape(rows, -1), lambda a: silu_mul(F.linear(a, w_gate_up)))
         return out.view(*x.shape[:-1], w_gate_up.shape[0] // 2)
 
     def linear_add_rmsnorm(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor,
@@ -387,7 +400,7 @@ class TritonOps(TorchOps):
         config = self.gemv_config(a.shape[0], w)
         if config is not None:
             return add_rmsnorm_partials(x, self._gemv.linear_partials(a.contiguous(), w, config=config), norm_w, eps)
-        return self.add_rmsnorm(x, F.linear(a, w), norm_w, eps)
+        return self.add_rmsnorm(x, self._as_step(a, lambda t: F.linear(t, w)), norm_w, eps)
 
     def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         rows = h.reshape(-1, h.shape[-1])
@@ -403,9 +416,8 @@ class TritonOps(TorchOps):
         """For a decode batch of `rows`, time cuBLAS against our GEMV on every decode product, each
         as the step calls it (with what it fuses around the product), over all layers' copies in
         one CUDA graph so the weights stream from HBM as in a real step and launch costs are the
-        graph's, and keep the faster; at exact decode's rows an in-order GEMV is taken whatever the
-        times (its sums are the full forward's, cuBLAS's at decode rows are not), and so is the
-        one-row GEMV on the tensor cores (one_row_tensor_cores: a verify shares its tile).
+        graph's, and keep the faster above gemv.EXACT_TO_ROWS rows; up to it the GEMV whatever the
+        times (exact decode's in-order sums; a verify's rows share its tiles).
         Returns {product: (cuBLAS us, GEMV us)}, or the GEMV's error where it cannot run here (the
         product then stays on cuBLAS)."""
         from fqkernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials
@@ -441,11 +453,11 @@ class TritonOps(TorchOps):
                 report[product.name] = (round(t_theirs, 2), f"gemv failed: {type(exc).__name__}: {exc}"[:200])
                 self.use_gemv[key] = False
                 continue
-            exact = gemv.exact_rows(rows, self.exact_decode) and gemv.in_order(config)
-            # one sequence on the tensor cores: a verify's rows share the one-row tile only on our
-            # GEMV (cuBLAS's bits change with the row count), whatever the times
-            shared = rows == 1 and (N, K) in self.one_row_tensor_cores
-            self.use_gemv[key] = exact or shared or t_ours < t_theirs
+            # Up to EXACT_TO_ROWS rows our GEMV whatever the times: exact decode's sums (7-32 rows), and
+            # a speculative verify planned at these rows shares its tiles (on cuBLAS, whose bits change
+            # with the row count, it runs as T calls of the step's rows: _as_step). Where cuBLAS was
+            # faster at these rows it was by at most ~4% on one product (docs/PERFORMANCE.md).
+            self.use_gemv[key] = rows <= gemv.EXACT_TO_ROWS or t_ours < t_theirs
             report[product.name] = (round(t_theirs, 2), round(t_ours, 2))
         return report
 

@@ -631,3 +631,41 @@ def test_set_speculation_switches_a_loaded_engine(plain35, qwen35_tiny_model):
     with pytest.raises(ValueError, match="multi-token-prediction head loaded"):
         eng.set_speculation("mtp")
     assert eng.spec.mode == "off"            # a refused switch leaves the mode as it was
+
+
+def test_a_verify_runs_a_cublas_product_as_the_b_row_steps_calls():
+    """Inside planned_as(B), a product the tuner left on cuBLAS runs a verify's B T rows
+    (sequence-major) as T calls of B rows, one row a sequence, as the B-row step calls it (cuBLAS's
+    bits depend on the row count); the result is each row's product, in the rows' order. Outside
+    a verify, and for a product on the GEMV, one call."""
+    import fq_ops
+
+    ops = fq_ops.TritonOps()            # no product tuned onto the GEMV: every product is cuBLAS's
+    calls = []
+    real = fq_ops.F.linear
+
+    def linear(x, w):
+        calls.append(tuple(x.shape))
+        return real(x, w)
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, K, N = 3, 4, 16, 8
+    x = torch.randn(B * T, K, generator=gen)
+    w = torch.randn(N, K, generator=gen)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fq_ops.F, "linear", linear)
+    try:
+        want = real(x, w)
+        with ops.planned_as(B):
+            got = ops.linear(x.view(B, T, K), w)
+            assert calls == [(B, K)] * T and torch.equal(got.reshape(B * T, N), want)
+            calls.clear()
+            mp.setattr(ops, "add_rmsnorm", lambda res, r, nw, eps: r)     # the row-wise norm: a kernel
+            assert torch.equal(ops.linear_add_rmsnorm(x, w, None, None, 1e-6), want)
+            assert calls == [(B, K)] * T
+            calls.clear()
+            assert torch.equal(ops.linear(x[:B], w), want[:B]) and calls == [(B, K)]   # the step's own rows
+        calls.clear()
+        assert torch.equal(ops.linear(x, w), want) and calls == [(B * T, K)]            # no verify: one call
+    finally:
+        mp.undo()
