@@ -555,12 +555,13 @@ class Qwen35Model:
         mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
         x, g, beta = ops.gdn_conv_gates_rows(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
-        z = z.transpose(0, 1).contiguous()          # [T, B, ...]: each row's z whole, one copy, not T
-        rule = [self._gdn_rule(i, x[j], z[j], g[j], beta[j], row_positions[j], norm_later=True) for j in range(T)]
-        o = torch.stack([o.reshape(B, -1) for o, _ in rule])                        # [T, B, Hv Dv]
+        # z [B, T, Hv Dv] stays a view of in_proj's rows: the step's norm and the gated norm read
+        # rows of any stride
+        rule = [self._gdn_rule(i, x[j], z[:, j], g[j], beta[j], row_positions[j], norm_later=True) for j in range(T)]
+        o = torch.stack([o.reshape(B, -1) for o, _ in rule], dim=1)                 # [B, T, Hv Dv]
         if not rule[0][1]:      # the step left the gated norm (at every row alike): one launch for all rows
-            o = ops.gated_rmsnorm(o, z.reshape(T * B, -1), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
-        return ops.linear(o.reshape(T, B, -1).transpose(0, 1).contiguous(), w_out)
+            o = ops.gated_rmsnorm(o, z.reshape(B * T, -1), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+        return ops.linear(o.reshape(B, T, -1), w_out)
 
     def _gdn_rule(self, i: int, x, z, g, beta, positions, norm_later: bool = False):
         """A decode step's rule of GDN layer i from its conv output x [B, C], z, the gates: the rule
