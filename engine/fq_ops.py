@@ -99,11 +99,6 @@ class TorchOps:
             self.rows_as = before
 
     # ---- products ----------------------------------------------------------------------
-    def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
-        """Whether w's product over more rows, planned as `rows` rows (planned_as), gives each row
-        the bits of the `rows`-row product (a verify may then run it once over all its rows)."""
-        return True
-
     def copy_rows_where(self, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
         """dst[:, b] = src[:, b] where mask[b], tensors [G, B, ...] (a verify's state save and rollback)."""
         from fqkernels.rows_copy import copy_rows_where_reference
@@ -330,10 +325,6 @@ class TritonOps(TorchOps):
         config = self._gemv.select_config(w.shape[0], w.shape[1], silu, planned, exact=self.exact_decode,
                                           one_row_tensor_cores=tuple(w.shape) in self.one_row_tensor_cores)
         return self._gemv.shared_rows(config, rows, silu, n=w.shape[0]) if rows > planned else config
-
-    def rows_keep_bits(self, rows: int, w: torch.Tensor) -> bool:
-        """Our GEMV's rows do not depend on the row count (its contract); cuBLAS's do."""
-        return self.gemv_config(rows, w) is not None
 
     def copy_rows_where(self, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
         """Only the selected rows read and written (fqkernels.rows_copy)."""

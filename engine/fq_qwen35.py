@@ -537,20 +537,13 @@ class Qwen35Model:
 
     def _gdn_verify(self, i: int, h: torch.Tensor, row_positions: list, conv_rows: torch.Tensor) -> torch.Tensor:
         """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), each row the decode step
-        at row_positions[j] ([B] int32): where the layer's products keep each row's bits over more rows
-        (ops.rows_keep_bits), in_proj and out_proj once over all B T rows, the conv and gates of
-        the T rows in one op, and the rule a row at a time; elsewhere a whole step a row.
-        conv_rows [T, B, C, W] receives the conv state after each row."""
+        at row_positions[j] ([B] int32): in_proj and out_proj once over all B T rows (planned as the
+        B-row step: each row the step's bits), the conv and gates of the T rows in one op, and the
+        rule a row at a time. conv_rows [T, B, C, W] receives the conv state after each row."""
         p, ops = f"model.layers.{i}.linear_attn.", self.ops
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
         w_in, w_out = self.w[p + "in_proj.weight"], self.w[p + "out_proj.weight"]
-        if not (ops.rows_keep_bits(B, w_in) and ops.rows_keep_bits(B, w_out)):
-            outs = []
-            for j in range(T):
-                outs.append(self._gdn_step(i, h[:, j:j + 1].contiguous(), row_positions[j]))
-                conv_rows[j].copy_(self.conv_state[slot, :B])
-            return torch.cat(outs, dim=1)
         mixed, z, b, a = ops.linear_split(h.reshape(B * T, -1), w_in, self.in_proj_sizes)
         mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
         x, g, beta = ops.gdn_conv_gates_rows(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),

@@ -504,13 +504,10 @@ def plain35(qwen35_tiny_model):
     return engine_module.Engine(str(qwen35_tiny_model))
 
 
-@pytest.mark.parametrize("paged,batched", [(False, True), (True, True), (False, False)])
-def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, paged, batched, monkeypatch):
-    """Positions 61-65: the verify closes the first chunk at its third row and goes on in the next.
-    batched: the GDN layers' products once over the verify's rows (ops.rows_keep_bits), else a
-    whole decode step a row (where cuBLAS runs a product)."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, paged):
+    """Positions 61-65: the verify closes the first chunk at its third row and goes on in the next."""
     model = plain35.model
-    monkeypatch.setattr(model.ops, "rows_keep_bits", lambda rows, w: batched)
     B, P, T = 2, 61, 5
     ids = torch.tensor(_prompts(B, P, seed=31))
     tokens = torch.tensor(_prompts(B, T, seed=32))
