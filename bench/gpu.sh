@@ -34,12 +34,17 @@
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
+#   spec-tests-conv   spec-tests' conv of a verify's rows alone -> pytest_conv_rows.log
+#   spec-b1-q35       spec-b1's Qwen3.5 run alone -> spec_qwen35_b1.json
+#   spec-auto-q35-16  spec-auto-q35's (16, 1536, 48) alone, auto's arm only -> spec_auto_qwen35_16x1536x48.json
 #   shared-tiles     bench gemv --shared: the fma products' verify row tiles (block_m 1, 2, 4; fewer columns a
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
+#   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 3 and 4) with every product
+#                     on the tensor cores -> profile_verify_qwen35_b1_one_row_dot.json
 #   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
 #                     (Qwen3.5 with pages of 64) -> serve_qwen3.json / serve_qwen35.json
 #   serve-cap        128 requests of 1,024 + 256 under a 24 GiB cap, pages of 64 -> serve_qwen3_memory_cap.json
@@ -143,12 +148,18 @@ main() {
           --out "$OUT/spec_qwen3_b1_one_row_fma.json"
         timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
           --out "$OUT/spec_qwen35_b1.json" ;;
+      spec-b1-q35) timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
+                     --out "$OUT/spec_qwen35_b1.json" ;;
+      spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
+                          --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
       spec-one-row-q35)
         timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row dot \
           --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot.json"
         timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 \
           --one-row linear_attn.out_proj,self_attn.qkv_proj,self_attn.o_proj,mlp.gate_up,mlp.down_proj \
           --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot_but_in_proj.json" ;;
+      spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
+                         -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_gdn_kernels.py \
           -k 'shared or one_row or conv_gates_rows' \
@@ -169,6 +180,8 @@ main() {
                        --out "$OUT/bench_gemv_one_row_tensor_cores.json" ;;
       profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
+      profile-verify-q35-b1) timeout 200 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024 --steps 5 --verify 3,4 \
+                               --top 30 --one-row dot --out "$OUT/profile_verify_qwen35_b1_one_row_dot.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
       serve) timeout 560 python3 -m bench serve --model qwen3-4b --streams 1,16 --waves 2 --engine-reps 3 \

@@ -52,9 +52,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
+    add_one_row_argument(parser)
+
+
+def add_one_row_argument(parser) -> None:
+    """--one-row (this entry's and bench prefill's): where one sequence's products run (set_one_row)."""
     parser.add_argument("--one-row", default="family",
                         help="one sequence's products: family (the model family's choice, default), fma, dot (the "
                              "tensor cores), or the comma-separated names of the products on the tensor cores")
+
+
+def set_one_row(eng, choice: str) -> None:
+    """--one-row on a built engine, before its first call (its tuning and graphs follow the choice)."""
+    if choice != "family":
+        eng.model.ops.one_row_tensor_cores = one_row_shapes(eng.model.decode_products(), choice)
 
 
 def one_row_shapes(products, choice: str) -> frozenset:
@@ -91,8 +102,7 @@ def run(args, report) -> None:
     if "mtp" in arms:                 # the engine loads the MTP head only when built with it
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
-    if args.one_row != "family":      # before the first call: its tuning and graphs follow the choice
-        eng.model.ops.one_row_tensor_cores = one_row_shapes(eng.model.decode_products(), args.one_row)
+    set_one_row(eng, args.one_row)
     for arm in arms:                  # a bad arm or k fails before any work
         for k in args.k:
             eng.set_speculation(arm, k)
