@@ -22,14 +22,17 @@
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
 #   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
 #                     -> spec_qwen3.json / spec_qwen35.json
-#   spec-b1           the curve at one sequence (1 x 1024 x 256; the oracle at 0.5-1, k = 3, 4 and 8) on each
-#                     family's own one-row products, and Qwen3's with its products fma (bench spec --one-row fma)
-#                     -> spec_qwen3_b1.json, spec_qwen3_b1_one_row_fma.json, spec_qwen35_b1.json
+#   spec-b1           the curve at one sequence (1 x 1024 x 256; the oracle at 0.5-1; Qwen3 k = 3, 4 and 8, Qwen3.5
+#                     k = 3, 4, 6 and 8 with its MTP head, so built to verify: its products on the tensor cores),
+#                     and Qwen3.5's plain step on the one-row fma kernel its plain-first modes run (--one-row fma)
+#                     -> spec_qwen3_b1.json, spec_qwen35_b1.json, spec_qwen35_b1_one_row_fma.json
 #   spec-one-row-q35  Qwen3.5 at one sequence (1 x 1024 x 256, the oracle at 0.5 / 0.9 / 1 and the MTP head, k = 3
-#                     and 4) with every product on the tensor cores, and with all but in_proj (its one-row kernel
-#                     fuses the conv and gates) -> spec_qwen35_b1_one_row_dot.json, spec_qwen35_b1_one_row_dot_but_in_proj.json
+#                     and 4) with every product on fma, and with all but in_proj on the tensor cores (its one-row
+#                     kernel fuses the conv and gates) -> spec_qwen35_b1_one_row_fma.json,
+#                     spec_qwen35_b1_one_row_dot_but_in_proj.json
 #   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the one-row tensor-core tile, the
-#                     conv of a verify's rows, the attention's split count, speculation's tokens), two pytest
+#                     conv of a verify's rows, the LM screen's rows, the attention's split count, speculation's
+#                     tokens), two pytest
 #                     groups at once -> pytest_spec.log
 #   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
@@ -144,17 +147,17 @@ main() {
       spec-b1)
         timeout 170 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --arms "$SPEC_ARMS" --k 3,4,8 \
           --out "$OUT/spec_qwen3_b1.json"
-        timeout 120 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --one-row fma --arms "$SPEC_ARMS" --k 3,4 \
-          --out "$OUT/spec_qwen3_b1_one_row_fma.json"
-        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
-          --out "$OUT/spec_qwen35_b1.json" ;;
-      spec-b1-q35) timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4 \
+        timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
+          --out "$OUT/spec_qwen35_b1.json"
+        timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3,4 \
+          --out "$OUT/spec_qwen35_b1_one_row_fma.json" ;;
+      spec-b1-q35) timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
                      --out "$OUT/spec_qwen35_b1.json" ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
       spec-one-row-q35)
-        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row dot \
-          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot.json"
+        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma \
+          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_fma.json"
         timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 \
           --one-row linear_attn.out_proj,self_attn.qkv_proj,self_attn.o_proj,mlp.gate_up,mlp.down_proj \
           --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot_but_in_proj.json" ;;
@@ -162,7 +165,7 @@ main() {
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_gdn_kernels.py \
-          -k 'shared or one_row or conv_gates_rows' \
+          tests/kernels/test_lm_screen.py -k 'shared or one_row or conv_gates_rows or rows' \
           > /tmp/pytest_spec_0.log 2>&1 &
         timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
           -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &

@@ -12,7 +12,8 @@ verify, the device's mean milliseconds a draft and a verify over the timed call 
 plain steps "auto" took and its verifies of each width, and whether the arm's tokens equal plain's.
 
 --one-row sets which kernel one sequence's products run on (default "family": the model family's
-choice, the engine's ops.one_row_tensor_cores: Qwen3 on the tensor cores, Qwen3.5 fma): "dot" every
+choice, the engine's ops.one_row_tensor_cores: Qwen3 on the tensor cores; Qwen3.5 on them where the
+engine is built to verify every step, here with an "mtp" arm, else fma): "dot" every
 product on the tensor cores, "fma" none, or the names of those on the tensor cores (the
 decode_products names, e.g. "self_attn.qkv_proj,mlp.gate_up"; products of one weight shape move
 together). On the tensor cores a verify's rows

@@ -103,7 +103,10 @@ class Engine:
                 # the MTP head: the mtp drafter's, and the oracle's where the checkpoint has one (its cost)
                 mtp = self.spec.mode == "mtp" or (self.spec.mode == "oracle" and self.cfg.mtp_layers > 0)
                 weights = load_qwen35_weights(model_path, self.cfg, self.device, mtp=mtp)
-                self.model = Qwen35Model(self.cfg, weights, self.device, ops, exact_decode=exact_decode)
+                # a mode that verifies every step (not off, not auto's plain-first steps) sets where one
+                # sequence's products run, for the engine's life: set_speculation keeps it
+                self.model = Qwen35Model(self.cfg, weights, self.device, ops, exact_decode=exact_decode,
+                                         verifies=self.spec.on and self.spec.mode != "auto")
             else:
                 weights = load_weights(model_path, self.cfg, self.device)
                 self.model = Qwen3Model(self.cfg, weights, self.device, ops)
@@ -137,7 +140,8 @@ class Engine:
     def set_speculation(self, speculation: str, speculative_tokens: int | None = None) -> None:
         """Another speculation mode for this loaded engine, its weights, caches and tuning kept (a
         bench's arms then compare bit for bit). "mtp" only where the head was loaded (an engine
-        built with speculation "mtp", or "oracle" on a checkpoint with a head)."""
+        built with speculation "mtp", or "oracle" on a checkpoint with a head). Where one sequence's
+        products run stays as built (Qwen3.5: the tensor cores when built to verify every step)."""
         spec = self._speculation(speculation, speculative_tokens, self.exact_decode)
         self._drafter = make_drafter(spec, int(self.cfg.vocab_size), model=self.model) if spec.on else None
         self.spec = spec

@@ -179,7 +179,13 @@ class LogitsStep:
 
 def verify_picks(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The target's argmax after each row's prefix in a verify of tokens [B, k + 1] at positions
-    [B] .. + k (the model's verify_logits), [B, k + 1] int64."""
+    [B] .. + k (the model's verify_logits), [B, k + 1] int64. One sequence's rows through the LM
+    screen where the model has one (each row's pick the one-row step's: the screen's refine is the
+    one-row GEMV's sums), one int8 pass over the head for all of them."""
+    B, T = tokens.shape
+    screen = getattr(model, "screen", None)
+    if B == 1 and screen is not None and T <= screen.ROWS_MAX:
+        return screen.argmax_rows(model.verify_hidden(tokens, positions).contiguous()).view(B, T)
     logits = model.verify_logits(tokens, positions)
     return model.ops.argmax(logits.view(-1, logits.shape[-1])).view(tokens.shape)
 

@@ -225,10 +225,17 @@ class Qwen3Model:
         sequence b at positions[b] + j computes, so a kept draft's logits are the plain decode's.
         Writes K/V at every row's position; a rejected draft's are overwritten later."""
         B, T = tokens.shape
+        h = self.verify_hidden(tokens, positions)
+        with self.ops.planned_as(B):
+            return self.ops.linear(h, self.w.lm_head).view(B, T, -1)
+
+    def verify_hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """verify_logits up to the LM head: the final norm's output of every row, [B * T, hidden]
+        (sequence-major)."""
+        B, T = tokens.shape
         pos, table = rows_of(positions, T, self.block_table)
         with self.ops.planned_as(B):
-            h = self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
-            return self.ops.linear(h, self.w.lm_head).view(B, T, -1)
+            return self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
 
     def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
         """After verify_logits at positions [B], kept [B] rows each: nothing to roll back (a rejected

@@ -48,7 +48,8 @@ class Qwen35Model:
     prefix_sharing = True
     snapshot_granule = CHUNK
 
-    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, ops, exact_decode: bool = True):
+    def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, ops, exact_decode: bool = True,
+                 verifies: bool = False):
         self.cfg, self.w, self.device, self.ops = cfg, weights, device, ops
         self.exact_decode = exact_decode
         self.rows = None
@@ -78,6 +79,11 @@ class Qwen35Model:
         self.block_table = None
         # one sequence's decode pick without the whole LM head (fqkernels/lm_screen: the same pick)
         self.screen = ops.lm_screen(self.w["lm_head.weight"])
+        # verifies (the engine drafts and verifies every step): one sequence's products on the tensor
+        # cores, where a verify's rows cost little more than a step, for ~5% on a plain step; else
+        # the faster one-row fma kernel (docs/PERFORMANCE.md, Speculation)
+        if verifies:
+            ops.one_row_tensor_cores = frozenset(tuple(p.weights[0].shape) for p in self.decode_products())
 
     def _pack(self) -> None:
         """The packed matrices (qwen35_pack_groups), made in the weights dict itself, each original
@@ -282,6 +288,14 @@ class Qwen35Model:
         full forward's from the chunk's start and the rows before it), the attention layers, MLPs
         and the LM head over all B * T rows as the B-row step launches them. The GDN states end
         past all T rows; commit_verify then keeps each sequence's accepted rows only."""
+        B, T = tokens.shape
+        h = self.verify_hidden(tokens, positions)
+        with self.ops.planned_as(B):
+            return self._logits(h).view(B, T, -1)
+
+    def verify_hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """verify_logits up to the LM head: the final norm's output of every row, [B * T, hidden]
+        (sequence-major); the rollback's state saved as there."""
         if not self.exact_decode:
             raise ValueError("verify_logits: a Qwen3.5 verify needs exact decode (the recurrent step's state "
                              "cannot drop rejected rows)")
@@ -309,8 +323,7 @@ class Qwen35Model:
             return self._attention_step(i, h.reshape(B * T, 1, -1), pos, lengths, table=table).view(shape)
 
         with self.ops.planned_as(B):
-            h = self._layers(tokens, gdn, attention, all_positions=True)
-            return self._logits(h.reshape(B * T, -1)).view(B, T, -1)
+            return self._layers(tokens, gdn, attention, all_positions=True).reshape(B * T, -1)
 
     def mtp_draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The multi-token-prediction head over n rows per sequence of cache rows [0, B): row j, at

@@ -626,7 +626,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                                   (f"{EXTRA}qwen3-4b exact-decode products (o, down), B={batch}", _exact_products),
                                   (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms),
                                   (f"{EXTRA}paged KV cache (decode attention, KV writes), B={batch}", _paged_kv),
-                                  (f"{EXTRA}speculation's rollback (masked row copies), B={batch}", _rows_copy)):
+                                  (f"{EXTRA}speculation's rollback (masked row copies), B={batch}", _rows_copy),
+                                  (f"{EXTRA}a one-sequence verify's screened picks, B={batch}", _screen_rows)):
                     recorder.scenario = name
                     try:
                         run(batch)
@@ -693,6 +694,18 @@ def _early_reads(batch: int) -> None:
                                   g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
                                   form="merged", norm=norm, early=early,
                                   merged=gdn_exact_step.MergedPlan.from_text(text))
+
+
+def _screen_rows(batch: int) -> None:
+    """The LM screen over a one-sequence verify's rows (argmax_rows) at each of its row paddings (2, 4,
+    8, 16), on both 4B heads; it screens one sequence only, so once (batch 1)."""
+    from fqkernels.lm_screen import LmScreen
+
+    if batch == 1:
+        for V in (151936, 248320):
+            screen = LmScreen(torch.empty((V, 2560), dtype=torch.bfloat16, device=CUDA))
+            for rows in (2, 3, 5, 9):
+                screen.argmax_rows(torch.empty((rows, 2560), dtype=torch.bfloat16, device=CUDA))
 
 
 def _gdn_decode_step(batch: int) -> None:

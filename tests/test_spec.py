@@ -666,3 +666,54 @@ def test_a_verify_runs_a_cublas_product_as_the_b_row_steps_calls():
         assert torch.equal(ops.linear(x, w), want) and calls == [(B * T, K)]            # no verify: one call
     finally:
         mp.undo()
+
+
+# ---- one sequence's verify through the LM screen's rows ------------------------------------------
+class _RowsScreen:
+    """A stand-in for fqkernels.lm_screen.LmScreen on the CPU (the kernels need a GPU): the picks of
+    the LM head's logits, row by row as the one-row step computes them; counts the rows it screens."""
+    ROWS_MAX = 16
+
+    def __init__(self, logits_of):
+        self.logits_of, self.rows = logits_of, []
+
+    def argmax(self, x, out=None):
+        pick = torch.argmax(self.logits_of(x).float(), dim=-1)
+        return pick if out is None else out.copy_(pick)
+
+    def argmax_rows(self, x, out=None):
+        assert x.is_contiguous() and x.dim() == 2
+        self.rows.append(x.shape[0])
+        return torch.cat([self.argmax(x[r:r + 1]) for r in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+@pytest.mark.parametrize("mode", ["oracle:0.9", "oracle:0.3"])
+def test_one_sequence_verify_picks_through_the_screens_rows(plain, plain35, tiny_model, qwen35_tiny_model,
+                                                            family, mode):
+    """At one sequence a verify's picks come from the screen's rows (k + 1 of them, the verify's
+    hidden rows in order), and the tokens are plain decode's; at two sequences the logits' path."""
+    base, path = (plain, tiny_model) if family == "qwen3" else (plain35, qwen35_tiny_model)
+    prompts = _prompts(1, 40, seed=61)
+    want = list(base.generate(prompts, 24))
+    eng = engine_module.Engine(str(path), speculation=mode, speculative_tokens=3)
+    model = eng.model
+    head = model.w.lm_head if family == "qwen3" else model.w["lm_head.weight"]
+    model.screen = _RowsScreen(lambda x: model.ops.linear(x, head))
+    assert list(eng.generate(prompts, 24)) == want
+    assert model.screen.rows and set(model.screen.rows) == {4}
+    model.screen.rows.clear()
+    two = _prompts(2, 40, seed=62)
+    assert list(eng.generate(two, 8)) == list(base.generate(two, 8))
+    assert model.screen.rows == []
+
+
+@pytest.mark.parametrize("mode,moved", [("off", False), ("auto", False), ("ngram", True), ("oracle:0.5", True)])
+def test_qwen35_moves_one_sequences_products_when_built_to_verify_every_step(qwen35_tiny_model, mode, moved):
+    """Modes that verify every step put one sequence's products on the tensor cores (their verify's rows
+    share the step's tile); "off" and "auto" keep the one-row kernel; set_speculation keeps the choice."""
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation=mode)
+    shapes = {tuple(p.weights[0].shape) for p in eng.model.decode_products()}
+    assert eng.model.ops.one_row_tensor_cores == (frozenset(shapes) if moved else frozenset())
+    eng.set_speculation("off" if moved else "ngram")
+    assert bool(eng.model.ops.one_row_tensor_cores) == moved

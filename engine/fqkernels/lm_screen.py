@@ -32,6 +32,12 @@ How, and why it is exact:
   Non-finite inputs: a NaN bound is never below tau and a NaN tau puts every row in, so with
   a NaN or infinite x every row is a candidate and the pick is the full argmax's.
 
+More rows of one sequence (argmax_rows: a speculative verify's k + 1 rows, each a one-row step's):
+one int8 pass (_approx_rows_kernel) reads each int8 block once and keeps its sums for every row,
+in another order than the one-row pass (the bound above holds for any order of fp32 sums); each
+row then has its own tau, candidates, refine and final pick, the one-row kernels' code with a row
+index: each row's pick is argmax's for that row alone.
+
 Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 rows a candidate's
 block); the pick never depends on how many candidates there are, only the time does (every row a
 candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 4) bytes more, kept beside w.
@@ -187,12 +193,48 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
 
 
 @triton.jit
+def _approx_rows_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, R, c1,
+                        K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """_approx_kernel for R rows of x [R, K] at once (R <= R_PAD): each int8 block loaded once for all
+    of them; up[r, j] = a_rj + B_rj, tau[r] <- max(tau[r], max_j a_rj - B_rj). The sums' order is
+    not the one-row kernel's: the bound holds for any order of fp32 sums (module note)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ld = tl.minimum(rows, V - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    xr = tl.arange(0, R_PAD)
+    x_live = xr < R
+    q_ptrs = q_ptr + rows_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
+    s = tl.load(s_ptr + rows_ld)
+    pdl.wait(PDL)
+    acc = tl.zeros([R_PAD, BLOCK_R, BLOCK_K], dtype=tl.float32)
+    x_abs = tl.zeros([R_PAD, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        b = tl.load(q_ptrs + k, eviction_policy="evict_first")
+        f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        xv = tl.load(x_ptr + xr[:, None] * K + k + offs_k[None, :], mask=x_live[:, None], other=0.0).to(tl.float32)
+        acc += f[None, :, :] * xv[:, None, :]
+        x_abs += tl.abs(xv)
+    pdl.launch_dependents(PDL)
+    approx = tl.sum(acc, axis=2) * s[None, :]
+    bound = c1 * s[None, :] * tl.sum(x_abs, axis=1)[:, None] + _REL * tl.abs(approx)
+    live = rows < V
+    tl.store(up_ptr + xr[:, None] * V + rows[None, :], approx + bound, mask=x_live[:, None] & live[None, :])
+    tl.atomic_max(tau_ptr + xr, tl.max(tl.where(live[None, :], approx - bound, float("-inf")), axis=1), mask=x_live)
+
+
+@triton.jit
 def _refine_kernel(x_ptr, w_ptr, up_ptr, tau_ptr, val_ptr, idx_ptr, nan_ptr, V,
                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                    EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
-    """The candidates among this program's GROUPS blocks of BLOCK_N rows: their bf16 logits as
-    gemv's one-row program computes them, the first largest and the first NaN."""
+    """The candidates among this program's GROUPS blocks of BLOCK_N rows for x's row program_id(1):
+    their bf16 logits as gemv's one-row program computes them, the first largest and the first NaN."""
     pid = tl.program_id(0)
+    row = tl.program_id(1)                 # x's row (argmax_rows: one a grid row; its own bounds and tau)
+    x_ptr += row * K
+    up_ptr += row * V
+    tau_ptr += row
+    part = row * tl.num_programs(0) + pid
     base = pid * (GROUPS * BLOCK_N)
     r = base + tl.arange(0, GROUPS * BLOCK_N)
     pdl.wait(PDL)
@@ -228,16 +270,20 @@ def _refine_kernel(x_ptr, w_ptr, up_ptr, tau_ptr, val_ptr, idx_ptr, nan_ptr, V,
             take = (m > best) | ((m == best) & (best_i == _NONE))
             best_i = tl.where(take, at, best_i)
             best = tl.where(take, m, best)
-    tl.store(val_ptr + pid, best)
-    tl.store(idx_ptr + pid, best_i)
-    tl.store(nan_ptr + pid, first_nan)
+    tl.store(val_ptr + part, best)
+    tl.store(idx_ptr + part, best_i)
+    tl.store(nan_ptr + part, first_nan)
 
 
 @triton.jit
 def _final_kernel(val_ptr, idx_ptr, nan_ptr, tau_ptr, out_ptr, PARTS, BLOCK_P: tl.constexpr,
                   PDL: tl.constexpr = False):
+    row = tl.program_id(0)                 # x's row: its refine programs' results, its pick, its tau
     offs = tl.arange(0, BLOCK_P)
     mask = offs < PARTS
+    val_ptr += row * PARTS
+    idx_ptr += row * PARTS
+    nan_ptr += row * PARTS
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     v = tl.load(val_ptr + offs, mask=mask, other=float("-inf"))
@@ -247,8 +293,8 @@ def _final_kernel(val_ptr, idx_ptr, nan_ptr, tau_ptr, out_ptr, PARTS, BLOCK_P: t
     best = tl.min(tl.where((v == m) & (i < _NONE), i, _NONE), axis=0)
     first_nan = tl.min(n, axis=0)
     res = tl.where(first_nan < _NONE, first_nan, best)
-    tl.store(out_ptr, res.to(tl.int64))
-    tl.store(tau_ptr, float("-inf"))     # the next step's atomic max starts from nothing
+    tl.store(out_ptr + row, res.to(tl.int64))
+    tl.store(tau_ptr + row, float("-inf"))     # the next step's atomic max starts from nothing
 
 
 # ----------------------------------------------------------------------------- the screen
@@ -271,7 +317,12 @@ def unsupported(w: torch.Tensor, plan: ScreenPlan | None = None, config: gemv.Ge
 class LmScreen:
     """The screen over one LM head w [V, K] (bf16, kept as it is; its int8 copy made here).
     argmax(x, out) for x [1, K]: the pick of argmax(gemv.linear(x, w, config=config)) (module
-    note; config None: gemv's table's one-row config); graph-safe (fixed buffers, no host reads)."""
+    note; config None: gemv's table's one-row config); argmax_rows(x, out) the same for each row of
+    x [R, K], R <= ROWS_MAX (a speculative verify of one sequence: each row one-row decode's pick);
+    graph-safe (fixed buffers, no host reads)."""
+
+    # argmax_rows' most rows: a verify of up to 15 drafts (its int8 pass keeps 16 rows' sums in registers)
+    ROWS_MAX = 16
 
     def __init__(self, w: torch.Tensor, plan: ScreenPlan | None = None, config: gemv.GemvConfig | None = None):
         why = unsupported(w, plan, config)
@@ -293,6 +344,19 @@ class LmScreen:
         self.val = torch.empty(self.parts, dtype=torch.float32, device=dev)
         self.idx = torch.empty(self.parts, dtype=torch.int32, device=dev)
         self.nan = torch.empty(self.parts, dtype=torch.int32, device=dev)
+        self.rows_buffers = None           # argmax_rows' (ROWS_MAX rows), made at its first call
+
+    def _rows_buffers(self) -> tuple:
+        """argmax_rows' buffers, made once (a captured graph keeps their addresses): ROWS_MAX rows'
+        bounds, taus (-inf) and refine results."""
+        if self.rows_buffers is None:
+            dev, V, R = self.w.device, self.w.shape[0], self.ROWS_MAX
+            self.rows_buffers = (torch.empty((R, V), dtype=torch.float32, device=dev),
+                                 torch.full((R,), float("-inf"), dtype=torch.float32, device=dev),
+                                 torch.empty((R, self.parts), dtype=torch.float32, device=dev),
+                                 torch.empty((R, self.parts), dtype=torch.int32, device=dev),
+                                 torch.empty((R, self.parts), dtype=torch.int32, device=dev))
+        return self.rows_buffers
 
     def with_plan(self, plan: ScreenPlan) -> "LmScreen":
         """The same screen (the int8 copy shared) launched by another plan, with buffers of its own."""
@@ -330,16 +394,56 @@ class LmScreen:
             out = torch.empty(1, dtype=torch.int64, device=x.device)
         elif out.dtype != torch.int64 or tuple(out.shape) != (1,):
             raise ValueError(f"lm_screen: out must be int64 of shape (1,), got {out.dtype} {tuple(out.shape)}")
-        plan, cfg = self.plan, self.config
         use_pdl, launch = pdl.for_rows(1)
         self.approx(x, self.up, self.tau, use_pdl, launch)
-        _refine_kernel[(self.parts,)](
-            x, self.w, self.up, self.tau, self.val, self.idx, self.nan, V, K=K, BLOCK_N=cfg.block_n,
+        self._refine(x, 1, self.up, self.tau, self.val, self.idx, self.nan, out, use_pdl, launch)
+        return out
+
+    def argmax_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """argmax for each row of x [R, K] (1 <= R <= ROWS_MAX) -> int64 [R]: one int8 pass for all
+        rows, then each row's candidates refined as argmax refines them (the same picks)."""
+        V, K = self.w.shape
+        if (x.dim() != 2 or not 1 <= x.shape[0] <= self.ROWS_MAX or x.shape[1] != K or x.dtype != torch.bfloat16
+                or not x.is_contiguous() or K % ROWS_BLOCK_K):
+            raise ValueError(f"lm_screen: x must be a contiguous bf16 [R, {K}] with 1 <= R <= {self.ROWS_MAX} "
+                             f"(K a multiple of {ROWS_BLOCK_K}), got {x.dtype} {tuple(x.shape)}")
+        R = x.shape[0]
+        if out is None:
+            out = torch.empty(R, dtype=torch.int64, device=x.device)
+        elif out.dtype != torch.int64 or tuple(out.shape) != (R,):
+            raise ValueError(f"lm_screen: out must be int64 of shape ({R},), got {out.dtype} {tuple(out.shape)}")
+        if R == 1:
+            return self.argmax(x, out)
+        up, tau, val, idx, nan = self._rows_buffers()
+        use_pdl, launch = pdl.for_rows(1)
+        r_pad = triton.next_power_of_2(R)
+        block_r, block_k = _rows_tile(r_pad)
+        _approx_rows_kernel[(triton.cdiv(V, block_r),)](
+            x, self.q, self.s, up, tau, V, R, self.c1, K=K, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_K=block_k,
+            PDL=use_pdl, num_warps=4, num_stages=2, **launch)
+        self._refine(x, R, up, tau, val, idx, nan, out, use_pdl, launch)
+        return out
+
+    def _refine(self, x, R: int, up, tau, val, idx, nan, out, use_pdl: bool, launch: dict) -> None:
+        """The refine and final kernels for x's R rows (bounds up [R, V], taus [R]): out [R] the picks,
+        the taus back to -inf."""
+        V, K = self.w.shape
+        plan, cfg = self.plan, self.config
+        _refine_kernel[(self.parts, R)](
+            x, self.w, up, tau, val, idx, nan, V, K=K, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUPS=plan.groups, EVEN_N=V % cfg.block_n == 0, PDL=use_pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
-        _final_kernel[(1,)](self.val, self.idx, self.nan, self.tau, out, self.parts,
+        _final_kernel[(R,)](val, idx, nan, tau, out, self.parts,
                             BLOCK_P=max(16, triton.next_power_of_2(self.parts)), PDL=use_pdl, num_warps=4, **launch)
-        return out
+
+
+ROWS_BLOCK_K = 128     # _approx_rows_kernel's K a loop trip (argmax_rows needs K a multiple of it)
+
+
+def _rows_tile(r_pad: int) -> tuple:
+    """_approx_rows_kernel's (weight rows, K) a program for r_pad rows of x: r_pad x rows x K fp32
+    sums held, 64 a thread of 4 warps."""
+    return 8192 // (r_pad * ROWS_BLOCK_K), ROWS_BLOCK_K
 
 
 def for_model(w: torch.Tensor) -> LmScreen | None:

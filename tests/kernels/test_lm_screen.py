@@ -197,6 +197,72 @@ def test_argument_errors():
                       out=torch.zeros(2, dtype=torch.int64, device=DEV))
 
 
+@needs_kernels
+@pytest.mark.parametrize("R", [2, 3, 5, 16])
+def test_kernels_rows_pick_each_rows_gemv_argmax(R):
+    """argmax_rows: one int8 pass for R rows, each row's pick the one-row GEMV's argmax (as argmax's),
+    every row's tau back to -inf; again with every row a candidate (each logit the refine's own)."""
+    V, K = 1003, 256
+    w = _head(V, K, 20 + R).to(DEV)
+    screen = _screen(w)
+    scales = [1.0, 20.0, 0.01, 3.0]
+    x = torch.cat([_x(K, 100 * R + r, scale=scales[r % 4]) for r in range(R)]).to(DEV)
+    want = [_full_pick(x[r:r + 1], w) for r in range(R)]
+    for _ in range(2):                                    # the taus reset: a second call the same
+        assert screen.argmax_rows(x).tolist() == want
+        assert bool((screen.rows_buffers[1] == -math.inf).all())
+    screen.c1 = math.inf
+    assert screen.argmax_rows(x).tolist() == want
+
+
+@needs_kernels
+def test_kernels_rows_ties_and_nan():
+    """Exact ties planted in the head: each row's first index wins; a NaN in one row's x makes that
+    row's pick the GEMV's (the first NaN logit) and leaves the other rows' picks alone."""
+    V, K = 1000, 256
+    w = _head(V, K, 31)
+    x = torch.cat([_x(K, 32 + r) for r in range(3)])
+    top = int(torch.argmax(gemv.linear_reference(x[:1], w).float(), dim=-1)[0])
+    w[top + 8] = w[top]
+    w[max(top - 16, 0)] = w[top]
+    x[1, 3] = float("nan")
+    w, x = w.to(DEV), x.to(DEV)
+    want = [int(torch.argmax(gemv.linear(x[r:r + 1], w, config=FMA8).float(), dim=-1)[0]) for r in range(3)]
+    assert want[0] == max(top - 16, 0)
+    assert _screen(w).argmax_rows(x).tolist() == want
+
+
+@needs_kernels
+def test_rows_argument_errors():
+    w = _head(64, 256, 1).to(DEV)
+    screen = _screen(w)
+    for bad in (torch.zeros(0, 256), torch.zeros(17, 256), torch.zeros(2, 128), torch.zeros(2, 256).t()):
+        with pytest.raises(ValueError, match="x must be"):
+            screen.argmax_rows(bad.to(torch.bfloat16).to(DEV))
+    with pytest.raises(ValueError, match="out must be"):
+        screen.argmax_rows(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV),
+                           out=torch.zeros(3, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("V", [151936, 248320])
+def test_gpu_real_heads_rows(V):
+    """argmax_rows on the real heads' shapes at 2-16 rows: each row's pick the one-row GEMV's argmax,
+    and with every row refined (an infinite bound)."""
+    K = 2560
+    w = (torch.randn(V, K, device=DEV) * 0.02).to(torch.bfloat16)
+    screen = lm_screen.LmScreen(w)
+    for R in (2, 4, 5, 7, 9, 16):
+        x = (torch.randn(R, K, device=DEV) * (0.3 + R / 4)).to(torch.bfloat16)
+        want = [int(torch.argmax(gemv.linear(x[r:r + 1], w).float(), dim=-1)[0]) for r in range(R)]
+        assert screen.argmax_rows(x).tolist() == want, f"{R} rows"
+    screen.c1 = math.inf
+    x = (torch.randn(5, K, device=DEV) * 0.05).to(torch.bfloat16)
+    assert screen.argmax_rows(x).tolist() == [int(torch.argmax(gemv.linear(x[r:r + 1], w).float(), dim=-1)[0])
+                                              for r in range(5)]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("V", [151936, 248320])
