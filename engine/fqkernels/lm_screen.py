@@ -437,13 +437,14 @@ class LmScreen:
                             BLOCK_P=max(16, triton.next_power_of_2(self.parts)), PDL=use_pdl, num_warps=4, **launch)
 
 
-ROWS_BLOCK_K = 128     # _approx_rows_kernel's K a loop trip (argmax_rows needs K a multiple of it)
+ROWS_BLOCK_K = 256     # _approx_rows_kernel's largest K a loop trip (argmax_rows needs K a multiple of it)
 
 
 def _rows_tile(r_pad: int) -> tuple:
-    """_approx_rows_kernel's (weight rows, K) a program for r_pad rows of x: r_pad x rows x K fp32
-    sums held, 64 a thread of 4 warps."""
-    return 8192 // (r_pad * ROWS_BLOCK_K), ROWS_BLOCK_K
+    """_approx_rows_kernel's (weight rows, K) a program for r_pad rows of x: 16 weight rows, and K
+    such that the r_pad x 16 x K fp32 sums are 64 a thread of 4 warps. x's loads (from cache) per
+    weight byte grow as r_pad / 8, so a program keeps its 16 rows rather than its K."""
+    return 16, 2 * ROWS_BLOCK_K // r_pad
 
 
 def for_model(w: torch.Tensor) -> LmScreen | None:
