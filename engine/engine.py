@@ -103,10 +103,10 @@ class Engine:
                 # the MTP head: the mtp drafter's, and the oracle's where the checkpoint has one (its cost)
                 mtp = self.spec.mode == "mtp" or (self.spec.mode == "oracle" and self.cfg.mtp_layers > 0)
                 weights = load_qwen35_weights(model_path, self.cfg, self.device, mtp=mtp)
-                # a mode that verifies every step (not off, not auto's plain-first steps) sets where one
-                # sequence's products run, for the engine's life: set_speculation keeps it
+                # a mode that verifies every step sets where one sequence's products run, for the
+                # engine's life: set_speculation keeps it
                 self.model = Qwen35Model(self.cfg, weights, self.device, ops, exact_decode=exact_decode,
-                                         verifies=self.spec.on and self.spec.mode != "auto")
+                                         verifies=self.spec.every_step)
             else:
                 weights = load_weights(model_path, self.cfg, self.device)
                 self.model = Qwen3Model(self.cfg, weights, self.device, ops)

@@ -49,6 +49,12 @@ class Speculation:
     def on(self) -> bool:
         return self.mode != "off"
 
+    @property
+    def every_step(self) -> bool:
+        """Drafts and verifies every step (every mode but "off" and "auto", whose steps are plain
+        until drafts pay): where a model may trade plain-step speed for cheaper verifies."""
+        return self.on and self.mode != "auto"
+
 
 def parse_speculation(value, k: int | None = None) -> Speculation:
     """"off" | "auto" | "ngram" | "recycle" | "mtp" | "oracle:<a>" (0 <= a <= 1) -> Speculation;

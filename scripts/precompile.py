@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import compile_kernels as ck  # noqa: E402  (its capture machinery; it puts engine/ on the path)
 
 
-def meta_model(model_dir: pathlib.Path):
+def meta_model(model_dir: pathlib.Path, verifies: bool = False):
     """The engine's model for the checkpoint's config over meta weights (the file's tensors are not read)."""
     import fq_config
     import fq_ops
@@ -61,7 +61,7 @@ def meta_model(model_dir: pathlib.Path):
                 weights = fq_weights.load_qwen35_weights(str(folder), cfg, ck.CUDA)
             finally:
                 fq_weights.safe_open = real
-            return fq_qwen35.Qwen35Model(cfg, weights, ck.CUDA, ops, exact_decode=True)
+            return fq_qwen35.Qwen35Model(cfg, weights, ck.CUDA, ops, exact_decode=True, verifies=verifies)
         fq_weights.safe_open = ck._MetaCheckpoint(fq_weights.expected_shapes(cfg))
         try:
             weights = fq_weights.load_weights(str(folder), cfg, ck.CUDA)
@@ -79,7 +79,9 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
 
     recorder, problems = ck.Recorder(), []
     with ck.MetaAsCuda(), ck.norm_orders_measured(), torch.inference_mode(), ck.pdl_forced(pdl):
-        model = meta_model(model_dir)
+        # as the engine builds it: a Qwen3.5 server that verifies every step ("ngram") runs one
+        # sequence's products on the tensor cores
+        model = meta_model(model_dir, verifies=fq_spec.parse_speculation(speculation).every_step)
         recorder.pdl = pdl
         widths = fq_spec.verify_widths(k) if speculation == "auto" else None
         slots = fq_slots.Slots(model, ck.CUDA, max_batch, max_len, use_graphs=False, page_size=block_size,
