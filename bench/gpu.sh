@@ -26,10 +26,6 @@
 #                     k = 3, 4, 6 and 8 with its MTP head, so built to verify: its products on the tensor cores),
 #                     and Qwen3.5's plain step on the one-row fma kernel its plain-first modes run (--one-row fma)
 #                     -> spec_qwen3_b1.json, spec_qwen35_b1.json, spec_qwen35_b1_one_row_fma.json
-#   spec-one-row-q35  Qwen3.5 at one sequence (1 x 1024 x 256, the oracle at 0.5 / 0.9 / 1 and the MTP head, k = 3
-#                     and 4) with every product on fma, and with all but in_proj on the tensor cores (its one-row
-#                     kernel fuses the conv and gates) -> spec_qwen35_b1_one_row_fma.json,
-#                     spec_qwen35_b1_one_row_dot_but_in_proj.json
 #   spec-tests        the GPU tests of a verify's bits (the widened GEMV tiles, the one-row tensor-core tile, the
 #                     conv of a verify's rows, the LM screen's rows, the attention's split count, speculation's
 #                     tokens), two pytest
@@ -118,6 +114,11 @@ SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
 
+spec_b1_q35() {   # spec-b1's Qwen3.5 curve (built with its MTP head, so to verify every step)
+  timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
+    --out "$OUT/spec_qwen35_b1.json"
+}
+
 main() {
   install .whl /tmp/site && install .whl_serve /tmp/serve_site && install .whl_fla /tmp/fla_site \
     || { echo "gpu.sh: the carried wheels did not install"; return 1; }
@@ -147,20 +148,12 @@ main() {
       spec-b1)
         timeout 170 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --arms "$SPEC_ARMS" --k 3,4,8 \
           --out "$OUT/spec_qwen3_b1.json"
-        timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
-          --out "$OUT/spec_qwen35_b1.json"
+        spec_b1_q35
         timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3,4 \
           --out "$OUT/spec_qwen35_b1_one_row_fma.json" ;;
-      spec-b1-q35) timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
-                     --out "$OUT/spec_qwen35_b1.json" ;;
+      spec-b1-q35) spec_b1_q35 ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
-      spec-one-row-q35)
-        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma \
-          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_fma.json"
-        timeout 170 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 \
-          --one-row linear_attn.out_proj,self_attn.qkv_proj,self_attn.o_proj,mlp.gate_up,mlp.down_proj \
-          --arms oracle:0.5,oracle:0.9,oracle:1,mtp --k 3,4 --out "$OUT/spec_qwen35_b1_one_row_dot_but_in_proj.json" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)

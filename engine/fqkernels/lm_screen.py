@@ -161,6 +161,14 @@ def screened_argmax_reference(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
+def _q_values(b):
+    """Q exactly (fp32), from the stored bytes Q + 128: the fp32 with bits 0x4B0000bb is 2^23 + bb, minus
+    2^23 + 128 (x Q is then exact in fp32). The same time as a PRMT an element or shifts and masks in
+    PTX: the conversion does not bound the pass."""
+    return (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+
+
+@triton.jit
 def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
                    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                    LINES: tl.constexpr = 1):
@@ -177,10 +185,7 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
     x_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         b = tl.load(q_ptrs + k, eviction_policy="evict_first")
-        # Q exactly, from the byte's bits: the fp32 with bits 0x4B0000bb is 2^23 + bb, minus 2^23 + 128
-        # (x Q is exact in fp32). The same time as a PRMT an element or shifts and masks in PTX:
-        # the conversion does not bound the pass.
-        f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        f = _q_values(b)
         xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
         acc += f * xv[None, :]
         x_abs += tl.abs(xv)
@@ -211,7 +216,7 @@ def _approx_rows_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, R, c1,
     x_abs = tl.zeros([R_PAD, BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         b = tl.load(q_ptrs + k, eviction_policy="evict_first")
-        f = (b.to(tl.int32) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        f = _q_values(b)
         xv = tl.load(x_ptr + xr[:, None] * K + k + offs_k[None, :], mask=x_live[:, None], other=0.0).to(tl.float32)
         acc += f[None, :, :] * xv[:, None, :]
         x_abs += tl.abs(xv)
