@@ -563,31 +563,31 @@ class Qwen35Model:
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
         # z [B, T, Hv Dv] stays a view of in_proj's rows: the step's norm and the gated norm read
         # rows of any stride
-        rule = [self._gdn_rule(i, x[j], z[:, j], g[j], beta[j], row_positions[j], norm_later=True) for j in range(T)]
+        rule = [self._gdn_rule_unnormed(i, x[j], z[:, j], g[j], beta[j], row_positions[j]) for j in range(T)]
         o = torch.stack([o.reshape(B, -1) for o, _ in rule], dim=1)                 # [B, T, Hv Dv]
         if not rule[0][1]:      # the step left the gated norm (at every row alike): one launch for all rows
             o = ops.gated_rmsnorm(o, z.reshape(B * T, -1), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
         return ops.linear(o.reshape(B, T, -1), w_out)
 
-    def _gdn_rule(self, i: int, x, z, g, beta, positions, norm_later: bool = False):
+    def _gdn_rule(self, i: int, x, z, g, beta, positions):
         """A decode step's rule of GDN layer i from its conv output x [B, C], z, the gates: the rule
-        (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape).
-        norm_later: (the rule's rows, whether they are normed): the norm is left to the caller where
-        the step did not apply it (a verify norms all its rows in one launch; per row, the same bits)."""
+        (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape)."""
+        o, normed = self._gdn_rule_unnormed(i, x, z, g, beta, positions)
+        if normed:
+            return o
+        p = f"model.layers.{i}.linear_attn."
+        return self.ops.gated_rmsnorm(o, z, self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+
+    def _gdn_rule_unnormed(self, i: int, x, z, g, beta, positions) -> tuple:
+        """_gdn_rule with the gated norm left to the caller where the step does not fuse it: (the
+        rule's rows, whether they are normed). A verify norms all its rows in one launch (per row,
+        the same bits)."""
         c, p, ops = self.cfg, f"model.layers.{i}.linear_attn.", self.ops
         B = x.shape[0]
         slot = self.gdn_slot[i]
         state = self.state[slot, :B]
-        norm_w = self.w[p + "norm.weight"]
         q, k, v = self._qkv_heads(x, B)
-        normed = False
         if self.exact_decode:
-            o, normed = ops.gdn_exact_step(q, k, v, g, beta, positions, state, self.rows[slot].narrow(0, B),
-                                           tile=self.decode_tile, norm=(z, norm_w, c.rms_norm_eps))
-        else:
-            o = ops.gdn_rule_step(q, k, v, g, beta, state)
-        if norm_later:
-            return o, normed
-        if not normed:
-            o = ops.gated_rmsnorm(o, z, norm_w, c.rms_norm_eps)
-        return o
+            return ops.gdn_exact_step(q, k, v, g, beta, positions, state, self.rows[slot].narrow(0, B),
+                                      tile=self.decode_tile, norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps))
+        return ops.gdn_rule_step(q, k, v, g, beta, state), False
