@@ -2,8 +2,9 @@
 
 Per shape BxP: one generate() of 4 tokens first (tuning, compiles, captures), then under the
 profiler --steps eager decode steps (the graph's kernels, launched one by one), with --verify W,...
-a speculative verify of each W drafts (model.verify_logits over W + 1 rows a sequence, --steps
-times: phase "verify_W"), and one prompt pass. --one-row: where one sequence's products run (bench spec's).
+a speculative verify of each W drafts (fq_decode.verify_picks over W + 1 rows a sequence: the
+model's rows and the engine's picks, one sequence's through the LM screen; --steps times: phase
+"verify_W"), and one prompt pass. --one-row: where one sequence's products run (bench spec's).
 Device time is summed per kernel name: a row per kernel (the --top largest of each phase) with
 microseconds and calls per pass, and a row "(all kernels)" per phase. The graphed step's own time
 (the `step` entry) less the decode step's sum is what launch gaps cost.
@@ -62,7 +63,7 @@ def run(args, report) -> None:
     eng = build_engine(model_dir, engine_options(args))
     set_one_row(eng, args.one_row)
     engine_on_path()
-    from fq_decode import DecodeRunner
+    from fq_decode import DecodeRunner, verify_picks
 
     model = eng.model
     gpu = gpu_visible()
@@ -92,12 +93,12 @@ def run(args, report) -> None:
             at = torch.full((batch,), prompt + args.steps + 1, dtype=torch.int32, device=eng.device)
             for width in args.verify:
                 tokens = torch.randint(0, eng.cfg.vocab_size, (batch, width + 1), device=eng.device)
-                model.verify_logits(tokens, at)                 # its first-call work
+                verify_picks(model, tokens, at)                 # its first-call work
                 if gpu:
                     torch.cuda.synchronize()
                 with profile(activities=[activity]) as prof:
                     for _ in range(args.steps):
-                        model.verify_logits(tokens, at)
+                        verify_picks(model, tokens, at)
                     if gpu:
                         torch.cuda.synchronize()
                 phases.append((f"verify_{width}", kernel_times(prof, args.steps, gpu)))
