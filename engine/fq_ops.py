@@ -260,6 +260,12 @@ class TorchOps:
         `norm` = (z, weight, eps), the gated norm, was applied too; never here)."""
         return gdn_exact_step.reference_step(q, k, v, g, beta, positions, state, rows), False
 
+    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None) -> torch.Tensor:
+        """gdn_exact_step over T rows of each sequence in turn, no gated norm (a verify's rows: q, k
+        [T, B, Hk, Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv], row r at positions + r) -> [T, B, Hv, Dv]."""
+        return torch.stack([self.gdn_exact_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows,
+                                                tile=tile)[0] for r in range(v.shape[0])])
+
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
         """Exact decode's chunk rows of `batch` sequences for each of `layers` GDN layers."""
         return [gdn_exact_step.ReferenceRows(batch, Hk, Hv, Dk, Dv, device) for _ in range(layers)]
@@ -603,6 +609,11 @@ class TritonOps(TorchOps):
         o = gdn_exact_step.fused_step(q, k, v, g, beta, positions, state, rows, tile=tile,
                                       norm=norm if step_norm else None)
         return o, step_norm
+
+    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None) -> torch.Tensor:
+        """gdn_exact_step.fused_rows: the rows in one launch where the grid allows (the same bits)."""
+        return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows,
+                                         tile=gdn_exact_step.C // 2 if tile is None else tile)
 
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
         """The kernel's form: the layers' rows views of one buffer a kind (a verify saves them in one

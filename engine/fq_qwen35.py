@@ -314,10 +314,9 @@ class Qwen35Model:
         pos, table = rows_of(positions, T, self.block_table)
         lengths = pos + 1
         shape = (B, T, self.cfg.hidden_size)
-        row_positions = [positions + j for j in range(T)]       # once a verify, not once a layer
 
         def gdn(i, h):
-            return self._gdn_verify(i, h, row_positions, self._verify_conv[:, self.gdn_slot[i]])
+            return self._gdn_verify(i, h, positions, self._verify_conv[:, self.gdn_slot[i]])
 
         def attention(i, h):
             return self._attention_step(i, h.reshape(B * T, 1, -1), pos, lengths, table=table).view(shape)
@@ -548,11 +547,12 @@ class Qwen35Model:
                                              self.w[p + "A_log"], self.w[p + "dt_bias"])
         return ops.linear(self._gdn_rule(i, x, z, g, beta, positions).reshape(B, 1, -1), self.w[p + "out_proj.weight"])
 
-    def _gdn_verify(self, i: int, h: torch.Tensor, row_positions: list, conv_rows: torch.Tensor) -> torch.Tensor:
-        """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), each row the decode step
-        at row_positions[j] ([B] int32): in_proj and out_proj once over all B T rows (planned as the
-        B-row step: each row the step's bits), the conv and gates of the T rows in one op, and the
-        rule a row at a time. conv_rows [T, B, C, W] receives the conv state after each row."""
+    def _gdn_verify(self, i: int, h: torch.Tensor, positions: torch.Tensor, conv_rows: torch.Tensor) -> torch.Tensor:
+        """GDN layer i over a verify's T rows a sequence (h [B, T, hidden]), row j the exact decode
+        step at positions + j ([B] int32): in_proj and out_proj once over all B T rows (planned as the
+        B-row step: each row the step's bits), the conv and gates of the T rows in one op, the rule's
+        rows in turn in one op (gdn_exact_rows), the gated norm of all rows in one launch (per row,
+        the step's bits). conv_rows [T, B, C, W] receives the conv state after each row."""
         p, ops = f"model.layers.{i}.linear_attn.", self.ops
         B, T, _ = h.shape
         slot = self.gdn_slot[i]
@@ -561,33 +561,29 @@ class Qwen35Model:
         mixed, z, b, a = (t.view(B, T, -1) for t in (mixed, z, b, a))
         x, g, beta = ops.gdn_conv_gates_rows(mixed, self.conv_state[slot, :B], self.w[p + "conv1d.weight"].squeeze(1),
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
-        # z [B, T, Hv Dv] stays a view of in_proj's rows: the step's norm and the gated norm read
-        # rows of any stride
-        rule = [self._gdn_rule_unnormed(i, x[j], z[:, j], g[j], beta[j], row_positions[j]) for j in range(T)]
-        o = torch.stack([o.reshape(B, -1) for o, _ in rule], dim=1)                 # [B, T, Hv Dv]
-        if not rule[0][1]:      # the step left the gated norm (at every row alike): one launch for all rows
-            o = ops.gated_rmsnorm(o, z.reshape(B * T, -1), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+        q, k, v = self._qkv_heads(x, T, B)
+        o = ops.gdn_exact_rows(q, k, v, g, beta, positions, self.state[slot, :B], self.rows[slot].narrow(0, B),
+                               tile=self.decode_tile)                                   # [T, B, Hv, Dv]
+        # z [B, T, Hv Dv] stays a view of in_proj's rows: the gated norm reads rows of any stride
+        o = ops.gated_rmsnorm(o.transpose(0, 1).reshape(B, T, -1), z.reshape(B * T, -1), self.w[p + "norm.weight"],
+                              self.cfg.rms_norm_eps)
         return ops.linear(o.reshape(B, T, -1), w_out)
 
     def _gdn_rule(self, i: int, x, z, g, beta, positions):
         """A decode step's rule of GDN layer i from its conv output x [B, C], z, the gates: the rule
         (exact decode: from the chunk's rows) and the gated norm, B * Hv rows of Dv (in some shape)."""
-        o, normed = self._gdn_rule_unnormed(i, x, z, g, beta, positions)
-        if normed:
-            return o
-        p = f"model.layers.{i}.linear_attn."
-        return self.ops.gated_rmsnorm(o, z, self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
-
-    def _gdn_rule_unnormed(self, i: int, x, z, g, beta, positions) -> tuple:
-        """_gdn_rule with the gated norm left to the caller where the step does not fuse it: (the
-        rule's rows, whether they are normed). A verify norms all its rows in one launch (per row,
-        the same bits)."""
         c, p, ops = self.cfg, f"model.layers.{i}.linear_attn.", self.ops
         B = x.shape[0]
         slot = self.gdn_slot[i]
         state = self.state[slot, :B]
+        norm_w = self.w[p + "norm.weight"]
         q, k, v = self._qkv_heads(x, B)
+        normed = False
         if self.exact_decode:
-            return ops.gdn_exact_step(q, k, v, g, beta, positions, state, self.rows[slot].narrow(0, B),
-                                      tile=self.decode_tile, norm=(z, self.w[p + "norm.weight"], c.rms_norm_eps))
-        return ops.gdn_rule_step(q, k, v, g, beta, state), False
+            o, normed = ops.gdn_exact_step(q, k, v, g, beta, positions, state, self.rows[slot].narrow(0, B),
+                                           tile=self.decode_tile, norm=(z, norm_w, c.rms_norm_eps))
+        else:
+            o = ops.gdn_rule_step(q, k, v, g, beta, state)
+        if not normed:
+            o = ops.gated_rmsnorm(o, z, norm_w, c.rms_norm_eps)
+        return o

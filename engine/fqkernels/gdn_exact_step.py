@@ -617,6 +617,46 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     return out
 
 
+def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 32, use_pdl: bool = True
+               ) -> torch.Tensor:
+    """fused_step over T rows of each sequence in turn (a speculative verify's rows): q, k [T, B, Hk,
+    Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv] (any strides fused_step takes within a row), row r of
+    sequence b at positions[b] + r; tile: the cumulative sum's (fused_step's); no gated norm (the
+    caller norms the rows). Where the grid takes the merged form with a program a head (few
+    sequences), one launch whose programs run the rows in turn, each row the merged step's chains
+    (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches. Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
+    T, B, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    programs = B * Hv * max(Dv // rows.block_v, 1)
+    form, maxnreg = grid_plan("auto", "auto", programs, v.device)
+    if form != "merged" or rows.block_v != Dv or T == 1:
+        return torch.stack([fused_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows, tile=tile,
+                                       use_pdl=use_pdl)
+                            for r in range(T)])
+    if (q.shape != k.shape or v.shape[:2] != (T, B) or g.shape != (T, B, Hv) or beta.shape != (T, B, Hv)
+            or Hv % Hk or state.shape != (B, Hv, Dk, Dv) or not state.is_contiguous()
+            or q.stride(-1) != 1 or q.stride() != k.stride() or v.stride(-1) != 1 or g.stride(-1) != 1
+            or beta.stride(-1) != 1 or rows.KT.shape[:2] != (B, Hv) or Dk < 32 or Dk & (Dk - 1) or Dv % 16
+            or tile not in (C, C // 2)):
+        raise ValueError(f"gdn_exact_step.fused_rows: q/k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+                         f"beta {tuple(beta.shape)}, state {tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])} "
+                         f"tile {tile} (q, k, v, g and beta with a unit last stride, q and k alike; Dk a power of "
+                         f"two >= 32; the tile 64 or 32)")
+    merged = auto_plan(Dk, programs, v.device)
+    out = torch.empty((T, B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
+    close = close_blocks(form, "auto")
+    _merged_rows_kernel[(B * Hv, 1)](
+        q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out, T,
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), out.stride(0), Dk ** -0.5,
+        SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, CH=C, NB=8, ORDER=torch_sum_order(Dk),
+        TILE=tile, LOG_TILE=tile.bit_length() - 1, U=UNROLL, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
+        PF=PREFETCH_LEVELS["l2"] if v.is_cuda else 0, PDL=use_pdl, num_warps=WARPS, num_stages=1,
+        **merged.constexprs(), **pdl_launch, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return out
+
+
 def _norm_fits(norm, B: int, Hv: int, Dv: int, bv: int) -> bool:
     z, nw, _ = norm
     return (bv == Dv == 128 and z.dim() == 2 and tuple(z.shape) == (B, Hv * Dv) and z.stride(1) == 1
@@ -922,16 +962,70 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                         EARLY: tl.constexpr = False, UK: tl.constexpr = 0, UW: tl.constexpr = 0,
                         QS_LATE: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
-    loads serving several chains: (q e^gamma) S_c in the keys' trips, w's and u's solves and the
-    attention over the earlier new values in one pass over the rows before t, then w S_c over the
-    state's rows this program just read (cache hits); the close at the chunk's last row. MergedPlan's
-    schedules: UK / UW the keys' / w S_c pass's rows a trip (0: U), QS_LATE (q e^gamma) S_c in the
-    w S_c pass."""
-    UKS: tl.constexpr = U if UK == 0 else UK
-    UWS: tl.constexpr = U if UW == 0 else UW
+    loads serving several chains (_merged_row)."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
+    _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
+                stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows, z, nw,
+                HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC, HALVES,
+                UK, UW, QS_LATE)
+
+
+@triton.jit
+def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
+                        scr_ptr, o_ptr, R, stride_qt, stride_qb, stride_qh, stride_vt, stride_vb, stride_vh, stride_gt,
+                        stride_gb, stride_betat, stride_betab, stride_ot, scale,
+                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                        CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
+                        RB: tl.constexpr, KB: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
+                        UK: tl.constexpr = 0, UW: tl.constexpr = 0, QS_LATE: tl.constexpr = False):
+    """fused_rows' program (sequence-head, the whole head's columns): R rows of its sequence in turn,
+    row r at the sequence's position + r, each the merged step's row (_merged_row: its chains, so
+    its bits), a barrier between rows (row r's chunk rows, and at a close the state, written by
+    this program, are row r + 1's reads)."""
+    bh = tl.program_id(0)
+    b = bh // HV
+    dv = tl.arange(0, DV)
+    s_rows = s_ptr + bh * DK * DV + dv
+    scr = scr_ptr + bh * (DV // 16) * SCR
+    if PF != 0:
+        pdl.prefetch(s_ptr + bh * DK * DV + tl.arange(0, DK)[:, None] * DV
+                     + tl.arange(0, (DV + 31) // 32)[None, :] * 32, PF)
+        pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
+        pdl.prefetch(g_buf + bh * CH + tl.arange(0, CH // 32) * 32, PF)
+        pdl.prefetch(scr + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    pos = tl.load(pos_ptr + b)
+    zeros = tl.zeros([DV], dtype=tl.bfloat16)           # no gated norm here: the caller norms the rows
+    for r in range(R):
+        t = ((pos + r) % CH).to(tl.int32)
+        if PF != 0:
+            _prefetch_rows(x_buf, vn_buf, bh, 0, t, DK, DV, DV, CH, PF)
+        _merged_row(q_ptr + r * stride_qt, k_ptr + r * stride_qt, v_ptr + r * stride_vt, g_ptr + r * stride_gt,
+                    beta_ptr + r * stride_betat, kt_buf, x_buf, vn_buf, g_buf, o_ptr + r * stride_ot, stride_qb,
+                    stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, 1.0, 1.0, bh, 0, b, t, scr, dv,
+                    s_rows, zeros, zeros, HV, RATIO, DK, DV, DV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB,
+                    KB, False, False, False, UK, UW, QS_LATE)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
+                stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows, z, nw,
+                HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
+                U: tl.constexpr, INTERPRETED: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
+                VEC: tl.constexpr, HALVES: tl.constexpr, UK: tl.constexpr, UW: tl.constexpr, QS_LATE: tl.constexpr):
+    """The merged program's row t (both merged kernels): (q e^gamma) S_c in the keys' trips, w's and
+    u's solves and the attention over the earlier new values in one pass over the rows before t,
+    then w S_c over the state's rows this program just read (cache hits); the close at the chunk's
+    last row. MergedPlan's schedules: UK / UW the keys' / w S_c pass's rows a trip (0: U), QS_LATE
+    (q e^gamma) S_c in the w S_c pass."""
+    UKS: tl.constexpr = U if UK == 0 else UK
+    UWS: tl.constexpr = U if UW == 0 else UW
     dk = tl.arange(0, DK)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,

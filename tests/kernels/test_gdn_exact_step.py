@@ -178,3 +178,42 @@ def test_scan_tile_follows_atens_rule():
     assert step.scan_tile(16) == 64 and step.scan_tile(32) == 64         # few rows: one tile of the row
     assert step.scan_tile(33) == 32 and step.scan_tile(4096) == 32 and step.scan_tile(32768) == 32
     assert step.scan_tile(32769) == 64                                    # the unsigned wrap-around: 512 threads
+
+
+@pytest.mark.parametrize("D,B,T,starts", [(32, 1, 7, (60,)), (64, 2, 5, (61, 3)), (32, 2, 4, (0, 63))])
+def test_fused_rows_are_the_steps_rows(D, B, T, starts):
+    """fused_rows (a verify's T rows in one launch, each program running its head's rows in turn)
+    against T fused_step launches from the same state and rows, bit for bit: rows that close a chunk
+    and go on in the next (starts 60, 61, 63), sequences at different rows of their chunks, and a
+    wrong shape refused by name."""
+    Hk, Hv = 1, 2
+    q, k, v, g, beta, state = _sequence(B, 70 + T, Hk, Hv, D, seed=D + B + T)
+    pos = torch.tensor(starts, dtype=torch.int64, device=DEV)
+    idx = torch.stack([torch.arange(s, s + T) for s in starts]).to(DEV)
+    pick = lambda x: torch.stack([x[b, idx[b]] for b in range(B)], 1)            # noqa: E731  [T, B, ...]
+    results = []
+    for rows_at_once in (False, True):
+        rows, S = step.ChunkRows(B, Hv, D, D, DEV, block_v=D), state.clone()
+        for b, s in enumerate(starts):      # each sequence's chunk so far: the steps before its start
+            first = s - s % step.C
+            alone, Sb = step.ChunkRows(1, Hv, D, D, DEV, block_v=D), S[b:b + 1].clone()
+            if s % step.C:
+                _fused_steps(q[b:b + 1, first:], k[b:b + 1, first:], v[b:b + 1, first:], g[b:b + 1, first:],
+                             beta[b:b + 1, first:], Sb, alone, torch.full((1,), first, device=DEV), s % step.C, tile=64)
+            for name in ("KT", "X", "VN", "G"):
+                getattr(rows, name)[b] = getattr(alone, name)[0]
+            S[b] = Sb[0]
+        args = [pick(x) for x in (q, k, v, g, beta)]
+        if rows_at_once:
+            o = step.fused_rows(*args, pos, S, rows, tile=64)
+        else:
+            o = torch.stack([step.fused_step(*(x[r] for x in args), pos + r, S, rows, tile=64) for r in range(T)])
+        results.append((o, S, rows))
+    (o0, S0, r0), (o1, S1, r1) = results
+    assert torch.equal(o1, o0), "the rows' outputs"
+    assert torch.equal(S1, S0), "the state (advanced at a close)"
+    for name in ("KT", "X", "VN", "G"):
+        assert torch.equal(getattr(r1, name), getattr(r0, name)), f"the chunk rows' {name}"
+    with pytest.raises(ValueError, match="fused_rows"):
+        step.fused_rows(*[x.transpose(-1, -2) if x.dim() == 4 and x is args[2] else x for x in args], pos, S, rows,
+                        tile=64)
