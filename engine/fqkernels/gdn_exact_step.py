@@ -30,6 +30,9 @@ their CUDA kernels' orders (torch_sum_order, scan_tile; torch_rows checks the co
                            at row 63 in the same pass; one kernel in one of two forms ("fused":
                            a pass a product; "merged": fewer passes, each trip's loads serving
                            several chains), the same chains
+  fused_rows               T rows of each sequence in turn (a verify's), in one launch where the
+                           grid takes the merged form: each program runs its head's rows, each row
+                           the merged step's chains (_merged_row)
   chunk_step_reference     the reference's chunked rule over the chunk's rows 0..t from S_c: row t
 
   ChunkRows / ReferenceRows a GDN layer's rows in the cache (the kernel's form; the reference's:
@@ -624,7 +627,9 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     sequence b at positions[b] + r; tile: the cumulative sum's (fused_step's); no gated norm (the
     caller norms the rows). Where the grid takes the merged form with a program a head (few
     sequences), one launch whose programs run the rows in turn, each row the merged step's chains
-    (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches. Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
+    (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches.
+    The engine does not call it yet (ops.gdn_exact_rows launches a row at a time): it takes it once
+    the GPU test (tests/kernels/test_gdn_exact_step.py) shows its bits equal the steps'. Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     programs = B * Hv * max(Dv // rows.block_v, 1)
