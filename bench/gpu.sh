@@ -40,6 +40,10 @@
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
+#   verify-rows       a verify's exact GDN rows in one launch (gdn_exact_step.fused_rows) against the engine's launch
+#                     a row: the exact step's GPU tests (the one-row step's and fused_rows' bits), then Qwen3.5's
+#                     batch-1 curve (a = 0.9 and 1, its MTP head, 4 / 6 / 8 drafts) with each (bench spec --gdn-rows)
+#                     -> pytest_gdn_exact_step.log, spec_qwen35_b1_gdn_rows_steps.json, spec_qwen35_b1_gdn_rows_one-launch.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 3 and 4) with every product
@@ -154,6 +158,14 @@ main() {
       spec-b1-q35) spec_b1_q35 ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
+      verify-rows)
+        timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_exact_step.py \
+          > "$OUT/pytest_gdn_exact_step.log" 2>&1
+        tail -n 15 "$OUT/pytest_gdn_exact_step.log"
+        for rows in steps one-launch; do
+          timeout 190 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,oracle:1,mtp \
+            --k 4,6,8 --gdn-rows "$rows" --out "$OUT/spec_qwen35_b1_gdn_rows_$rows.json"
+        done ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)

@@ -717,3 +717,29 @@ def test_qwen35_moves_one_sequences_products_when_built_to_verify_every_step(qwe
     assert eng.model.ops.one_row_tensor_cores == (frozenset(shapes) if moved else frozenset())
     eng.set_speculation("off" if moved else "ngram")
     assert bool(eng.model.ops.one_row_tensor_cores) == moved
+
+
+def test_bench_gdn_rows_one_launch_routes_a_verifys_rows_through_fused_rows(plain35, qwen35_tiny_model, monkeypatch):
+    """bench spec's and bench prefill's --gdn-rows one-launch: each GDN layer of a verify hands its
+    T rows of every sequence to gdn_exact_step.fused_rows at once ([T, B, ...], from the first row's
+    positions); here a stand-in that runs the engine's own per-row op records the calls, and the
+    tokens stay plain decode's."""
+    from bench.spec import set_gdn_rows
+    from fqkernels import gdn_exact_step
+
+    calls = []
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="oracle:0.7", speculative_tokens=3)
+    per_row = eng.model.ops.gdn_exact_rows
+
+    def stand_in(q, k, v, g, beta, positions, state, rows, tile=32):
+        calls.append((tuple(v.shape[:2]), tuple(positions.shape), tile))
+        return per_row(q, k, v, g, beta, positions, state, rows, tile=tile)
+
+    monkeypatch.setattr(gdn_exact_step, "fused_rows", stand_in)
+    set_gdn_rows(eng, "steps")
+    assert eng.model.ops.gdn_exact_rows == per_row
+    set_gdn_rows(eng, "one-launch")
+    prompts = _prompts(2, 50, seed=8)
+    assert list(eng.generate(prompts, 20)) == list(plain35.generate(prompts, 20))
+    assert calls and {c[0] for c in calls} <= {(w + 1, 2) for w in range(1, 4)} and {c[1] for c in calls} == {(2,)}
+    assert {c[2] for c in calls} == {eng.model.decode_tile}
