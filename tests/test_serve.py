@@ -35,11 +35,11 @@ def client(server):
 
 def _alone(srv, prompt_ids, n):
     """The engine's own greedy tokens for this prompt alone (a second engine: the server's is busy)."""
-    import engine as engine_module
+    from fastqwen.serve.app import engine_module
 
     engines = _alone.__dict__.setdefault("engines", {})
     if srv.model_dir not in engines:
-        engines[srv.model_dir] = engine_module.Engine(srv.model_dir)
+        engines[srv.model_dir] = engine_module().Engine(srv.model_dir)
     return [s[0] for s in engines[srv.model_dir].generate([prompt_ids], n)]
 
 

@@ -43,11 +43,11 @@ def _prompt(seed: int, n: int) -> list:
 
 def _engine(srv):
     """A second engine on the server's checkpoint (the server's own is busy in its thread)."""
-    import engine as engine_module
+    from fastqwen.serve.app import engine_module
 
     cache = _engine.__dict__.setdefault("cache", {})
     if srv.model_dir not in cache:
-        cache[srv.model_dir] = engine_module.Engine(srv.model_dir)
+        cache[srv.model_dir] = engine_module().Engine(srv.model_dir)
     return cache[srv.model_dir]
 
 

@@ -122,7 +122,7 @@ def test_the_server_waits_for_it_before_its_slots(tiny_model, tmp_path, monkeypa
     monkeypatch.setattr(precompile, "SCRIPT", script)
     _on_sm90(monkeypatch)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    engine_cls = app._engine_module().Engine
+    engine_cls = app.engine_module().Engine
     plan = engine_cls.plan_slots
     seen = []
 
@@ -166,3 +166,22 @@ def test_the_cli_passes_its_flag(flag, expected, tmp_path, monkeypatch):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert cli.run(parser.parse_args(["--model", str(tmp_path), *flag])) == 0
     assert got["precompile"] is expected
+
+
+def test_the_server_loads_its_own_engine_whatever_else_is_named_engine(monkeypatch, tmp_path):
+    """engine_module() loads the repository's engine/engine.py by its path: a module named `engine`
+    imported earlier (here a stand-in, with its folder first on sys.path, as loading the native
+    reference leaves a process) does not stand in for it."""
+    import types
+
+    from fastqwen.serve import app
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "engine.py").write_text("class Engine:\n    pass\n")
+    monkeypatch.syspath_prepend(str(other))
+    monkeypatch.setitem(sys.modules, "engine", types.ModuleType("engine"))
+    monkeypatch.delitem(sys.modules, app.ENGINE_MODULE, raising=False)
+    module = app.engine_module()
+    assert module.__file__.endswith("engine/engine.py") and hasattr(module.Engine, "plan_slots")
+    assert app.engine_module() is module                       # once a process

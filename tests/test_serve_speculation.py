@@ -25,11 +25,11 @@ def _repeating(seed: int, n: int) -> list:
 
 def _alone(model_dir, prompt_ids, n):
     """The engine's own greedy tokens for this prompt alone, speculation off."""
-    import engine as engine_module
+    from fastqwen.serve.app import engine_module
 
     eng = _alone.__dict__.setdefault("engines", {}).get(model_dir)
     if eng is None:
-        eng = _alone.engines[model_dir] = engine_module.Engine(model_dir, speculation="off")
+        eng = _alone.engines[model_dir] = engine_module().Engine(model_dir, speculation="off")
     return [s[0] for s in eng.generate([prompt_ids], n)]
 
 

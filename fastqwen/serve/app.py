@@ -31,6 +31,7 @@ new requests get 503, those in flight run on for at most --drain-timeout seconds
 an error event (503) and their usage so far, and the process exits.
 """
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -87,14 +88,29 @@ class ClientGone(Exception):
     """The client disconnected while its request waited or ran (the request is cancelled)."""
 
 
-def _engine_module():
-    """The engine folder's Engine (the repository's engine/, the folder a user submits)."""
+ENGINE_MODULE = "fastqwen_serve_engine"
+
+
+def engine_module():
+    """The engine folder's engine.py (the repository's engine/, the folder a user submits), loaded
+    from its path under its own name, once a process: another module named `engine` imported
+    earlier in the process (a baseline's, the native reference's) cannot stand in for it. Its
+    folder goes on sys.path for the engine's own absolute imports of its siblings."""
+    module = sys.modules.get(ENGINE_MODULE)
+    if module is not None:
+        return module
     folder = pathlib.Path(__file__).resolve().parents[2] / "engine"
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    import engine
-
-    return engine
+    spec = importlib.util.spec_from_file_location(ENGINE_MODULE, folder / "engine.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[ENGINE_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[ENGINE_MODULE]
+        raise
+    return module
 
 
 def _valid_text(value: str, param: str) -> str:
@@ -148,7 +164,7 @@ class Server:
                                    speculative_tokens) if precompile else None
         try:
             self.codec = TextCodec(model_dir)
-            self.engine = _engine_module().Engine(self.model_dir, speculation=speculation,
+            self.engine = engine_module().Engine(self.model_dir, speculation=speculation,
                                                   speculative_tokens=speculative_tokens)
         except BaseException:
             if kernels is not None:
