@@ -83,16 +83,11 @@ def add_gdn_rows_argument(parser) -> None:
 
 def set_gdn_rows(eng, choice: str) -> None:
     """--gdn-rows on a built engine, before its first call: "one-launch" routes its op set's
-    gdn_exact_rows through gdn_exact_step.fused_rows (a Qwen3.5 verify; the engine's cumulative-sum
-    tile as given)."""
+    gdn_exact_rows through gdn_exact_step.fused_rows (a Qwen3.5 verify)."""
     if choice == "one-launch":
         from fqkernels import gdn_exact_step
 
-        def one_launch(q, k, v, g, beta, positions, state, rows, tile=None):
-            return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows,
-                                             tile=gdn_exact_step.C // 2 if tile is None else tile)
-
-        eng.model.ops.gdn_exact_rows = one_launch
+        eng.model.ops.gdn_exact_rows = gdn_exact_step.fused_rows      # the op's arguments, the model's tile
 
 
 def one_row_shapes(products, choice: str) -> frozenset:

@@ -629,7 +629,8 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     sequences), one launch whose programs run the rows in turn, each row the merged step's chains
     (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches.
     The engine does not call it yet (ops.gdn_exact_rows launches a row at a time): it takes it once
-    the GPU test (tests/kernels/test_gdn_exact_step.py) shows its bits equal the steps'. Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
+    the GPU test (tests/kernels/test_gdn_exact_step.py) shows its bits equal the steps'. Returns o
+    [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     programs = B * Hv * max(Dv // rows.block_v, 1)
@@ -871,6 +872,20 @@ def _prefetch_rows(x_buf, vn_buf, bh, cb, t, DK: tl.constexpr, DV: tl.constexpr,
 
 
 @triton.jit
+def _prefetch_head(s_ptr, kt_buf, g_buf, scr, bh, cb, SCR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BV: tl.constexpr, CH: tl.constexpr, PF: tl.constexpr):
+    """The lines a step program reads that no other kernel of the step writes, asked of cache level
+    PF: the state's columns of block cb, the head's keys and decays, and the program's scratch (its
+    vectors are stored, then read back as scalars: with its lines in L1 a read after the store may
+    hit there)."""
+    pdl.prefetch(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
+                 + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
+    pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
+    pdl.prefetch(g_buf + bh * CH + tl.arange(0, CH // 32) * 32, PF)
+    pdl.prefetch(scr + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
+
+
+@triton.jit
 def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_buf, vn_buf, g_buf, SCR: tl.constexpr,
                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
                    NORM: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
@@ -890,13 +905,7 @@ def _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf, x_
     if EARLY:
         t = (tl.load(pos_ptr + b) % CH).to(tl.int32)
     if PF != 0:
-        pdl.prefetch(s_ptr + bh * DK * DV + cb * BV + tl.arange(0, DK)[:, None] * DV
-                     + tl.arange(0, (BV + 31) // 32)[None, :] * 32, PF)
-        pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
-        pdl.prefetch(g_buf + bh * CH + tl.arange(0, CH // 32) * 32, PF)
-        # the program's scratch too: its vectors are stored, then read back as scalars (with its lines in
-        # L1 a read after the store may hit there)
-        pdl.prefetch(scr_ptr + (bh * (DV // 16) + cb) * SCR + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
+        _prefetch_head(s_ptr, kt_buf, g_buf, scr_ptr + (bh * (DV // 16) + cb) * SCR, bh, cb, SCR, DK, DV, BV, CH, PF)
         if EARLY and PF == 2:
             _prefetch_rows(x_buf, vn_buf, bh, cb, t, DK, DV, BV, CH, PF)
     pdl.wait(PDL)
@@ -996,11 +1005,7 @@ def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     s_rows = s_ptr + bh * DK * DV + dv
     scr = scr_ptr + bh * (DV // 16) * SCR
     if PF != 0:
-        pdl.prefetch(s_ptr + bh * DK * DV + tl.arange(0, DK)[:, None] * DV
-                     + tl.arange(0, (DV + 31) // 32)[None, :] * 32, PF)
-        pdl.prefetch(kt_buf + (bh * DK + tl.arange(0, DK))[:, None] * CH + tl.arange(0, CH // 32)[None, :] * 32, PF)
-        pdl.prefetch(g_buf + bh * CH + tl.arange(0, CH // 32) * 32, PF)
-        pdl.prefetch(scr + tl.minimum(tl.arange(0, _LINES_SCR) * 32, SCR - 1), PF)
+        _prefetch_head(s_ptr, kt_buf, g_buf, scr, bh, 0, SCR, DK, DV, DV, CH, PF)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     pos = tl.load(pos_ptr + b)

@@ -165,7 +165,7 @@ class Server:
         try:
             self.codec = TextCodec(model_dir)
             self.engine = engine_module().Engine(self.model_dir, speculation=speculation,
-                                                  speculative_tokens=speculative_tokens)
+                                                 speculative_tokens=speculative_tokens)
         except BaseException:
             if kernels is not None:
                 kernels.stop()
