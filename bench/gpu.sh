@@ -42,8 +42,10 @@
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
 #   verify-rows       a verify's exact GDN rows in one launch (gdn_exact_step.fused_rows) against the engine's launch
 #                     a row: the exact step's GPU tests (the one-row step's and fused_rows' bits), then Qwen3.5's
-#                     batch-1 curve (a = 0.9 and 1, its MTP head, 4 / 6 / 8 drafts) with each (bench spec --gdn-rows)
-#                     -> pytest_gdn_exact_step.log, spec_qwen35_b1_gdn_rows_steps.json, spec_qwen35_b1_gdn_rows_one-launch.json
+#                     batch-1 speed (a = 0.9 and its MTP head, 6 drafts) with each (bench spec --gdn-rows), and with
+#                     one launch and the head's draft vocabulary of 32,768 tokens (fastqwen token-map)
+#                     -> pytest_gdn_exact_step.log, spec_qwen35_b1_gdn_rows_steps.json, spec_qwen35_b1_gdn_rows_one-launch.json,
+#                        token_map_32768.json, spec_qwen35_b1_map_32768.json
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 3 and 4) with every product
@@ -118,6 +120,11 @@ SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
 
+token_map() {   # PRESET SIZE OUT: the MTP head's draft vocabulary of PRESET's checkpoint over the embedded corpus
+  timeout 60 python3 -m fastqwen.cli token-map --model "$(checkpoint "$1")" --corpus fastqwen/data/corpus.txt \
+    --size "$2" --out "$3" --report "$OUT/token_map_$2.json" 2>&1 | tail -n 2
+}
+
 spec_b1_q35() {   # spec-b1's Qwen3.5 curve (built with its MTP head, so to verify every step)
   timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
     --out "$OUT/spec_qwen35_b1.json"
@@ -163,9 +170,12 @@ main() {
           > "$OUT/pytest_gdn_exact_step.log" 2>&1
         tail -n 15 "$OUT/pytest_gdn_exact_step.log"
         for rows in steps one-launch; do
-          timeout 190 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,oracle:1,mtp \
-            --k 4,6,8 --gdn-rows "$rows" --out "$OUT/spec_qwen35_b1_gdn_rows_$rows.json"
-        done ;;
+          timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,mtp \
+            --k 6 --gdn-rows "$rows" --out "$OUT/spec_qwen35_b1_gdn_rows_$rows.json"
+        done
+        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
+        timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,mtp --k 6 \
+          --gdn-rows one-launch --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map_32768.json" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)

@@ -343,7 +343,7 @@ def add_model_argument(parser: argparse.ArgumentParser, default: str = "qwen3-4b
                         help=f"checkpoint folder, or a preset synthesized once into the cache (default {default})")
 
 
-ENGINE_OPTIONS = ("backend", "graphs", "pdl", "exact_decode")
+ENGINE_OPTIONS = ("backend", "graphs", "pdl", "exact_decode", "speculative_token_map")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -354,6 +354,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pdl", type=on_off, default=None, metavar="on|off", help="dependent launches")
     group.add_argument("--exact-decode", type=on_off, default=None, metavar="on|off",
                        help="the decode step in the full forward's arithmetic")
+    group.add_argument("--speculative-token-map", default=None, metavar="PATH",
+                       help="the MTP head's draft vocabulary (.pt or .json token ids: fastqwen token-map)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -2,7 +2,8 @@
 (drafts from a recorded plain run, each right with probability a) and the model-free drafters.
 
 Shapes: --shapes BxPxO,... (each its own prompt and output), or --batches with one --prompt and
---steps. One engine is built with the engine options given (and Qwen3.5's MTP head where an arm is "mtp");
+--steps. One engine is built with the engine options given (and Qwen3.5's MTP head where an arm is "mtp" or
+a --speculative-token-map gives the head a draft vocabulary);
 its speculation is switched per arm by Engine.set_speculation (the same weights, caches and tuning,
 so the arms' tokens are comparable bit for bit). Per shape: random
 prompts, a plain generate() (warmup, then --reps timed: the
@@ -121,7 +122,7 @@ def run(args, report) -> None:
     model_dir = resolve_model(args.model)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     options = engine_options(args)
-    if "mtp" in arms:                 # the engine loads the MTP head only when built with it
+    if "mtp" in arms or options.get("speculative_token_map"):   # the MTP head loads only when built with it
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
     set_one_row(eng, args.one_row)

@@ -29,6 +29,11 @@ deployment can change through the environment variable beside each):
                         probability a); the same tokens as "off" (Qwen3.5: with exact
                         decode)                                     FASTQWEN_SPECULATION=auto
   speculative_tokens 4  tokens drafted per verify (1-16)
+  speculative_token_map  the MTP head's draft vocabulary: a .pt (1-D tensor of token ids, as
+                None    SGLang's) or .json (list) file, e.g. `fastqwen token-map`'s most frequent
+                        tokens of a corpus; the head then reads only those rows of the LM head
+                        (drafts only: the tokens emitted are the same)
+                                                  FASTQWEN_SPECULATIVE_TOKEN_MAP=PATH
 
 An explicit keyword argument wins over the environment.
 """
@@ -43,8 +48,8 @@ from fq_decode import DecodeRunner, PrefillGraph, SpecRunner
 from fq_ops import ops_for
 from fq_qwen3 import Qwen3Model
 from fq_qwen35 import Qwen35Model
-from fq_spec import (AutoPolicy, OracleDrafter, PromptLookup, SpecState, SpecStats, make_drafter, marks_ms,
-                     parse_speculation, verify_observed, verify_widths)
+from fq_spec import (AutoPolicy, OracleDrafter, PromptLookup, SpecState, SpecStats, load_token_map, make_drafter,
+                     marks_ms, parse_speculation, verify_observed, verify_widths)
 from fq_weights import load_qwen35_weights, load_weights
 from fqkernels import pdl as _pdl
 
@@ -82,8 +87,9 @@ def _option(value, env: str, from_env, default):
 class Engine:
     def __init__(self, model_path: str, *, backend: str | None = None, graphs: bool | None = None,
                  pdl: bool | None = None, exact_decode: bool | None = None, speculation: str | None = None,
-                 speculative_tokens: int | None = None):
+                 speculative_tokens: int | None = None, speculative_token_map: str | None = None):
         backend = _option(backend, "FASTQWEN_BACKEND", str, "auto")
+        token_map = _option(speculative_token_map, "FASTQWEN_SPECULATIVE_TOKEN_MAP", str, None)
         graphs = _option(graphs, "FASTQWEN_NO_GRAPHS", lambda v: v != "1", True)
         pdl = _option(pdl, "FASTQWEN_NO_PDL", lambda v: v != "1", True)
         exact_decode = _option(exact_decode, "FASTQWEN_EXACT_DECODE", lambda v: v != "0", True)
@@ -110,6 +116,13 @@ class Engine:
             else:
                 weights = load_weights(model_path, self.cfg, self.device)
                 self.model = Qwen3Model(self.cfg, weights, self.device, ops)
+            if token_map is not None:
+                if not getattr(self.model, "has_mtp", False):
+                    raise ValueError(f"speculative_token_map {token_map!r}: the map is the multi-token-prediction "
+                                     f"head's draft vocabulary; speculation {self.spec.mode!r} on this checkpoint "
+                                     f"runs no head (it needs a Qwen3.5 checkpoint with mtp.* and speculation "
+                                     f"'mtp', or 'oracle')")
+                self.model.set_draft_tokens(load_token_map(token_map, int(self.cfg.vocab_size)))
         self.exact_decode = exact_decode
         # The Triton op set's decode step and prompt pass read nothing on the host: graph-safe.
         self.use_graphs = self.device.type == "cuda" and ops.name == "triton" and bool(graphs)
@@ -160,6 +173,8 @@ class Engine:
                "lm_screen": self.model.screen is not None}
         if backend == "triton":       # one sequence's products: a verify's rows share their tile (fq_ops)
             out["one_row_products"] = self.one_row_products()
+        if getattr(self.model, "draft_ids", None) is not None:   # the MTP head's draft vocabulary
+            out["draft_tokens"] = int(self.model.draft_ids.numel())
         if qwen35:
             out["gdn_prompt_rule"] = "kernels" if backend == "triton" else "reference"
             out["gdn_decode"] = "recurrent"

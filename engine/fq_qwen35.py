@@ -64,6 +64,7 @@ class Qwen35Model:
         # final-normed states at every position stay in `hidden` (what the head reads)
         self.has_mtp = "mtp.fc.weight" in weights
         self.mtp_k = self.mtp_v = None
+        self.draft_ids = self.draft_head = None     # set_draft_tokens
         self.keep_hidden = self.has_mtp
         self.hidden = None
         self.in_proj_sizes = (c.conv_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads, c.linear_v_heads)
@@ -336,10 +337,28 @@ class Qwen35Model:
         return self.mtp_picks(h), h
 
     def mtp_picks(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's picks for its normed outputs h [..., hidden]: the LM head's argmax (_picks) ->
-        int64 [...]. A caller that needs some rows' picks only selects them first: the LM head is
-        most of the head's cost (1.27 GB on the 4B)."""
-        return self._picks(h.reshape(-1, h.shape[-1])).view(h.shape[:-1])
+        """The head's picks for its normed outputs h [..., hidden]: the LM head's argmax (_picks), or
+        with a draft vocabulary (set_draft_tokens) the argmax over its rows -> int64 [...] token
+        ids. A caller that needs some rows' picks only selects them first: the LM head is most of
+        the head's cost (1.27 GB on the 4B)."""
+        rows = h.reshape(-1, h.shape[-1])
+        if self.draft_ids is None:
+            return self._picks(rows).view(h.shape[:-1])
+        return self.draft_ids[self.ops.argmax(self.ops.linear(rows, self.draft_head))].view(h.shape[:-1])
+
+    def set_draft_tokens(self, ids: torch.Tensor | None) -> None:
+        """The head drafts only these token ids (int64 [N], sorted, unique: fq_spec.load_token_map),
+        through a copy of their rows of the LM head (N x hidden), or again every token (None). The
+        verify's picks, so the tokens emitted, never depend on it; a draft the map lacks is a
+        rejected draft (docs/PERFORMANCE.md, Speculation: its cost and what it saves)."""
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            return
+        if not self.has_mtp:
+            raise ValueError("a speculative token map needs the model's multi-token-prediction head loaded "
+                             "(speculation 'mtp', or 'oracle' on a checkpoint with the head)")
+        self.draft_ids = ids.to(self.device, torch.int64)
+        self.draft_head = self.w["lm_head.weight"].index_select(0, self.draft_ids).contiguous()
 
     def mtp_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """mtp_draft up to its final norm: the rows' normed outputs [B, n, hidden] (the head's K/V

@@ -494,6 +494,42 @@ class MtpDrafter(Drafter):
         self._ready(self.model.mtp_picks(hidden), hidden, pos + last.to(torch.int32))
 
 
+def load_token_map(path: str, vocab: int) -> torch.Tensor:
+    """A speculative token map (the MTP head's draft vocabulary: fastqwen token-map writes one, as
+    FR-Spec's frequency-ranked maps and SGLang's speculative token map): a .pt file holding a 1-D
+    integer tensor or a list of token ids (SGLang's format) or a .json list -> int64 [N] on the CPU,
+    sorted. Each id in [0, vocab), none twice, at least one; an error names the first bad value."""
+    if str(path).endswith(".json"):
+        import json
+        with open(path) as f:
+            raw = json.load(f)
+        if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raise ValueError(f"speculative token map {path}: a .json map is a list of integer token ids")
+        ids = torch.tensor(raw, dtype=torch.int64)
+    elif str(path).endswith(".pt"):
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(raw, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raw = torch.tensor(list(raw), dtype=torch.int64)         # FR-Spec's files hold a list
+        if not isinstance(raw, torch.Tensor) or raw.dim() != 1 or raw.dtype.is_floating_point or raw.dtype == torch.bool:
+            raise ValueError(f"speculative token map {path}: a .pt map holds a 1-D integer tensor or a list of token "
+                             f"ids, got {type(raw).__name__}" + (f" {raw.dtype} {tuple(raw.shape)}"
+                                                                if isinstance(raw, torch.Tensor) else ""))
+        ids = raw.to(torch.int64)
+    else:
+        raise ValueError(f"speculative token map {path}: expected a .pt or .json file")
+    if ids.numel() == 0:
+        raise ValueError(f"speculative token map {path}: no token ids")
+    bad = ((ids < 0) | (ids >= vocab)).nonzero()
+    if bad.numel():
+        raise ValueError(f"speculative token map {path}: token id {int(ids[bad[0, 0]])} outside the vocabulary "
+                         f"[0, {vocab})")
+    ids = ids.sort().values
+    twice = (ids[1:] == ids[:-1]).nonzero()
+    if twice.numel():
+        raise ValueError(f"speculative token map {path}: token id {int(ids[twice[0, 0]])} appears more than once")
+    return ids
+
+
 def make_drafter(spec: Speculation, vocab: int, seed: int = 0, model=None) -> Drafter:
     """The drafter of spec's mode; model: the target (the MTP head's owner, where it has one)."""
     head = model is not None and getattr(model, "has_mtp", False)

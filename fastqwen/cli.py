@@ -16,6 +16,7 @@ from fastqwen.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("fastqwen.synth", "write a synthetic Qwen3 checkpoint with real shapes"),
     "synth-stats": ("fastqwen.logit_stats", "measure the logit-scale statistics of a checkpoint"),
+    "token-map": ("fastqwen.token_map", "the MTP head's draft vocabulary: a checkpoint's most frequent tokens in a corpus"),
     "judge": ("fastqwen.judge.cli", "run an engine like the platform does, with native in the same run"),
     "validate": ("fastqwen.submission", "check a submission folder or archive against every archive rule"),
     "package": ("fastqwen.packaging", "build a reproducible submission archive from an engine folder"),

@@ -743,3 +743,70 @@ def test_bench_gdn_rows_one_launch_routes_a_verifys_rows_through_fused_rows(plai
     assert list(eng.generate(prompts, 20)) == list(plain35.generate(prompts, 20))
     assert calls and {c[0] for c in calls} <= {(w + 1, 2) for w in range(1, 4)} and {c[1] for c in calls} == {(2,)}
     assert {c[2] for c in calls} == {eng.model.decode_tile}
+
+
+# ---- the MTP head's draft vocabulary (a speculative token map) ---------------------------------
+def _write_map(path, ids):
+    path.write_text(__import__("json").dumps(ids))
+    return str(path)
+
+
+def test_a_token_map_keeps_the_heads_drafts_inside_it_and_the_plain_tokens(plain35, qwen35_tiny_model, tmp_path):
+    """With a map the head's pick is the largest of the map's logits (the LM head's rows of its ids),
+    every draft one of its ids, and the emitted tokens stay plain decode's."""
+    ids = list(range(0, 1024, 3))                    # a third of the tiny vocabulary
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp",
+                               speculative_token_map=_write_map(tmp_path / "map.json", ids[::-1]))
+    assert eng.model.draft_ids.tolist() == ids       # sorted on load
+    with torch.inference_mode():
+        h = torch.randn(5, eng.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+        logits = eng.model._logits(h)
+        want = torch.tensor(ids)[logits[:, ids].argmax(dim=-1)]
+        assert eng.model.mtp_picks(h).tolist() == want.tolist()
+        assert not torch.equal(want, logits.argmax(dim=-1))       # the map changes some picks here
+    prompts = _prompts(2, 58, seed=4)
+    drafted = []
+    draft = eng._drafter.draft
+    eng._drafter.draft = lambda state: drafted.append(draft(state)) or drafted[-1]
+    assert list(eng.generate(prompts, 24)) == list(plain35.generate(prompts, 24))
+    assert drafted and set(torch.cat(drafted).flatten().tolist()) <= set(ids)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[3, 1024]", "token id 1024 outside the vocabulary \\[0, 1024\\)"),
+    ("[-1, 2]", "token id -1 outside"),
+    ("[5, 7, 5]", "token id 5 appears more than once"),
+    ("[]", "no token ids"),
+    ("[1.5]", "list of integer token ids"),
+    ('{"ids": [1]}', "list of integer token ids")])
+def test_a_bad_token_map_is_an_error_naming_the_bad_value(tmp_path, content, message):
+    path = tmp_path / "map.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        fq_spec.load_token_map(str(path), 1024)
+
+
+def test_a_token_map_reads_sglangs_pt_form_and_refuses_other_files(tmp_path):
+    torch.save(torch.tensor([9, 2, 4], dtype=torch.int32), tmp_path / "map.pt")
+    assert fq_spec.load_token_map(str(tmp_path / "map.pt"), 10).tolist() == [2, 4, 9]
+    torch.save([7, 3], tmp_path / "list.pt")
+    assert fq_spec.load_token_map(str(tmp_path / "list.pt"), 10).tolist() == [3, 7]
+    torch.save(torch.tensor([1.0, 2.0]), tmp_path / "float.pt")
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        fq_spec.load_token_map(str(tmp_path / "float.pt"), 10)
+    (tmp_path / "map.txt").write_text("1 2 3")
+    with pytest.raises(ValueError, match="expected a .pt or .json file"):
+        fq_spec.load_token_map(str(tmp_path / "map.txt"), 10)
+
+
+def test_a_token_map_needs_the_mtp_head(tiny_model, qwen35_tiny_model, tmp_path, monkeypatch):
+    """A map is the head's vocabulary: on Qwen3, or a Qwen3.5 engine that loads no head, it is an
+    error naming the map; the environment variable sets it as the keyword does."""
+    path = _write_map(tmp_path / "map.json", [1, 2, 3])
+    with pytest.raises(ValueError, match="map.json.*no head"):
+        engine_module.Engine(str(tiny_model), speculation="ngram", speculative_token_map=path)
+    with pytest.raises(ValueError, match="map.json.*no head"):
+        engine_module.Engine(str(qwen35_tiny_model), speculation="off", speculative_token_map=path)
+    monkeypatch.setenv("FASTQWEN_SPECULATIVE_TOKEN_MAP", path)
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
+    assert eng.model.draft_ids.tolist() == [1, 2, 3]
