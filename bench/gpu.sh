@@ -40,12 +40,8 @@
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
-#   verify-rows       a verify's exact GDN rows in one launch (gdn_exact_step.fused_rows) against the engine's launch
-#                     a row: the exact step's GPU tests (the one-row step's and fused_rows' bits), then Qwen3.5's
-#                     batch-1 speed (a = 0.9 and its MTP head, 6 drafts) with each (bench spec --gdn-rows), and with
-#                     one launch and the head's draft vocabulary of 32,768 tokens (fastqwen token-map)
-#                     -> pytest_gdn_exact_step.log, spec_qwen35_b1_gdn_rows_steps.json, spec_qwen35_b1_gdn_rows_one-launch.json,
-#                        token_map_32768.json, spec_qwen35_b1_map_32768.json
+#   exact-step-tests  the exact GDN step's GPU tests (the one-row step's bits, a verify's rows in one launch against
+#                     the steps) and the engine's speculation GPU tests, in parallel groups -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 3 and 4) with every product
@@ -165,17 +161,19 @@ main() {
       spec-b1-q35) spec_b1_q35 ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
-      verify-rows)
-        timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_exact_step.py \
-          > "$OUT/pytest_gdn_exact_step.log" 2>&1
-        tail -n 15 "$OUT/pytest_gdn_exact_step.log"
-        for rows in steps one-launch; do
-          timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,mtp \
-            --k 6 --gdn-rows "$rows" --out "$OUT/spec_qwen35_b1_gdn_rows_$rows.json"
+      exact-step-tests)
+        local groups=("tests/kernels/test_gdn_exact_step.py -k fused_rows"
+                      "tests/kernels/test_gdn_exact_step.py -k full_forwards"
+                      "tests/kernels/test_gdn_exact_step.py -k 'not (fused_rows or full_forwards)'"
+                      "tests/test_engine_gpu.py -k 'specul or verif'")
+        local i
+        for i in "${!groups[@]}"; do
+          eval "timeout ${KERNELS_TIMEOUT_S:-330} python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu ${groups[$i]}" \
+            > "/tmp/pytest_exact_$i.log" 2>&1 &
         done
-        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
-        timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9,mtp --k 6 \
-          --gdn-rows one-launch --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map_32768.json" ;;
+        wait
+        for i in "${!groups[@]}"; do echo "-- ${groups[$i]}"; tail -25 "/tmp/pytest_exact_$i.log"; done \
+          | tee "$OUT/pytest_exact_step.log" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)

@@ -633,12 +633,6 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     [T, B, Hv, Dv] bf16; the state and rows as T steps leave them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    programs = B * Hv * max(Dv // rows.block_v, 1)
-    form, maxnreg = grid_plan("auto", "auto", programs, v.device)
-    if form != "merged" or rows.block_v != Dv or T == 1:
-        return torch.stack([fused_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows, tile=tile,
-                                       use_pdl=use_pdl)
-                            for r in range(T)])
     if (q.shape != k.shape or v.shape[:2] != (T, B) or g.shape != (T, B, Hv) or beta.shape != (T, B, Hv)
             or Hv % Hk or state.shape != (B, Hv, Dk, Dv) or not state.is_contiguous()
             or q.stride(-1) != 1 or q.stride() != k.stride() or v.stride(-1) != 1 or g.stride(-1) != 1
@@ -648,6 +642,12 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
                          f"beta {tuple(beta.shape)}, state {tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])} "
                          f"tile {tile} (q, k, v, g and beta with a unit last stride, q and k alike; Dk a power of "
                          f"two >= 32; the tile 64 or 32)")
+    programs = B * Hv * max(Dv // rows.block_v, 1)
+    form, maxnreg = grid_plan("auto", "auto", programs, v.device)
+    if form != "merged" or rows.block_v != Dv or T == 1:
+        return torch.stack([fused_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows, tile=tile,
+                                       use_pdl=use_pdl)
+                            for r in range(T)])
     merged = auto_plan(Dk, programs, v.device)
     out = torch.empty((T, B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
