@@ -21,10 +21,6 @@ together). On the tensor cores a verify's rows
 fit the plain step's 16-row tile (about one step, its bits); fma is the faster plain step with a
 verify's rows in narrower shared tiles. Plain decode and every arm of the process run that way, so
 compare two processes' rows against one baseline (the docs' trade).
-
---gdn-rows sets how a verify's exact GDN rows launch on Qwen3.5 (default "steps": the engine's, a
-launch a row a layer; "one-launch": gdn_exact_step.fused_rows, each program running its head's rows
-in turn, for the A/B against the engine's before the engine takes it).
 """
 from __future__ import annotations
 
@@ -59,7 +55,6 @@ def add_arguments(parser) -> None:
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
     add_one_row_argument(parser)
-    add_gdn_rows_argument(parser)
 
 
 def add_one_row_argument(parser) -> None:
@@ -73,22 +68,6 @@ def set_one_row(eng, choice: str) -> None:
     """--one-row on a built engine, before its first call (its tuning and graphs follow the choice)."""
     if choice != "family":
         eng.model.ops.one_row_tensor_cores = one_row_shapes(eng.model.decode_products(), choice)
-
-
-def add_gdn_rows_argument(parser) -> None:
-    """--gdn-rows (this entry's and bench prefill's): how a verify's exact GDN rows launch (set_gdn_rows)."""
-    parser.add_argument("--gdn-rows", choices=("steps", "one-launch"), default="steps",
-                        help="a verify's exact GDN rows: steps (the engine's: a launch a row, default) or one-launch "
-                             "(gdn_exact_step.fused_rows)")
-
-
-def set_gdn_rows(eng, choice: str) -> None:
-    """--gdn-rows on a built engine, before its first call: "one-launch" routes its op set's
-    gdn_exact_rows through gdn_exact_step.fused_rows (a Qwen3.5 verify)."""
-    if choice == "one-launch":
-        from fqkernels import gdn_exact_step
-
-        eng.model.ops.gdn_exact_rows = gdn_exact_step.fused_rows      # the op's arguments, the model's tile
 
 
 def one_row_shapes(products, choice: str) -> frozenset:
@@ -126,7 +105,6 @@ def run(args, report) -> None:
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
     set_one_row(eng, args.one_row)
-    set_gdn_rows(eng, args.gdn_rows)
     for arm in arms:                  # a bad arm or k fails before any work
         for k in args.k:
             eng.set_speculation(arm, k)

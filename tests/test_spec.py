@@ -719,26 +719,20 @@ def test_qwen35_moves_one_sequences_products_when_built_to_verify_every_step(qwe
     assert bool(eng.model.ops.one_row_tensor_cores) == moved
 
 
-def test_bench_gdn_rows_one_launch_routes_a_verifys_rows_through_fused_rows(plain35, qwen35_tiny_model, monkeypatch):
-    """bench spec's and bench prefill's --gdn-rows one-launch: each GDN layer of a verify hands its
-    T rows of every sequence to gdn_exact_step.fused_rows at once ([T, B, ...], from the first row's
-    positions); here a stand-in that runs the engine's own per-row op records the calls, and the
-    tokens stay plain decode's."""
-    from bench.spec import set_gdn_rows
-    from fqkernels import gdn_exact_step
-
+def test_a_verify_hands_each_gdn_layers_rows_to_the_op_at_once(plain35, qwen35_tiny_model):
+    """Each GDN layer of a verify hands its T rows of every sequence to ops.gdn_exact_rows in one
+    call ([T, B, ...], from the first row's positions, the model's tile: on the Triton op set
+    gdn_exact_step.fused_rows, one launch); a stand-in that runs the op set's own records the
+    calls, and the tokens stay plain decode's."""
     calls = []
     eng = engine_module.Engine(str(qwen35_tiny_model), speculation="oracle:0.7", speculative_tokens=3)
-    per_row = eng.model.ops.gdn_exact_rows
+    per_rows = eng.model.ops.gdn_exact_rows
 
-    def stand_in(q, k, v, g, beta, positions, state, rows, tile=32):
+    def stand_in(q, k, v, g, beta, positions, state, rows, tile=None):
         calls.append((tuple(v.shape[:2]), tuple(positions.shape), tile))
-        return per_row(q, k, v, g, beta, positions, state, rows, tile=tile)
+        return per_rows(q, k, v, g, beta, positions, state, rows, tile=tile)
 
-    monkeypatch.setattr(gdn_exact_step, "fused_rows", stand_in)
-    set_gdn_rows(eng, "steps")
-    assert eng.model.ops.gdn_exact_rows == per_row
-    set_gdn_rows(eng, "one-launch")
+    eng.model.ops.gdn_exact_rows = stand_in
     prompts = _prompts(2, 50, seed=8)
     assert list(eng.generate(prompts, 20)) == list(plain35.generate(prompts, 20))
     assert calls and {c[0] for c in calls} <= {(w + 1, 2) for w in range(1, 4)} and {c[1] for c in calls} == {(2,)}
