@@ -15,7 +15,7 @@ import subprocess
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = REPO / "engine"
 DOCUMENTED = {"FASTQWEN_BACKEND", "FASTQWEN_NO_GRAPHS", "FASTQWEN_NO_PDL", "FASTQWEN_EXACT_DECODE",
-              "FASTQWEN_SPECULATION"}
+              "FASTQWEN_SPECULATION", "FASTQWEN_SPECULATIVE_TOKEN_MAP"}
 
 
 def _env_reads(source: str) -> set:
