@@ -44,8 +44,11 @@
 #                     the steps) and the engine's speculation GPU tests, in parallel groups -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
-#   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 3 and 4) with every product
+#   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 4 and 6) with every product
 #                     on the tensor cores -> profile_verify_qwen35_b1_one_row_dot.json
+#   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 4 / 6 / 8 drafts) with the MTP head's draft vocabulary of
+#                     32,768 tokens, beside speculation off's plain step (fma) -> spec_qwen35_b1_map.json,
+#                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
 #   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
 #                     (Qwen3.5 with pages of 64) -> serve_qwen3.json / serve_qwen35.json
 #   serve-cap        128 requests of 1,024 + 256 under a 24 GiB cap, pages of 64 -> serve_qwen3_memory_cap.json
@@ -196,8 +199,14 @@ main() {
                        --out "$OUT/bench_gemv_one_row_tensor_cores.json" ;;
       profile-verify) timeout 400 python3 -m bench prefill --model qwen3-4b --shapes 1x1024,4x2048,16x512 --steps 5 \
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
-      profile-verify-q35-b1) timeout 200 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024 --steps 5 --verify 3,4 \
-                               --top 30 --one-row dot --out "$OUT/profile_verify_qwen35_b1_one_row_dot.json" ;;
+      profile-verify-q35-b1) timeout 200 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024 --steps 5 --verify 4,6 \
+                               --top 40 --one-row dot --out "$OUT/profile_verify_qwen35_b1_one_row_dot.json" ;;
+      spec-b1-q35-map)
+        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
+        timeout 90 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3 \
+          --out "$OUT/spec_qwen35_b1_one_row_fma.json"
+        timeout 220 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,mtp \
+          --k 4,6,8 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
       serve) timeout 560 python3 -m bench serve --model qwen3-4b --streams 1,16 --waves 2 --engine-reps 3 \
