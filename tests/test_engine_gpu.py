@@ -349,11 +349,15 @@ def test_speculation_emits_the_plain_tokens_on_the_gpu(engine, mode, batch):
 
 
 @pytest.fixture(scope="module")
-def engine35(tmp_path_factory):
+def q35_folder(tmp_path_factory):
     from fastqwen import synth35
 
-    folder = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35gpu") / "tiny", seed=3, progress=False)
-    return load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(folder))
+    return synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35gpu") / "tiny", seed=3, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine35(q35_folder):
+    return load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(q35_folder))
 
 
 @pytest.mark.parametrize("mode,batch,prompt", [("oracle:0.5", 1, 58), ("oracle:0.0", 3, 61), ("ngram", 2, 50)])
@@ -366,6 +370,25 @@ def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, ba
         assert list(engine35.generate(prompts, 40)) == want
     finally:
         engine35.set_speculation("off")
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_qwen35_mtp_speculation_with_a_token_map_keeps_the_plain_tokens_on_the_gpu(engine35, q35_folder, tmp_path, batch):
+    """The MTP head's draft vocabulary on the Triton op set: its picks are the map's ids (here the
+    odd ones), and the emitted tokens stay plain decode's."""
+    import json
+
+    ids = list(range(1, engine35.cfg.vocab_size, 2))
+    (tmp_path / "map.json").write_text(json.dumps(ids))
+    eng = load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(
+        str(q35_folder), speculation="mtp", speculative_token_map=str(tmp_path / "map.json"))
+    prompts = _prompts(batch, 58, seed=5 + batch, vocab=engine35.cfg.vocab_size)
+    assert list(eng.generate(prompts, 40)) == list(engine35.generate(prompts, 40))
+    assert eng.spec_stats()["verify_steps"] > 0
+    with torch.inference_mode():
+        h = torch.randn(4, eng.cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        picks = eng.model.mtp_picks(h.bfloat16())
+    assert picks.shape == (4,) and all(p % 2 == 1 for p in picks.tolist())
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
