@@ -12,7 +12,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ENGINE_DIR = REPO / "engine"
 
 # Where the kernel tests run the engine's Triton kernels: on a GPU, or on the CPU under
-# TRITON_INTERPRET=1 with Triton >= 3.4 (3.1's interpreter computes wrongly).
+# TRITON_INTERPRET=1 with Triton >= 3.4 (3.1's interpreter computes wrongly). Kernels that loop to a
+# loaded bound (the exact GDN step's) need numpy < 2.4 there: the interpreter's scalars are
+# one-element arrays, which numpy 2.4 no longer converts to an int.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 KERNELS_RUN = KERNEL_DEVICE == "cuda" or (INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4))
