@@ -1086,7 +1086,8 @@ def _solve_rows_batched(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ta, 
     """_solve_rows_merged with the attention's chain over the rows before ta only (ta <= t: the
     rows whose new values are stored; a batched verify adds the rows from ta on once their new
     values are known): w's and u's rows solved over the rows before t in cuBLAS's blocked order,
-    each chain as _solve_rows_merged runs it. Returns (xw, xu, the attention's chain so far)."""
+    each chain as _solve_rows_merged runs it (a copy, not a shared body: the one-row step's loop keeps
+    its compiled code). Returns (xw, xu, the attention's chain so far)."""
     acc_i = tl.zeros(xu.shape, dtype=tl.float32)
     nblk = t // NB
     for blk0 in range(0, nblk, U // NB):
