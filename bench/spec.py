@@ -76,7 +76,8 @@ def set_gdn_rows(eng, choice: str) -> None:
         from fqkernels import gdn_exact_step
 
         def batched(q, k, v, g, beta, positions, state, rows, tile=None):
-            return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows, tile=tile or 32, batched=True)
+            return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows,
+                                             tile=tile or gdn_exact_step.C // 2, batched=True)
 
         eng.model.ops.gdn_exact_rows = batched
 

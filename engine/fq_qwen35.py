@@ -347,16 +347,13 @@ class Qwen35Model:
         return self.draft_ids[self.ops.argmax(self.ops.linear(rows, self.draft_head))].view(h.shape[:-1])
 
     def set_draft_tokens(self, ids: torch.Tensor | None) -> None:
-        """The head drafts only these token ids (int64 [N], sorted, unique: fq_spec.load_token_map),
-        through a copy of their rows of the LM head (N x hidden), or again every token (None). The
-        verify's picks, so the tokens emitted, never depend on it; a draft the map lacks is a
-        rejected draft (docs/PERFORMANCE.md, Speculation: its cost and what it saves)."""
+        """The head (loaded: the engine checks) drafts only these token ids (int64 [N], sorted,
+        unique: fq_spec.load_token_map), through a copy of their rows of the LM head (N x hidden),
+        or again every token (None). The verify's picks, so the tokens emitted, never depend on it;
+        a draft the map lacks is a rejected draft (docs/PERFORMANCE.md, Speculation)."""
         if ids is None:
             self.draft_ids = self.draft_head = None
             return
-        if not self.has_mtp:
-            raise ValueError("a speculative token map needs the model's multi-token-prediction head loaded "
-                             "(speculation 'mtp', or 'oracle' on a checkpoint with the head)")
         self.draft_ids = ids.to(self.device, torch.int64)
         self.draft_head = self.w["lm_head.weight"].index_select(0, self.draft_ids).contiguous()
 
