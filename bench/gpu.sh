@@ -41,9 +41,9 @@
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
 #   rows-ab           a verify's exact GDN rows batched (fused_rows(batched=True): only the solve a row at a time)
-#                     against the rows in turn: fused_rows' GPU tests (both against the steps' bits), then Qwen3.5 at
-#                     (1, 1024, 256) and (4, 2048, 128), 6 drafts, the head's 32,768-token map, with each (bench spec
-#                     --gdn-rows) -> pytest_fused_rows.log, spec_qwen35_gdn_rows_serial.json, spec_qwen35_gdn_rows_batched.json
+#                     against the rows in turn: Qwen3.5 at (1, 1024, 256) and (4, 2048, 128), 6 drafts, the head's
+#                     32,768-token map, with each (bench spec --gdn-rows), then fused_rows' GPU tests (both against
+#                     the steps' bits) -> spec_qwen35_gdn_rows_serial.json, spec_qwen35_gdn_rows_batched.json, pytest_fused_rows.log
 #   exact-step-tests  the exact GDN step's GPU tests (the one-row step's bits, a verify's rows in one launch against
 #                     the steps) and the engine's speculation GPU tests, in parallel groups -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
@@ -168,15 +168,15 @@ main() {
       spec-b1-q35) spec_b1_q35 ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
-      rows-ab)
-        timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_exact_step.py \
-          -k fused_rows > "$OUT/pytest_fused_rows.log" 2>&1
-        tail -n 5 "$OUT/pytest_fused_rows.log"
+      rows-ab)   # the timed arms first; the GPU tests then get the call's remaining time (ROWS_TESTS_S)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
         for rows in serial batched; do
           timeout 150 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256,4x2048x128 --arms oracle:0.9,mtp \
             --k 6 --gdn-rows "$rows" --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_gdn_rows_$rows.json"
-        done ;;
+        done
+        timeout "${ROWS_TESTS_S:-240}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+          tests/kernels/test_gdn_exact_step.py -k fused_rows > "$OUT/pytest_fused_rows.log" 2>&1
+        tail -n 5 "$OUT/pytest_fused_rows.log" ;;
       exact-step-tests)
         local groups=("tests/kernels/test_gdn_exact_step.py -k fused_rows"
                       "tests/kernels/test_gdn_exact_step.py -k full_forwards"
