@@ -4,8 +4,7 @@ Per shape BxP: one generate() of 4 tokens first (tuning, compiles, captures), th
 profiler --steps eager decode steps (the graph's kernels, launched one by one), with --verify W,...
 a speculative verify of each W drafts (fq_decode.verify_picks over W + 1 rows a sequence: the
 model's rows and the engine's picks, one sequence's through the LM screen; --steps times: phase
-"verify_W"), and one prompt pass. --one-row: where one sequence's products run; --gdn-rows: how a
-verify's exact GDN rows run (bench spec's).
+"verify_W"), and one prompt pass. --one-row: where one sequence's products run (bench spec's).
 Device time is summed per kernel name: a row per kernel (the --top largest of each phase) with
 microseconds and calls per pass, and a row "(all kernels)" per phase. The graphed step's own time
 (the `step` entry) less the decode step's sum is what launch gaps cost.
@@ -18,7 +17,7 @@ from collections import defaultdict
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options,
                           engine_on_path, gpu_visible, int_list, positive_int, resolve_model, shape_list)
-from bench.spec import add_gdn_rows_argument, add_one_row_argument, set_gdn_rows, set_one_row
+from bench.spec import add_one_row_argument, set_one_row
 
 COLUMNS = [Column("shape", width=9, left=True), Column("phase", width=11, left=True), Column("us", fmt="{:.1f}"),
            Column("share", fmt="{:.3f}", width=6), Column("calls", width=5), Column("kernel", width=70, left=True)]
@@ -34,7 +33,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verify", type=int_list, default=[],
                         help="drafts of each speculative verify profiled, e.g. 3,4 (default: none)")
     add_one_row_argument(parser)
-    add_gdn_rows_argument(parser)
 
 
 def kernel_times(prof, passes: int, gpu: bool) -> list[tuple[str, float, int]]:
@@ -64,7 +62,6 @@ def run(args, report) -> None:
     model_dir = resolve_model(args.model)
     eng = build_engine(model_dir, engine_options(args))
     set_one_row(eng, args.one_row)
-    set_gdn_rows(eng, args.gdn_rows)
     engine_on_path()
     from fq_decode import DecodeRunner, verify_picks
 

@@ -21,10 +21,6 @@ together). On the tensor cores a verify's rows
 fit the plain step's 16-row tile (about one step, its bits); fma is the faster plain step with a
 verify's rows in narrower shared tiles. Plain decode and every arm of the process run that way, so
 compare two processes' rows against one baseline (the docs' trade).
-
---gdn-rows sets how a Qwen3.5 verify's exact GDN rows run (default "serial": the engine's,
-gdn_exact_step.fused_rows running each head's rows in turn; "batched": its batched program, only
-the solve a row at a time), for the A/B before the engine takes one.
 """
 from __future__ import annotations
 
@@ -59,27 +55,6 @@ def add_arguments(parser) -> None:
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
     add_one_row_argument(parser)
-    add_gdn_rows_argument(parser)
-
-
-def add_gdn_rows_argument(parser) -> None:
-    """--gdn-rows (this entry's and bench prefill's): how a verify's exact GDN rows run (set_gdn_rows)."""
-    parser.add_argument("--gdn-rows", choices=("serial", "batched"), default="serial",
-                        help="a Qwen3.5 verify's exact GDN rows: serial (the engine's, default) or batched "
-                             "(gdn_exact_step.fused_rows(batched=True))")
-
-
-def set_gdn_rows(eng, choice: str) -> None:
-    """--gdn-rows on a built engine, before its first call: "batched" routes its op set's
-    gdn_exact_rows through gdn_exact_step.fused_rows(batched=True)."""
-    if choice == "batched":
-        from fqkernels import gdn_exact_step
-
-        def batched(q, k, v, g, beta, positions, state, rows, tile=None):
-            return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows,
-                                             tile=tile or gdn_exact_step.C // 2, batched=True)
-
-        eng.model.ops.gdn_exact_rows = batched
 
 
 def add_one_row_argument(parser) -> None:
@@ -130,7 +105,6 @@ def run(args, report) -> None:
         options["speculation"] = "mtp"
     eng = build_engine(model_dir, options)
     set_one_row(eng, args.one_row)
-    set_gdn_rows(eng, args.gdn_rows)
     for arm in arms:                  # a bad arm or k fails before any work
         for k in args.k:
             eng.set_speculation(arm, k)

@@ -762,12 +762,12 @@ def _gdn_decode_step(batch: int) -> None:
     # views, one launch where the grid takes the merged form, at both cumulative-sum tiles
     x_rows = torch.empty((5, batch, 8192), dtype=torch.bfloat16, device=CUDA)
     q_rows, k_rows, v_rows = torch.split(x_rows, [2048, 2048, 4096], dim=-1)
-    for tile, batched in ((32, False), (64, False), (32, True)):    # batched: the A/B's other program
+    for tile in (32, 64):
         gdn_exact_step.fused_rows(q_rows.reshape(5, batch, 16, 128), k_rows.reshape(5, batch, 16, 128),
                                   v_rows.reshape(5, batch, 32, 128), torch.empty((5, batch, 32), device=CUDA),
                                   torch.empty((5, batch, 32), dtype=torch.bfloat16, device=CUDA),
                                   torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
-                                  gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), tile=tile, batched=batched)
+                                  gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), tile=tile)
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn_norm.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))

@@ -804,29 +804,3 @@ def test_a_token_map_needs_the_mtp_head(tiny_model, qwen35_tiny_model, tmp_path,
     monkeypatch.setenv("FASTQWEN_SPECULATIVE_TOKEN_MAP", path)
     eng = engine_module.Engine(str(qwen35_tiny_model), speculation="mtp")
     assert eng.model.draft_ids.tolist() == [1, 2, 3]
-
-
-def test_bench_gdn_rows_batched_routes_a_verifys_rows_through_the_batched_program(plain35, qwen35_tiny_model,
-                                                                                 monkeypatch):
-    """bench spec's and bench prefill's --gdn-rows batched: each GDN layer of a verify hands its T
-    rows to gdn_exact_step.fused_rows with batched=True and the model's tile (a stand-in that runs
-    the op set's own rows records the calls); "serial" leaves the engine's op; the tokens stay
-    plain decode's."""
-    from bench.spec import set_gdn_rows
-    from fqkernels import gdn_exact_step
-
-    calls = []
-    eng = engine_module.Engine(str(qwen35_tiny_model), speculation="oracle:0.7", speculative_tokens=3)
-    per_rows = eng.model.ops.gdn_exact_rows
-
-    def stand_in(q, k, v, g, beta, positions, state, rows, tile=32, batched=False):
-        calls.append((tuple(v.shape[:2]), tile, batched))
-        return per_rows(q, k, v, g, beta, positions, state, rows, tile=tile)
-
-    monkeypatch.setattr(gdn_exact_step, "fused_rows", stand_in)
-    set_gdn_rows(eng, "serial")
-    assert eng.model.ops.gdn_exact_rows == per_rows
-    set_gdn_rows(eng, "batched")
-    prompts = _prompts(2, 50, seed=8)
-    assert list(eng.generate(prompts, 20)) == list(plain35.generate(prompts, 20))
-    assert calls and {c[1:] for c in calls} == {(eng.model.decode_tile, True)}

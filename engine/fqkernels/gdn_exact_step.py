@@ -620,19 +620,17 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     return out
 
 
-def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 32, use_pdl: bool = True,
-               batched: bool = False) -> torch.Tensor:
+def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 32,
+               use_pdl: bool = True) -> torch.Tensor:
     """fused_step over T rows of each sequence in turn (a speculative verify's rows): q, k [T, B, Hk,
     Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv] (any strides fused_step takes within a row), row r of
     sequence b at positions[b] + r; tile: the cumulative sum's (fused_step's); no gated norm (the
     caller norms the rows). Where the grid takes the merged form with a program a head (few
     sequences), one launch whose programs run the rows in turn, each row the merged step's chains
     (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches.
-    batched: the merged form's rows batched (_batched_rows_kernel: only the solve a row at a time,
-    every other chain for all rows at once, the same chains; rows that reach the chunk's close
-    in turn), for the A/B against the rows in turn (bench spec --gdn-rows).
-    The Triton op set's gdn_exact_rows (the rows in turn). Returns o [T, B, Hv, Dv] bf16; the state
-    and rows as T steps leave them."""
+    T is a runtime argument: one compile serves every verify width (docs/PERFORMANCE.md: why the
+    rows are not batched). The Triton op set's gdn_exact_rows. Returns o [T, B, Hv, Dv] bf16; the
+    state and rows as T steps leave them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if (q.shape != k.shape or v.shape[:2] != (T, B) or g.shape != (T, B, Hv) or beta.shape != (T, B, Hv)
@@ -654,19 +652,6 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     out = torch.empty((T, B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     use_pdl, pdl_launch = pdl.for_rows(B) if use_pdl else (False, {})
     close = close_blocks(form, "auto")
-    if batched:
-        rp = triton.next_power_of_2(T)
-        bscr = torch.empty((B * Hv, rp, 3 * Dk + 2 * C), dtype=torch.float32, device=v.device)
-        _batched_rows_kernel[(B * Hv, 1)](
-            q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, bscr, out,
-            q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), out.stride(0), Dk ** -0.5,
-            R=T, RP=rp, SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, CH=C, NB=8,
-            ORDER=torch_sum_order(Dk), TILE=tile, LOG_TILE=tile.bit_length() - 1, U=UNROLL,
-            INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1], PF=PREFETCH_LEVELS["l2"] if v.is_cuda else 0,
-            PDL=use_pdl, num_warps=WARPS, num_stages=1, **merged.constexprs(), **pdl_launch,
-            **({"maxnreg": maxnreg} if maxnreg else {}))
-        return out
     _merged_rows_kernel[(B * Hv, 1)](
         q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out, T,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
@@ -1078,173 +1063,3 @@ def _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_b
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
     if t == CH - 1:
         _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, RB, KB, INTERPRETED)
-
-
-@triton.jit
-def _solve_rows_batched(xw, xu, rows_ptr, dk, dv, l_ptr, a_ptr, vn_rows, t, ta, ROW: tl.constexpr, DV: tl.constexpr,
-                        NB: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr):
-    """_solve_rows_merged with the attention's chain over the rows before ta only (ta <= t: the
-    rows whose new values are stored; a batched verify adds the rows from ta on once their new
-    values are known): w's and u's rows solved over the rows before t in cuBLAS's blocked order,
-    each chain as _solve_rows_merged runs it (a copy, not a shared body: the one-row step's loop keeps
-    its compiled code). Returns (xw, xu, the attention's chain so far)."""
-    acc_i = tl.zeros(xu.shape, dtype=tl.float32)
-    nblk = t // NB
-    for blk0 in range(0, nblk, U // NB):
-        for sb in tl.static_range(U // NB):
-            blk = blk0 + sb
-            live = blk < nblk
-            aw = tl.zeros(xw.shape, dtype=tl.float32)
-            au = tl.zeros(xu.shape, dtype=tl.float32)
-            for u in tl.static_range(NB):
-                j = blk * NB + u
-                lj = tl.load(l_ptr + j, mask=live, other=0.0)
-                aw = tl.fma(lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=live, other=0.0), aw)
-                au = tl.fma(lj, tl.load(rows_ptr + j * ROW + dv, mask=live, other=0.0), au)
-                on = live & (j < ta)
-                a_j = tl.load(a_ptr + j, mask=on, other=0.0)
-                acc_i = tl.where(on, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=on, other=0.0), acc_i), acc_i)
-            xw = tl.where(live, sub_rn(xw, aw, INTERPRETED), xw)
-            xu = tl.where(live, sub_rn(xu, au, INTERPRETED), xu)
-    for u in tl.static_range(NB):
-        j = nblk * NB + u
-        lj = tl.load(l_ptr + j)
-        xw = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + DV + dk, mask=j < t, other=0.0), xw), xw)
-        xu = tl.where(j < t, tl.fma(-lj, tl.load(rows_ptr + j * ROW + dv, mask=j < t, other=0.0), xu), xu)
-        on = j < ta
-        a_j = tl.load(a_ptr + j, mask=on, other=0.0)
-        acc_i = tl.where(on, tl.fma(a_j, tl.load(vn_rows + j * DV, mask=on, other=0.0), acc_i), acc_i)
-    return xw, xu, acc_i
-
-
-@triton.jit
-def _batched_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
-                         scr_ptr, bscr_ptr, o_ptr, stride_qt, stride_qb, stride_qh, stride_vt, stride_vb, stride_vh,
-                         stride_gt, stride_gb, stride_betat, stride_betab, stride_ot, scale,
-                         R: tl.constexpr, RP: tl.constexpr, SCR: tl.constexpr, HV: tl.constexpr,
-                         RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr,
-                         ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr,
-                         INTERPRETED: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, PF: tl.constexpr = 0,
-                         PDL: tl.constexpr = False, UK: tl.constexpr = 0, UW: tl.constexpr = 0,
-                         QS_LATE: tl.constexpr = False):
-    """fused_rows' batched program (sequence-head, the whole head's columns): the R rows' chains
-    as the merged step runs them, with only the solve a row at a time. A row's output needs the
-    rows before it through the solve (w's and u's rows) alone; its keys' pass, (q e^gamma) S_c,
-    w S_c and the attention over the new values are chains over data every row has once the
-    keys, decays and solved rows of the rows before it are stored. So: (A) each row's normalized
-    key, query and decay stored; the cumulative sum once (a prefix scan: each row's decays are
-    the ones its own step computes); the keys' pass for all rows at once (each row's chains in
-    their own lanes); (B) the solves in turn, each row's attention chain over the stored rows;
-    (C) w S_c and (q e^gamma) S_c for all rows in one pass over the state; (D) the attention's
-    chain continued over the verify's rows, the outputs. Each sum is the step's chain, so the
-    step's bits. A verify whose rows reach the chunk's last row (a close: the state changes
-    between rows) runs the rows in turn (_merged_rows_kernel's loop). bscr: the program's
-    [RP, 3 DK + 2 CH] scratch (each row's kb, q's scaled and decayed rows, the system's and the
-    attention's rows)."""
-    ROWW: tl.constexpr = 3 * DK + 2 * CH
-    bh = tl.program_id(0)
-    b = bh // HV
-    hk = (bh % HV) // RATIO
-    dv = tl.arange(0, DV)
-    dk = tl.arange(0, DK)
-    jj = tl.arange(0, CH)
-    rr = tl.arange(0, RP)
-    s_rows = s_ptr + bh * DK * DV + dv
-    scr = scr_ptr + bh * (DV // 16) * SCR
-    if PF != 0:
-        _prefetch_head(s_ptr, kt_buf, g_buf, scr, bh, 0, SCR, DK, DV, DV, CH, PF)
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    pos = tl.load(pos_ptr + b)
-    t0 = (pos % CH).to(tl.int32)
-    if t0 + R >= CH:          # a row closes the chunk: the rows in turn
-        zeros = tl.zeros([DV], dtype=tl.bfloat16)
-        for r in range(R):
-            t = ((pos + r) % CH).to(tl.int32)
-            _merged_row(q_ptr + r * stride_qt, k_ptr + r * stride_qt, v_ptr + r * stride_vt, g_ptr + r * stride_gt,
-                        beta_ptr + r * stride_betat, kt_buf, x_buf, vn_buf, g_buf, o_ptr + r * stride_ot, stride_qb,
-                        stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, 1.0, 1.0, bh, 0, b, t, scr,
-                        dv, s_rows, zeros, zeros, HV, RATIO, DK, DV, DV, CH, NB, ORDER, TILE, LOG_TILE, U,
-                        INTERPRETED, RB, KB, False, False, False, UK, UW, QS_LATE)
-            tl.debug_barrier()
-    else:
-        bscr = bscr_ptr + bh * RP * ROWW
-        tr = t0 + rr                                   # each row's place in the chunk (rows >= R: unused)
-        live_r = rr < R
-        # (A) each row's normalized key (into the chunk's keys), decay (into the chunk's decays), kb, qs
-        for r in range(R):
-            qn = _torch_l2norm(tl.load(q_ptr + r * stride_qt + b * stride_qb + hk * stride_qh + dk).to(tl.float32),
-                               DK, ORDER, INTERPRETED)
-            kn = _torch_l2norm(tl.load(k_ptr + r * stride_qt + b * stride_qb + hk * stride_qh + dk).to(tl.float32),
-                               DK, ORDER, INTERPRETED)
-            beta = tl.load(beta_ptr + r * stride_betat + b * stride_betab + bh % HV).to(tl.float32)
-            tl.store(bscr + r * ROWW + dk, mul_rn(kn, beta, INTERPRETED))
-            tl.store(bscr + r * ROWW + DK + dk, mul_rn(qn, scale, INTERPRETED))
-            tl.store(kt_buf + (bh * DK + dk) * CH + t0 + r, kn)
-            tl.store(g_buf + bh * CH + t0 + r, tl.load(g_ptr + r * stride_gt + b * stride_gb + bh % HV))
-        tl.debug_barrier()
-        gamma = _torch_cumsum(tl.load(g_buf + bh * CH + jj), jj, CH, TILE, LOG_TILE, INTERPRETED)
-        g_t = tl.sum(tl.where(jj[None, :] == tr[:, None], gamma[None, :], 0.0), axis=1)      # [RP]
-        e_t = exp_f32(g_t, INTERPRETED)
-        qs = tl.load(bscr + rr[:, None] * ROWW + DK + dk[None, :], mask=live_r[:, None], other=0.0)
-        tl.store(bscr + rr[:, None] * ROWW + 2 * DK + dk[None, :], mul_rn(qs, e_t[:, None], INTERPRETED),
-                 mask=live_r[:, None])
-        tl.debug_barrier()
-        # the keys' pass of every row: the system's and attention's rows, chains over the keys' entries
-        acc_s = tl.zeros([RP, CH], dtype=tl.float32)
-        acc_a = tl.zeros([RP, CH], dtype=tl.float32)
-        for i0 in range(0, DK, U):
-            for u in tl.static_range(U):
-                i = i0 + u
-                col = tl.load(kt_buf + (bh * DK + i) * CH + jj)
-                col = tl.where(jj[None, :] <= tr[:, None], col[None, :], 0.0)
-                kb_i = tl.load(bscr + rr * ROWW + i, mask=live_r, other=0.0)
-                qs_i = tl.load(bscr + rr * ROWW + DK + i, mask=live_r, other=0.0)
-                acc_s = tl.fma(kb_i[:, None], col, acc_s)
-                acc_a = tl.fma(qs_i[:, None], col, acc_a)
-        decay = exp_f32(tl.where(jj[None, :] > tr[:, None], float("-inf"), g_t[:, None] - gamma[None, :]),
-                        INTERPRETED)
-        tl.store(bscr + rr[:, None] * ROWW + 3 * DK + jj[None, :],
-                 tl.where(jj[None, :] < tr[:, None], mul_rn(acc_s, decay, INTERPRETED), 0.0), mask=live_r[:, None])
-        tl.store(bscr + rr[:, None] * ROWW + 3 * DK + CH + jj[None, :], mul_rn(acc_a, decay, INTERPRETED),
-                 mask=live_r[:, None])
-        tl.debug_barrier()
-        # (B) the solves in turn: each row's w and u rows into the chunk's rows before the next's
-        xus = tl.zeros([RP, DV], dtype=tl.float32)
-        acc_i = tl.zeros([RP, DV], dtype=tl.float32)
-        for r in range(R):
-            t = t0 + r
-            e_r = tl.sum(tl.where(rr == r, e_t, 0.0), axis=0)
-            beta = tl.load(beta_ptr + r * stride_betat + b * stride_betab + bh % HV).to(tl.float32)
-            vb = mul_rn(tl.load(v_ptr + r * stride_vt + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32),
-                        beta, INTERPRETED)
-            kb = tl.load(bscr + r * ROWW + dk)
-            xw, xu, acc_r = _solve_rows_batched(mul_rn(kb, e_r, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
-                                                bscr + r * ROWW + 3 * DK, bscr + r * ROWW + 3 * DK + CH,
-                                                vn_buf + bh * CH * DV + dv, t, t0, DV + DK, DV, NB, U, INTERPRETED)
-            tl.store(x_buf + (bh * CH + t) * (DV + DK) + DV + dk, xw)
-            tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
-            xus = tl.where(rr[:, None] == r, xu[None, :], xus)
-            acc_i = tl.where(rr[:, None] == r, acc_r[None, :], acc_i)
-            tl.debug_barrier()
-        # (C) w S_c and (q e^gamma) S_c of every row: chains over the state's rows
-        acc_w2 = tl.zeros([RP, DV], dtype=tl.float32)
-        acc_q = tl.zeros([RP, DV], dtype=tl.float32)
-        for i0 in range(0, DK, U):
-            for u in tl.static_range(U):
-                i = i0 + u
-                srow = tl.load(s_rows + i * DV)
-                w_i = tl.load(x_buf + (bh * CH + tr) * (DV + DK) + DV + i, mask=live_r, other=0.0)
-                qe_i = tl.load(bscr + rr * ROWW + 2 * DK + i, mask=live_r, other=0.0)
-                acc_w2 = tl.fma(w_i[:, None], srow[None, :], acc_w2)
-                acc_q = tl.fma(qe_i[:, None], srow[None, :], acc_q)
-        v_new = sub_rn(xus, acc_w2, INTERPRETED)
-        tl.store(vn_buf + (bh * CH + tr[:, None]) * DV + dv[None, :], v_new, mask=live_r[:, None])
-        tl.debug_barrier()
-        # (D) the attention's chain over the verify's rows (each row's own last), the outputs
-        for j in range(R):
-            vn_j = tl.load(vn_buf + (bh * CH + t0 + j) * DV + dv)
-            a_j = tl.load(bscr + rr * ROWW + 3 * DK + CH + t0 + j, mask=live_r, other=0.0)
-            acc_i = tl.where((rr >= j)[:, None], tl.fma(a_j[:, None], vn_j[None, :], acc_i), acc_i)
-        o = add_rn(acc_q, acc_i, INTERPRETED).to(tl.bfloat16)
-        tl.store(o_ptr + rr[:, None] * stride_ot + bh * DV + dv[None, :], o, mask=live_r[:, None])

@@ -180,15 +180,13 @@ def test_scan_tile_follows_atens_rule():
     assert step.scan_tile(32769) == 64                                    # the unsigned wrap-around: 512 threads
 
 
-@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("D,B,T,starts", [(32, 1, 7, (60,)), (64, 2, 5, (61, 3)), (32, 2, 4, (0, 63)),
                                           (32, 1, 8, (21,)), (64, 2, 3, (40, 9))])
-def test_fused_rows_are_the_steps_rows(D, B, T, starts, batched):
-    """fused_rows (a verify's T rows in one launch, each program running its head's rows in turn, or
-    batched: only the solve a row at a time) against T fused_step launches from the same state and
-    rows, bit for bit: rows that close a chunk and go on in the next (starts 60, 61, 63: the batched
-    program runs those in turn), sequences at different rows of their chunks, rows short of a power
-    of two, and a wrong shape refused by name."""
+def test_fused_rows_are_the_steps_rows(D, B, T, starts):
+    """fused_rows (a verify's T rows in one launch, each program running its head's rows in turn)
+    against T fused_step launches from the same state and rows, bit for bit: rows that close a chunk
+    and go on in the next (starts 60, 61, 63), sequences at different rows of their chunks, and a
+    wrong shape refused by name."""
     Hk, Hv = 1, 2
     q, k, v, g, beta, state = _sequence(B, 70 + T, Hk, Hv, D, seed=D + B + T)
     pos = torch.tensor(starts, dtype=torch.int64, device=DEV)
@@ -208,7 +206,7 @@ def test_fused_rows_are_the_steps_rows(D, B, T, starts, batched):
             S[b] = Sb[0]
         args = [pick(x) for x in (q, k, v, g, beta)]
         if rows_at_once:
-            o = step.fused_rows(*args, pos, S, rows, tile=64, batched=batched)
+            o = step.fused_rows(*args, pos, S, rows, tile=64)
         else:
             o = torch.stack([step.fused_step(*(x[r] for x in args), pos + r, S, rows, tile=64) for r in range(T)])
         results.append((o, S, rows))
