@@ -40,12 +40,9 @@
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
 #                     against the table's and cuBLAS, both families -> bench_gemv_one_row_tensor_cores.json
-#   rows-ab           a verify's exact GDN rows batched (fused_rows(batched=True): only the solve a row at a time)
-#                     against the rows in turn: Qwen3.5 at (1, 1024, 256) and (4, 2048, 128), 6 drafts, the head's
-#                     32,768-token map, with each (bench spec --gdn-rows), then fused_rows' GPU tests (both against
-#                     the steps' bits) -> spec_qwen35_gdn_rows_serial.json, spec_qwen35_gdn_rows_batched.json, pytest_fused_rows.log
 #   exact-step-tests  the exact GDN step's GPU tests (the one-row step's bits, a verify's rows in one launch against
-#                     the steps) and the engine's speculation GPU tests, in parallel groups -> pytest_exact_step.log
+#                     the steps), a process a test (each compiles its own kernels cold), beside the engine's
+#                     speculation GPU tests -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
 #   profile-verify-q35-b1  the same for Qwen3.5 at one sequence (1 x 1024; verifies of 4 and 6) with every product
@@ -168,27 +165,16 @@ main() {
       spec-b1-q35) spec_b1_q35 ;;
       spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
                           --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
-      rows-ab)   # the timed arms first; the GPU tests then get the call's remaining time (ROWS_TESTS_S)
-        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
-        for rows in serial batched; do
-          timeout 150 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256,4x2048x128 --arms oracle:0.9,mtp \
-            --k 6 --gdn-rows "$rows" --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_gdn_rows_$rows.json"
-        done
-        timeout "${ROWS_TESTS_S:-240}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-          tests/kernels/test_gdn_exact_step.py -k fused_rows > "$OUT/pytest_fused_rows.log" 2>&1
-        tail -n 5 "$OUT/pytest_fused_rows.log" ;;
       exact-step-tests)
-        local groups=("tests/kernels/test_gdn_exact_step.py -k fused_rows"
-                      "tests/kernels/test_gdn_exact_step.py -k full_forwards"
-                      "tests/kernels/test_gdn_exact_step.py -k 'not (fused_rows or full_forwards)'"
-                      "tests/test_engine_gpu.py -k 'specul or verif'")
-        local i
-        for i in "${!groups[@]}"; do
-          eval "timeout ${KERNELS_TIMEOUT_S:-330} python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu ${groups[$i]}" \
-            > "/tmp/pytest_exact_$i.log" 2>&1 &
-        done
+        timeout "${KERNELS_TIMEOUT_S:-400}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+          tests/test_engine_gpu.py -k 'specul or verif' > /tmp/pytest_exact_engine.log 2>&1 &
+        python3 -m pytest --collect-only -q -m gpu tests/kernels/test_gdn_exact_step.py 2>/dev/null | grep '::' \
+          | xargs -P 12 -I{} bash -c 'timeout "${KERNELS_TIMEOUT_S:-400}" python3 -m pytest -q -rf --tb=line \
+              -p no:cacheprovider -m gpu "$1" > "/tmp/pytest_exact_$(echo "$1" | md5sum | cut -c1-8).log" 2>&1 \
+              && echo "passed $1" || echo "FAILED or not finished (rc $?) $1"' _ {} > /tmp/pytest_exact_ids.log
         wait
-        for i in "${!groups[@]}"; do echo "-- ${groups[$i]}"; tail -25 "/tmp/pytest_exact_$i.log"; done \
+        { sort /tmp/pytest_exact_ids.log; grep -l -E "^(FAILED|E )" /tmp/pytest_exact_*.log | xargs -r tail -n 15
+          echo "-- tests/test_engine_gpu.py -k 'specul or verif'"; tail -n 25 /tmp/pytest_exact_engine.log; } \
           | tee "$OUT/pytest_exact_step.log" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
@@ -218,7 +204,7 @@ main() {
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
         timeout 90 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3 \
           --out "$OUT/spec_qwen35_b1_one_row_fma.json"
-        timeout 220 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,mtp \
+        timeout 400 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,mtp \
           --k 4,6,8 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
