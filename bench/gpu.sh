@@ -169,12 +169,12 @@ main() {
         timeout "${KERNELS_TIMEOUT_S:-400}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
           tests/test_engine_gpu.py -k 'specul or verif' > /tmp/pytest_exact_engine.log 2>&1 &
         python3 -m pytest --collect-only -q -m gpu tests/kernels/test_gdn_exact_step.py 2>/dev/null | grep '::' \
-          | xargs -P 12 -I{} bash -c 'log="/tmp/pytest_exact_$(echo "$1" | md5sum | cut -c1-8).log"
+          | xargs -P 12 -I{} bash -c 'log="/tmp/pytest_exact_case_$(echo "$1" | md5sum | cut -c1-8).log"
               timeout "${KERNELS_TIMEOUT_S:-400}" python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu "$1" \
                 > "$log" 2>&1; rc=$?; [ $rc -eq 124 ] && echo "not finished $1" || echo "$(tail -n 1 "$log") $1"' _ {} \
           > /tmp/pytest_exact_ids.log
         wait
-        { sort /tmp/pytest_exact_ids.log; grep -l -E "^(FAILED|E )" /tmp/pytest_exact_*.log | xargs -r tail -n 15
+        { sort /tmp/pytest_exact_ids.log; grep -l -E "^(FAILED|E )" /tmp/pytest_exact_case_*.log | xargs -r tail -n 15
           echo "-- tests/test_engine_gpu.py -k 'specul or verif'"; tail -n 25 /tmp/pytest_exact_engine.log; } \
           | tee "$OUT/pytest_exact_step.log" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
