@@ -21,6 +21,19 @@ together). On the tensor cores a verify's rows
 fit the plain step's 16-row tile (about one step, its bits); fma is the faster plain step with a
 verify's rows in narrower shared tiles. Plain decode and every arm of the process run that way, so
 compare two processes' rows against one baseline (the docs' trade).
+
+--profile N: after an arm's timed calls, N more cycles of its steps (a draft and a verify of k)
+launched eagerly under torch.profiler, with no room left to emit (the state stays as the call left
+it), each kernel's device time put in the innermost part of the cycle that launched it: "draft"
+(the drafter's own ops), "draft.head" (the MTP head's chained drafts), "verify" (the rows, the
+acceptance, the tokens kept), "verify.target" (the model's rows up to the final norm),
+"verify.screen" (one sequence's picks through the LM screen) or "verify.lm_head" (the LM head's
+logits elsewhere), "verify.rollback" (the model's commit of the kept rows) and "verify.drafter"
+(the drafter's update: the MTP head's pass over the verified rows). The arm's row gets "profile":
+each part's microseconds and calls (kernel launches; CPU: operators) a cycle and its largest
+kernels; the graphs' own device time a cycle (the timed call's draft_ms + verify_ms) less the
+kernels' sum is what the graphs' launch gaps cost. Without a GPU each part holds its CPU
+operators' self time.
 """
 from __future__ import annotations
 
@@ -54,6 +67,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--arms", default="oracle:0,oracle:0.5,oracle:0.7,oracle:0.8,oracle:0.9,oracle:1,ngram,recycle,auto",
                         help="speculation values, comma-separated (default: the oracle at 0-1, ngram, recycle, auto)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed calls an arm (default 3)")
+    parser.add_argument("--profile", type=positive_int, default=None, metavar="CYCLES",
+                        help="profile this many eager cycles of each speculating arm after its timed calls "
+                             "(the module note; default: none)")
+    parser.add_argument("--top", type=positive_int, default=12, help="kernels kept per profiled part (default 12)")
     add_one_row_argument(parser)
 
 
@@ -131,5 +148,103 @@ def run(args, report) -> None:
                         "tokens_per_verify": st["tokens_per_verify"],
                         "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],
                         "widths": " ".join(f"{w}:{n}" for w, n in sorted(st["width_steps"].items())),
-                        "same_tokens": tokens == plain_tokens, "stats": st})
+                        "same_tokens": tokens == plain_tokens, "stats": st,
+                        **({"profile": profile_cycle(eng, k, args.profile, args.top, st)}
+                           if args.profile and arm != "off" else {})})
+            for part in report.rows[-1].get("profile", {}).get("parts", []):
+                report.note(f"  {arm} k={k} {part['part']:<16} {part['us']:10.1f} us  {part['calls']:6.1f} calls")
         eng.set_speculation("off")
+
+
+# The parts of a speculative cycle: (where, method, label); a kernel belongs to the innermost
+# label around its launch.
+PARTS = (("model", "mtp_draft", "draft.head"), ("model", "verify_hidden", "verify.target"),
+         ("model", "verify_logits", "verify.lm_head"), ("screen", "argmax_rows", "verify.screen"),
+         ("model", "commit_verify", "verify.rollback"), ("drafter", "observe", "verify.drafter"))
+LABELS = ("draft", "verify") + tuple(label for _, _, label in PARTS)
+
+
+def _labelled(fn, label):
+    from torch.profiler import record_function
+
+    def call(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return call
+
+
+def part_times(events, gpu: bool) -> dict:
+    """{label: {kernel: [microseconds, calls]}} over profiled events: each kernel's time (CPU: each
+    operator's self time) in the innermost LABELS range around it; "(unlabelled)" outside them."""
+    from collections import defaultdict
+
+    parts: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+
+    def walk(ev, label):
+        if ev.name in LABELS:
+            label = ev.name
+        if gpu:
+            for kernel in ev.kernels:
+                parts[label][kernel.name][0] += kernel.duration
+                parts[label][kernel.name][1] += 1
+        elif ev.name not in LABELS:
+            parts[label][ev.name][0] += ev.self_cpu_time_total
+            parts[label][ev.name][1] += 1
+        for child in ev.cpu_children:
+            walk(child, label)
+
+    for ev in events:
+        if ev.cpu_parent is None and ev.device_type.name == "CPU":
+            walk(ev, "(unlabelled)")
+    return parts
+
+
+def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
+    """--profile: `cycles` eager cycles (a draft, a verify of k) of the engine's speculative steps
+    after its last call, the kernels' device time a cycle by part (the module note)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = eng._spec
+    gpu = gpu_visible()
+    owners = {"model": eng.model, "screen": getattr(eng.model, "screen", None), "drafter": runner.drafter}
+    wrapped = []
+    for owner, method, label in PARTS:
+        obj = owners[owner]
+        if obj is not None and callable(getattr(obj, method, None)):
+            setattr(obj, method, _labelled(getattr(obj, method), label))
+            wrapped.append((obj, method))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def cycle():
+        with record_function("draft"):
+            runner.run_eager("draft")
+        with record_function("verify"):
+            runner.run_eager(f"verify{k}")
+
+    try:
+        with torch.inference_mode():
+            cycle()                                  # the eager path's first-call work
+            sync()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=activities) as prof:
+                for _ in range(cycles):
+                    cycle()
+                sync()
+    finally:
+        for obj, method in wrapped:
+            delattr(obj, method)
+    parts = part_times(prof.events(), gpu)
+    rows = []
+    for label in (*LABELS, "(unlabelled)"):
+        kernels = parts.get(label)
+        if not kernels:
+            continue
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+        rows.append({"part": label, "us": sum(us for us, _ in kernels.values()) / cycles,
+                     "calls": sum(n for _, n in kernels.values()) / cycles,
+                     "kernels": [[name[:200], us / cycles, n / cycles] for name, (us, n) in ranked[:top]]})
+    total = sum(r["us"] for r in rows)
+    graphs = (stats.get("draft_ms") or 0.0) + (stats.get("verify_ms") or 0.0)
+    return {"cycles": cycles, "source": "cuda kernels" if gpu else "cpu operators (self time)",
+            "kernels_us": total, "graphs_us": graphs * 1e3 if gpu else None, "parts": rows}

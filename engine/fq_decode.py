@@ -287,6 +287,13 @@ class SpecRunner:
         else:
             self._steps[name]()
 
+    def run_eager(self, name: str) -> None:
+        """Step `name` ("draft", "verify{w}", "plain") with its ops launched one by one, not as its
+        graph: what a profiler attributes kernel by kernel (bench spec --profile)."""
+        if name not in self._steps:
+            raise ValueError(f"SpecRunner: no step {name!r} (its steps: {', '.join(self._steps)})")
+        self._steps[name]()
+
     def verify(self, width: int | None = None) -> tuple:
         """A draft and a verify of `width` drafts (one of widths; None: k); returns the device's
         (picks [B, width + 1], emit [B])."""

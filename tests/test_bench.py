@@ -533,6 +533,52 @@ def test_spec_runs_shapes_of_their_own_and_auto(tmp_path, capsys, bench_cache):
     assert (auto["plain_ms"] is not None) == (auto["plain_steps"] > 0)
 
 
+def test_spec_profile_puts_each_part_of_a_qwen35_cycle_in_its_own_row(tmp_path, capsys, bench_cache):
+    """--profile on the MTP head's checkpoint: every part of a cycle holds time, the head's chained
+    drafts and its pass over the verified rows among them; the engine's methods are its own again
+    after the profile and its tokens unchanged."""
+    doc = run_entry(["spec", "--model", "qwen3.5-tiny", "--shapes", "1x12x8", "--reps", "1", "--k", "3",
+                     "--arms", "mtp", "--profile", "2", "--top", "3"], tmp_path, capsys)
+    row = doc["rows"][1]
+    assert row["arm"] == "mtp" and row["same_tokens"]
+    prof = row["profile"]
+    parts = {p["part"]: p for p in prof["parts"]}
+    assert {"draft", "draft.head", "verify", "verify.target", "verify.lm_head", "verify.rollback",
+            "verify.drafter"} <= set(parts), sorted(parts)
+    assert all(p["us"] > 0 and p["calls"] > 0 and 0 < len(p["kernels"]) <= 3 for p in parts.values())
+    # k = 3: the head chains 2 drafts a cycle, each the same ops
+    assert parts["draft.head"]["calls"] % 2 == 0
+    assert prof["kernels_us"] == pytest.approx(sum(p["us"] for p in parts.values()))
+
+
+def test_spec_profile_credits_a_kernel_to_the_innermost_part():
+    """part_times on a GPU's events: a kernel belongs to the innermost labelled range around its
+    launch, the rest of a range's kernels to that range, none outside to a part."""
+    from collections import namedtuple
+
+    from bench.spec import part_times
+
+    Kernel = namedtuple("Kernel", "name device duration")
+    kind = namedtuple("Kind", "name")
+
+    class Ev:
+        def __init__(self, name, kernels=(), children=()):
+            self.name, self.kernels, self.cpu_children = name, list(kernels), list(children)
+            self.device_type, self.self_cpu_time_total, self.cpu_parent = kind("CPU"), 1.0, None
+            for child in self.cpu_children:
+                child.cpu_parent = self
+
+    target = Ev("verify.target", children=[Ev("aten::mm", [Kernel("gemv", 0, 5.0)]),
+                                           Ev("triton", [Kernel("gdn_rows", 0, 3.0)])])
+    verify = Ev("verify", [Kernel("cat", 0, 1.0)], [target, Ev("aten::argmax", [Kernel("argmax", 0, 2.0)])])
+    stray = Ev("aten::add", [Kernel("add", 0, 4.0)])
+    parts = part_times([verify, target, *target.cpu_children, stray], gpu=True)
+    assert {k: dict(v) for k, v in parts.items()} == {
+        "verify": {"cat": [1.0, 1], "argmax": [2.0, 1]},
+        "verify.target": {"gemv": [5.0, 1], "gdn_rows": [3.0, 1]},
+        "(unlabelled)": {"add": [4.0, 1]}}
+
+
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
     """bench/gpu.sh's kernels stage lists its pytest groups by file: a GPU test file missing from
     them would never run on the GPU."""

@@ -433,6 +433,11 @@ def test_the_runner_times_its_steps_at_the_calls_context_and_leaves_the_state_th
         assert state.length.tolist() == [201, 201] and state.limit.tolist() == [201, 201]
         assert set(runner.costs) == {"draft_ms", "verify1_ms", "verify3_ms", "plain_ms"}
         assert all(ms > 0 for ms in runner.costs.values())
+        # a step run eagerly (a profiler's view) leaves the state where it was too
+        runner.run_eager("verify3")
+        assert state.length.tolist() == [201, 201]
+        with pytest.raises(ValueError, match=r"no step 'verify2' \(its steps: draft, verify1, verify3, plain\)"):
+            runner.run_eager("verify2")
         with pytest.raises(ValueError, match="context 256 outside"):
             SpecRunner(plain.model, fq_spec.NgramDrafter(), fq_spec.SpecState(2, 256, 3, plain.device), False,
                        context=256)
