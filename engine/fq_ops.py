@@ -150,6 +150,10 @@ class TorchOps:
         x.add_(r)
         return self._norm(x, w, eps, one_plus)
 
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, one_plus: bool = False) -> torch.Tensor:
+        """The norm of rows x [M, N] (x unchanged): add_rmsnorm's of x added to zeros, its bits."""
+        return self._norm(x, w, eps, one_plus)
+
     @staticmethod
     def _norm(x, w, eps, one_plus):
         return rmsnorm_one_plus_reference(x, w, eps) if one_plus else rmsnorm_reference(x, w, eps)
@@ -468,6 +472,11 @@ class TritonOps(TorchOps):
         from fqkernels.rmsnorm import add_rmsnorm
 
         return add_rmsnorm(x, r, w, eps, one_plus=one_plus)
+
+    def rmsnorm(self, x, w, eps, one_plus: bool = False) -> torch.Tensor:
+        from fqkernels.rmsnorm import rmsnorm
+
+        return rmsnorm(x, w, eps, one_plus=one_plus)
 
     # ---- Qwen3 attention ---------------------------------------------------------------
     def qk_norm_rope_store(self, *args, **kwargs) -> torch.Tensor:

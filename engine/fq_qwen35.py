@@ -325,15 +325,16 @@ class Qwen35Model:
         with self.ops.planned_as(B):
             return self._layers(tokens, gdn, attention, all_positions=True).reshape(B * T, -1)
 
-    def mtp_draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
+    def mtp_draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  rows: tuple | None = None) -> tuple:
         """The multi-token-prediction head over n rows per sequence of cache rows [0, B): row j, at
         position positions + j, joins hidden[:, j] (a final-normed state: the target's at that
         position, or the head's own output for a chained draft) and tokens[:, j] (the token after it):
         fc over both normed side by side, the head's decoder layers (gated attention over the
         head's own K/V cache, written at those positions), its final norm, the LM head. Returns
         (picks [B, n] int64: each row's guess at the token after tokens[:, j]; the rows' normed
-        outputs [B, n, hidden], a chained draft's hidden)."""
-        h = self.mtp_hidden(tokens, hidden, positions)
+        outputs [B, n, hidden], a chained draft's hidden). rows: mtp_rows(positions, n), made ahead."""
+        h = self.mtp_hidden(tokens, hidden, positions, rows)
         return self.mtp_picks(h), h
 
     def mtp_picks(self, h: torch.Tensor) -> torch.Tensor:
@@ -357,22 +358,31 @@ class Qwen35Model:
         self.draft_ids = ids.to(self.device, torch.int64)
         self.draft_head = self.w["lm_head.weight"].index_select(0, self.draft_ids).contiguous()
 
-    def mtp_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def mtp_rows(positions: torch.Tensor, n: int) -> tuple:
+        """The head's n rows a sequence at positions [B] int32 .. + n - 1: (their positions [B * n],
+        lengths = positions + 1, a table of cache rows [B * n, 1]), all int32; the head's cache is
+        its rows, never paged. A caller chaining drafts makes them once for all its drafts."""
+        pos, table = rows_of(positions, n)
+        return pos, pos + 1, table
+
+    def mtp_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   rows: tuple | None = None) -> torch.Tensor:
         """mtp_draft up to its final norm: the rows' normed outputs [B, n, hidden] (the head's K/V
-        written at their positions), no LM head."""
+        written at their positions), no LM head. rows: mtp_rows(positions, n), made ahead."""
         c, ops, eps, w = self.cfg, self.ops, self.cfg.rms_norm_eps, self.w
         B, n = tokens.shape
-        pos, table = rows_of(positions, n)           # the head's cache: rows, never paged
+        pos, lengths, table = self.mtp_rows(positions, n) if rows is None else rows
         _, e = ops.embed_rmsnorm(tokens.reshape(-1), w["model.embed_tokens.weight"],
                                  w["mtp.pre_fc_norm_embedding.weight"], eps, one_plus=True)
-        hn = ops.add_rmsnorm(torch.zeros_like(e), hidden.reshape(B * n, -1).contiguous(),
-                             w["mtp.pre_fc_norm_hidden.weight"], eps, one_plus=True)
-        fc = ops.linear(torch.cat([e, hn], dim=-1), w["mtp.fc.weight"])
-        x = torch.zeros_like(fc)                 # the head's residual stream
-        h = ops.add_rmsnorm(x, fc, w["mtp.layers.0.input_layernorm.weight"], eps, one_plus=True)
+        hn = ops.rmsnorm(hidden.reshape(B * n, -1).contiguous(), w["mtp.pre_fc_norm_hidden.weight"], eps,
+                         one_plus=True)
+        # the head's residual stream starts at fc's output (a fresh tensor, added to in place)
+        x = ops.linear(torch.cat([e, hn], dim=-1), w["mtp.fc.weight"])
+        h = ops.rmsnorm(x, w["mtp.layers.0.input_layernorm.weight"], eps, one_plus=True)
         for L in range(c.mtp_layers):
             p = f"mtp.layers.{L}."
-            attn = self._gated_attention(p + "self_attn.", h.view(B * n, 1, -1), pos, pos + 1, self.mtp_k[L],
+            attn = self._gated_attention(p + "self_attn.", h.view(B * n, 1, -1), pos, lengths, self.mtp_k[L],
                                          self.mtp_v[L], table)
             h = ops.add_rmsnorm(x, attn.reshape(x.shape), w[p + "post_attention_layernorm.weight"], eps, one_plus=True)
             nxt = w[f"mtp.layers.{L + 1}.input_layernorm.weight"] if L + 1 < c.mtp_layers else w["mtp.norm.weight"]

@@ -463,6 +463,10 @@ class MtpDrafter(Drafter):
         self.pick = torch.zeros(B, dtype=torch.int64, device=dev)
         self.state = torch.zeros((B, self.model.cfg.hidden_size), dtype=torch.bfloat16, device=dev)
         self.position = torch.zeros(B, dtype=torch.int32, device=dev)
+        # the chained drafts' offsets from the first draft's row [k - 1, 1], and each sequence's
+        # cache row in the head's cache [B, 1]
+        self.ahead = torch.arange(1, state.k, dtype=torch.int32, device=dev).view(-1, 1)
+        self.table = torch.arange(B, dtype=torch.int32, device=dev).view(-1, 1)
 
     def start(self, state, prompt, steps):
         nxt = state.seq[:, 1:prompt + 1]            # each position's next token (the last: the first pick)
@@ -479,8 +483,13 @@ class MtpDrafter(Drafter):
 
     def draft(self, state):
         chain, pick, hstate = [self.pick], self.pick, self.state
+        # every chained draft's positions and lengths in two launches, not a few a draft
+        # (Qwen35Model.mtp_rows' rows at n = 1: row i - 1 of each)
+        positions = self.position.view(1, -1) + self.ahead            # [k - 1, B]
+        lengths = positions + 1
         for i in range(1, state.k):
-            picks, hidden = self.model.mtp_draft(pick.view(-1, 1), hstate.unsqueeze(1), self.position + i)
+            rows = (positions[i - 1], lengths[i - 1], self.table)
+            picks, hidden = self.model.mtp_draft(pick.view(-1, 1), hstate.unsqueeze(1), positions[i - 1], rows)
             pick, hstate = picks[:, 0], hidden[:, 0]
             chain.append(pick)
         return torch.stack(chain, dim=1)
