@@ -45,8 +45,8 @@
 #                     speculation GPU tests -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
-#   profile-spec-q35-b1  where Qwen3.5's cycle goes at one sequence (1 x 1024 x 256, the oracle at 0.9, 6 drafts,
-#                     the MTP head with its 32,768-token draft vocabulary): bench spec --profile, each part's
+#   profile-spec-q35-b1  where Qwen3.5's cycle goes at one sequence (1 x 1024 x 256, the oracle at 0.9, 6 and 8
+#                     drafts, the MTP head with its 32,768-token draft vocabulary): bench spec --profile, each part's
 #                     kernels (the head's drafts, the verify's rows, screen, rollback, the head's pass) and the
 #                     graphs' gaps -> profile_spec_qwen35_b1.json, token_map_32768.json
 #   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 4 / 6 / 8 drafts) with the MTP head's draft vocabulary of
@@ -203,7 +203,7 @@ main() {
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-spec-q35-b1)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
-        timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6 \
+        timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6,8 \
           --speculative-token-map /tmp/map_32768.pt --profile 5 --top 25 --out "$OUT/profile_spec_qwen35_b1.json" ;;
       spec-b1-q35-map)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options,
                           engine_on_path, gpu_visible, int_list, positive_int, resolve_model, shape_list)
-from bench.spec import add_one_row_argument, set_one_row
+from bench.spec import add_one_row_argument, device_us, set_one_row
 
 COLUMNS = [Column("shape", width=9, left=True), Column("phase", width=11, left=True), Column("us", fmt="{:.1f}"),
            Column("share", fmt="{:.3f}", width=6), Column("calls", width=5), Column("kernel", width=70, left=True)]
@@ -44,8 +44,7 @@ def kernel_times(prof, passes: int, gpu: bool) -> list[tuple[str, float, int]]:
         if gpu:
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            us = getattr(ev, "device_time", None)
-            us = ev.cuda_time if us is None else us
+            us = device_us(ev)
         else:
             if ev.device_type != torch.autograd.DeviceType.CPU:
                 continue

@@ -32,8 +32,9 @@ logits elsewhere), "verify.rollback" (the model's commit of the kept rows) and "
 (the drafter's update: the MTP head's pass over the verified rows). The arm's row gets "profile":
 each part's microseconds and calls (kernel launches; CPU: operators) a cycle and its largest
 kernels; the graphs' own device time a cycle (the timed call's draft_ms + verify_ms) less the
-kernels' sum is what the graphs' launch gaps cost. Without a GPU each part holds its CPU
-operators' self time.
+kernels' sum is what the graphs' launch gaps cost (less where PDL overlaps a kernel with the
+last; eager kernels run without it). Kernels linked to no operator, if any, are their own part.
+Without a GPU each part holds its CPU operators' self time.
 """
 from __future__ import annotations
 
@@ -193,10 +194,23 @@ def part_times(events, gpu: bool) -> dict:
         for child in ev.cpu_children:
             walk(child, label)
 
+    events = list(events)
     for ev in events:
         if ev.cpu_parent is None and ev.device_type.name == "CPU":
             walk(ev, "(unlabelled)")
+    if gpu:     # kernels the profiler linked to no operator (none expected): their time, not lost
+        kernels = [ev for ev in events if ev.device_type.name == "CUDA"]
+        total = sum(device_us(ev) for ev in kernels)
+        linked = sum(us for part in parts.values() for us, _ in part.values())
+        calls = len(kernels) - sum(n for part in parts.values() for _, n in part.values())
+        if calls > 0:
+            parts["(not linked)"]["(kernels of no operator)"] = [max(0.0, total - linked), calls]
     return parts
+
+
+def device_us(ev) -> float:
+    us = getattr(ev, "device_time", None)
+    return ev.cuda_time if us is None else us
 
 
 def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
@@ -236,7 +250,7 @@ def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
             delattr(obj, method)
     parts = part_times(prof.events(), gpu)
     rows = []
-    for label in (*LABELS, "(unlabelled)"):
+    for label in (*LABELS, "(unlabelled)", "(not linked)"):
         kernels = parts.get(label)
         if not kernels:
             continue

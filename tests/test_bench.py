@@ -572,11 +572,18 @@ def test_spec_profile_credits_a_kernel_to_the_innermost_part():
                                            Ev("triton", [Kernel("gdn_rows", 0, 3.0)])])
     verify = Ev("verify", [Kernel("cat", 0, 1.0)], [target, Ev("aten::argmax", [Kernel("argmax", 0, 2.0)])])
     stray = Ev("aten::add", [Kernel("add", 0, 4.0)])
-    parts = part_times([verify, target, *target.cpu_children, stray], gpu=True)
+    # the device's own records of those six kernels, and one no operator launched
+    device = []
+    for us in (1.0, 5.0, 3.0, 2.0, 4.0, 0.5):
+        ev = Ev("kernel")
+        ev.device_type, ev.device_time = kind("CUDA"), us
+        device.append(ev)
+    parts = part_times([verify, target, *target.cpu_children, stray, *device], gpu=True)
     assert {k: dict(v) for k, v in parts.items()} == {
         "verify": {"cat": [1.0, 1], "argmax": [2.0, 1]},
         "verify.target": {"gemv": [5.0, 1], "gdn_rows": [3.0, 1]},
-        "(unlabelled)": {"add": [4.0, 1]}}
+        "(unlabelled)": {"add": [4.0, 1]},
+        "(not linked)": {"(kernels of no operator)": [0.5, 1]}}
 
 
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
