@@ -48,7 +48,8 @@
 #   profile-spec-q35-b1  where Qwen3.5's cycle goes at one sequence (1 x 1024 x 256, the oracle at 0.9, 6 and 8
 #                     drafts, the MTP head with its 32,768-token draft vocabulary): bench spec --profile, each part's
 #                     kernels (the head's drafts, the verify's rows, screen, rollback, the head's pass) and the
-#                     graphs' gaps -> profile_spec_qwen35_b1.json, token_map_32768.json
+#                     graphs' gaps, beside speculation off's plain step (fma) -> profile_spec_qwen35_b1.json,
+#                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
 #   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 4 / 6 / 8 drafts) with the MTP head's draft vocabulary of
 #                     32,768 tokens, beside speculation off's plain step (fma) -> spec_qwen35_b1_map.json,
 #                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
@@ -127,6 +128,11 @@ token_map() {   # PRESET SIZE OUT: the MTP head's draft vocabulary of PRESET's c
     --size "$2" --out "$3" --report "$OUT/token_map_$2.json" 2>&1 | tail -n 2
 }
 
+fma_b1_q35() {   # speculation off's plain step at one sequence (the one-row fma products), the curve's baseline
+  timeout 90 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3 \
+    --out "$OUT/spec_qwen35_b1_one_row_fma.json"
+}
+
 spec_b1_q35() {   # spec-b1's Qwen3.5 curve (built with its MTP head, so to verify every step)
   timeout 200 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms "$SPEC_ARMS,mtp" --k 3,4,6,8 \
     --out "$OUT/spec_qwen35_b1.json"
@@ -203,12 +209,12 @@ main() {
                         --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen3.json" ;;
       profile-spec-q35-b1)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
+        fma_b1_q35
         timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6,8 \
           --speculative-token-map /tmp/map_32768.pt --profile 5 --top 25 --out "$OUT/profile_spec_qwen35_b1.json" ;;
       spec-b1-q35-map)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
-        timeout 90 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3 \
-          --out "$OUT/spec_qwen35_b1_one_row_fma.json"
+        fma_b1_q35
         timeout 400 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,mtp \
           --k 4,6,8 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
