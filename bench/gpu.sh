@@ -45,12 +45,12 @@
 #                     speculation GPU tests -> pytest_exact_step.log
 #   profile-verify, profile-verify-q35  device time per kernel of a plain step and a verify of 1, 3 and 4 drafts
 #                     (bench prefill --verify) at the speculation curve's shapes -> profile_verify_qwen3[5].json
-#   profile-spec-q35-b1  where Qwen3.5's cycle goes at one sequence (1 x 1024 x 256, the oracle at 0.9, 6 and 8
+#   profile-spec-q35-b1  where Qwen3.5's cycle goes at one sequence (1 x 1024 x 256, the oracle at 0.9, 6, 7 and 8
 #                     drafts, the MTP head with its 32,768-token draft vocabulary): bench spec --profile, each part's
 #                     kernels (the head's drafts, the verify's rows, screen, rollback, the head's pass) and the
 #                     graphs' gaps, beside speculation off's plain step (fma) -> profile_spec_qwen35_b1.json,
 #                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
-#   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 4 / 6 / 8 drafts) with the MTP head's draft vocabulary of
+#   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 6 / 7 / 8 drafts) with the MTP head's draft vocabulary of
 #                     32,768 tokens, beside speculation off's plain step (fma) -> spec_qwen35_b1_map.json,
 #                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
 #   serve, serve-q35  bench serve: generate() at batch 1 and 16 beside the server at one stream and 16 streams
@@ -210,13 +210,13 @@ main() {
       profile-spec-q35-b1)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
         fma_b1_q35
-        timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6,8 \
+        timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6,7,8 \
           --speculative-token-map /tmp/map_32768.pt --profile 5 --top 25 --out "$OUT/profile_spec_qwen35_b1.json" ;;
       spec-b1-q35-map)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
         fma_b1_q35
         timeout 400 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.5,oracle:0.7,oracle:0.9,oracle:1,mtp \
-          --k 4,6,8 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map.json" ;;
+          --k 6,7,8 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_map.json" ;;
       profile-verify-q35) timeout 400 python3 -m bench prefill --model qwen3.5-4b --shapes 1x1024,4x2048,16x512 \
                             --steps 5 --verify 1,3,4 --top 25 --out "$OUT/profile_verify_qwen35.json" ;;
       serve) timeout 560 python3 -m bench serve --model qwen3-4b --streams 1,16 --waves 2 --engine-reps 3 \
