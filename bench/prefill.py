@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options,
                           engine_on_path, gpu_visible, int_list, positive_int, resolve_model, shape_list)
-from bench.spec import add_one_row_argument, device_us, set_one_row
+from bench.spec import add_one_row_argument, device_us, eager_decode, set_one_row
 
 COLUMNS = [Column("shape", width=9, left=True), Column("phase", width=11, left=True), Column("us", fmt="{:.1f}"),
            Column("share", fmt="{:.3f}", width=6), Column("calls", width=5), Column("kernel", width=70, left=True)]
@@ -62,7 +62,7 @@ def run(args, report) -> None:
     eng = build_engine(model_dir, engine_options(args))
     set_one_row(eng, args.one_row)
     engine_on_path()
-    from fq_decode import DecodeRunner, verify_picks
+    from fq_decode import verify_picks
 
     model = eng.model
     gpu = gpu_visible()
@@ -76,12 +76,7 @@ def run(args, report) -> None:
         ids = torch.tensor(prompts, device=eng.device)
         with torch.inference_mode():
             # the cache for every profiled step and verify
-            eng._prepare(batch, prompt + args.steps + 2 + max(args.verify, default=0))
-            runner = DecodeRunner(model, batch, use_graph=False)
-            runner.start(model.prefill(ids), prompt)
-            runner.step()                                       # the eager path's own first-call work
-            if gpu:
-                torch.cuda.synchronize()
+            runner = eager_decode(eng, ids, args.steps + 2 + max(args.verify, default=0))
             with profile(activities=[activity]) as prof:
                 for _ in range(args.steps):
                     runner.step()

@@ -34,6 +34,8 @@ each part's microseconds and calls (kernel launches; CPU: operators) a cycle and
 kernels; the graphs' own device time a cycle (the timed call's draft_ms + verify_ms) less the
 kernels' sum is what the graphs' launch gaps cost (less where PDL overlaps a kernel with the
 last; eager kernels run without it). Kernels linked to no operator, if any, are their own part.
+The plain row gets the same for N eager decode steps of the same build (part "step", after every
+arm of its shape): a verify's rows read against one row's kernels.
 Without a GPU each part holds its CPU operators' self time.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine,
+from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_on_path,
                           engine_options, gpu_visible, int_list, positive_int, resolve_model, shape_list)
 
 COLUMNS = [Column("batch", width=5), Column("prompt", width=6), Column("steps", width=5),
@@ -154,6 +156,14 @@ def run(args, report) -> None:
                            if args.profile and arm != "off" else {})})
             for part in report.rows[-1].get("profile", {}).get("parts", []):
                 report.note(f"  {arm} k={k} {part['part']:<16} {part['us']:10.1f} us  {part['calls']:6.1f} calls")
+        if args.profile:     # the plain step of the same build, beside the arms' verifies
+            ids = torch.tensor(prompts, device=eng.device)
+            plain_row = next(r for r in report.rows if r["arm"] == "plain" and r["batch"] == batch
+                             and r["prompt"] == prompt and r["steps"] == steps)
+            plain_row["profile"] = profile_steps(eng, ids, args.profile, args.top)
+            for part in plain_row["profile"]["parts"]:
+                report.note(f"  plain {part['part']:<22} {part['us']:10.1f} us  {part['calls']:6.1f} calls")
+            report.save()
         eng.set_speculation("off")
 
 
@@ -162,7 +172,7 @@ def run(args, report) -> None:
 PARTS = (("model", "mtp_draft", "draft.head"), ("model", "verify_hidden", "verify.target"),
          ("model", "verify_logits", "verify.lm_head"), ("screen", "argmax_rows", "verify.screen"),
          ("model", "commit_verify", "verify.rollback"), ("drafter", "observe", "verify.drafter"))
-LABELS = ("draft", "verify") + tuple(label for _, _, label in PARTS)
+LABELS = ("step", "draft", "verify") + tuple(label for _, _, label in PARTS)
 
 
 def _labelled(fn, label):
@@ -248,6 +258,12 @@ def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
     finally:
         for obj, method in wrapped:
             delattr(obj, method)
+    graphs = (stats.get("draft_ms") or 0.0) + (stats.get("verify_ms") or 0.0)
+    return _profile_doc(prof, cycles, top, gpu, graphs)
+
+
+def _profile_doc(prof, cycles: int, top: int, gpu: bool, graphs_ms: float | None) -> dict:
+    """A profile's parts a cycle (part_times), the largest `top` kernels of each."""
     parts = part_times(prof.events(), gpu)
     rows = []
     for label in (*LABELS, "(unlabelled)", "(not linked)"):
@@ -259,6 +275,43 @@ def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
                      "calls": sum(n for _, n in kernels.values()) / cycles,
                      "kernels": [[name[:200], us / cycles, n / cycles] for name, (us, n) in ranked[:top]]})
     total = sum(r["us"] for r in rows)
-    graphs = (stats.get("draft_ms") or 0.0) + (stats.get("verify_ms") or 0.0)
     return {"cycles": cycles, "source": "cuda kernels" if gpu else "cpu operators (self time)",
-            "kernels_us": total, "graphs_us": graphs * 1e3 if gpu else None, "parts": rows}
+            "kernels_us": total, "graphs_us": graphs_ms * 1e3 if gpu and graphs_ms else None, "parts": rows}
+
+
+def eager_decode(eng, ids, room: int):
+    """An eager DecodeRunner (the graph's kernels launched one by one) after the prompt pass of ids
+    [B, P], the engine's cache holding `room` positions past the prompt; its first step (the eager
+    path's first-call work) already run."""
+    import torch
+
+    engine_on_path()
+    from fq_decode import DecodeRunner
+
+    batch, prompt = ids.shape
+    eng._prepare(batch, prompt + room)
+    runner = DecodeRunner(eng.model, batch, use_graph=False)
+    runner.start(eng.model.prefill(ids), prompt)
+    runner.step()
+    if gpu_visible():
+        torch.cuda.synchronize()
+    return runner
+
+
+def profile_steps(eng, ids, steps: int, top: int) -> dict:
+    """--profile for plain decode: `steps` eager decode steps after the prompt pass of ids, each
+    kernel under "step" (the engine's graphed step's own time is the row's tok/s)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gpu = gpu_visible()
+    with torch.inference_mode():
+        runner = eager_decode(eng, ids, steps + 2)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function("step"):
+                    runner.step()
+            if gpu:
+                torch.cuda.synchronize()
+    return _profile_doc(prof, steps, top, gpu, None)

@@ -549,6 +549,10 @@ def test_spec_profile_puts_each_part_of_a_qwen35_cycle_in_its_own_row(tmp_path, 
     # k = 3: the head chains 2 drafts a cycle, each the same ops
     assert parts["draft.head"]["calls"] % 2 == 0
     assert prof["kernels_us"] == pytest.approx(sum(p["us"] for p in parts.values()))
+    # the plain step of the same build, for the verify's rows to be read against
+    plain = doc["rows"][0]
+    assert plain["arm"] == "plain" and [p["part"] for p in plain["profile"]["parts"]] == ["step"]
+    assert plain["profile"]["cycles"] == 2 and plain["profile"]["parts"][0]["us"] > 0
 
 
 def test_spec_profile_credits_a_kernel_to_the_innermost_part():
