@@ -50,6 +50,9 @@
 #                     kernels (the head's drafts, the verify's rows, screen, rollback, the head's pass) and the
 #                     graphs' gaps, beside speculation off's plain step (fma) -> profile_spec_qwen35_b1.json,
 #                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
+#   spec-b1-q35-ab    Qwen3.5 at one sequence (a = 0.9, 6 and 7 drafts, the 32,768-token map, median of 5) on an
+#                     earlier engine (.base/engine, as judge-ab) and on this one, a process each
+#                     -> spec_qwen35_b1_ab_base.json, spec_qwen35_b1_ab_head.json
 #   spec-b1-q35-map   Qwen3.5's batch-1 curve (a = 0.5-1, 6 / 7 / 8 drafts) with the MTP head's draft vocabulary of
 #                     32,768 tokens, beside speculation off's plain step (fma) -> spec_qwen35_b1_map.json,
 #                     spec_qwen35_b1_one_row_fma.json, token_map_32768.json
@@ -212,6 +215,13 @@ main() {
         fma_b1_q35
         timeout 300 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 --k 6,7,8 \
           --speculative-token-map /tmp/map_32768.pt --profile 5 --top 25 --out "$OUT/profile_spec_qwen35_b1.json" ;;
+      spec-b1-q35-ab)
+        [ -d .base/engine ] || { echo "gpu.sh: spec-b1-q35-ab needs an earlier engine/ in .base/engine (carry .base)"; continue; }
+        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
+        for side in base:.base/engine head:engine; do
+          timeout 240 python3 -m bench spec --engine "${side#*:}" --model qwen3.5-4b --shapes 1x1024x256 --arms oracle:0.9 \
+            --k 6,7 --reps 5 --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35_b1_ab_${side%%:*}.json"
+        done ;;
       spec-b1-q35-map)
         token_map qwen3.5-4b 32768 /tmp/map_32768.pt
         fma_b1_q35
