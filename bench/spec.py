@@ -139,8 +139,8 @@ def run(args, report) -> None:
         list(eng.generate(prompts, steps))
         plain_s, plain_tokens = _timed(eng, prompts, steps, args.reps, sync)
         shape = {"batch": batch, "prompt": prompt, "steps": steps}
-        report.add({**shape, "arm": "plain", "k": 0, "tok_s": batch * steps / plain_s, "vs_plain": 1.0,
-                    "same_tokens": True})
+        plain_row = report.add({**shape, "arm": "plain", "k": 0, "tok_s": batch * steps / plain_s, "vs_plain": 1.0,
+                                "same_tokens": True})
         for arm, k in ((arm, k) for arm in arms for k in args.k):
             eng.set_speculation(arm, k)
             list(eng.generate(prompts, steps))             # the oracle records here; compiles, tunes
@@ -158,8 +158,6 @@ def run(args, report) -> None:
                 report.note(f"  {arm} k={k} {part['part']:<16} {part['us']:10.1f} us  {part['calls']:6.1f} calls")
         if args.profile:     # the plain step of the same build, beside the arms' verifies
             ids = torch.tensor(prompts, device=eng.device)
-            plain_row = next(r for r in report.rows if r["arm"] == "plain" and r["batch"] == batch
-                             and r["prompt"] == prompt and r["steps"] == steps)
             plain_row["profile"] = profile_steps(eng, ids, args.profile, args.top)
             for part in plain_row["profile"]["parts"]:
                 report.note(f"  plain {part['part']:<22} {part['us']:10.1f} us  {part['calls']:6.1f} calls")

@@ -535,8 +535,7 @@ def test_spec_runs_shapes_of_their_own_and_auto(tmp_path, capsys, bench_cache):
 
 def test_spec_profile_puts_each_part_of_a_qwen35_cycle_in_its_own_row(tmp_path, capsys, bench_cache):
     """--profile on the MTP head's checkpoint: every part of a cycle holds time, the head's chained
-    drafts and its pass over the verified rows among them; the engine's methods are its own again
-    after the profile and its tokens unchanged."""
+    drafts and its pass over the verified rows among them, and the plain row has its step's."""
     doc = run_entry(["spec", "--model", "qwen3.5-tiny", "--shapes", "1x12x8", "--reps", "1", "--k", "3",
                      "--arms", "mtp", "--profile", "2", "--top", "3"], tmp_path, capsys)
     row = doc["rows"][1]
@@ -553,6 +552,22 @@ def test_spec_profile_puts_each_part_of_a_qwen35_cycle_in_its_own_row(tmp_path, 
     plain = doc["rows"][0]
     assert plain["arm"] == "plain" and [p["part"] for p in plain["profile"]["parts"]] == ["step"]
     assert plain["profile"]["cycles"] == 2 and plain["profile"]["parts"][0]["us"] > 0
+
+
+def test_spec_profile_leaves_the_engine_as_it_was(bench_cache):
+    """profile_cycle labels the engine's methods only while it profiles: afterwards none is an
+    instance attribute, and the next call's tokens are the ones before it."""
+    from bench.runner import build_engine, resolve_model
+    from bench.spec import PARTS, profile_cycle
+
+    eng = build_engine(resolve_model("qwen3.5-tiny"), {"speculation": "mtp", "speculative_tokens": 3})
+    prompts = torch.randint(0, eng.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)).tolist()
+    before = list(eng.generate(prompts, 8))
+    prof = profile_cycle(eng, 3, 1, 2, eng.spec_stats())
+    assert {p["part"] for p in prof["parts"]} >= {"draft.head", "verify.target"}
+    for obj in (eng.model, eng._spec.drafter):
+        assert not {method for _, method, _ in PARTS} & set(vars(obj)), type(obj).__name__
+    assert list(eng.generate(prompts, 8)) == before
 
 
 def test_spec_profile_credits_a_kernel_to_the_innermost_part():
