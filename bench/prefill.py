@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from bench.runner import (Column, add_engine_arguments, add_model_argument, build_engine, engine_options,
                           engine_on_path, gpu_visible, int_list, positive_int, resolve_model, shape_list)
-from bench.spec import add_one_row_argument, device_us, eager_decode, set_one_row
+from bench.spec import add_one_row_argument, eager_decode, set_one_row
 
 COLUMNS = [Column("shape", width=9, left=True), Column("phase", width=11, left=True), Column("us", fmt="{:.1f}"),
            Column("share", fmt="{:.3f}", width=6), Column("calls", width=5), Column("kernel", width=70, left=True)]
@@ -35,6 +35,11 @@ def add_arguments(parser) -> None:
     add_one_row_argument(parser)
 
 
+def device_us(ev) -> float:
+    us = getattr(ev, "device_time", None)     # torch >= 2.6; cuda_time before
+    return ev.cuda_time if us is None else us
+
+
 def kernel_times(prof, passes: int, gpu: bool) -> list[tuple[str, float, int]]:
     """(name, microseconds a pass, calls a pass) per kernel (CPU: operator, self time), largest first."""
     import torch
@@ -42,7 +47,7 @@ def kernel_times(prof, passes: int, gpu: bool) -> list[tuple[str, float, int]]:
     per: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
         if gpu:
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
+            if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
                 continue
             us = device_us(ev)
         else:

@@ -33,7 +33,7 @@ logits elsewhere), "verify.rollback" (the model's commit of the kept rows) and "
 each part's microseconds and calls (kernel launches; CPU: operators) a cycle and its largest
 kernels; the graphs' own device time a cycle (the timed call's draft_ms + verify_ms) less the
 kernels' sum is what the graphs' launch gaps cost (less where PDL overlaps a kernel with the
-last; eager kernels run without it). Kernels linked to no operator, if any, are their own part.
+last; eager kernels run without it).
 The plain row gets the same for N eager decode steps of the same build (part "step", after every
 arm of its shape): a verify's rows read against one row's kernels.
 Without a GPU each part holds its CPU operators' self time.
@@ -173,76 +173,79 @@ PARTS = (("model", "mtp_draft", "draft.head"), ("model", "verify_hidden", "verif
 LABELS = ("step", "draft", "verify") + tuple(label for _, _, label in PARTS)
 
 
-def _labelled(fn, label):
+def _labelled(fn, label, sync):
+    """fn inside a record_function(label), the device drained on both sides: its kernels run
+    inside the range's span (part_times places kernels by time)."""
     from torch.profiler import record_function
 
     def call(*args, **kwargs):
+        sync()
         with record_function(label):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            sync()
+        return out
     return call
 
 
 def part_times(events, gpu: bool) -> dict:
-    """{label: {kernel: [microseconds, calls]}} over profiled events: each kernel's time (CPU: each
-    operator's self time) in the innermost LABELS range around it; "(unlabelled)" outside them."""
+    """{label: {kernel: [microseconds, calls]}} over profiled events: each kernel's device time in
+    the innermost LABELS range whose span holds its start (the ranges drain the device at both ends,
+    so a range's kernels run inside it; the profiler links Triton's launches to no operator, so
+    time, not the launch's parent, places them); "(unlabelled)" outside them. CPU: each operator's
+    self time in the innermost range around it."""
     from collections import defaultdict
 
     parts: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    events = list(events)
+    if gpu:
+        ranges = sorted(((ev.time_range.end - ev.time_range.start, ev.time_range.start, ev.time_range.end, ev.name)
+                         for ev in events if ev.device_type.name == "CPU" and ev.name in LABELS))
+        for ev in events:
+            if ev.device_type.name != "CUDA" or getattr(ev, "is_user_annotation", False) or ev.name in LABELS:
+                continue
+            start = ev.time_range.start
+            label = next((name for _, lo, hi, name in ranges if lo <= start <= hi), "(unlabelled)")
+            parts[label][ev.name][0] += ev.time_range.end - start
+            parts[label][ev.name][1] += 1
+        return parts
 
     def walk(ev, label):
         if ev.name in LABELS:
             label = ev.name
-        if gpu:
-            for kernel in ev.kernels:
-                parts[label][kernel.name][0] += kernel.duration
-                parts[label][kernel.name][1] += 1
-        elif ev.name not in LABELS:
+        else:
             parts[label][ev.name][0] += ev.self_cpu_time_total
             parts[label][ev.name][1] += 1
         for child in ev.cpu_children:
             walk(child, label)
 
-    events = list(events)
     for ev in events:
         if ev.cpu_parent is None and ev.device_type.name == "CPU":
             walk(ev, "(unlabelled)")
-    if gpu:     # kernels the profiler linked to no operator (none expected): their time, not lost
-        kernels = [ev for ev in events if ev.device_type.name == "CUDA"]
-        total = sum(device_us(ev) for ev in kernels)
-        linked = sum(us for part in parts.values() for us, _ in part.values())
-        calls = len(kernels) - sum(n for part in parts.values() for _, n in part.values())
-        if calls > 0:
-            parts["(not linked)"]["(kernels of no operator)"] = [max(0.0, total - linked), calls]
     return parts
-
-
-def device_us(ev) -> float:
-    us = getattr(ev, "device_time", None)
-    return ev.cuda_time if us is None else us
 
 
 def profile_cycle(eng, k: int, cycles: int, top: int, stats: dict) -> dict:
     """--profile: `cycles` eager cycles (a draft, a verify of k) of the engine's speculative steps
     after its last call, the kernels' device time a cycle by part (the module note)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     runner = eng._spec
     gpu = gpu_visible()
     owners = {"model": eng.model, "screen": getattr(eng.model, "screen", None), "drafter": runner.drafter}
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     wrapped = []
     for owner, method, label in PARTS:
         obj = owners[owner]
         if obj is not None and callable(getattr(obj, method, None)):
-            setattr(obj, method, _labelled(getattr(obj, method), label))
+            setattr(obj, method, _labelled(getattr(obj, method), label, sync))
             wrapped.append((obj, method))
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    draft = _labelled(runner.run_eager, "draft", sync)
+    verify = _labelled(runner.run_eager, "verify", sync)
 
     def cycle():
-        with record_function("draft"):
-            runner.run_eager("draft")
-        with record_function("verify"):
-            runner.run_eager(f"verify{k}")
+        draft("draft")
+        verify(f"verify{k}")
 
     try:
         with torch.inference_mode():
@@ -264,7 +267,7 @@ def _profile_doc(prof, cycles: int, top: int, gpu: bool, graphs_ms: float | None
     """A profile's parts a cycle (part_times), the largest `top` kernels of each."""
     parts = part_times(prof.events(), gpu)
     rows = []
-    for label in (*LABELS, "(unlabelled)", "(not linked)"):
+    for label in (*LABELS, "(unlabelled)"):
         kernels = parts.get(label)
         if not kernels:
             continue
@@ -300,16 +303,14 @@ def profile_steps(eng, ids, steps: int, top: int) -> dict:
     """--profile for plain decode: `steps` eager decode steps after the prompt pass of ids, each
     kernel under "step" (the engine's graphed step's own time is the row's tok/s)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     gpu = gpu_visible()
     with torch.inference_mode():
         runner = eager_decode(eng, ids, steps + 2)
+        step = _labelled(runner.step, "step", torch.cuda.synchronize if gpu else (lambda: None))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                with record_function("step"):
-                    runner.step()
-            if gpu:
-                torch.cuda.synchronize()
+                step()
     return _profile_doc(prof, steps, top, gpu, None)

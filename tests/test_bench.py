@@ -571,38 +571,33 @@ def test_spec_profile_leaves_the_engine_as_it_was(bench_cache):
 
 
 def test_spec_profile_credits_a_kernel_to_the_innermost_part():
-    """part_times on a GPU's events: a kernel belongs to the innermost labelled range around its
-    launch, the rest of a range's kernels to that range, none outside to a part."""
+    """part_times on a GPU's events: a kernel belongs to the innermost labelled range whose span
+    holds its start, whatever operator (if any) the profiler linked it to; kernels outside every
+    range are "(unlabelled)"; the ranges' own device-side annotations are no kernels."""
     from collections import namedtuple
 
     from bench.spec import part_times
 
-    Kernel = namedtuple("Kernel", "name device duration")
-    kind = namedtuple("Kind", "name")
+    Span = namedtuple("Span", "start end")
+    Kind = namedtuple("Kind", "name")
 
     class Ev:
-        def __init__(self, name, kernels=(), children=()):
-            self.name, self.kernels, self.cpu_children = name, list(kernels), list(children)
-            self.device_type, self.self_cpu_time_total, self.cpu_parent = kind("CPU"), 1.0, None
-            for child in self.cpu_children:
-                child.cpu_parent = self
+        def __init__(self, name, start, end, device="CPU", annotation=False):
+            self.name, self.time_range = name, Span(start, end)
+            self.device_type, self.is_user_annotation = Kind(device), annotation
 
-    target = Ev("verify.target", children=[Ev("aten::mm", [Kernel("gemv", 0, 5.0)]),
-                                           Ev("triton", [Kernel("gdn_rows", 0, 3.0)])])
-    verify = Ev("verify", [Kernel("cat", 0, 1.0)], [target, Ev("aten::argmax", [Kernel("argmax", 0, 2.0)])])
-    stray = Ev("aten::add", [Kernel("add", 0, 4.0)])
-    # the device's own records of those six kernels, and one no operator launched
-    device = []
-    for us in (1.0, 5.0, 3.0, 2.0, 4.0, 0.5):
-        ev = Ev("kernel")
-        ev.device_type, ev.device_time = kind("CUDA"), us
-        device.append(ev)
-    parts = part_times([verify, target, *target.cpu_children, stray, *device], gpu=True)
+    def kernel(name, start, us):
+        return Ev(name, start, start + us, "CUDA")
+
+    events = [Ev("verify", 0, 100), Ev("verify.target", 10, 50), Ev("aten::mm", 12, 14),
+              Ev("verify.target", 0, 60, "CUDA", annotation=True),      # the range's GPU-side copy
+              kernel("cat", 2, 1.0), kernel("gemv", 20, 5.0), kernel("gdn_rows", 30, 3.0),
+              kernel("gemv", 40, 5.0), kernel("argmax", 70, 2.0), kernel("add", 150, 4.0)]
+    parts = part_times(events, gpu=True)
     assert {k: dict(v) for k, v in parts.items()} == {
         "verify": {"cat": [1.0, 1], "argmax": [2.0, 1]},
-        "verify.target": {"gemv": [5.0, 1], "gdn_rows": [3.0, 1]},
-        "(unlabelled)": {"add": [4.0, 1]},
-        "(not linked)": {"(kernels of no operator)": [0.5, 1]}}
+        "verify.target": {"gemv": [10.0, 2], "gdn_rows": [3.0, 1]},
+        "(unlabelled)": {"add": [4.0, 1]}}
 
 
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
