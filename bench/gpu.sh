@@ -34,6 +34,9 @@
 #                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   spec-tests-conv   spec-tests' conv of a verify's rows alone -> pytest_conv_rows.log
+#   screen-rows-tests the LM screen's tests of a verify's rows (its integer pass against the reference, each
+#                     row's pick the GEMV's on the real heads) beside the engine's speculation GPU tests
+#                     -> pytest_screen_rows.log
 #   spec-b1-q35       spec-b1's Qwen3.5 run alone -> spec_qwen35_b1.json
 #   spec-auto-q35-16  spec-auto-q35's (16, 1536, 48) alone, auto's arm only -> spec_auto_qwen35_16x1536x48.json
 #   shared-tiles     bench gemv --shared: the fma products' verify row tiles (block_m 1, 2, 4; fewer columns a
@@ -188,6 +191,13 @@ main() {
         { sort /tmp/pytest_exact_ids.log; grep -l -E "^(FAILED|E )" /tmp/pytest_exact_case_*.log | xargs -r tail -n 15
           echo "-- tests/test_engine_gpu.py -k 'specul or verif'"; tail -n 25 /tmp/pytest_exact_engine.log; } \
           | tee "$OUT/pytest_exact_step.log" ;;
+      screen-rows-tests)
+        timeout 300 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/kernels/test_lm_screen.py -k rows \
+          > /tmp/pytest_screen_rows.log 2>&1 &
+        timeout 300 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
+          -k 'specul or verif' > /tmp/pytest_spec_engine.log 2>&1 &
+        wait
+        tail -n 25 /tmp/pytest_screen_rows.log /tmp/pytest_spec_engine.log | tee "$OUT/pytest_screen_rows.log" ;;
       spec-tests-conv) timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_gdn_kernels.py \
                          -k conv_gates_rows 2>&1 | tail -n 20 | tee "$OUT/pytest_conv_rows.log" ;;
       spec-tests)

@@ -697,8 +697,8 @@ def _early_reads(batch: int) -> None:
 
 
 def _screen_rows(batch: int) -> None:
-    """The LM screen over a one-sequence verify's rows (argmax_rows) at each of its row paddings (2, 4,
-    8, 16), on both 4B heads; it screens one sequence only, so once (batch 1)."""
+    """The LM screen over a one-sequence verify's rows (argmax_rows: its integer pass takes the row
+    count at run time) on both 4B heads; it screens one sequence only, so once (batch 1)."""
     from fqkernels.lm_screen import LmScreen
 
     if batch == 1:

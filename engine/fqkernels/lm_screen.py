@@ -33,10 +33,20 @@ How, and why it is exact:
   a NaN or infinite x every row is a candidate and the pick is the full argmax's.
 
 More rows of one sequence (argmax_rows: a speculative verify's k + 1 rows, each a one-row step's):
-one int8 pass (_approx_rows_kernel) reads each int8 block once and keeps its sums for every row,
-in another order than the one-row pass (the bound above holds for any order of fp32 sums); each
-row then has its own tau, candidates, refine and final pick, the one-row kernels' code with a row
-index: each row's pick is argmax's for that row alone.
+one int8 pass for every row on the tensor cores, in integers, so exact:
+  `_x_int_kernel`: per row r of x, sx_r the least power of two >= max_i |x_ri| / 16256 and
+    X_ri = round(x_ri / sx_r) (exact: a power of two's scaling), so |x_ri - sx_r X_ri| <= sx_r / 2
+    and |X_ri| <= 16257, split as X = 128 h + l with h in [-127, 127] and l in [-64, 63] (int8);
+    and ||x_r||_1 in fp32.
+  `_approx_rows_kernel`: H_j = sum_i h_i Q_ji and L_j = sum_i l_i Q_ji on int8 tensor cores
+    (exact int32 sums), a_rj = fp32(s_j sx_r (128 H_j + L_j)) (one rounding after fp64), and
+       B_rj = c1 s_j ||x_r||_1 + 2^-8 |a_rj| + c2 s_j sx_r ||Q_j||_1,    c2 = (1/2)(1 + 10^-3)
+    (||Q_j||_1 kept from load time): the last term covers x's own rounding to X, since
+    |s_j sum x_i Q_ji - s_j sx sum X_i Q_ji| <= s_j (sx / 2) ||Q_j||_1, and the rest is the
+    one-row bound (its gamma_K term now covers no sum's rounding: a margin). It costs about
+    ||Q_j||_1 / (K 16256) max|x| / mean|x| of the first term: a few percent on a model's rows.
+Each row then has its own tau, candidates, refine and final pick, the one-row kernels' code with
+a row index: each row's pick is argmax's for that row alone.
 
 Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 rows a candidate's
 block); the pick never depends on how many candidates there are, only the time does (every row a
@@ -59,11 +69,13 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fqkernels import gemv, pdl
 from fqkernels.gemv import _load_w_block, _row_fma
 
-__all__ = ["ScreenPlan", "LmScreen", "quantize_rows", "bound_coefficient", "screened_argmax_reference"]
+__all__ = ["ScreenPlan", "LmScreen", "quantize_rows", "row_l1", "bound_coefficient", "x_integers",
+           "rows_bounds_reference", "screened_argmax_reference"]
 
 _NONE = tl.constexpr(2 ** 31 - 1)     # "no index yet", as fqkernels.argmax
 _MAGIC = tl.constexpr(0x4B000000)      # the fp32 bits of 2^23: (2^23 + byte) exactly, from the byte's bits
@@ -136,6 +148,50 @@ def quantize_rows(w: torch.Tensor, chunk_rows: int = 8192) -> tuple[torch.Tensor
     return q, s
 
 
+X_MAX = 16256          # |x / sx| at most this: X = 128 h + l stays within int8's h and l (module note)
+C2 = 0.5 * (1 + 1e-3)  # the rows pass's coefficient of s_j sx ||Q_j||_1 (module note)
+
+
+def row_l1(q: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
+    """||Q_j||_1 per row (fp32 [V], exact integers) of the stored bytes q = Q + 128."""
+    out = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
+    if q.is_meta:
+        return out
+    for r0 in range(0, q.shape[0], chunk_rows):
+        out[r0:r0 + chunk_rows] = (q[r0:r0 + chunk_rows].int() - 128).abs().sum(1).float()
+    return out
+
+
+def x_integers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_x_int_kernel on torch's ops for x [R, K]: (h, l) int8 [R, K], sx fp32 [R] (NaN where a row
+    holds a NaN or an infinity)."""
+    xf = x.float()
+    m = xf.abs().amax(1)
+    finite = torch.isfinite(m)
+    bits = (m / X_MAX).view(torch.int32)
+    e = torch.clamp(((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).int(), min=1)
+    sx, inv = (e << 23).view(torch.float32), ((254 - e) << 23).view(torch.float32)
+    big = torch.where(finite[:, None], torch.round(xf * inv[:, None]), 0.0).to(torch.int32)
+    lo = ((big + 64) & 127) - 64
+    hi = (big - lo) >> 7
+    return hi.to(torch.int8), lo.to(torch.int8), torch.where(finite, sx, math.nan)
+
+
+def rows_bounds_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, q_l1: torch.Tensor,
+                          c1: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax_rows' int8 pass on torch's ops (CPU): (a [R, V], B [R, V]) fp32, the kernels' formulas;
+    the integer sums exact (int64), ||x||_1 in torch's order."""
+    hi, lo, sx = x_integers(x.cpu())
+    qi = q.cpu().long() - 128
+    total = (hi.long() * 128 + lo.long()) @ qi.t()                     # [R, V], exact
+    scale = sx.double()[:, None] * s.cpu().double()[None, :]
+    approx = (total.double() * scale).float()
+    l1 = x.cpu().float().abs().sum(1)
+    bound = (c1 * s.cpu()[None, :] * l1[:, None] + _REL.value * approx.abs()
+             + (C2 * scale * q_l1.cpu().double()[None, :]).float())
+    return approx, bound
+
+
 def screened_argmax_reference(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                               logits_of=None) -> tuple[torch.Tensor, int]:
     """The screen on torch's ops: (the argmax [1] int64, the candidates' count). x [1, K] bf16;
@@ -198,34 +254,70 @@ def _approx_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, c1,
 
 
 @triton.jit
-def _approx_rows_kernel(x_ptr, q_ptr, s_ptr, up_ptr, tau_ptr, V, R, c1,
+def _x_int_kernel(x_ptr, xi_ptr, sx_ptr, l1_ptr, K: tl.constexpr, R_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """Row program_id(0) of x [R, K] as integers (module note): h into xi's row r, l into row R_PAD + r
+    (int8 [2 R_PAD, K]), sx[r] (NaN where x holds a NaN or an infinity), l1[r] = ||x_r||_1."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    pdl.wait(PDL)
+    x = tl.load(x_ptr + r * K + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.launch_dependents(PDL)
+    ax = tl.abs(x)
+    m = tl.max(ax, axis=0)
+    bits = libdevice.div_rn(m, 16256.0).to(tl.int32, bitcast=True)     # torch's m / X_MAX
+    e = tl.maximum(((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1)   # sx = 2^(e - 127)
+    sx = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                              # 1 / sx, exactly
+    finite = m < float("inf")
+    big = tl.where(finite, libdevice.rint(x * inv), 0.0).to(tl.int32)
+    lo = ((big + 64) & 127) - 64
+    hi = (big - lo) >> 7
+    tl.store(xi_ptr + r * K + offs, hi.to(tl.int8), mask=mask)
+    tl.store(xi_ptr + (R_PAD + r) * K + offs, lo.to(tl.int8), mask=mask)
+    tl.store(sx_ptr + r, tl.where(finite, sx, float("nan")))
+    tl.store(l1_ptr + r, tl.sum(ax, axis=0))
+
+
+@triton.jit
+def _approx_rows_kernel(xi_ptr, sx_ptr, l1_ptr, q_ptr, s_ptr, ql1_ptr, up_ptr, tau_ptr, V, R, c1, c2,
                         K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                         PDL: tl.constexpr = False):
-    """_approx_kernel for R rows of x [R, K] at once (R <= R_PAD): each int8 block loaded once for all
-    of them; up[r, j] = a_rj + B_rj, tau[r] <- max(tau[r], max_j a_rj - B_rj). The sums' order is
-    not the one-row kernel's: the bound holds for any order of fp32 sums (module note)."""
+    """The int8 pass for R rows of x (R <= R_PAD) from _x_int_kernel's integers: up[r, j] = a_rj + B_rj,
+    tau[r] <- max(tau[r], max_j a_rj - B_rj) (module note). Each int8 block of the head is read once,
+    as one tensor-core product against [h | l] (2 R_PAD columns)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_ld = tl.minimum(rows, V - 1)
     offs_k = tl.arange(0, BLOCK_K)
-    xr = tl.arange(0, R_PAD)
-    x_live = xr < R
+    cols = tl.arange(0, 2 * R_PAD)                          # h of x's rows, then their l
+    col_live = (cols % R_PAD) < R
     q_ptrs = q_ptr + rows_ld.to(tl.int64)[:, None] * K + offs_k[None, :]
-    s = tl.load(s_ptr + rows_ld)
+    xi_ptrs = xi_ptr + cols[None, :] * K + offs_k[:, None]   # [BLOCK_K, 2 R_PAD]
+    s = tl.load(s_ptr + rows_ld)                            # the weights' side: no kernel of the step writes it
+    ql1 = tl.load(ql1_ptr + rows_ld)
     pdl.wait(PDL)
-    acc = tl.zeros([R_PAD, BLOCK_R, BLOCK_K], dtype=tl.float32)
-    x_abs = tl.zeros([R_PAD, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, 2 * R_PAD], dtype=tl.int32)
     for k in range(0, K, BLOCK_K):
         b = tl.load(q_ptrs + k, eviction_policy="evict_first")
-        f = _q_values(b)
-        xv = tl.load(x_ptr + xr[:, None] * K + k + offs_k[None, :], mask=x_live[:, None], other=0.0).to(tl.float32)
-        acc += f[None, :, :] * xv[:, None, :]
-        x_abs += tl.abs(xv)
+        qv = (b ^ 128).to(tl.int8)                          # the byte Q + 128 back to Q (truncated: two's complement)
+        xv = tl.load(xi_ptrs + k, mask=col_live[None, :], other=0)
+        acc = tl.dot(qv, xv, acc, out_dtype=tl.int32)
     pdl.launch_dependents(PDL)
-    approx = tl.sum(acc, axis=2) * s[None, :]
-    bound = c1 * s[None, :] * tl.sum(x_abs, axis=1)[:, None] + _REL * tl.abs(approx)
+    weight = tl.where(cols < R_PAD, 128, 1).to(tl.int64)
+    total = tl.sum(tl.reshape(acc.to(tl.int64) * weight[None, :], [BLOCK_R, 2, R_PAD]), axis=1)  # 128 H + L
+    xr = tl.arange(0, R_PAD)
+    x_live = xr < R
+    sx = tl.load(sx_ptr + xr, mask=x_live, other=1.0)
+    l1 = tl.load(l1_ptr + xr, mask=x_live, other=0.0)
+    scale = s.to(tl.float64)[:, None] * sx.to(tl.float64)[None, :]
+    approx = (total.to(tl.float64) * scale).to(tl.float32)
+    bound = (c1 * s[:, None] * l1[None, :] + _REL * tl.abs(approx)
+             + (c2 * scale * ql1.to(tl.float64)[:, None]).to(tl.float32))
     live = rows < V
-    tl.store(up_ptr + xr[:, None] * V + rows[None, :], approx + bound, mask=x_live[:, None] & live[None, :])
-    tl.atomic_max(tau_ptr + xr, tl.max(tl.where(live[None, :], approx - bound, float("-inf")), axis=1), mask=x_live)
+    tl.store(up_ptr + xr[None, :] * V + rows[:, None], approx + bound, mask=live[:, None] & x_live[None, :])
+    lower = tl.where(live[:, None], approx - bound, float("-inf"))
+    tl.atomic_max(tau_ptr + xr, tl.max(lower, axis=0), mask=x_live)
 
 
 @triton.jit
@@ -337,7 +429,8 @@ class LmScreen:
         V, K = w.shape
         self.config = config or gemv.select_config(V, K, False, 1)
         self.q, self.s = quantize_rows(w)
-        self.c1 = bound_coefficient(K)
+        self.q_l1 = row_l1(self.q)
+        self.c1, self.c2 = bound_coefficient(K), C2
         self._buffers()
 
     def _buffers(self) -> None:
@@ -353,14 +446,17 @@ class LmScreen:
 
     def _rows_buffers(self) -> tuple:
         """argmax_rows' buffers, made once (a captured graph keeps their addresses): ROWS_MAX rows'
-        bounds, taus (-inf) and refine results."""
+        bounds, taus (-inf) and refine results, then x's integers (h and l), scales and norms."""
         if self.rows_buffers is None:
-            dev, V, R = self.w.device, self.w.shape[0], self.ROWS_MAX
+            dev, (V, K), R = self.w.device, self.w.shape, self.ROWS_MAX
             self.rows_buffers = (torch.empty((R, V), dtype=torch.float32, device=dev),
                                  torch.full((R,), float("-inf"), dtype=torch.float32, device=dev),
                                  torch.empty((R, self.parts), dtype=torch.float32, device=dev),
                                  torch.empty((R, self.parts), dtype=torch.int32, device=dev),
-                                 torch.empty((R, self.parts), dtype=torch.int32, device=dev))
+                                 torch.empty((R, self.parts), dtype=torch.int32, device=dev),
+                                 torch.empty((2 * R, K), dtype=torch.int8, device=dev),
+                                 torch.empty(R, dtype=torch.float32, device=dev),
+                                 torch.empty(R, dtype=torch.float32, device=dev))
         return self.rows_buffers
 
     def with_plan(self, plan: ScreenPlan) -> "LmScreen":
@@ -372,7 +468,8 @@ class LmScreen:
         return other
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.up, self.val, self.idx, self.nan))
+        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.q_l1, self.up, self.val, self.idx,
+                                                           self.nan))
 
     def approx(self, x: torch.Tensor, up: torch.Tensor, tau: torch.Tensor, use_pdl: bool = False,
                launch: dict | None = None) -> None:
@@ -419,13 +516,13 @@ class LmScreen:
             raise ValueError(f"lm_screen: out must be int64 of shape ({R},), got {out.dtype} {tuple(out.shape)}")
         if R == 1:
             return self.argmax(x, out)
-        up, tau, val, idx, nan = self._rows_buffers()
+        up, tau, val, idx, nan, xi, sx, l1 = self._rows_buffers()
         use_pdl, launch = pdl.for_rows(1)
-        r_pad = triton.next_power_of_2(R)
-        block_r, block_k = _rows_tile(r_pad)
-        _approx_rows_kernel[(triton.cdiv(V, block_r),)](
-            x, self.q, self.s, up, tau, V, R, self.c1, K=K, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_K=block_k,
-            PDL=use_pdl, num_warps=4, num_stages=2, **launch)
+        _x_int_kernel[(R,)](x, xi, sx, l1, K=K, R_PAD=self.ROWS_MAX, BLOCK=triton.next_power_of_2(K),
+                            PDL=use_pdl, num_warps=4, **launch)
+        _approx_rows_kernel[(triton.cdiv(V, ROWS_BLOCK_R),)](
+            xi, sx, l1, self.q, self.s, self.q_l1, up, tau, V, R, self.c1, self.c2, K=K, R_PAD=self.ROWS_MAX,
+            BLOCK_R=ROWS_BLOCK_R, BLOCK_K=ROWS_BLOCK_K, PDL=use_pdl, num_warps=4, num_stages=3, **launch)
         self._refine(x, R, up, tau, val, idx, nan, out, use_pdl, launch)
         return out
 
@@ -442,14 +539,10 @@ class LmScreen:
                             BLOCK_P=max(16, triton.next_power_of_2(self.parts)), PDL=use_pdl, num_warps=4, **launch)
 
 
-ROWS_BLOCK_K = 256     # _approx_rows_kernel's largest K a loop trip (argmax_rows needs K a multiple of it)
-
-
-def _rows_tile(r_pad: int) -> tuple:
-    """_approx_rows_kernel's (weight rows, K) a program for r_pad rows of x: 16 weight rows, and K
-    such that the r_pad x 16 x K fp32 sums are 64 a thread of 4 warps. x's loads (from cache) per
-    weight byte grow as r_pad / 8, so a program keeps its 16 rows rather than its K."""
-    return 16, 2 * ROWS_BLOCK_K // r_pad
+# _approx_rows_kernel's tile: head rows a program and K a loop trip (argmax_rows needs K a multiple
+# of it); an int8 tensor-core product of [BLOCK_R, BLOCK_K] against [BLOCK_K, 2 ROWS_MAX].
+ROWS_BLOCK_R = 128
+ROWS_BLOCK_K = 256
 
 
 def for_model(w: torch.Tensor) -> LmScreen | None:

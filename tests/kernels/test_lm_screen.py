@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from engine_modules import ENGINE_DIR
 
@@ -111,6 +112,71 @@ def test_reference_nan_row_first():
     pick, count = lm_screen.screened_argmax_reference(x, w, *lm_screen.quantize_rows(w))
     assert count == V                                   # NaN bounds: every row a candidate
     assert int(pick[0]) == int(torch.argmax(gemv.linear_reference(x, w), dim=-1)[0])
+
+
+def _rows_x(K: int, seed: int) -> torch.Tensor:
+    """x [6, K]: rows of the scales a verify meets, one with a few large outliers, one all zero, one
+    with values near bf16's smallest normal."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, K, generator=g)
+    x[1] *= 30.0
+    x[2, ::50] *= 400.0
+    x[3] = 0
+    x[4] *= 1e-36
+    x[5] *= 1e-3
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_x_integers_split_exactly(seed):
+    """x_integers: sx a power of two, x = sx (128 h + l) + e with |e| <= sx / 2, h and l in int8's
+    ranges [-127, 127] and [-64, 63], and |x| / sx <= 16256 at most one step over."""
+    x = _rows_x(512, seed)
+    hi, lo, sx = lm_screen.x_integers(x)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert int(hi.abs().max()) <= 127 and int(lo.min()) >= -64 and int(lo.max()) <= 63
+    mant, _ = torch.frexp(sx)
+    assert bool((mant == 0.5).all())                       # powers of two
+    big = hi.double() * 128 + lo.double()
+    err = (x.double() - sx.double()[:, None] * big).abs()
+    assert bool((err <= sx.double()[:, None] / 2).all())
+    m = x.double().abs().amax(1)
+    assert bool((m / sx.double() <= lm_screen.X_MAX).all())
+    assert bool((sx[3] == 2.0 ** -126) & (hi[3] == 0).all() & (lo[3] == 0).all())   # the zero row
+
+
+def test_x_integers_non_finite_rows():
+    x = _rows_x(256, 9)
+    x[1, 4] = float("nan")
+    x[2, 0] = float("inf")
+    _, _, sx = lm_screen.x_integers(x)
+    assert torch.isnan(sx[1]) and torch.isnan(sx[2]) and bool(torch.isfinite(sx[[0, 3, 4, 5]]).all())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_bound_holds_on_every_row(seed):
+    """argmax_rows' int8 pass (rows_bounds_reference, the kernels' formulas): |bf16 logit - a_rj| <=
+    B_rj for every row of x and of the head, x's own rounding to integers included."""
+    V, K = 1500, 512
+    w = _head(V, K, 40 + seed)
+    x = _rows_x(K, 60 + seed)
+    q, s = lm_screen.quantize_rows(w)
+    approx, bound = lm_screen.rows_bounds_reference(x, q, s, lm_screen.row_l1(q), lm_screen.bound_coefficient(K))
+    for r in range(x.shape[0]):
+        logits = gemv.linear_reference(x[r:r + 1], w)[0].double()
+        slack = bound[r].double() - (logits - approx[r].double()).abs()
+        assert bool((slack >= 0).all()), f"x row {r}, head row {int(slack.argmin())}: short by {-float(slack.min())}"
+    # on rows of x without outliers the integers' term is a small share of the bound: the
+    # candidates stay about the one-row pass's
+    live = s > 0
+    share = (lm_screen.C2 * lm_screen.x_integers(x)[2][0] * lm_screen.row_l1(q) * s)[live] / bound[0, live]
+    assert float(share.max()) < 0.03
+
+
+def test_row_l1_counts_q():
+    w = _head(300, 256, 2)
+    q, _ = lm_screen.quantize_rows(w)
+    assert torch.equal(lm_screen.row_l1(q, chunk_rows=64), (q.double() - 128).abs().sum(1).float())
 
 
 def test_plans_and_errors():
@@ -242,6 +308,35 @@ def test_rows_argument_errors():
     with pytest.raises(ValueError, match="out must be"):
         screen.argmax_rows(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV),
                            out=torch.zeros(3, dtype=torch.int64, device=DEV))
+
+
+@needs_kernels
+def test_kernels_rows_bounds_are_the_references():
+    """argmax_rows' integer pass against rows_bounds_reference: x's integers and scales bit for bit,
+    the upper bounds to fp32's rounding (||x||_1 is summed in another order), each row's tau the
+    largest lower bound."""
+    V, K = 1003, 512
+    w = _head(V, K, 77).to(DEV)
+    screen = _screen(w)
+    x = _rows_x(K, 78)
+    x[5, 3] = float("nan")
+    R = x.shape[0]
+    xd = x.to(DEV)
+    approx, bound = lm_screen.rows_bounds_reference(x, screen.q, screen.s, screen.q_l1, screen.c1)
+    up, tau, _, _, _, xi, sx, _ = screen._rows_buffers()
+    tau.fill_(float("-inf"))
+    lm_screen._x_int_kernel[(R,)](xd, xi, sx, screen.rows_buffers[7], K=K, R_PAD=screen.ROWS_MAX, BLOCK=K)
+    hi, lo, sx_ref = lm_screen.x_integers(x)
+    assert torch.equal(xi[:R].cpu(), hi) and torch.equal(xi[screen.ROWS_MAX:screen.ROWS_MAX + R].cpu(), lo)
+    assert torch.equal(sx[:R].cpu()[:5], sx_ref[:5]) and bool(torch.isnan(sx[5]))
+    lm_screen._approx_rows_kernel[(triton.cdiv(V, lm_screen.ROWS_BLOCK_R),)](
+        xi, sx, screen.rows_buffers[7], screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, screen.c2, K=K,
+        R_PAD=screen.ROWS_MAX, BLOCK_R=lm_screen.ROWS_BLOCK_R, BLOCK_K=lm_screen.ROWS_BLOCK_K)
+    want = (approx + bound)[:5]
+    torch.testing.assert_close(up[:5].cpu(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(tau[:5].cpu(), (approx - bound)[:5].amax(1), rtol=1e-6, atol=0)
+    assert bool(torch.isnan(up[5]).all())                   # a NaN row: every head row a candidate
+    tau.fill_(float("-inf"))
 
 
 @pytest.mark.gpu
