@@ -163,11 +163,11 @@ def row_l1(q: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
 
 
 def x_integers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_x_int_kernel on torch's ops for x [R, K]: (h, l) int8 [R, K], sx fp32 [R] (NaN where a row
-    holds a NaN or an infinity)."""
+    """_x_int_kernel on torch's ops for x [R, K]: (h, l) int8 [R, K], sx fp32 [R] (NaN where a row's
+    ||x||_1 is not finite: a NaN or an infinity in it, every head row then a candidate)."""
     xf = x.float()
     m = xf.abs().amax(1)
-    finite = torch.isfinite(m)
+    finite = torch.isfinite(xf.abs().sum(1))
     bits = (m / X_MAX).view(torch.int32)
     e = torch.clamp(((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).int(), min=1)
     sx, inv = (e << 23).view(torch.float32), ((254 - e) << 23).view(torch.float32)
@@ -266,18 +266,19 @@ def _x_int_kernel(x_ptr, xi_ptr, sx_ptr, l1_ptr, K: tl.constexpr, R_PAD: tl.cons
     pdl.launch_dependents(PDL)
     ax = tl.abs(x)
     m = tl.max(ax, axis=0)
+    l1 = tl.sum(ax, axis=0)
     bits = libdevice.div_rn(m, 16256.0).to(tl.int32, bitcast=True)     # torch's m / X_MAX
     e = tl.maximum(((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1)   # sx = 2^(e - 127)
     sx = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                              # 1 / sx, exactly
-    finite = m < float("inf")
+    finite = l1 < float("inf")            # no NaN or infinity in x (tl.max passes NaN over; the sum does not)
     big = tl.where(finite, libdevice.rint(x * inv), 0.0).to(tl.int32)
     lo = ((big + 64) & 127) - 64
     hi = (big - lo) >> 7
     tl.store(xi_ptr + r * K + offs, hi.to(tl.int8), mask=mask)
     tl.store(xi_ptr + (R_PAD + r) * K + offs, lo.to(tl.int8), mask=mask)
     tl.store(sx_ptr + r, tl.where(finite, sx, float("nan")))
-    tl.store(l1_ptr + r, tl.sum(ax, axis=0))
+    tl.store(l1_ptr + r, l1)
 
 
 @triton.jit
