@@ -313,8 +313,8 @@ def test_rows_argument_errors():
 @needs_kernels
 def test_kernels_rows_bounds_are_the_references():
     """argmax_rows' integer pass against rows_bounds_reference: x's integers and scales bit for bit,
-    the upper bounds to fp32's rounding (||x||_1 is summed in another order), each row's tau the
-    largest lower bound."""
+    the upper bounds and each row's tau (the largest lower bound) within 1e-5 of the bound
+    (||x||_1 is summed in another order)."""
     V, K = 1003, 512
     w = _head(V, K, 77).to(DEV)
     screen = _screen(w)
@@ -332,9 +332,11 @@ def test_kernels_rows_bounds_are_the_references():
     lm_screen._approx_rows_kernel[(triton.cdiv(V, lm_screen.ROWS_BLOCK_R),)](
         xi, sx, screen.rows_buffers[7], screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, screen.c2, K=K,
         R_PAD=screen.ROWS_MAX, BLOCK_R=lm_screen.ROWS_BLOCK_R, BLOCK_K=lm_screen.ROWS_BLOCK_K)
-    want = (approx + bound)[:5]
-    torch.testing.assert_close(up[:5].cpu(), want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(tau[:5].cpu(), (approx - bound)[:5].amax(1), rtol=1e-6, atol=0)
+    # ||x||_1's order and c2's fp32 rounding move a bound by ~1e-6 of itself, nothing more
+    assert bool(((up[:5].cpu() - (approx + bound)[:5]).abs() <= 1e-5 * bound[:5]).all())
+    lower = (approx - bound)[:5]
+    top = lower.argmax(1, keepdim=True)
+    assert bool(((tau[:5].cpu() - lower.amax(1)).abs() <= 1e-5 * bound[:5].gather(1, top)[:, 0]).all())
     assert bool(torch.isnan(up[5]).all())                   # a NaN row: every head row a candidate
     tau.fill_(float("-inf"))
 
