@@ -50,7 +50,8 @@ a row index: each row's pick is argmax's for that row alone.
 
 Cost at one row: the int8 pass (~V K bytes) plus the candidates' bf16 rows (8 rows a candidate's
 block); the pick never depends on how many candidates there are, only the time does (every row a
-candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 4) bytes more, kept beside w.
+candidate is the GEMV's reads plus the int8 pass). Memory: V (K + 8) bytes more, kept beside w
+(the int8 copy, the scales and each row's ||Q_j||_1, which the rows pass reads).
 
 On an H200 (synthetic 4B checkpoints) the pick equals the GEMV's argmax at every one of 96
 decode states a model; the candidates a step and the time saved: docs/PERFORMANCE.md
