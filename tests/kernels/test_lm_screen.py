@@ -323,14 +323,14 @@ def test_kernels_rows_bounds_are_the_references():
     R = x.shape[0]
     xd = x.to(DEV)
     approx, bound = lm_screen.rows_bounds_reference(x, screen.q, screen.s, screen.q_l1, screen.c1)
-    up, tau, _, _, _, xi, sx, _ = screen._rows_buffers()
+    up, tau, _, _, _, xi, sx, l1 = screen._rows_buffers()
     tau.fill_(float("-inf"))
-    lm_screen._x_int_kernel[(R,)](xd, xi, sx, screen.rows_buffers[7], K=K, R_PAD=screen.ROWS_MAX, BLOCK=K)
+    lm_screen._x_int_kernel[(R,)](xd, xi, sx, l1, K=K, R_PAD=screen.ROWS_MAX, BLOCK=K)
     hi, lo, sx_ref = lm_screen.x_integers(x)
     assert torch.equal(xi[:R].cpu(), hi) and torch.equal(xi[screen.ROWS_MAX:screen.ROWS_MAX + R].cpu(), lo)
     assert torch.equal(sx[:R].cpu()[:5], sx_ref[:5]) and bool(torch.isnan(sx[5]))
     lm_screen._approx_rows_kernel[(triton.cdiv(V, lm_screen.ROWS_BLOCK_R),)](
-        xi, sx, screen.rows_buffers[7], screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, screen.c2, K=K,
+        xi, sx, l1, screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, screen.c2, K=K,
         R_PAD=screen.ROWS_MAX, BLOCK_R=lm_screen.ROWS_BLOCK_R, BLOCK_K=lm_screen.ROWS_BLOCK_K)
     # ||x||_1's order and c2's fp32 rounding move a bound by ~1e-6 of itself, nothing more
     assert bool(((up[:5].cpu() - (approx + bound)[:5]).abs() <= 1e-5 * bound[:5]).all())
