@@ -88,8 +88,9 @@ q35_site() {   # the machine's own Transformers 5.x: the Qwen3.5 reference's env
 }
 judge() {   # NAME MODEL_DIR: the judge, official (5 samples, every gate), on the public workloads
   [ -n "$2" ] || { echo "gpu.sh: no checkpoint for judge_$1"; return 1; }
+  # its progress kept whole in $OUT (a call that runs out of time still brings back the samples so far)
   timeout 560 python3 -m fastqwen.cli judge --engine engine --official --workloads public --model "$2" \
-    --out "$OUT/judge_$1.json" --chart "$OUT/judge_$1.png" 2>&1 | tail -60
+    --out "$OUT/judge_$1.json" --chart "$OUT/judge_$1.png" 2>&1 | tee "$OUT/judge_$1.log" | tail -60
 }
 
 judge_ab() {   # NAME MODEL_DIR: judge() with .base/engine as the baseline side (the before/after A/B)
