@@ -24,7 +24,7 @@ compare two processes' rows against one baseline (the docs' trade).
 
 --profile N: after an arm's timed calls, N more cycles of its steps (a draft and a verify of k)
 launched eagerly under torch.profiler, with no room left to emit (the state stays as the call left
-it), each kernel's device time put in the innermost part of the cycle that launched it: "draft"
+it), each kernel's device time put in the innermost part of the cycle it ran in: "draft"
 (the drafter's own ops), "draft.head" (the MTP head's chained drafts), "verify" (the rows, the
 acceptance, the tokens kept), "verify.target" (the model's rows up to the final norm),
 "verify.screen" (one sequence's picks through the LM screen) or "verify.lm_head" (the LM head's
@@ -166,7 +166,7 @@ def run(args, report) -> None:
 
 
 # The parts of a speculative cycle: (where, method, label); a kernel belongs to the innermost
-# label around its launch.
+# label whose span holds its start (part_times).
 PARTS = (("model", "mtp_draft", "draft.head"), ("model", "verify_hidden", "verify.target"),
          ("model", "verify_logits", "verify.lm_head"), ("screen", "argmax_rows", "verify.screen"),
          ("model", "commit_verify", "verify.rollback"), ("drafter", "observe", "verify.drafter"))
