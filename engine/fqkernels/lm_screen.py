@@ -432,7 +432,7 @@ class LmScreen:
         self.config = config or gemv.select_config(V, K, False, 1)
         self.q, self.s = quantize_rows(w)
         self.q_l1 = row_l1(self.q)
-        self.c1, self.c2 = bound_coefficient(K), C2
+        self.c1 = bound_coefficient(K)
         self._buffers()
 
     def _buffers(self) -> None:
@@ -523,7 +523,7 @@ class LmScreen:
         _x_int_kernel[(R,)](x, xi, sx, l1, K=K, R_PAD=self.ROWS_MAX, BLOCK=triton.next_power_of_2(K),
                             PDL=use_pdl, num_warps=4, **launch)
         _approx_rows_kernel[(triton.cdiv(V, ROWS_BLOCK_R),)](
-            xi, sx, l1, self.q, self.s, self.q_l1, up, tau, V, R, self.c1, self.c2, K=K, R_PAD=self.ROWS_MAX,
+            xi, sx, l1, self.q, self.s, self.q_l1, up, tau, V, R, self.c1, C2, K=K, R_PAD=self.ROWS_MAX,
             BLOCK_R=ROWS_BLOCK_R, BLOCK_K=ROWS_BLOCK_K, PDL=use_pdl, num_warps=4, num_stages=3, **launch)
         self._refine(x, R, up, tau, val, idx, nan, out, use_pdl, launch)
         return out

@@ -330,7 +330,7 @@ def test_kernels_rows_bounds_are_the_references():
     assert torch.equal(xi[:R].cpu(), hi) and torch.equal(xi[screen.ROWS_MAX:screen.ROWS_MAX + R].cpu(), lo)
     assert torch.equal(sx[:R].cpu()[:5], sx_ref[:5]) and bool(torch.isnan(sx[5]))
     lm_screen._approx_rows_kernel[(triton.cdiv(V, lm_screen.ROWS_BLOCK_R),)](
-        xi, sx, l1, screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, screen.c2, K=K,
+        xi, sx, l1, screen.q, screen.s, screen.q_l1, up, tau, V, R, screen.c1, lm_screen.C2, K=K,
         R_PAD=screen.ROWS_MAX, BLOCK_R=lm_screen.ROWS_BLOCK_R, BLOCK_K=lm_screen.ROWS_BLOCK_K)
     # ||x||_1's order and c2's fp32 rounding move a bound by ~1e-6 of itself, nothing more
     assert bool(((up[:5].cpu() - (approx + bound)[:5]).abs() <= 1e-5 * bound[:5]).all())
