@@ -20,7 +20,8 @@
 #                     same run (--baseline .base/engine: carry .base, made here with
 #                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
-#   spec, spec-q35    bench spec's curve (SPEC_SHAPES, SPEC_ARMS) on synthetic Qwen3-4B / Qwen3.5-4B
+#   spec, spec-q35    bench spec's curve at batch 4 and 16 (SPEC_SHAPES, SPEC_ARMS, 3 and 4 drafts) on synthetic
+#                     Qwen3-4B / Qwen3.5-4B (its MTP head with the 32,768-token draft vocabulary)
 #                     -> spec_qwen3.json / spec_qwen35.json
 #   spec-b1           the curve at one sequence (1 x 1024 x 256; the oracle at 0.5-1; Qwen3 k = 3, 4 and 8, Qwen3.5
 #                     k = 3, 4, 6 and 8 with its MTP head, so built to verify: its products on the tensor cores),
@@ -123,9 +124,9 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
   cat "$OUT/pytest_gpu.log"
 }
 
-# the speculation curve's shapes and arms (the oracle at a, each at k = 3 and 4; Qwen3.5 adds its MTP head;
-# auto is the spec-auto stages')
-SPEC_SHAPES=${SPEC_SHAPES:-1x1024x256,4x2048x128,16x512x128}
+# the speculation curve's shapes and arms (the oracle at a, each at k = 3 and 4; batch 1 is spec-b1's and
+# spec-b1-q35-map's; auto is the spec-auto stages')
+SPEC_SHAPES=${SPEC_SHAPES:-4x2048x128,16x512x128}
 SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
@@ -169,8 +170,10 @@ main() {
       gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
       spec) timeout 560 python3 -m bench spec --model qwen3-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" --k 3,4 \
               --out "$OUT/spec_qwen3.json" ;;
-      spec-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS,mtp" --k 3,4 \
-                  --out "$OUT/spec_qwen35.json" ;;
+      spec-q35)
+        token_map qwen3.5-4b 32768 /tmp/map_32768.pt
+        timeout 500 python3 -m bench spec --model qwen3.5-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" --k 3,4 \
+          --speculative-token-map /tmp/map_32768.pt --out "$OUT/spec_qwen35.json" ;;
       spec-b1)
         timeout 170 python3 -m bench spec --model qwen3-4b --shapes 1x1024x256 --arms "$SPEC_ARMS" --k 3,4,8 \
           --out "$OUT/spec_qwen3_b1.json"
