@@ -17,6 +17,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "gemv": ("bench.gemv", "the decode GEMV configs against cuBLAS per (rows, N, K) of both families' products"),
     "attention": ("bench.attention", "the decode-attention kernel against SDPA per batch and context"),
     "gdn": ("bench.gdn", "the GDN prompt pass's kernels per plan against the torch reference and fla"),
+    "gdn-rows": ("bench.gdn_rows", "a verify's exact GDN rows: device time per phase of a row (GPU clocks)"),
     "lm-screen": ("bench.lm_screen", "the screened LM-head pick against GEMV + argmax: picks, candidates, time"),
     "spec": ("bench.spec", "speculative decoding against plain decode: the oracle's speed curve and the drafters"),
     "step": ("bench.step", "the graphed decode step per batch size on a checkpoint"),

@@ -20,6 +20,9 @@
 #                     same run (--baseline .base/engine: carry .base, made here with
 #                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
 #   gdn               the GDN prompt pass against the reference and fla (carried in .whl_fla) -> bench_gdn_prefill.json
+#   gdn-rows          a verify's exact GDN rows at 1 and 4 sequences, 7 rows from chunk rows 0, 24 and 57: each
+#                     phase's cycles a row (fused_rows' stamps), beside the graphed launch
+#                     -> bench_gdn_rows.json, bench_gdn_rows_b4.json
 #   spec, spec-q35    bench spec's curve at batch 4 and 16 (SPEC_SHAPES, SPEC_ARMS, 3 and 4 drafts) on synthetic
 #                     Qwen3-4B / Qwen3.5-4B (its MTP head with the 32,768-token draft vocabulary)
 #                     -> spec_qwen3.json / spec_qwen35.json
@@ -168,6 +171,8 @@ main() {
       judge-ab) judge_ab public "$(checkpoint qwen3-4b)" ;;
       judge-ab-q35) FASTQWEN_QWEN35_SITE=$(q35_site) judge_ab public_q35 "$(checkpoint qwen3.5-4b)" ;;
       gdn) timeout 560 python3 -m bench gdn --out "$OUT/bench_gdn_prefill.json" ;;
+      gdn-rows) timeout 300 python3 -m bench gdn-rows --out "$OUT/bench_gdn_rows.json" \
+                  && timeout 200 python3 -m bench gdn-rows --batch 4 --out "$OUT/bench_gdn_rows_b4.json" ;;
       spec) timeout 560 python3 -m bench spec --model qwen3-4b --shapes "$SPEC_SHAPES" --arms "$SPEC_ARMS" --k 3,4 \
               --out "$OUT/spec_qwen3.json" ;;
       spec-q35)

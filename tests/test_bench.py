@@ -161,6 +161,8 @@ def test_no_entry_is_an_error(capsys):
     (["gemv", "--ops", "nope"], "unknown op"),
     (["gemv", "--config", "block_n"], "not name=value"),
     (["attention", "--contexts", "-1"], "positive integer"),
+    (["gdn-rows", "--starts", "0,64"], "chunk rows 0-63"),
+    (["gdn-rows", "--rows", "0"], "positive integer"),
 ])
 def test_argument_errors_exit_2_naming_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -661,3 +663,42 @@ def test_gemv_sweep_at_one_row_takes_the_tensor_core_tiles_and_modes_filter_it()
     assert {c.mode for c in tensor[1:]} == {"dot", "dot_t"} and set(tensor[1:]) <= set(every)
     assert gemv.select_config(6144, 2560, False, 1, one_row_tensor_cores=True) in tensor
 
+
+
+# ---------------------------------------------------------------- gdn-rows: the phase stamps
+
+def test_gdn_rows_phase_times_from_fabricated_stamps():
+    """Two programs, two rows, stamps a known number of cycles apart: each phase's median over the
+    programs of its mean over the rows, each row alone, and the timer's ns a cycle."""
+    from bench.gdn_rows import phase_times
+
+    runner.engine_on_path()
+    from fqkernels.gdn_exact_step import PHASES
+
+    phases = len(PHASES)
+    stamps = torch.zeros((2, 2, phases + 1, 2), dtype=torch.int64)
+    for p, (base, widths) in enumerate([(1000, (10, 20, 30, 40)), (5000, (30, 40, 50, 60))]):
+        t = base
+        for r in range(2):
+            for i in range(phases + 1):
+                stamps[p, r, i] = torch.tensor([t, 2 * t])          # the timer runs at 2 ns a cycle
+                if i < phases:
+                    t += widths[i] * (r + 1)                        # row 1's phases take twice row 0's
+            t += 5                                                  # between rows
+    got = phase_times(stamps)
+    assert got["ns_per_cycle"] == pytest.approx(2.0)
+    # program 0: phase 0 takes 10 and 20 (mean 15); program 1: 30 and 60 (mean 45); median 30
+    assert got[PHASES[0]] == pytest.approx(30.0)
+    assert got[PHASES[3]] == pytest.approx((60 + 90) / 2)
+    assert got["row_0"] == pytest.approx((100 + 180) / 2) and got["row_1"] == pytest.approx((200 + 360) / 2)
+    assert got["row"] == pytest.approx((150 + 270) / 2)
+    assert sum(got[name] for name in PHASES) == pytest.approx(got["row"])
+
+
+def test_gdn_rows_without_a_gpu_is_an_error_naming_why(capsys, monkeypatch):
+    monkeypatch.setattr(runner, "gpu_visible", lambda: False)
+    import bench.gdn_rows as gdn_rows
+
+    monkeypatch.setattr(gdn_rows, "gpu_visible", lambda: False)
+    assert main(["gdn-rows"]) == 2
+    assert "no GPU is visible" in capsys.readouterr().err

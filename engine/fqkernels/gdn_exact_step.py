@@ -621,7 +621,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
 
 
 def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 32,
-               use_pdl: bool = True) -> torch.Tensor:
+               use_pdl: bool = True, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """fused_step over T rows of each sequence in turn (a speculative verify's rows): q, k [T, B, Hk,
     Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv] (any strides fused_step takes within a row), row r of
     sequence b at positions[b] + r; tile: the cumulative sum's (fused_step's); no gated norm (the
@@ -629,8 +629,10 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     sequences), one launch whose programs run the rows in turn, each row the merged step's chains
     (the same bits as T launches, a launch's fixed cost paid once); else T fused_step launches.
     T is a runtime argument: one compile serves every verify width (docs/PERFORMANCE.md: why the
-    rows are not batched). The Triton op set's gdn_exact_rows. Returns o [T, B, Hv, Dv] bf16; the
-    state and rows as T steps leave them."""
+    rows are not batched). The Triton op set's gdn_exact_rows. stamps: None, or int64 [B * Hv, T,
+    len(PHASES) + 1, 2] for each row's phase stamps (a bench's measurement: the one-launch form on a
+    GPU only; the same bits). Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave
+    them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if (q.shape != k.shape or v.shape[:2] != (T, B) or g.shape != (T, B, Hv) or beta.shape != (T, B, Hv)
@@ -644,7 +646,14 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
                          f"two >= 32; the tile 64 or 32)")
     programs = B * Hv * max(Dv // rows.block_v, 1)
     form, maxnreg = grid_plan("auto", "auto", programs, v.device)
-    if form != "merged" or rows.block_v != Dv or T == 1:
+    one_launch = form == "merged" and rows.block_v == Dv and T > 1
+    stamp_shape = (B * Hv, T, len(PHASES) + 1, 2)
+    if stamps is not None and (not v.is_cuda or not one_launch or stamps.dtype != torch.int64
+                               or tuple(stamps.shape) != stamp_shape or not stamps.is_contiguous()):
+        raise ValueError(f"gdn_exact_step.fused_rows: stamps {tuple(stamps.shape)} {stamps.dtype} on {v.device} for "
+                         f"{T} rows of {B} x {Hv} heads (int64 {stamp_shape}, contiguous; a GPU and the one-launch "
+                         f"form: more than one row, the merged form's grid, a program a head)")
+    if not one_launch:
         return torch.stack([fused_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows, tile=tile,
                                        use_pdl=use_pdl)
                             for r in range(T)])
@@ -655,11 +664,12 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     _merged_rows_kernel[(B * Hv, 1)](
         q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out, T,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), out.stride(0), Dk ** -0.5,
+        beta.stride(0), beta.stride(1), out.stride(0), Dk ** -0.5, out if stamps is None else stamps,
         SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, CH=C, NB=8, ORDER=torch_sum_order(Dk),
         TILE=tile, LOG_TILE=tile.bit_length() - 1, U=UNROLL, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
         PF=PREFETCH_LEVELS["l2"] if v.is_cuda else 0, PDL=use_pdl, num_warps=WARPS, num_stages=1,
-        **merged.constexprs(), **pdl_launch, **({"maxnreg": maxnreg} if maxnreg else {}))
+        **merged.constexprs(), **({"STAMP": True} if stamps is not None else {}), **pdl_launch,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
 
 
@@ -935,6 +945,26 @@ def _store_out(o_ptr, bh, dv, o, z, nw, inv_n, eps, DV: tl.constexpr, BV: tl.con
     tl.store(o_ptr + bh * DV + dv, o)
 
 
+# A verify row's phases as _merged_row runs them, each stamp taken after a barrier (fused_rows'
+# stamps; bench gdn-rows): the row's start, the head's rows (norms, decays, the keys' pass), the
+# solves, w S_c, the row's end (its stores, and the close at a chunk's last row).
+PHASES = ("head_rows", "solve", "w_state", "stores")
+_STAMP_SLOTS = tl.constexpr(2 * (len(PHASES) + 1))    # int64 a row: a clock and a timer a stamp
+
+
+@triton.jit
+def _stamp(ptr, i, ON: tl.constexpr):
+    """With ON, after a barrier, the multiprocessor's cycle counter and the global timer (ns) into
+    ptr[2 i], ptr[2 i + 1] (int64); nothing otherwise."""
+    if ON:
+        tl.debug_barrier()
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        tl.store(ptr + 2 * i, clock)
+        tl.store(ptr + 2 * i + 1, timer)
+
+
 @triton.jit
 def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
@@ -983,22 +1013,24 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
                 stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows, z, nw,
                 HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC, HALVES,
-                UK, UW, QS_LATE)
+                UK, UW, QS_LATE, o_ptr, False)
 
 
 @triton.jit
 def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                         scr_ptr, o_ptr, R, stride_qt, stride_qb, stride_qh, stride_vt, stride_vb, stride_vh, stride_gt,
-                        stride_gb, stride_betat, stride_betab, stride_ot, scale,
+                        stride_gb, stride_betat, stride_betab, stride_ot, scale, stamp_ptr,
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
-                        UK: tl.constexpr = 0, UW: tl.constexpr = 0, QS_LATE: tl.constexpr = False):
+                        UK: tl.constexpr = 0, UW: tl.constexpr = 0, QS_LATE: tl.constexpr = False,
+                        STAMP: tl.constexpr = False):
     """fused_rows' program (sequence-head, the whole head's columns): R rows of its sequence in turn,
     row r at the sequence's position + r, each the merged step's row (_merged_row: its chains, so
     its bits), a barrier between rows (row r's chunk rows, and at a close the state, written by
-    this program, are row r + 1's reads)."""
+    this program, are row r + 1's reads). STAMP: each row's phase stamps (_stamp) at stamp_ptr +
+    (bh R + r) _STAMP_SLOTS."""
     bh = tl.program_id(0)
     b = bh // HV
     dv = tl.arange(0, DV)
@@ -1018,7 +1050,7 @@ def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                     beta_ptr + r * stride_betat, kt_buf, x_buf, vn_buf, g_buf, o_ptr + r * stride_ot, stride_qb,
                     stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, 1.0, 1.0, bh, 0, b, t, scr, dv,
                     s_rows, zeros, zeros, HV, RATIO, DK, DV, DV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB,
-                    KB, False, False, False, UK, UW, QS_LATE)
+                    KB, False, False, False, UK, UW, QS_LATE, stamp_ptr + (bh * R + r) * _STAMP_SLOTS, STAMP)
         tl.debug_barrier()
 
 
@@ -1028,25 +1060,29 @@ def _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_b
                 HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                 CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
                 U: tl.constexpr, INTERPRETED: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
-                VEC: tl.constexpr, HALVES: tl.constexpr, UK: tl.constexpr, UW: tl.constexpr, QS_LATE: tl.constexpr):
+                VEC: tl.constexpr, HALVES: tl.constexpr, UK: tl.constexpr, UW: tl.constexpr, QS_LATE: tl.constexpr,
+                stamp, STAMP: tl.constexpr):
     """The merged program's row t (both merged kernels): (q e^gamma) S_c in the keys' trips, w's and
     u's solves and the attention over the earlier new values in one pass over the rows before t,
     then w S_c over the state's rows this program just read (cache hits); the close at the chunk's
     last row. MergedPlan's schedules: UK / UW the keys' / w S_c pass's rows a trip (0: U), QS_LATE
-    (q e^gamma) S_c in the w S_c pass."""
+    (q e^gamma) S_c in the w S_c pass. STAMP: the phases' stamps at `stamp` (_stamp, PHASES)."""
     UKS: tl.constexpr = U if UK == 0 else UK
     UWS: tl.constexpr = U if UW == 0 else UW
     dk = tl.arange(0, DK)
+    _stamp(stamp, 0, STAMP)
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, UKS, not QS_LATE,
                                        INTERPRETED)
+    _stamp(stamp, 1, STAMP)
     beta = tl.load(beta_ptr + b * stride_betab + bh % HV).to(tl.float32)
     vb = mul_rn(tl.load(v_ptr + b * stride_vb + (bh % HV) * stride_vh + dv).to(tl.float32), beta, INTERPRETED)
     xw, xu, acc_i = _solve_rows_merged(mul_rn(kb, e_t, INTERPRETED), vb, x_buf + bh * CH * (DV + DK), dk, dv,
                                        scr + 5 * DK, scr + 5 * DK + CH, vn_buf + bh * CH * DV + dv, t, DV + DK, DV,
                                        NB, U, INTERPRETED)
     _write_head_row(x_buf, kt_buf, g_buf, scr, bh, t, xw, kn, g, cb == 0, DK, DV, CH)
+    _stamp(stamp, 2, STAMP)
     acc_w2 = tl.zeros([BV], dtype=tl.float32)
     for i0 in range(0, DK, UWS):
         for u in tl.static_range(UWS):
@@ -1056,6 +1092,7 @@ def _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_b
             if QS_LATE:      # (q e^gamma) S_c's chain here, not in the keys' trips (acc_q from zero there)
                 acc_q = tl.fma(tl.load(scr + 4 * DK + i), srow, acc_q)
     v_new = sub_rn(xu, acc_w2, INTERPRETED)
+    _stamp(stamp, 3, STAMP)
     acc_i = tl.fma(tl.load(scr + 5 * DK + CH + t), v_new, acc_i)     # the attention's last term: row t itself
     _store_out(o_ptr, bh, dv, add_rn(acc_q, acc_i, INTERPRETED), z, nw, inv_n, eps, DV, BV, NORM, VEC, HALVES,
                INTERPRETED)
@@ -1063,3 +1100,4 @@ def _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_b
     tl.store(x_buf + (bh * CH + t) * (DV + DK) + dv, xu)
     if t == CH - 1:
         _close(s_rows, kt_buf, vn_buf, scr, bh, t, dv, v_new, e_t, DK, DV, BV, CH, RB, KB, INTERPRETED)
+    _stamp(stamp, 4, STAMP)

@@ -218,3 +218,44 @@ def test_fused_rows_are_the_steps_rows(D, B, T, starts):
     with pytest.raises(ValueError, match="fused_rows"):
         step.fused_rows(*[x.transpose(-1, -2) if x.dim() == 4 and x is args[2] else x for x in args], pos, S, rows,
                         tile=64)
+
+
+def test_fused_rows_stamps_are_refused_where_they_cannot_run():
+    """The phase stamps (a bench's measurement) need a GPU and the one-launch form: elsewhere, and
+    with the wrong shape, fused_rows refuses them naming them, before any launch."""
+    D, B, T, Hk, Hv = 32, 1, 3, 1, 2
+    q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=3)
+    args = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
+    rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=D)
+    pos = torch.zeros(B, dtype=torch.int64, device=DEV)
+    wrong = torch.zeros((B * Hv, T + 1, len(step.PHASES) + 1, 2), dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="stamps"):
+        step.fused_rows(*args, pos, state, rows, stamps=wrong)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the stamps read a GPU's clocks")
+@pytest.mark.parametrize("start", [0, 30, 60])
+def test_fused_rows_stamps_change_no_bit(start):
+    """fused_rows with the phase stamps against without, from the same chunk rows and state: the
+    same outputs, state and chunk rows bit for bit (start 60 crosses a close), and each program's
+    stamps rising through every row's phases, the timer with them."""
+    D, B, T, Hk, Hv = 128, 1, 7, 2, 4
+    q, k, v, g, beta, state = _sequence(B, 64 + T, Hk, Hv, D, seed=start)
+    rows = step.ChunkRows(B, Hv, D, D, DEV)
+    if start:
+        _fused_steps(q, k, v, g, beta, state, rows, torch.zeros(B, dtype=torch.int64, device=DEV), start, tile=64)
+    pos = torch.full((B,), start, dtype=torch.int64, device=DEV)
+    args = [x[:, start:start + T].transpose(0, 1) for x in (q, k, v, g, beta)]
+    results = []
+    for stamps in (None, torch.zeros((B * Hv, T, len(step.PHASES) + 1, 2), dtype=torch.int64, device=DEV)):
+        r, S = step.ChunkRows(B, Hv, D, D, DEV), state.clone()
+        for name in ("KT", "X", "VN", "G"):
+            getattr(r, name).copy_(getattr(rows, name))
+        results.append((step.fused_rows(*args, pos, S, r, tile=64, stamps=stamps), S, r, stamps))
+    (o0, S0, r0, _), (o1, S1, r1, stamps) = results
+    assert torch.equal(o1, o0) and torch.equal(S1, S0), "outputs and state"
+    for name in ("KT", "X", "VN", "G"):
+        assert torch.equal(getattr(r1, name), getattr(r0, name)), name
+    flat = stamps.reshape(B * Hv, -1, 2)
+    assert bool((flat[:, 1:] >= flat[:, :-1]).all()), "each program's clock and timer rise"
+    assert bool((flat[:, -1, 0] > flat[:, 0, 0]).all()), "a launch takes cycles"
