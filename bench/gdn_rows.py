@@ -68,6 +68,16 @@ def phase_times(stamps) -> dict:
     return out
 
 
+def _snapshot(state, rows) -> list:
+    """Copies of the state and of every chunk-row buffer (ChunkRows.ROW_AXES' order)."""
+    return [state.clone()] + [getattr(rows, name).clone() for name, _ in rows.ROW_AXES]
+
+
+def _restore(state, rows, saved: list) -> None:
+    for dst, src in zip([state] + [getattr(rows, name) for name, _ in rows.ROW_AXES], saved):
+        dst.copy_(src)
+
+
 def run(args, report) -> None:
     if not gpu_visible():
         raise BenchError("gdn-rows: the phase stamps read a GPU's clocks (fused_rows(stamps=...)); no GPU is visible")
@@ -80,6 +90,9 @@ def run(args, report) -> None:
     if Hv % Hk:
         raise BenchError(f"gdn-rows: --value-heads {Hv} is not a multiple of --key-heads {Hk}")
     dev = torch.device("cuda")
+    if step.grid_plan("auto", "auto", B * Hv, dev)[0] != "merged" or T == 1:
+        raise BenchError(f"gdn-rows: {T} rows of {B} x {Hv} heads run a launch a row (fused_rows' other form): "
+                         f"nothing to stamp")
     gen = torch.Generator(device=dev).manual_seed(B * 1000 + T)
     n = 64 + T
     q, k = (torch.randn(B, n, Hk, D, generator=gen, device=dev).bfloat16() for _ in range(2))
@@ -94,29 +107,20 @@ def run(args, report) -> None:
             step.fused_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], pos, state, rows)
         pos = torch.full((B,), start, dtype=torch.int64, device=dev)
         inputs = [x[:, start:start + T].transpose(0, 1) for x in (q, k, v, g, beta)]    # [T, B, ...]
-        if step.grid_plan("auto", "auto", B * Hv, dev)[0] != "merged" or T == 1:
-            raise BenchError(f"gdn-rows: {T} rows of {B} x {Hv} heads run a launch a row (fused_rows' other form): "
-                             f"nothing to stamp")
-        saved = (state.clone(), [getattr(rows, name).clone() for name in ("KT", "X", "VN", "G")])
-
-        def restore():
-            state.copy_(saved[0])
-            for name, t in zip(("KT", "X", "VN", "G"), saved[1]):
-                getattr(rows, name).copy_(t)
+        saved = _snapshot(state, rows)
 
         def launch(stamps=None):
             return step.fused_rows(*inputs, pos, state, rows, stamps=stamps)
 
         us = time_graph(lambda _: launch(), [None], reps=args.reps)
-        restore()
+        _restore(state, rows, saved)
         plain = launch()
-        after = (state.clone(), [getattr(rows, name).clone() for name in ("KT", "X", "VN", "G")])
-        restore()
+        after = _snapshot(state, rows)
+        _restore(state, rows, saved)
         stamps = torch.zeros((B * Hv, T, len(step.PHASES) + 1, 2), dtype=torch.int64, device=dev)
         stamped = launch(stamps)
         torch.cuda.synchronize()
-        same = (torch.equal(plain, stamped) and torch.equal(after[0], state)
-                and all(torch.equal(a, getattr(rows, name)) for a, name in zip(after[1], ("KT", "X", "VN", "G"))))
+        same = torch.equal(plain, stamped) and all(map(torch.equal, after, _snapshot(state, rows)))
         times = phase_times(stamps.cpu())
         ns = times.pop("ns_per_cycle")
         report.add({"start": start, "rows": T, "part": "graph", "cycles": None, "us": us, "share": None,

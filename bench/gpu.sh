@@ -135,6 +135,7 @@ SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
 
 token_map() {   # PRESET SIZE OUT: the MTP head's draft vocabulary of PRESET's checkpoint over the embedded corpus
+  [ -f "$3" ] && return 0          # made by an earlier stage on this machine (its report already in $OUT)
   timeout 60 python3 -m fastqwen.cli token-map --model "$(checkpoint "$1")" --corpus fastqwen/data/corpus.txt \
     --size "$2" --out "$3" --report "$OUT/token_map_$2.json" 2>&1 | tail -n 2
 }

@@ -664,7 +664,6 @@ def test_gemv_sweep_at_one_row_takes_the_tensor_core_tiles_and_modes_filter_it()
     assert gemv.select_config(6144, 2560, False, 1, one_row_tensor_cores=True) in tensor
 
 
-
 # ---------------------------------------------------------------- gdn-rows: the phase stamps
 
 def test_gdn_rows_phase_times_from_fabricated_stamps():
@@ -696,7 +695,6 @@ def test_gdn_rows_phase_times_from_fabricated_stamps():
 
 
 def test_gdn_rows_without_a_gpu_is_an_error_naming_why(capsys, monkeypatch):
-    monkeypatch.setattr(runner, "gpu_visible", lambda: False)
     import bench.gdn_rows as gdn_rows
 
     monkeypatch.setattr(gdn_rows, "gpu_visible", lambda: False)

@@ -167,8 +167,9 @@ def x_integers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """_x_int_kernel on torch's ops for x [R, K]: (h, l) int8 [R, K], sx fp32 [R] (NaN where a row's
     ||x||_1 is not finite: a NaN or an infinity in it, every head row then a candidate)."""
     xf = x.float()
-    m = xf.abs().amax(1)
-    finite = torch.isfinite(xf.abs().sum(1))
+    ax = xf.abs()
+    m = ax.amax(1)
+    finite = torch.isfinite(ax.sum(1))
     bits = (m / X_MAX).view(torch.int32)
     e = torch.clamp(((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).int(), min=1)
     sx, inv = (e << 23).view(torch.float32), ((254 - e) << 23).view(torch.float32)

@@ -221,16 +221,19 @@ def test_fused_rows_are_the_steps_rows(D, B, T, starts):
 
 
 def test_fused_rows_stamps_are_refused_where_they_cannot_run():
-    """The phase stamps (a bench's measurement) need a GPU and the one-launch form: elsewhere, and
-    with the wrong shape, fused_rows refuses them naming them, before any launch."""
+    """The phase stamps (a bench's measurement) need a GPU and the one-launch form: one row (a
+    launch a row) and a wrong shape are each refused naming the stamps, before any launch."""
     D, B, T, Hk, Hv = 32, 1, 3, 1, 2
     q, k, v, g, beta, state = _sequence(B, T, Hk, Hv, D, seed=3)
     args = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
     rows = step.ChunkRows(B, Hv, D, D, DEV, block_v=D)
     pos = torch.zeros(B, dtype=torch.int64, device=DEV)
-    wrong = torch.zeros((B * Hv, T + 1, len(step.PHASES) + 1, 2), dtype=torch.int64, device=DEV)
+    stamps = lambda rows_: torch.zeros((B * Hv, rows_, len(step.PHASES) + 1, 2), dtype=torch.int64,  # noqa: E731
+                                       device=DEV)
     with pytest.raises(ValueError, match="stamps"):
-        step.fused_rows(*args, pos, state, rows, stamps=wrong)
+        step.fused_rows(*[x[:1] for x in args], pos, state, rows, stamps=stamps(1))
+    with pytest.raises(ValueError, match="stamps"):
+        step.fused_rows(*args, pos, state, rows, stamps=stamps(T + 1))
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the stamps read a GPU's clocks")
@@ -249,12 +252,12 @@ def test_fused_rows_stamps_change_no_bit(start):
     results = []
     for stamps in (None, torch.zeros((B * Hv, T, len(step.PHASES) + 1, 2), dtype=torch.int64, device=DEV)):
         r, S = step.ChunkRows(B, Hv, D, D, DEV), state.clone()
-        for name in ("KT", "X", "VN", "G"):
+        for name, _ in rows.ROW_AXES:
             getattr(r, name).copy_(getattr(rows, name))
         results.append((step.fused_rows(*args, pos, S, r, tile=64, stamps=stamps), S, r, stamps))
     (o0, S0, r0, _), (o1, S1, r1, stamps) = results
     assert torch.equal(o1, o0) and torch.equal(S1, S0), "outputs and state"
-    for name in ("KT", "X", "VN", "G"):
+    for name, _ in rows.ROW_AXES:
         assert torch.equal(getattr(r1, name), getattr(r0, name)), name
     flat = stamps.reshape(B * Hv, -1, 2)
     assert bool((flat[:, 1:] >= flat[:, :-1]).all()), "each program's clock and timer rise"
