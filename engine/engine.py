@@ -551,6 +551,10 @@ class Engine:
                     policy.observe_cost(width, marks_ms(marks))
                 rows = host.tolist()
                 drafted = accepted = rejected = right = wrong = 0
+                # the rows each sequence could keep (a wide Qwen3.5 verify stops before a chunk's
+                # close): drafts past them were not checked
+                keep = self.model.verify_keep(torch.tensor([prompt + len(seq) - 1 for seq in out], dtype=torch.int32),
+                                              width + 1).tolist() if width else None
                 for b, row in enumerate(rows):
                     emit = row[-1]
                     if emit and lookups is not None:
@@ -560,9 +564,10 @@ class Engine:
                         lookups[b].extend(row[:emit])
                     if emit:
                         if width:       # drafts count where a sequence had room for them
-                            drafted += min(width, remaining[b] - 1)
+                            room = min(remaining[b], keep[b])
+                            drafted += min(width, room - 1)
                             accepted += emit - 1
-                            rejected += verify_observed(emit, width, remaining[b])[1]
+                            rejected += verify_observed(emit, width, room)[1]
                             stats.verified_rows += 1
                             stats.emitted += emit
                         out[b].extend(row[:emit])

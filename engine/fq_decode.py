@@ -267,7 +267,8 @@ class SpecRunner:
         rows = torch.cat([state.last().view(-1, 1), drafts], dim=1)
         positions = state.positions()
         picks = self.picks[width] = verify_picks(model, rows, positions)
-        _, emit = accept_rows(drafts, picks, state.limit - state.length)
+        room = torch.minimum(state.limit - state.length, model.verify_keep(positions, width + 1))
+        _, emit = accept_rows(drafts, picks, room)
         self.emit[width] = emit
         state.append(picks, emit)
         model.commit_verify(positions, emit)

@@ -264,11 +264,13 @@ class TorchOps:
         `norm` = (z, weight, eps), the gated norm, was applied too; never here)."""
         return gdn_exact_step.reference_step(q, k, v, g, beta, positions, state, rows), False
 
-    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None) -> torch.Tensor:
+    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None, ends=None) -> torch.Tensor:
         """gdn_exact_step over T rows of each sequence in turn, no gated norm (a verify's rows: q, k
-        [T, B, Hk, Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv], row r at positions + r) -> [T, B, Hv, Dv]."""
-        return torch.stack([self.gdn_exact_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows,
-                                                tile=tile)[0] for r in range(v.shape[0])])
+        [T, B, Hk, Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv], row r at positions + r) -> [T, B, Hv, Dv].
+        ends: None, or int32 [B]: a row at a position from ends[b] on is not run (zeros, nothing
+        written)."""
+        return torch.stack([gdn_exact_step.reference_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state,
+                                                          rows, ends=ends) for r in range(v.shape[0])])
 
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
         """Exact decode's chunk rows of `batch` sequences for each of `layers` GDN layers."""
@@ -619,10 +621,11 @@ class TritonOps(TorchOps):
                                       norm=norm if step_norm else None)
         return o, step_norm
 
-    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None) -> torch.Tensor:
+    def gdn_exact_rows(self, q, k, v, g, beta, positions, state, rows, tile=None, ends=None) -> torch.Tensor:
         """gdn_exact_step.fused_rows: the T rows in one launch where the grid takes the merged form
         (each program runs its head's rows in turn: the steps' bits), else a fused_step launch a row."""
-        return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows, tile=tile or gdn_exact_step.C // 2)
+        return gdn_exact_step.fused_rows(q, k, v, g, beta, positions, state, rows, tile=tile or gdn_exact_step.C // 2,
+                                         ends=ends)
 
     def gdn_chunk_rows(self, layers: int, batch: int, Hk: int, Hv: int, Dk: int, Dv: int, device) -> list:
         """The kernel's form: the layers' rows views of one buffer a kind (a verify saves them in one

@@ -237,6 +237,10 @@ class Qwen3Model:
         with self.ops.planned_as(B):
             return self._decode_hidden(tokens.reshape(-1), pos, pos + 1, table=table)
 
+    def verify_keep(self, positions: torch.Tensor, T: int) -> torch.Tensor:
+        """The rows a sequence may keep of a verify of T rows at positions [B]: all T (int64 [B])."""
+        return torch.full((positions.shape[0],), T, dtype=torch.int64, device=positions.device)
+
     def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
         """After verify_logits at positions [B], kept [B] rows each: nothing to roll back (a rejected
         row's K/V sits past the sequence's length and is rewritten when its position comes again)."""

@@ -47,6 +47,10 @@ class Qwen35Model:
     # kept as a snapshot (allocate_snapshots) at positions that are multiples of this.
     prefix_sharing = True
     snapshot_granule = CHUNK
+    # A verify of up to this many sequences saves the recurrent states of those whose rows close
+    # a chunk (48 MB a sequence on the 4B) and may keep rows past the close; a wider one stops
+    # each sequence's rows before a close (verify_keep) and saves nothing (docs/PERFORMANCE.md).
+    rollback_rows = 4
 
     def __init__(self, cfg: Qwen35Config, weights: dict, device: torch.device, ops, exact_decode: bool = True,
                  verifies: bool = False):
@@ -288,28 +292,47 @@ class Qwen35Model:
         computes: the GDN layers run their T steps in turn (exact decode's rows: each row is the
         full forward's from the chunk's start and the rows before it), the attention layers, MLPs
         and the LM head over all B * T rows as the B-row step launches them. The GDN states end
-        past all T rows; commit_verify then keeps each sequence's accepted rows only."""
+        past all T rows they run (verify_keep); commit_verify then keeps each sequence's accepted
+        rows only."""
         B, T = tokens.shape
         h = self.verify_hidden(tokens, positions)
         with self.ops.planned_as(B):
             return self._logits(h).view(B, T, -1)
 
+    def verify_keep(self, positions: torch.Tensor, T: int) -> torch.Tensor:
+        """The rows a sequence may keep of a verify of T rows at positions [B] int32 (any device):
+        T, but in a verify of more than rollback_rows sequences, c where row c in 1 .. T - 1 closes
+        the sequence's chunk (its position ends one). Such a verify runs no row from the close on,
+        so nothing is rolled back there: the close is the next verify's row 0, always kept. Int64
+        [B], on the positions' device."""
+        B = positions.shape[0]
+        if B <= self.rollback_rows:
+            return torch.full((B,), T, dtype=torch.int64, device=positions.device)
+        c = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK
+        return torch.where((c >= 1) & (c < T), c, torch.full_like(c, T))
+
     def verify_hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """verify_logits up to the LM head: the final norm's output of every row, [B * T, hidden]
-        (sequence-major); the rollback's state saved as there."""
+        (sequence-major); the rollback's state saved as there. Rows a sequence may not keep
+        (verify_keep) are not run in the GDN layers; their outputs are meaningless."""
         if not self.exact_decode:
             raise ValueError("verify_logits: a Qwen3.5 verify needs exact decode (the recurrent step's state "
                              "cannot drop rejected rows)")
         B, T = tokens.shape
         G = len(self.gdn_slot)
         # What commit_verify rolls back to: the conv states before the verify and after each row;
-        # the recurrent states of the sequences one of whose rows closes a chunk (exact decode
-        # changes them only there: a masked copy, no host read) and the chunks' first rows.
-        closes = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK < T
-        state_before = torch.empty_like(self.state[:, :B])
-        self.ops.copy_rows_where(state_before, self.state[:, :B], closes)
-        self._verify_before = (self.conv_state[:, :B].clone(), state_before,
-                               self.ops.gdn_rows_head(self.rows, B, T))
+        # up to rollback_rows sequences, the recurrent states of those one of whose rows closes a
+        # chunk (exact decode changes them only there: a masked copy, no host read) and the
+        # chunks' first rows; past it, nothing (the GDN rows stop before a close).
+        state_before = heads = self._verify_ends = None
+        if B <= self.rollback_rows:
+            closes = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK < T
+            state_before = torch.empty_like(self.state[:, :B])
+            self.ops.copy_rows_where(state_before, self.state[:, :B], closes)
+            heads = self.ops.gdn_rows_head(self.rows, B, T)
+        else:
+            self._verify_ends = (positions.to(torch.int64) + self.verify_keep(positions, T)).to(torch.int32)
+        self._verify_before = (self.conv_state[:, :B].clone(), state_before, heads)
         self._verify_conv = torch.empty((T, G, B) + tuple(self.conv_state.shape[2:]), dtype=self.conv_state.dtype,
                                         device=self.device)
         pos, table = rows_of(positions, T, self.block_table)
@@ -392,22 +415,23 @@ class Qwen35Model:
 
     def commit_verify(self, positions: torch.Tensor, kept: torch.Tensor) -> None:
         """After verify_logits at positions [B] int32: sequence b keeps its first kept[b] rows (kept
-        [B] int64; 0: none). Its conv state becomes the one after its last kept row. Where the
-        verify closed a chunk at a row it did not keep, the chunk's start state (exact decode
-        advances it only at a close) and the chunk's first rows (the next chunk's rows went there)
-        are put back as they were. Other rows past the kept ones are rewritten by the steps that
-        reach their positions. Graph-safe: selections on the device, no host reads."""
+        [B] int64; 0: none; at most verify_keep's). Its conv state becomes the one after its last
+        kept row. Where the verify closed a chunk at a row it did not keep, the chunk's start state
+        (exact decode advances it only at a close) and the chunk's first rows (the next chunk's rows
+        went there) are put back as they were. Other rows past the kept ones are rewritten by the
+        steps that reach their positions. Graph-safe: selections on the device, no host reads."""
         conv_before, state_before, heads = self._verify_before
         T, G, B = self._verify_conv.shape[:3]
         seqs = torch.arange(B, device=kept.device)
         after = self._verify_conv[(kept - 1).clamp(min=0), :, seqs].transpose(0, 1)   # [G, B, ...]
         some = (kept > 0).view(1, B, *([1] * (after.dim() - 2)))
         self.conv_state[:, :B].copy_(torch.where(some, after, conv_before))
-        close = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK      # the row whose position ends a chunk
-        back = (kept <= close) & (close < T)                           # that row was not kept
-        self.ops.copy_rows_where(self.state[:, :B], state_before, back)
-        self.ops.gdn_rows_put_head_where(self.rows, B, heads, back)
-        self._verify_before = self._verify_conv = None
+        if state_before is not None:
+            close = (CHUNK - 1 - positions.to(torch.int64)) % CHUNK      # the row whose position ends a chunk
+            back = (kept <= close) & (close < T)                           # that row was not kept
+            self.ops.copy_rows_where(self.state[:, :B], state_before, back)
+            self.ops.gdn_rows_put_head_where(self.rows, B, heads, back)
+        self._verify_before = self._verify_conv = self._verify_ends = None
 
     def _layers(self, ids: torch.Tensor, gdn, attention, all_positions: bool = False) -> torch.Tensor:
         """Every decoder layer over the embeddings of ids [B, T]: the mixer (gdn(i, h) or
@@ -589,7 +613,7 @@ class Qwen35Model:
                                              a, b, self.w[p + "A_log"], self.w[p + "dt_bias"], conv_rows)
         q, k, v = self._qkv_heads(x, T, B)
         o = ops.gdn_exact_rows(q, k, v, g, beta, positions, self.state[slot, :B], self.rows[slot].narrow(0, B),
-                               tile=self.decode_tile)                                   # [T, B, Hv, Dv]
+                               tile=self.decode_tile, ends=self._verify_ends)           # [T, B, Hv, Dv]
         # z [B, T, Hv Dv] stays a view of in_proj's rows: the gated norm reads rows of any stride
         o = ops.gated_rmsnorm(o.transpose(0, 1).reshape(B, T, -1), z.reshape(B * T, -1), self.w[p + "norm.weight"],
                               self.cfg.rms_norm_eps)

@@ -364,6 +364,7 @@ class Slots:
             for width in self.widths:
                 self._verifies[rows, width] = VerifyStep(model, rows, width, use_graphs, pool=verify_pool)
         self._verified = None      # the last verify's (bucket rows, positions) until commit()
+        self.verify_keep = []      # after verify_rows: the positions each running row may keep
         # timing on (speculation "auto"): each step's device time, read once its tokens are
         self.timing = False
         self.last_timing = None    # the last step's (bucket rows, drafts a row: 0 a plain step, mark)
@@ -747,8 +748,9 @@ class Slots:
         """A speculative verify of the running rows: tokens [running, w + 1] int64 on the device (each
         row's newest token, then its w drafts, w one of widths), row r's tokens at positions
         lengths[r] .. + w. Returns the target's picks [running, w + 1] (picks[r, j]: its argmax after
-        tokens[r, :j + 1]); then commit(kept) before any other step. Each row needs room for w + 1
-        positions."""
+        tokens[r, :j + 1]); then commit(kept) before any other step. Row r may keep at most
+        verify_keep[r] positions (set here: the model's verify_keep; a pick past them is
+        meaningless). Each row needs room for w + 1 positions."""
         self._check_open()
         n = len(self.keys)
         if not self.k:
@@ -767,6 +769,7 @@ class Slots:
         step.tokens[n:].zero_()
         positions = torch.zeros(step.rows, dtype=torch.int32)
         positions[:n] = torch.tensor(self.lengths, dtype=torch.int32)
+        self.verify_keep = self.model.verify_keep(positions, k + 1)[:n].tolist()
         step.positions.copy_(positions)
         with torch.inference_mode():
             picks = self._run(step, k)
@@ -781,8 +784,10 @@ class Slots:
             raise SlotError("commit(): no verify to commit")
         rows, positions, k = self._verified
         n = len(self.keys)
-        if len(kept) != n or any(not 1 <= m <= k + 1 for m in kept):
-            raise SlotError(f"commit() needs 1..{k + 1} kept positions for each of {n} rows, got {kept}")
+        if len(kept) != n or any(not 1 <= m <= most for m, most in zip(kept, self.verify_keep)):
+            rule = (f" (row by row at most {self.verify_keep}: a row from a chunk's close on is not run)"
+                    if min(self.verify_keep) <= k else "")
+            raise SlotError(f"commit() needs 1..{k + 1} kept positions for each of {n} rows{rule}, got {kept}")
         self._verified = None
         counts = torch.zeros(rows, dtype=torch.int64)
         counts[:n] = torch.tensor(kept, dtype=torch.int64)

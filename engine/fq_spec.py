@@ -382,12 +382,14 @@ class RecycleDrafter(Drafter):
 
     def observe(self, state, rows, picks, kept):
         # row j's input is the target's own token while every draft before it was accepted:
-        # rows 0 .. matched (the first rejected draft's row is the last one confirmed)
+        # rows 0 .. matched (the first rejected draft's row is the last one confirmed), and only
+        # rows the verify ran (a kept count below matched + 1: its cap, verify_keep's or room's)
         matched = torch.cumprod((rows[:, 1:] == picks[:, :-1]).to(torch.int64), dim=1).sum(dim=1)
+        last = torch.minimum(matched, kept - 1)
         for j in range(rows.shape[1]):        # in row order: a later row's pick wins, as on the host
             at = rows[:, j:j + 1]
             now = self.table.gather(1, at)
-            self.table.scatter_(1, at, torch.where((j <= matched).view(-1, 1), picks[:, j:j + 1], now))
+            self.table.scatter_(1, at, torch.where((j <= last).view(-1, 1), picks[:, j:j + 1], now))
 
 
 class OracleDrafter(Drafter):

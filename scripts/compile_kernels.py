@@ -758,6 +758,11 @@ def _gdn_decode_step(batch: int) -> None:
                                   g, beta, torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
                                   gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), form=form, norm=step_norm,
                                   prefetch=prefetch)
+    for form in gdn_exact_step.FORMS:      # a wide verify's rows a launch a row, stopped at its ends
+        positions = torch.empty((batch,), dtype=torch.int32, device=CUDA)
+        gdn_exact_step.fused_step(q.reshape(batch, 16, 128), k.reshape(batch, 16, 128), v.reshape(batch, 32, 128),
+                                  g, beta, positions, state, gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA),
+                                  form=form, ends=torch.empty_like(positions))
     # a verify's exact rule over its rows (4 drafts: 5 rows) as fq_qwen35 runs it: the conv's rows'
     # views, one launch where the grid takes the merged form, at both cumulative-sum tiles
     x_rows = torch.empty((5, batch, 8192), dtype=torch.bfloat16, device=CUDA)
@@ -768,6 +773,12 @@ def _gdn_decode_step(batch: int) -> None:
                                   torch.empty((5, batch, 32), dtype=torch.bfloat16, device=CUDA),
                                   torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
                                   gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), tile=tile)
+    gdn_exact_step.fused_rows(q_rows.reshape(5, batch, 16, 128), k_rows.reshape(5, batch, 16, 128),   # stopped at ends
+                              v_rows.reshape(5, batch, 32, 128), torch.empty((5, batch, 32), device=CUDA),
+                              torch.empty((5, batch, 32), dtype=torch.bfloat16, device=CUDA),
+                              torch.empty((batch,), dtype=torch.int32, device=CUDA), state,
+                              gdn_exact_step.ChunkRows(batch, 32, 128, 128, CUDA), tile=32,
+                              ends=torch.empty((batch,), dtype=torch.int32, device=CUDA))
     # a prompt's gated norm: rows several to a program
     many = torch.empty((8192, 128), dtype=torch.bfloat16, device=CUDA)
     gdn_norm.gated_rmsnorm(many, many, torch.empty(128, dtype=torch.bfloat16, device=CUDA))

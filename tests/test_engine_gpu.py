@@ -360,9 +360,11 @@ def engine35(q35_folder):
     return load_engine_module(ENGINE_DIR, "fastqwen_engine_gpu_under_test").Engine(str(q35_folder))
 
 
-@pytest.mark.parametrize("mode,batch,prompt", [("oracle:0.5", 1, 58), ("oracle:0.0", 3, 61), ("ngram", 2, 50)])
+@pytest.mark.parametrize("mode,batch,prompt", [("oracle:0.5", 1, 58), ("oracle:0.0", 3, 61), ("ngram", 2, 50),
+                                               ("oracle:0.5", 6, 58), ("oracle:1.0", 16, 61)])
 def test_qwen35_speculation_emits_the_plain_tokens_on_the_gpu(engine35, mode, batch, prompt):
-    """Verifies that close a GDN chunk at a row they reject, then roll back (fq_qwen35.commit_verify)."""
+    """Verifies that close a GDN chunk at a row they reject, then roll back (fq_qwen35.commit_verify);
+    wider than rollback_rows, verifies that stop before each close."""
     prompts = _prompts(batch, prompt, seed=prompt, vocab=engine35.cfg.vocab_size)
     want = list(engine35.generate(prompts, 40))
     engine35.set_speculation(mode)

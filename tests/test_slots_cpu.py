@@ -704,3 +704,41 @@ def test_a_verify_in_the_slots_keeps_each_requests_tokens(family, page_size, tin
         slots.commit([1, 1, 1])
     with pytest.raises(SlotError, match=r"for w in \(1, 2, 3\)"):
         slots.verify_rows(torch.zeros((3, 5), dtype=torch.int64))
+
+
+def test_a_wide_qwen35_verify_in_the_slots_stops_before_each_close(tmp_path_factory):
+    """Six running rows (a verify bucket wider than the model's rollback_rows): each row's
+    verify_keep is the rows before its chunk's close (3, 2, 1 at 3, 2, 1 positions before it; 4
+    where the close is row 0 or beyond the verify), commit refuses more, and with every draft
+    right each row keeps what it may; every request's greedy tokens stay those it gets alone."""
+    path = synth35.synthesize("qwen3.5-tiny", tmp_path_factory.mktemp("q35w") / "tiny", seed=5, progress=False)
+    engine, vocab = load_engine_module(ENGINE_DIR, "fastqwen_slots_wide35").Engine(str(path)), 1024
+    from fq_slots import Slots, SlotError
+
+    k, steps, lengths = 3, 24, (60, 61, 62, 63, 59, 30)
+    assert len(lengths) > engine.model.rollback_rows
+    prompts = [_prompt(n, 500 + r, vocab) for r, n in enumerate(lengths)]
+    want = [[s[0] for s in engine.generate([p], steps)] for p in prompts]
+    engine._slots = slots = Slots(engine.model, engine.device, 8, 128, speculative_tokens=k)
+    out = [[int(slots.admit(r, p).argmax())] for r, p in enumerate(prompts)]
+    first = True
+    while min(len(o) for o in out) < 12:         # a row gains at most 5 a turn: drafts stay inside want
+        drafts = [want[r][len(o):len(o) + k] for r, o in enumerate(out)]
+        picks = slots.verify_rows(torch.tensor([[o[-1]] + d for o, d in zip(out, drafts)])).tolist()
+        if first:
+            assert slots.verify_keep == [3, 2, 1, 4, 4, 4]
+            with pytest.raises(SlotError, match=r"row by row at most \[3, 2, 1, 4, 4, 4\]"):
+                slots.commit([4] * 6)
+            first = False
+        kept = []
+        for o, d, p, most in zip(out, drafts, picks, slots.verify_keep):
+            m = min(next((j for j in range(k) if d[j] != p[j]), k), most - 1)
+            o.extend(p[:m + 1])
+            kept.append(m + 1)
+        assert kept == slots.verify_keep          # every draft right: each row keeps all it may
+        slots.commit(kept)
+        logits = slots.step({r: out[r][-1] for r in range(len(out))})
+        for r in range(len(out)):
+            out[r].append(int(logits[r].argmax()))
+    for r in range(len(out)):
+        assert out[r] == want[r][:len(out[r])], r

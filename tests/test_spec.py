@@ -530,6 +530,57 @@ def test_qwen35_verify_rows_equal_the_decode_steps_across_a_chunks_end(plain35, 
     assert torch.equal(verify, steps)
 
 
+@pytest.mark.parametrize("P", [61, 63])
+def test_qwen35_a_wide_verify_runs_no_row_from_a_close_on(plain35, P):
+    """A verify of more sequences than rollback_rows. At positions 61-65 a sequence may keep 2 rows
+    (row 2 closes the chunk): the verify runs rows 0 and 1 only (the recurrent state and the
+    chunk's rows are as before past them, rows 0 and 1 of the chunk not overwritten by the next
+    chunk's), they equal the decode steps, and keeping both leaves every state as two steps do.
+    At 63-67 the close is row 0: all 5 rows kept, equal to the steps across the close."""
+    model = plain35.model
+    B, T = model.rollback_rows + 2, 5
+    keep = 2 if P == 61 else T
+    ids = torch.tensor(_prompts(B, P, seed=41))
+    tokens = torch.tensor(_prompts(B, T, seed=42))
+    pos = torch.full((B,), P, dtype=torch.int32)
+    n = (P + keep - 1) % 64 + 1                     # the chunk rows written by the kept rows' chunk
+    with torch.inference_mode():
+        _allocate(model, B, 128)
+        model.prefill_logits(ids)
+        state = model.state.clone()
+        assert model.verify_keep(pos, T).tolist() == [keep] * B
+        verify = model.verify_logits(tokens, pos)
+        if P == 61:
+            assert torch.equal(model.state, state)  # no close ran
+        model.commit_verify(pos, torch.full((B,), keep, dtype=torch.int64))
+        got = (model.conv_state.clone(), model.state.clone(), [r.v[:, :n].clone() for r in model.rows])
+        model.prefill_logits(ids)
+        steps = _one_row_steps(model, tokens[:, :keep], P)
+        want = (model.conv_state, model.state, [r.v[:, :n] for r in model.rows])
+        assert torch.equal(verify[:, :keep], steps)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    plain35._drop_graphs()
+    model.allocate_cache(1, 2)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "recycle", "oracle:0.5", "oracle:1.0"])
+def test_qwen35_wide_speculation_emits_the_plain_tokens(plain35, qwen35_tiny_model, mode):
+    """Six sequences (wider than rollback_rows: each verify stops before a chunk's close) over
+    prompts ending 6 positions before a chunk's end: the tokens stay plain decode's, and drafts the
+    verify did not run are not counted (the oracle at 1.0: acceptance exactly 1)."""
+    prompts = _prompts(6, 58, seed=66)
+    prompts[1] = ([5, 6, 7, 8] * 20)[:58]
+    want = list(plain35.generate(prompts, 30))
+    eng = engine_module.Engine(str(qwen35_tiny_model), speculation=mode)
+    assert 6 > eng.model.rollback_rows
+    assert list(eng.generate(prompts, 30)) == want
+    st = eng.spec_stats()
+    assert st["emitted"] == st["verified_rows"] + st["accepted"]
+    if mode == "oracle:1.0":
+        assert st["drafted"] > 0 and st["accepted"] == st["drafted"]
+
+
 @pytest.mark.parametrize("prompt", [50, 58, 61])
 @pytest.mark.parametrize("mode", ["ngram", "oracle:0.5", "oracle:0.0"])
 def test_qwen35_speculation_emits_the_plain_tokens(plain35, qwen35_tiny_model, prompt, mode):
@@ -733,9 +784,9 @@ def test_a_verify_hands_each_gdn_layers_rows_to_the_op_at_once(plain35, qwen35_t
     eng = engine_module.Engine(str(qwen35_tiny_model), speculation="oracle:0.7", speculative_tokens=3)
     per_rows = eng.model.ops.gdn_exact_rows
 
-    def stand_in(q, k, v, g, beta, positions, state, rows, tile=None):
+    def stand_in(q, k, v, g, beta, positions, state, rows, tile=None, ends=None):
         calls.append((tuple(v.shape[:2]), tuple(positions.shape), tile))
-        return per_rows(q, k, v, g, beta, positions, state, rows, tile=tile)
+        return per_rows(q, k, v, g, beta, positions, state, rows, tile=tile, ends=ends)
 
     eng.model.ops.gdn_exact_rows = stand_in
     prompts = _prompts(2, 50, seed=8)

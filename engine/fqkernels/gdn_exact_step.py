@@ -328,19 +328,23 @@ def rows_put_head_where(rows: list, B: int, saved: list, mask: torch.Tensor) -> 
         now.copy_(torch.where(mask.view(1, -1, *([1] * (head.dim() - 2))), head, now))
 
 
-def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows):
+def reference_step(q, k, v, g, beta, positions, state, rows: ReferenceRows, ends=None):
     """fused_step's contract on the reference's ops (the torch op set): this step's inputs into
     row position mod 64 of each sequence's chunk, then the reference's chunked rule over the
     chunk's rows so far from the chunk's start (state, advanced in place at its last row): the
     full forward's output at that row, on the reference's ops. Reads the positions on the host;
-    sequences at the same row run together. Returns o [B, Hv, Dv] bf16."""
+    sequences at the same row run together. ends: fused_step's (a sequence at or past its end is
+    not run: output zero, nothing written). Returns o [B, Hv, Dv] bf16."""
     B, Hv, Dv = v.shape
-    t_of = [int(p) % C for p in positions.tolist()]
+    pos = positions.tolist()
+    live = [True] * B if ends is None else [p < e for p, e in zip(pos, ends.tolist())]
+    t_of = [int(p) % C for p in pos]
     for b, t in enumerate(t_of):
-        rows.q[b, t], rows.k[b, t], rows.v[b, t], rows.g[b, t], rows.beta[b, t] = q[b], k[b], v[b], g[b], beta[b]
-    out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
-    for t in sorted(set(t_of)):
-        idx = [b for b, tb in enumerate(t_of) if tb == t]
+        if live[b]:
+            rows.q[b, t], rows.k[b, t], rows.v[b, t], rows.g[b, t], rows.beta[b, t] = q[b], k[b], v[b], g[b], beta[b]
+    out = torch.zeros((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
+    for t in sorted({t for t, on in zip(t_of, live) if on}):
+        idx = [b for b, tb in enumerate(t_of) if tb == t and live[b]]
         sel = torch.tensor(idx, device=v.device)
         o, s = chunk_step_reference(*(x[sel, :t + 1] for x in (rows.q, rows.k, rows.v, rows.g, rows.beta)),
                                     state[sel])
@@ -534,7 +538,7 @@ FORMS = ("fused", "merged")
 def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: int | None = None, tile: int = 32,
                block_v: int | None = None, num_warps: int = WARPS, unroll: int = UNROLL, form: str = "auto",
                maxnreg="auto", use_pdl: bool = True, close="auto", norm=None, prefetch: str = "auto",
-               early: bool | None = None, merged: MergedPlan | None = None):
+               early: bool | None = None, merged: MergedPlan | None = None, ends: torch.Tensor | None = None):
     """One decode step of the rule in the full forward's arithmetic (`form`: its kernels): q, k [B, Hk,
     Dk] bf16 (the conv's output, not normalized, heads not repeated; any row stride, unit last),
     v [B, Hv, Dv] bf16, g [B, Hv] fp32, beta [B, Hv] bf16, positions [B] (each sequence's
@@ -557,8 +561,9 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
     "l2", or "auto" (the form's: "l2" merged, "0" fused) (nothing on the CPU; the same bits); early:
     the positions read before PDL's wait, the chunk's rows asked for there (None: pdl.early's rule,
     pdl.EARLY at up to pdl.EARLY_MAX_ROWS sequences; the same bits); merged: the merged form's
-    schedule (MergedPlan; None: auto_plan's; the same bits). Returns o [B, Hv, Dv] bf16, normed
-    with norm."""
+    schedule (MergedPlan; None: auto_plan's; the same bits); ends: None, or int32 [B] (a
+    speculative verify's): a sequence whose position is at or past ends[b] is not run, its output
+    zero, its state and chunk rows untouched. Returns o [B, Hv, Dv] bf16, normed with norm."""
     B, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     bv = block_v or rows.block_v
@@ -577,7 +582,7 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
             or not isinstance(close, tuple) or len(close) != 2 or not all(isinstance(x, int) for x in close)
             or any(x < 16 or x & (x - 1) for x in close) or close[0] > Dk or close[1] > C
             or (norm is not None and not _norm_fits(norm, B, Hv, Dv, bv))
-            or prefetch not in (*PREFETCH_LEVELS, "auto")):
+            or prefetch not in (*PREFETCH_LEVELS, "auto") or not _ends_fit(ends, positions)):
         raise ValueError(f"gdn_exact_step.fused_step: q/k {tuple(k.shape)}, v {tuple(v.shape)}, state "
                          f"{tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])}, block {bv}, tile {tile}, "
                          f"sum order {sum_order}, unroll {unroll}, form {form!r}, register cap {maxnreg!r}, "
@@ -586,7 +591,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
                          f"form one of {FORMS} or \"auto\"; the cap \"auto\" or registers >= 0; the close's blocks "
                          f"powers of two from 16 to Dk and 64, or \"auto\"; "
                          f"the norm's z [B, Hv * Dv] and weight [Dv] bf16, Dv = the block = 128; prefetch one of "
-                         f"{sorted(PREFETCH_LEVELS)} or \"auto\")")
+                         f"{sorted(PREFETCH_LEVELS)} or \"auto\"; ends {_ends_shape(ends)}: int32 like the "
+                         f"positions {tuple(positions.shape)} or None)")
     q, k, v, g, beta = step_views(q, k, v, g, beta)
     out = torch.empty((B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
     consts = dict(SCR=rows.scratch.shape[-1], HV=Hv, DK=Dk, DV=Dv, CH=C, NB=8, TILE=tile,
@@ -608,7 +614,10 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
         norm_args = (out, 0, out, 1.0, 1.0)        # not read
         consts.update(NORM=False, VEC=False, HALVES=False)
     args = (q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out,
-            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args)
+            q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), Dk ** -0.5, *norm_args,
+            positions if ends is None else ends)
+    if ends is not None:
+        consts["ENDS"] = True
     if form == "merged":
         _merged_step_kernel[(B * Hv, Dv // bv)](*args, RATIO=Hv // Hk, BV=bv, ORDER=sum_order, PDL=use_pdl,
                                                 num_warps=num_warps, **consts, **merged.constexprs(), **pdl_launch,
@@ -621,7 +630,8 @@ def fused_step(q, k, v, g, beta, positions, state, rows: ChunkRows, sum_order: i
 
 
 def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 32,
-               use_pdl: bool = True, stamps: torch.Tensor | None = None) -> torch.Tensor:
+               use_pdl: bool = True, stamps: torch.Tensor | None = None,
+               ends: torch.Tensor | None = None) -> torch.Tensor:
     """fused_step over T rows of each sequence in turn (a speculative verify's rows): q, k [T, B, Hk,
     Dk], v [T, B, Hv, Dv], g, beta [T, B, Hv] (any strides fused_step takes within a row), row r of
     sequence b at positions[b] + r; tile: the cumulative sum's (fused_step's); no gated norm (the
@@ -631,19 +641,21 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
     T is a runtime argument: one compile serves every verify width (docs/PERFORMANCE.md: why the
     rows are not batched). The Triton op set's gdn_exact_rows. stamps: None, or int64 [B * Hv, T,
     len(PHASES) + 1, 2] for each row's phase stamps (a bench's measurement: the one-launch form on a
-    GPU only; the same bits). Returns o [T, B, Hv, Dv] bf16; the state and rows as T steps leave
-    them."""
+    GPU only; the same bits). ends: fused_step's (int32 [B]: sequence b's rows from position
+    ends[b] on are not run: zero outputs, nothing written). Returns o [T, B, Hv, Dv] bf16; the
+    state and rows as T steps (those run) leave them."""
     T, B, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if (q.shape != k.shape or v.shape[:2] != (T, B) or g.shape != (T, B, Hv) or beta.shape != (T, B, Hv)
             or Hv % Hk or state.shape != (B, Hv, Dk, Dv) or not state.is_contiguous()
             or q.stride(-1) != 1 or q.stride() != k.stride() or v.stride(-1) != 1 or g.stride(-1) != 1
             or beta.stride(-1) != 1 or rows.KT.shape[:2] != (B, Hv) or Dk < 32 or Dk & (Dk - 1) or Dv % 16
-            or tile not in (C, C // 2)):
+            or tile not in (C, C // 2) or not _ends_fit(ends, positions)):
         raise ValueError(f"gdn_exact_step.fused_rows: q/k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
                          f"beta {tuple(beta.shape)}, state {tuple(state.shape)}, rows for {tuple(rows.KT.shape[:2])} "
-                         f"tile {tile} (q, k, v, g and beta with a unit last stride, q and k alike; Dk a power of "
-                         f"two >= 32; the tile 64 or 32)")
+                         f"tile {tile}, ends {_ends_shape(ends)} (q, k, v, g and beta with a unit last stride, q and "
+                         f"k alike; Dk a power of two >= 32; the tile 64 or 32; ends int32 like the positions "
+                         f"{tuple(positions.shape)} or None)")
     programs = B * Hv * max(Dv // rows.block_v, 1)
     form, maxnreg = grid_plan("auto", "auto", programs, v.device)
     one_launch = form == "merged" and rows.block_v == Dv and T > 1
@@ -655,7 +667,7 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
                          f"form: more than one row, the merged form's grid, a program a head)")
     if not one_launch:
         return torch.stack([fused_step(q[r], k[r], v[r], g[r], beta[r], positions + r, state, rows, tile=tile,
-                                       use_pdl=use_pdl)
+                                       use_pdl=use_pdl, ends=ends)
                             for r in range(T)])
     merged = auto_plan(Dk, programs, v.device)
     out = torch.empty((T, B, Hv, Dv), dtype=torch.bfloat16, device=v.device)
@@ -665,12 +677,22 @@ def fused_rows(q, k, v, g, beta, positions, state, rows: ChunkRows, tile: int = 
         q, k, v, g, beta, positions, state, rows.KT, rows.X, rows.VN, rows.G, rows.scratch, out, T,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), out.stride(0), Dk ** -0.5, out if stamps is None else stamps,
-        SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, CH=C, NB=8, ORDER=torch_sum_order(Dk),
+        positions if ends is None else ends, SCR=rows.scratch.shape[-1], HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, CH=C, NB=8, ORDER=torch_sum_order(Dk),
         TILE=tile, LOG_TILE=tile.bit_length() - 1, U=UNROLL, INTERPRETED=not v.is_cuda, RB=close[0], KB=close[1],
         PF=PREFETCH_LEVELS["l2"] if v.is_cuda else 0, PDL=use_pdl, num_warps=WARPS, num_stages=1,
-        **merged.constexprs(), **({"STAMP": True} if stamps is not None else {}), **pdl_launch,
+        **merged.constexprs(), **({"STAMP": True} if stamps is not None else {}),
+        **({"ENDS": True} if ends is not None else {}), **pdl_launch,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
+
+
+def _ends_fit(ends, positions) -> bool:
+    return ends is None or (ends.dtype == torch.int32 and ends.shape == positions.shape and ends.is_contiguous()
+                            and ends.device == positions.device)
+
+
+def _ends_shape(ends) -> str:
+    return "none" if ends is None else f"{tuple(ends.shape)} {ends.dtype}"
 
 
 def _norm_fits(norm, B: int, Hv: int, Dv: int, bv: int) -> bool:
@@ -968,19 +990,43 @@ def _stamp(ptr, i, ON: tl.constexpr):
 @triton.jit
 def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                        scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
-                       z_ptr, stride_zb, nw_ptr, inv_n, eps,
+                       z_ptr, stride_zb, nw_ptr, inv_n, eps, end_ptr,
                        SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                        TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                        RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                        HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, ENDS: tl.constexpr = False):
     """fused_step's "fused" program (sequence-head, BV value columns): the head's part in its own
     scratch (the first column block's program writes row t of the head's buffers), then its
-    columns; the close at the chunk's last row."""
+    columns; the close at the chunk's last row. ENDS: a sequence at or past end_ptr[b] stores
+    zeros only."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
+    if ENDS:
+        if tl.load(pos_ptr + b) < tl.load(end_ptr + b):
+            _chain_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb,
+                       stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr,
+                       dv, s_rows, z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB,
+                       NORM, VEC, HALVES)
+        else:
+            tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
+    else:
+        _chain_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
+                   stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows,
+                   z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC,
+                   HALVES)
+
+
+@triton.jit
+def _chain_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
+               stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows, z, nw,
+               HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+               CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr, TILE: tl.constexpr, LOG_TILE: tl.constexpr,
+               U: tl.constexpr, INTERPRETED: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
+               VEC: tl.constexpr, HALVES: tl.constexpr):
+    """The fused program's row t."""
     kn, kb, g, e_t, acc_q = _head_rows(q_ptr, k_ptr, g_ptr, beta_ptr, kt_buf, g_buf, scr, s_rows, b,
                                        (bh % HV) // RATIO, bh, t, stride_qb, stride_qh, stride_gb, stride_betab,
                                        scale, HV, DK, DV, BV, CH, ORDER, TILE, LOG_TILE, U, False, INTERPRETED)
@@ -997,40 +1043,49 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
 @triton.jit
 def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                         scr_ptr, o_ptr, stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale,
-                        z_ptr, stride_zb, nw_ptr, inv_n, eps,
+                        z_ptr, stride_zb, nw_ptr, inv_n, eps, end_ptr,
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BV: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                         HALVES: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
                         EARLY: tl.constexpr = False, UK: tl.constexpr = 0, UW: tl.constexpr = 0,
-                        QS_LATE: tl.constexpr = False):
+                        QS_LATE: tl.constexpr = False, ENDS: tl.constexpr = False):
     """fused_step's "merged" program: the fused program's chains with fewer passes, each trip's
-    loads serving several chains (_merged_row)."""
+    loads serving several chains (_merged_row). ENDS: as the fused program's."""
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
-    _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
-                stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows, z, nw,
-                HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC, HALVES,
-                UK, UW, QS_LATE, o_ptr, False)
+    if ENDS:
+        if tl.load(pos_ptr + b) < tl.load(end_ptr + b):
+            _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb,
+                        stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr,
+                        dv, s_rows, z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB,
+                        KB, NORM, VEC, HALVES, UK, UW, QS_LATE, o_ptr, False)
+        else:
+            tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
+    else:
+        _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
+                    stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows,
+                    z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC,
+                    HALVES, UK, UW, QS_LATE, o_ptr, False)
 
 
 @triton.jit
 def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_buf, x_buf, vn_buf, g_buf,
                         scr_ptr, o_ptr, R, stride_qt, stride_qb, stride_qh, stride_vt, stride_vb, stride_vh, stride_gt,
-                        stride_gb, stride_betat, stride_betab, stride_ot, scale, stamp_ptr,
+                        stride_gb, stride_betat, stride_betab, stride_ot, scale, stamp_ptr, end_ptr,
                         SCR: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         CH: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
                         TILE: tl.constexpr, LOG_TILE: tl.constexpr, U: tl.constexpr, INTERPRETED: tl.constexpr,
                         RB: tl.constexpr, KB: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False,
                         UK: tl.constexpr = 0, UW: tl.constexpr = 0, QS_LATE: tl.constexpr = False,
-                        STAMP: tl.constexpr = False):
+                        STAMP: tl.constexpr = False, ENDS: tl.constexpr = False):
     """fused_rows' program (sequence-head, the whole head's columns): R rows of its sequence in turn,
     row r at the sequence's position + r, each the merged step's row (_merged_row: its chains, so
     its bits), a barrier between rows (row r's chunk rows, and at a close the state, written by
     this program, are row r + 1's reads). STAMP: each row's phase stamps (_stamp) at stamp_ptr +
-    (bh R + r) _STAMP_SLOTS."""
+    (bh R + r) _STAMP_SLOTS. ENDS: the rows at positions from end_ptr[b] on store zeros only."""
     bh = tl.program_id(0)
     b = bh // HV
     dv = tl.arange(0, DV)
@@ -1042,7 +1097,10 @@ def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     pdl.launch_dependents(PDL)
     pos = tl.load(pos_ptr + b)
     zeros = tl.zeros([DV], dtype=tl.bfloat16)           # no gated norm here: the caller norms the rows
-    for r in range(R):
+    n = R
+    if ENDS:
+        n = tl.minimum(tl.maximum(tl.load(end_ptr + b) - pos, 0), R)
+    for r in range(n):
         t = ((pos + r) % CH).to(tl.int32)
         if PF != 0:
             _prefetch_rows(x_buf, vn_buf, bh, 0, t, DK, DV, DV, CH, PF)
@@ -1052,6 +1110,9 @@ def _merged_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
                     s_rows, zeros, zeros, HV, RATIO, DK, DV, DV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB,
                     KB, False, False, False, UK, UW, QS_LATE, stamp_ptr + (bh * R + r) * _STAMP_SLOTS, STAMP)
         tl.debug_barrier()
+    if ENDS:
+        for r in range(n, R):
+            tl.store(o_ptr + r * stride_ot + bh * DV + dv, zeros)
 
 
 @triton.jit

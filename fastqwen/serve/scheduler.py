@@ -491,9 +491,9 @@ class Scheduler:
             timing = self.slots.last_timing
             self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
         emits, right, rejected = [], 0, 0        # the policy's: drafts right, rows with a wrong one
-        for r, d, p in zip(reqs, drafts, picks):
-            matched = accepted(d, p)
-            right, rejected = right + matched, rejected + (matched < k)
+        for r, d, p, most in zip(reqs, drafts, picks, self.slots.verify_keep):
+            matched = min(accepted(d, p), most - 1)       # picks past the rows it may keep are not checks
+            right, rejected = right + matched, rejected + (matched < min(k, most - 1))
             emits.append(p[:min(matched + 1, r.params.max_tokens - len(r.output))])
         self.slots.commit([len(e) for e in emits])
         self._tokens[:len(reqs)].copy_(torch.tensor([e[-1] for e in emits], dtype=torch.int64))

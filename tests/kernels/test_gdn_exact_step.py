@@ -180,6 +180,68 @@ def test_scan_tile_follows_atens_rule():
     assert step.scan_tile(32769) == 64                                    # the unsigned wrap-around: 512 threads
 
 
+def _chunks_so_far(q, k, v, g, beta, state, starts):
+    """ChunkRows (a program a head) and states of sequences at positions `starts` in the sequence
+    q, k, v, g, beta [B, n, ...] from `state`: each sequence's chunk so far, the steps before its
+    start run alone (state advanced at no close: the starts are its first chunk's)."""
+    B, _, Hv, D = v.shape
+    rows, S = step.ChunkRows(B, Hv, D, D, DEV, block_v=D), state.clone()
+    for b, s in enumerate(starts):
+        first = s - s % step.C
+        alone, Sb = step.ChunkRows(1, Hv, D, D, DEV, block_v=D), S[b:b + 1].clone()
+        if s % step.C:
+            _fused_steps(q[b:b + 1, first:], k[b:b + 1, first:], v[b:b + 1, first:], g[b:b + 1, first:],
+                         beta[b:b + 1, first:], Sb, alone, torch.full((1,), first, device=DEV), s % step.C, tile=64)
+        for name in ("KT", "X", "VN", "G"):
+            getattr(rows, name)[b] = getattr(alone, name)[0]
+        S[b] = Sb[0]
+    return rows, S
+
+
+@pytest.mark.parametrize("D,T,starts,keep", [(32, 5, (61, 60, 3), (2, 5, 4)), (64, 4, (63, 62, 10), (4, 1, 0))])
+@pytest.mark.parametrize("how", ["rows", "steps_merged", "steps_fused"])
+def test_rows_stop_at_their_ends(D, T, starts, keep, how):
+    """With ends (a wide verify's: the positions plus the rows each sequence may keep), fused_rows
+    and fused_step's launches (either form) run sequence b's first keep[b] rows only: their outputs,
+    the state and every chunk row are what keep[b] steps of the sequence alone give (a close at
+    row 0, none kept, one kept, a close not run), the other rows' outputs zero; bit for bit."""
+    B, Hk, Hv = len(starts), 1, 2
+    q, k, v, g, beta, state = _sequence(B, 70 + T, Hk, Hv, D, seed=D + T)
+    pos = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    ends = pos + torch.tensor(keep, dtype=torch.int32, device=DEV)
+    idx = torch.stack([torch.arange(s, s + T) for s in starts]).to(DEV)
+    args = [torch.stack([x[b, idx[b]] for b in range(B)], 1) for x in (q, k, v, g, beta)]     # [T, B, ...]
+    rows, S = _chunks_so_far(q, k, v, g, beta, state, starts)
+    if how == "rows":
+        o = step.fused_rows(*args, pos, S, rows, tile=64, ends=ends)
+    else:
+        form = how.split("_")[1]
+        o = torch.stack([step.fused_step(*(x[r] for x in args), pos + r, S, rows, tile=64, form=form, ends=ends)
+                         for r in range(T)])
+    want_rows, want_S = _chunks_so_far(q, k, v, g, beta, state, starts)
+    for b, n in enumerate(keep):
+        alone = _one_rows(want_rows, b)
+        Sb = want_S[b:b + 1].clone()
+        for r in range(n):
+            ob = step.fused_step(*(x[r, b:b + 1] for x in args), pos[b:b + 1] + r, Sb, alone, tile=64)
+            _same(o[r, b:b + 1], ob, f"sequence {b}'s row {r}")
+        assert torch.equal(o[n:, b], torch.zeros_like(o[n:, b])), f"sequence {b}'s rows from {n} on"
+        _same(S[b], Sb[0], f"sequence {b}'s state")
+        for name in ("KT", "X", "VN", "G"):
+            _same(getattr(rows, name)[b], getattr(alone, name)[0], f"sequence {b}'s chunk rows {name}")
+    with pytest.raises(ValueError, match="ends"):
+        step.fused_rows(*args, pos, S, rows, tile=64, ends=ends.to(torch.int64))
+
+
+def _one_rows(rows, b):
+    """Sequence b's chunk rows of `rows` as a ChunkRows of its own (a copy)."""
+    D, Hv = rows.KT.shape[2], rows.KT.shape[1]
+    alone = step.ChunkRows(1, Hv, D, D, DEV, block_v=D)
+    for name in ("KT", "X", "VN", "G"):
+        getattr(alone, name)[0] = getattr(rows, name)[b]
+    return alone
+
+
 @pytest.mark.parametrize("D,B,T,starts", [(32, 1, 7, (60,)), (64, 2, 5, (61, 3)), (32, 2, 4, (0, 63)),
                                           (32, 1, 8, (21,)), (64, 2, 3, (40, 9))])
 def test_fused_rows_are_the_steps_rows(D, B, T, starts):
@@ -194,16 +256,7 @@ def test_fused_rows_are_the_steps_rows(D, B, T, starts):
     pick = lambda x: torch.stack([x[b, idx[b]] for b in range(B)], 1)            # noqa: E731  [T, B, ...]
     results = []
     for rows_at_once in (False, True):
-        rows, S = step.ChunkRows(B, Hv, D, D, DEV, block_v=D), state.clone()
-        for b, s in enumerate(starts):      # each sequence's chunk so far: the steps before its start
-            first = s - s % step.C
-            alone, Sb = step.ChunkRows(1, Hv, D, D, DEV, block_v=D), S[b:b + 1].clone()
-            if s % step.C:
-                _fused_steps(q[b:b + 1, first:], k[b:b + 1, first:], v[b:b + 1, first:], g[b:b + 1, first:],
-                             beta[b:b + 1, first:], Sb, alone, torch.full((1,), first, device=DEV), s % step.C, tile=64)
-            for name in ("KT", "X", "VN", "G"):
-                getattr(rows, name)[b] = getattr(alone, name)[0]
-            S[b] = Sb[0]
+        rows, S = _chunks_so_far(q, k, v, g, beta, state, starts)
         args = [pick(x) for x in (q, k, v, g, beta)]
         if rows_at_once:
             o = step.fused_rows(*args, pos, S, rows, tile=64)
