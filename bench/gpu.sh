@@ -133,6 +133,7 @@ SPEC_SHAPES=${SPEC_SHAPES:-4x2048x128,16x512x128}
 SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
+AUTO_Q35_SHAPES=${AUTO_Q35_SHAPES:-1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48}
 
 token_map() {   # PRESET SIZE OUT: the MTP head's draft vocabulary of PRESET's checkpoint over the embedded corpus
   [ -f "$3" ] && return 0          # made by an earlier stage on this machine (its report already in $OUT)
@@ -221,8 +222,7 @@ main() {
       spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
                    --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
-                       --out "$OUT/spec_auto_qwen35.json" \
-                       --shapes 1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48 ;;
+                       --out "$OUT/spec_auto_qwen35${AUTO_SUFFIX:-}.json" --shapes "$AUTO_Q35_SHAPES" ;;
       shared-tiles) timeout 400 python3 -m bench gemv --shared --ops qwen3 qwen3.5 --rows 2,3,4,5 \
                       --out "$OUT/bench_gemv_shared.json" ;;
       one-row-tiles) timeout 400 python3 -m bench gemv --ops qkv o gate_up_silu down q35_in_proj q35_qkv q35_gate_up_silu \
