@@ -497,7 +497,9 @@ class Scheduler:
             emits.append(p[:min(matched + 1, r.params.max_tokens - len(r.output))])
         self.slots.commit([len(e) for e in emits])
         self._tokens[:len(reqs)].copy_(torch.tensor([e[-1] for e in emits], dtype=torch.int64))
-        drafted, kept = k * len(reqs), sum(len(e) - 1 for e in emits)
+        # drafts the verify checked: a wide Qwen3.5 verify runs no row from a chunk's close on
+        drafted = sum(min(k, most - 1) for most in self.slots.verify_keep)
+        kept = sum(len(e) - 1 for e in emits)
         self.spec_stats["verify_steps"] += 1
         self.spec_stats["drafted"] += drafted
         self.spec_stats["accepted"] += kept
