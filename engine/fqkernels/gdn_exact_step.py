@@ -1005,19 +1005,16 @@ def _chain_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt_
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
+    live = True                     # without ENDS a constant: the row's code as before, no branch
     if ENDS:
-        if tl.load(pos_ptr + b) < tl.load(end_ptr + b):
-            _chain_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb,
-                       stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr,
-                       dv, s_rows, z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB,
-                       NORM, VEC, HALVES)
-        else:
-            tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
-    else:
+        live = tl.load(pos_ptr + b) < tl.load(end_ptr + b)
+    if live:
         _chain_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
                    stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows,
                    z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC,
                    HALVES)
+    else:
+        tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
 
 
 @triton.jit
@@ -1057,19 +1054,16 @@ def _merged_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, kt
     bh, cb, b, t, scr, dv, s_rows, z, nw = _program_start(pos_ptr, s_ptr, scr_ptr, z_ptr, stride_zb, nw_ptr, kt_buf,
                                                           x_buf, vn_buf, g_buf, SCR, HV, DK, DV, BV, CH, NORM, PF,
                                                           PDL, EARLY)
+    live = True                     # as the fused program's
     if ENDS:
-        if tl.load(pos_ptr + b) < tl.load(end_ptr + b):
-            _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb,
-                        stride_qh, stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr,
-                        dv, s_rows, z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB,
-                        KB, NORM, VEC, HALVES, UK, UW, QS_LATE, o_ptr, False)
-        else:
-            tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
-    else:
+        live = tl.load(pos_ptr + b) < tl.load(end_ptr + b)
+    if live:
         _merged_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, kt_buf, x_buf, vn_buf, g_buf, o_ptr, stride_qb, stride_qh,
                     stride_vb, stride_vh, stride_gb, stride_betab, scale, inv_n, eps, bh, cb, b, t, scr, dv, s_rows,
                     z, nw, HV, RATIO, DK, DV, BV, CH, NB, ORDER, TILE, LOG_TILE, U, INTERPRETED, RB, KB, NORM, VEC,
                     HALVES, UK, UW, QS_LATE, o_ptr, False)
+    else:
+        tl.store(o_ptr + bh * DV + dv, tl.zeros([BV], dtype=tl.bfloat16))
 
 
 @triton.jit
