@@ -490,15 +490,15 @@ class Scheduler:
         if self.spec_policy is not None:          # the verify has finished (its picks are read)
             timing = self.slots.last_timing
             self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
-        emits, right, rejected = [], 0, 0        # the policy's: drafts right, rows with a wrong one
+        emits, right, rejected, drafted = [], 0, 0, 0   # the policy's: drafts right, rows with a wrong one
         for r, d, p, most in zip(reqs, drafts, picks, self.slots.verify_keep):
-            matched = min(accepted(d, p), most - 1)       # picks past the rows it may keep are not checks
-            right, rejected = right + matched, rejected + (matched < min(k, most - 1))
+            # the drafts the verify checked: a wide Qwen3.5 verify runs no row from a chunk's close on
+            checked = min(k, most - 1)
+            matched = min(accepted(d, p), checked)
+            right, rejected, drafted = right + matched, rejected + (matched < checked), drafted + checked
             emits.append(p[:min(matched + 1, r.params.max_tokens - len(r.output))])
         self.slots.commit([len(e) for e in emits])
         self._tokens[:len(reqs)].copy_(torch.tensor([e[-1] for e in emits], dtype=torch.int64))
-        # drafts the verify checked: a wide Qwen3.5 verify runs no row from a chunk's close on
-        drafted = sum(min(k, most - 1) for most in self.slots.verify_keep)
         kept = sum(len(e) - 1 for e in emits)
         self.spec_stats["verify_steps"] += 1
         self.spec_stats["drafted"] += drafted
