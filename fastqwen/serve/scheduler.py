@@ -490,7 +490,8 @@ class Scheduler:
         if self.spec_policy is not None:          # the verify has finished (its picks are read)
             timing = self.slots.last_timing
             self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
-        emits, right, rejected, drafted = [], 0, 0, 0   # the policy's: drafts right, rows with a wrong one
+        # the policy's drafts right and rows with a wrong one; the stats' drafts checked
+        emits, right, rejected, drafted = [], 0, 0, 0
         for r, d, p, most in zip(reqs, drafts, picks, self.slots.verify_keep):
             # the drafts the verify checked: a wide Qwen3.5 verify runs no row from a chunk's close on
             checked = min(k, most - 1)
