@@ -319,6 +319,7 @@ class Engine:
             self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens + 2 * self.spec.k)
             return self._generate_spec(ids, max_new_tokens)
         self._check_memory(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
+        self._spec_stats = SpecStats()          # a plain call's: nothing left from an earlier one
         return self._generate(ids, max_new_tokens)
 
     @staticmethod
