@@ -71,13 +71,14 @@ def meta_model(model_dir: pathlib.Path, verifies: bool = False):
 
 
 def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, block_size: int | None,
-                         speculation: str, k: int, target, pdl: bool, through: bool = False) -> tuple[list, list]:
-    """The specializations a server start launches (see the module doc), and the problems met;
+                         speculation: str, k: int, target, pdl: bool, through: bool = False) -> tuple[list, list, list]:
+    """The specializations a server start launches (see the module doc), the problems met and the
+    scenarios run (a scenario names only the specializations it launched first);
     through: each launch goes on through Triton's own cache lookup and compile (ck.recording)."""
     import fq_slots
     import fq_spec
 
-    recorder, problems = ck.Recorder(), []
+    recorder, problems, ran = ck.Recorder(), [], []
     with ck.MetaAsCuda(), ck.norm_orders_measured(), torch.inference_mode(), ck.pdl_forced(pdl):
         # as the engine builds it: a Qwen3.5 server that verifies every step ("ngram") runs one
         # sequence's products on the tensor cores
@@ -93,16 +94,18 @@ def capture_server_start(model_dir: pathlib.Path, max_batch: int, max_len: int, 
                     steps = [("step", step)] + [(f"verify {w}", slots._verifies[rows, w]) for w in slots.widths]
                     for name, one in steps:
                         recorder.scenario = f"bucket {rows} {name} ({'gemv' if gemv else 'cublas'})"
+                        ran.append(recorder.scenario)
                         try:
                             one._step()
                         except Exception as exc:  # noqa: BLE001 - a finding, reported
                             problems.append(f"{recorder.scenario}: {type(exc).__name__}: {exc}")
             recorder.scenario = "warm prompt passes"
+            ran.append(recorder.scenario)
             try:
                 slots.warm()
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"warm: {type(exc).__name__}: {exc}")
-    return list(recorder.specs.values()), problems
+    return list(recorder.specs.values()), problems, ran
 
 
 def precompile_stamp(model_dir: pathlib.Path, args, cache: pathlib.Path, target) -> pathlib.Path:
@@ -153,8 +156,9 @@ def main(argv=None) -> int:
 
     pdl = "launch_pdl" in CUDAOptions.__dataclass_fields__        # as fqkernels.pdl decides on a GPU
     began = time.perf_counter()
-    specs, problems = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
-                                           args.speculation, args.speculative_tokens, target, pdl)
+    specs, problems, scenarios = capture_server_start(model_dir, args.max_batch, args.max_model_len,
+                                                      args.block_size or None, args.speculation,
+                                                      args.speculative_tokens, target, pdl)
     captured = time.perf_counter() - began
     print(f"captured {len(specs)} specializations of {len({s.kernel for s in specs})} kernels in {captured:.1f} s"
           + (f"; {len(problems)} problem(s):" if problems else ""), flush=True)
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
 
             before = files()
             os.environ["TRITON_CACHE_DIR"] = cache_dir
-            _, again = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
+            _, again, _ = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
                                             args.speculation, args.speculative_tokens, target, pdl, through=True)
             added = files() - before
             problems += [f"check: {line}" for line in again]
@@ -194,7 +198,7 @@ def main(argv=None) -> int:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "triton": triton.__version__, "target": str(target), "capture_s": captured, "compile_wall_s": compile_s,
-            "problems": problems,
+            "problems": problems, "scenarios": scenarios,
             "specs": [{"kernel": s.name, "scenario": s.scenario, "ok": s.ok, "seconds": s.seconds} for s in specs]},
             indent=1))
     return 0 if not problems and all(s.ok for s in specs if s.ok is not None) else 1

@@ -44,12 +44,17 @@ def test_the_capture_covers_every_bucket_every_verify_width_and_the_warm_passes(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["problems"] == [] and report["specs"]
-    scenarios = {s["scenario"] for s in report["specs"]}
-    # a scenario is named where a specialization was first launched: bucket 1's step first, then
-    # what the other buckets, the verifies of 1-4 drafts and the warm passes add
-    assert "bucket 1 step (gemv)" in scenarios and "warm prompt passes" in scenarios
-    assert any(s.startswith("bucket 1 verify") for s in scenarios)
-    assert any(s.startswith(("bucket 2", "bucket 4")) for s in scenarios)
+    # every bucket's step and verifies of 1-4 drafts ("auto" at k = 4), on the GEMV and on cuBLAS,
+    # then the warm passes, each run without a problem
+    want = [f"bucket {rows} {name} ({lib})" for lib in ("gemv", "cublas") for rows in (1, 2, 4)
+            for name in ["step"] + [f"verify {w}" for w in (1, 2, 3, 4)]] + ["warm prompt passes"]
+    assert report["scenarios"] == want
+    # a specialization is named by the scenario that launched it first: bucket 1's step first,
+    # then what the other buckets, the verifies and the warm passes add
+    first = {s["scenario"] for s in report["specs"]}
+    assert "bucket 1 step (gemv)" in first and "warm prompt passes" in first
+    assert any(s.startswith("bucket 1 verify") for s in first)
+    assert any(s.startswith(("bucket 2", "bucket 4")) for s in first)
     assert all(s["ok"] is None for s in report["specs"])          # nothing compiled
 
 
@@ -86,7 +91,7 @@ def test_the_check_sees_a_launch_path_that_finds_nothing(tmp_path):
     cache.mkdir()
     code = (f"import os, pathlib, sys; os.environ['TRITON_CACHE_DIR'] = {str(cache)!r}; "
             f"sys.path.insert(0, {str(SCRIPT.parent)!r}); import precompile as pc; "
-            f"specs, problems = pc.capture_server_start(pathlib.Path({str(model)!r}), 2, 256, None, 'off', 4, "
+            f"specs, problems, _ = pc.capture_server_start(pathlib.Path({str(model)!r}), 2, 256, None, 'off', 4, "
             f"pc.ck.parse_target('sm_90'), False, through=True); "
             f"print(len(specs), len(problems), sum(1 for p in pathlib.Path({str(cache)!r}).rglob('*.cubin')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO)
