@@ -5,6 +5,7 @@ request beside them turns verifies off while it runs; /metrics counts drafts and
 tokens; the server refuses a drafter it does not run."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -75,13 +76,36 @@ def test_greedy_requests_keep_their_tokens_with_verifies(spec_server):
     assert drafted == stats["drafted"] and accepted == stats["accepted"] and 0 < accepted <= drafted
 
 
-def test_a_sampled_request_runs_beside_without_verifies(spec_server):
+def test_a_sampled_request_beside_a_greedy_one_turns_verifies_off_while_it_runs(spec_server, monkeypatch):
+    """A greedy request runs, a sampled one joins it: every step they share is a plain one, the
+    greedy request verifies when it runs alone, and its tokens are the engine's own."""
     srv, url = spec_server
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-    before = srv.scheduler.spec_stats["verify_steps"]
-    out = client.completions.create(model="tiny", prompt=_repeating(9, 30), max_tokens=12, temperature=0.8, seed=3)
-    assert len(out.choices[0].token_ids) >= 1
-    assert srv.scheduler.spec_stats["verify_steps"] == before     # no verify while it ran alone
+    sched = srv.scheduler
+    seen = []                   # each step's choice: (a sampled request runs, a greedy one runs, drafts)
+    choose = sched._speculate_now
+
+    def watched():
+        width = choose()
+        greedy = [r.params.greedy for r in list(sched.running.values())]
+        seen.append((not all(greedy), any(greedy), width))
+        return width
+
+    monkeypatch.setattr(sched, "_speculate_now", watched)
+    prompt = _repeating(9, 30)
+    with ThreadPoolExecutor(1) as pool:
+        greedy = pool.submit(client.completions.create, model="tiny", prompt=prompt, max_tokens=120,
+                             temperature=0, extra_body={"ignore_eos": True})
+        while not sched.running and not greedy.done():       # the greedy request admitted first
+            time.sleep(0.001)
+        sampled = client.completions.create(model="tiny", prompt=_repeating(10, 30), max_tokens=12, temperature=0.8,
+                                            seed=3, extra_body={"ignore_eos": True})
+        greedy = greedy.result()
+    assert len(sampled.choices[0].token_ids) == 12
+    assert greedy.choices[0].token_ids == _alone(srv.model_dir, prompt, 120)
+    shared = [width for has_sampled, has_greedy, width in seen if has_sampled and has_greedy]
+    assert shared and not any(shared)
+    assert any(width for has_sampled, has_greedy, width in seen if has_greedy and not has_sampled)
 
 
 def test_the_server_refuses_a_drafter_it_does_not_run(tiny_model):
