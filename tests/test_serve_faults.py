@@ -327,7 +327,8 @@ def test_an_unexpected_error_is_a_500_in_shape_and_the_connection_goes_on(live, 
 # ---- isolation: a fault in one request ends it alone --------------------------------------------
 def test_a_fault_in_one_request_ends_it_alone(live, monkeypatch):
     """Planted while a batch runs: one request's detokenizer raises at its third token, one's
-    sampling generator is unusable, one's event delivery raises at its third token. Each of
+    sampling generator turns unusable for its third draw (a decode step's, beside the seeded
+    bystander's), one's event delivery raises at its third token. Each of
     those ends alone with a 500 (non-streaming) or an error event (streaming) in OpenAI's shape
     with its usage so far; the bystanders, greedy and seeded, streaming or not, get exactly the
     tokens they get alone, and every slot is free after. Then a failing engine step ends every
@@ -344,12 +345,26 @@ def test_a_fault_in_one_request_ends_it_alone(live, monkeypatch):
                 raise RuntimeError("planted: this request's detokenizer")
             return super().push(token_id)
 
-    real_detokenizer, real_generator, real_send = codec.detokenizer, scheduler_module.make_generator, \
-        scheduler_module.Request.send
+    real_detokenizer, real_emit, real_sample, real_send = codec.detokenizer, scheduler_module.Scheduler._emit, \
+        scheduler_module.Scheduler._sample, scheduler_module.Request.send
     monkeypatch.setattr(codec, "detokenizer", lambda stop=(): BrokenDetokenizer(codec, stop)
                         if "<fault:text>" in stop else real_detokenizer(stop))
-    monkeypatch.setattr(scheduler_module, "make_generator", lambda params, device, server: object()
-                        if params.seed == 4242 else real_generator(params, device, server))
+
+    def emit(sched, req, token, *args, **kwargs):
+        real_emit(sched, req, token, *args, **kwargs)
+        if req.params.seed == 4242 and len(req.output) == 2:
+            req.generator = object()               # its next draw raises
+
+    failing_draws = []                             # the seeds of each draw's rows where it failed
+
+    def sample_rows(sched, logits, reqs):
+        tokens, failed = real_sample(sched, logits, reqs)
+        if any(r.params.seed == 4242 for r in failed):
+            failing_draws.append(sorted(r.params.seed for r in reqs if r.params.seed is not None))
+        return tokens, failed
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_emit", emit)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_sample", sample_rows)
 
     def send(req, event):
         if "<fault:send>" in req.params.stop and len(req.output) >= 3 and event.finish_reason is None:
@@ -385,6 +400,7 @@ def test_a_fault_in_one_request_ends_it_alone(live, monkeypatch):
     _check_error(send_fault, 500, None, "planted: this request's event delivery")
     assert sample_fault["errors"] and sample_fault["done"] and "TypeError" in sample_fault["errors"][0]["error"][
         "message"]
+    assert len(sample_fault["token_ids"]) == 2 and failing_draws == [[5, 4242]]
     assert stream["token_ids"] == _alone(srv, greedy[0], n) and not stream["errors"]
     assert plain.json()["choices"][0]["token_ids"] == _alone(srv, greedy[1], n)
     _settled(srv)
@@ -674,11 +690,19 @@ def test_sigterm_drains_within_its_bound(process):
     short one finishes, the long stream is ended by the 1 s drain bound with an error event and
     its usage so far, and the process exits 0 soon after."""
     proc, url, log = process
+    # the short request's length from this machine's pace (a warm request's): its tokens in a third
+    # of the drain
+    for _ in range(2):
+        began = time.monotonic()
+        assert httpx.post(url + "/v1/completions", json={"prompt": "pace", "max_tokens": 16, "ignore_eos": True},
+                          timeout=60).status_code == 200
+    step_s = (time.monotonic() - began) / 16
+    n = max(2, min(20, int(0.33 / step_s)))
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(_stream, url, {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True,
                                           "stream_options": {"include_usage": True}})
         time.sleep(0.5)
-        short = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "short", "max_tokens": 20,
+        short = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "short", "max_tokens": n,
                                                                        "ignore_eos": True}, timeout=30)
         deadline = time.monotonic() + 10     # both running before the signal, on a busy machine too
         while _metric(url, "fastqwen:num_requests_running") < 2 and time.monotonic() < deadline:
@@ -689,7 +713,7 @@ def test_sigterm_drains_within_its_bound(process):
         _check_error(httpx.post(url + "/v1/completions", json={"prompt": "late"}), 503, None, "shutting down")
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json() == {"status": "draining"}
-        assert short.result().status_code == 200 and len(short.result().json()["choices"][0]["token_ids"]) == 20
+        assert short.result().status_code == 200 and len(short.result().json()["choices"][0]["token_ids"]) == n
         got = long.result()
     ended = time.monotonic() - began
     assert got["errors"] and got["errors"][0]["error"]["code"] == 503 and got["done"], got["errors"]
@@ -697,4 +721,5 @@ def test_sigterm_drains_within_its_bound(process):
     assert 0 < usage["completion_tokens"] == len(got["token_ids"]) < 3000 and got["usage"] == usage
     assert 0.8 < ended < 3.0, ended
     assert proc.wait(timeout=10) == 0, log.read_text()[-2000:]
-    print(f"drain: the long stream ended {ended:.2f} s after SIGTERM with {usage['completion_tokens']} tokens")
+    print(f"drain: the long stream ended {ended:.2f} s after SIGTERM with {usage['completion_tokens']} tokens; "
+          f"the short one's {n} tokens finished ({step_s * 1e3:.0f} ms a token alone)")
