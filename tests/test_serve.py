@@ -98,9 +98,18 @@ def test_eight_concurrent_requests_each_get_their_own_tokens(server, client):
 
 
 def test_sampling_with_a_seed_repeats(client):
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
-    a, b = (client.completions.create(**kw).choices[0].token_ids for _ in range(2))
+    """The same seed, the same tokens; other seeds draw other tokens, none of them greedy's."""
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, ignore_eos=True)
+
+    def tokens(**more):
+        body = dict(kw, **more)
+        return client.completions.create(extra_body={"ignore_eos": body.pop("ignore_eos")}, **body).choices[0].token_ids
+
+    a, b = tokens(seed=11), tokens(seed=11)
     assert a == b
+    others = [tokens(seed=s) for s in (12, 13)]
+    greedy = tokens(temperature=0)
+    assert len({tuple(t) for t in [a] + others + [greedy]}) == 4
 
 
 @pytest.mark.parametrize("body,status,fragment", [
@@ -228,6 +237,7 @@ def test_a_client_that_disconnects_frees_its_slot(server):
         time.sleep(0.05)
     assert _metric(url, "fastqwen:request_success_total", finished_reason="abort") == aborted + 1
     assert _metric(url, "fastqwen:num_requests_running") == 0
+    assert server[0].scheduler.slots.free == 4 and not server[0].scheduler.slots.running
     assert httpx.post(url + "/v1/completions", json={"prompt": "again", "max_tokens": 2}).status_code == 200
 
 
@@ -481,6 +491,24 @@ def test_long_prompts_join_in_chunks(tiny_model, block_size):
 
     srv = Server(str(tiny_model), max_batch=4, max_model_len=512, served_model_name="tiny", block_size=block_size,
                  prefill_chunk=32)
+    # ("chunk", its tokens, rows running, its prompt's length), ("whole", tokens, rows running) or ("step",)
+    slots, events = srv.scheduler.slots, []
+    real_chunk, real_group, real_step = slots.prefill_next, slots.admit_group, slots.step_rows
+
+    def chunk(tokens):
+        key, prompt, _, _, done = slots._staged[:5]
+        events.append(("chunk", min(tokens, len(prompt) - done), len(slots.keys), len(prompt)))
+        return real_chunk(tokens)
+
+    def group(keys, prompts, *args, **kwargs):
+        events.append(("whole", sum(map(len, prompts)), len(slots.keys)))
+        return real_group(keys, prompts, *args, **kwargs)
+
+    def step(tokens):
+        events.append(("step",))
+        return real_step(tokens)
+
+    slots.prefill_next, slots.admit_group, slots.step_rows = chunk, group, step
     try:
         gen = torch.Generator().manual_seed(8)
         prompts = [torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (5, 90, 17, 200, 33, 64, 8, 129)]
@@ -503,7 +531,14 @@ def test_long_prompts_join_in_chunks(tiny_model, block_size):
         for i, res in enumerate(results):
             assert res["choices"][0]["token_ids"] == _until_eos(srv, _alone(srv, prompts[i], want[i])), i
         assert srv.scheduler.slots.staged is None and not srv.scheduler.running
-        assert srv.scheduler.chunks >= 3            # at least the 200-token prompt went in chunks
+        # the 200-token prompt went in 7 chunks; between two decode steps, with rows running, at
+        # most 32 prompt tokens went in
+        chunks = [e for e in events if e[0] == "chunk"]
+        assert sum(e[3] == 200 for e in chunks) == 7 and srv.scheduler.chunks == len(chunks)
+        between = 0
+        for e in events:
+            between = 0 if e[0] == "step" else between + (e[1] if e[2] else 0)
+            assert between <= 32, events
     finally:
         srv.close()
 

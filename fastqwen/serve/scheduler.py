@@ -129,6 +129,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or None
         self._staged: Request | None = None          # the request being prefilled in chunks
         self.chunks = 0                              # chunks prefilled so far (a prompt in several counts each)
+        self._passed = False                         # a prompt pass ran beside running requests since their last step
         self.engine, self.codec, self.metrics = engine, codec, metrics
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.slots = engine.slots(max_batch, max_len, page_size=block_size, num_pages=num_blocks,
@@ -248,6 +249,9 @@ class Scheduler:
         for req in [r for r in self._held if r.cancelled]:
             self._held.remove(req)
             self._finish(req, "abort")
+        if self.prefill_chunk and self._passed and self.running and all(
+                self._can_step(r) for r in self.running.values()):
+            return False               # the chunk budget is between two steps: this loop's step first
         if self._staged is not None:
             return self._prefill_staged()
         if not self._held or not self.slots.free:
@@ -291,6 +295,7 @@ class Scheduler:
             return True
         row = len(self.slots.running)
         began = time.monotonic()
+        self._passed = bool(self.running)
         logits = self.slots.admit_group([r.id for r in group], [r.prompt for r in group],
                                         [self._reserve(r) for r in group], all_positions=all_positions)
         for req in group:
@@ -411,6 +416,7 @@ class Scheduler:
             self._finish(req, "abort")
             return True
         began = time.monotonic()
+        self._passed = bool(self.running)
         logits = self.slots.prefill_next(self.prefill_chunk)
         self.chunks += 1
         if logits is None:
@@ -487,6 +493,7 @@ class Scheduler:
         drafts = [self._lookup(r).draft(k) for r in reqs]
         rows = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64)
         picks = self.slots.verify_rows(rows.to(self.device)).tolist()
+        self._passed = False
         if self.spec_policy is not None:          # the verify has finished (its picks are read)
             timing = self.slots.last_timing
             self.spec_policy.observe_cost(timing[0], timing[1], self.slots.timing_ms(timing))
@@ -534,6 +541,7 @@ class Scheduler:
         reqs = [self.running[i] for i in ids]
         n = len(ids)
         logits = self.slots.step_rows(self._tokens[:n])
+        self._passed = False
         timing = self.slots.last_timing if self.slots.timing else None
         masked = [row for row, req in enumerate(reqs) if req.matcher is not None]
         failed = {}
