@@ -116,7 +116,8 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
     "tests/kernels/test_gdn_exact_step.py"
     "tests/kernels/test_gdn_exact_step_plan.py tests/kernels/test_sigmoid_gate.py"
     "tests/kernels/test_qwen35_step.py tests/kernels/test_norm_rope_swiglu.py tests/kernels/test_pdl.py tests/kernels/test_compile_sm90.py"
-    "tests/test_engine_gpu.py")
+    "tests/test_engine_gpu.py"
+    "tests/test_judge.py tests/test_synth.py")
   local i
   for i in "${!groups[@]}"; do
     eval "timeout ${KERNELS_TIMEOUT_S:-480} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu ${groups[$i]}" \

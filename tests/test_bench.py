@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,8 +82,17 @@ def test_commit_is_the_environments_stamp_first_then_git_then_the_stamp_file(tmp
     assert runner.commit() == (None, None)
     (tmp_path / ".commit").write_text("0123abc\n")
     assert runner.commit() == ("0123abc", None)
+    # a repository's HEAD wins over a stale .commit, with whether tracked files differ from it
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("a")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-qm", "f"], check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert runner.commit() == (head, False)
+    (tmp_path / "f.txt").write_text("b")
+    assert runner.commit() == (head, True)
     # the GPU script's stamp wins over a stale .git or .commit in the copied tree
-    (tmp_path / ".git").mkdir()
     monkeypatch.setenv("FASTQWEN_COMMIT", "from-env")
     assert runner.commit() == ("from-env", None)
 
@@ -249,12 +259,24 @@ def test_lm_screen_picks_equal_the_full_argmax(tmp_path, capsys, bench_cache):
     assert doc["rows"][0]["arm"] == "gemv+argmax"
 
 
-def test_memory_runs_each_shape_in_a_fresh_process(tmp_path, capsys, bench_cache):
-    doc = run_entry(["memory", "--model", "tiny", "--shapes", "1x8x2"], tmp_path, capsys)
-    [row] = doc["rows"]
-    assert "error" not in row, row.get("error")
-    assert row["shape"] == "1x8x2" and row["peak_GiB"] > 0 and row["cache_GiB"] > 0
-    assert row["bar_GiB"] == pytest.approx(row["weights_GiB"] + row["cache_GiB"] + 3.0)
+def test_memory_runs_each_shape_in_a_fresh_process(tmp_path, capsys, bench_cache, monkeypatch):
+    from bench import memory
+
+    children, real_run = [], memory.subprocess.run
+
+    def run(cmd, **kwargs):                       # subprocess's own: git's calls pass through too
+        if "--child" in cmd:
+            children.append(cmd[cmd.index("--child") + 1])
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    doc = run_entry(["memory", "--model", "tiny", "--shapes", "1x8x2,2x8x2"], tmp_path, capsys)
+    assert children == ["1x8x2", "2x8x2"]               # a child process a shape
+    assert [row["shape"] for row in doc["rows"]] == children
+    for row in doc["rows"]:
+        assert "error" not in row, row.get("error")
+        assert row["peak_GiB"] > 0 and row["cache_GiB"] > 0
+        assert row["bar_GiB"] == pytest.approx(row["weights_GiB"] + row["cache_GiB"] + 3.0)
 
 
 def test_serve_loads_the_server_beside_generate(tmp_path, capsys, bench_cache):
@@ -268,7 +290,7 @@ def test_serve_loads_the_server_beside_generate(tmp_path, capsys, bench_cache):
     [ready] = [r for r in doc["rows"] if r["kind"] == "ready"]
     assert ready["ready_s"] > 0 and ready["slots"] == 2
     # the peak is the server's own gauge: never more requests at once than streams or slots
-    assert [r["running_peak"] for r in server][-1] <= 2
+    assert all(1 <= r["running_peak"] <= min(r["streams"], 2) for r in server), server
 
 
 def test_serve_passes_speculation_to_the_server_and_reads_its_counts(tmp_path, capsys, bench_cache):
@@ -604,20 +626,24 @@ def test_spec_profile_credits_a_kernel_to_the_innermost_part():
 
 def test_the_gpu_kernels_stage_runs_every_gpu_test_file():
     """bench/gpu.sh's kernels stage lists its pytest groups by file: a GPU test file missing from
-    them would never run on the GPU."""
+    them would never run on the GPU. The GPU files: every kernel test file and every other file
+    with a test marked gpu."""
     root = REPO
     script = (root / "bench" / "gpu.sh").read_text()
     stage = script[script.index("kernels() {"):script.index("main() {")]
     named = set(re.findall(r"tests/[\w/]+\.py", stage))
     files = {str(p.relative_to(root)) for p in (root / "tests" / "kernels").glob("test_*.py")}
-    files.add("tests/test_engine_gpu.py")
+    files |= {str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py")
+              if re.search(r"^(@pytest\.mark\.gpu|pytestmark = .*pytest\.mark\.gpu)", p.read_text(), re.M)}
+    assert {"tests/test_engine_gpu.py", "tests/test_judge.py", "tests/test_synth.py"} <= files
     assert files - named == set(), sorted(files - named)
     assert named - files == set(), sorted(named - files)
 
 
 def test_every_test_that_needs_a_gpu_is_marked_gpu():
-    """The kernels stage selects `-m gpu`: a test skipped without a GPU (needs_gpu) but not marked
-    gpu, in a file without a module-wide gpu mark, would run nowhere."""
+    """The kernels stage selects `-m gpu`: a test skipped without a GPU (needs_gpu, or a skipif on
+    torch.cuda.is_available()) but not marked gpu, in a file without a module-wide gpu mark, would
+    run nowhere."""
     unmarked = []
     for path in sorted((REPO / "tests").rglob("test_*.py")):
         source = path.read_text()
@@ -625,7 +651,8 @@ def test_every_test_that_needs_a_gpu_is_marked_gpu():
             continue
         for block in re.findall(r"((?:^@.*\n(?:^ .*\n)*)+)^def (test_\w+)", source, re.M):
             decorators, name = block
-            if "needs_gpu" in decorators and "pytest.mark.gpu" not in decorators:
+            needs = "needs_gpu" in decorators or re.search(r"skipif\(\s*not torch\.cuda\.is_available", decorators)
+            if needs and "pytest.mark.gpu" not in decorators:
                 unmarked.append(f"{path.relative_to(REPO)}::{name}")
     assert unmarked == []
 

@@ -65,12 +65,13 @@ def test_times_modes_and_caches_do_not_change_the_bytes(tmp_path: pathlib.Path) 
     one = make_engine(tmp_path / "one")
     two = tmp_path / "two"
     shutil.copytree(one, two)
-    for path in two.rglob("*"):
-        os.utime(path, (1_700_000_000, 1_700_000_000))
-    (two / "engine.py").chmod(0o755)
     make_engine(two, {"__pycache__/engine.cpython-311.pyc": b"\0", "fqkernels/ops.pyc": b"\0", ".gitignore": b"x"})
     (two / ".hidden").mkdir()
     (two / ".hidden" / "notes.txt").write_bytes(b"secret")
+    for path in two.rglob("*"):                    # last: nothing written after it resets the times
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    (two / "engine.py").chmod(0o755)
+    assert (two / "engine.py").stat().st_mtime == 1_700_000_000 != (one / "engine.py").stat().st_mtime
     a = package_folder(one, tmp_path / "one.tar.gz")
     b = package_folder(two, tmp_path / "two.tar.gz")
     assert a.written and b.written

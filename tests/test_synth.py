@@ -122,7 +122,9 @@ def test_median_top_gap_matches_the_gaussian_estimate_and_shrinks_with_spread():
         classic = math.log(2) / math.sqrt(2 * math.log(vocab))
         assert synth_common.median_top_gap(vocab, 0.0) == pytest.approx(classic, rel=0.2)
         assert synth_common.median_top_gap(vocab, 0.25) > 1.5 * synth_common.median_top_gap(vocab, 0.0)
-    assert synth_common.median_top_gap(4096, 0.25) == synth_common.median_top_gap(4096, 0.25)  # fixed seed
+    first = synth_common.median_top_gap(4096, 0.25)
+    synth_common.median_top_gap.cache_clear()          # computed again, not the cached value
+    assert synth_common.median_top_gap(4096, 0.25) == first  # fixed seed
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path: pathlib.Path, tiny_model: pathlib.Path):
@@ -143,7 +145,8 @@ def test_tensor_values_do_not_depend_on_generation_order(tiny_model: pathlib.Pat
     chosen = specs[-6:] + [s for s in specs if s[0] in ("model.layers.2.self_attn.k_proj.weight", "model.embed_tokens.weight")]
     for name, shape in reversed(chosen):
         assert torch.equal(synth.make_tensor(name, shape, scheme, 0, "cpu"), on_disk[name]), name
-    assert synth_common.tensor_seed(0, "a") != synth_common.tensor_seed(1, "a") != synth_common.tensor_seed(0, "b")
+    seeds = {synth_common.tensor_seed(0, "a"), synth_common.tensor_seed(1, "a"), synth_common.tensor_seed(0, "b")}
+    assert len(seeds) == 3 and synth_common.tensor_seed(0, "a") == synth_common.tensor_seed(0, "a")
 
 
 def test_shards_and_index_are_consistent(tmp_path: pathlib.Path, tiny_model: pathlib.Path):
@@ -432,7 +435,7 @@ def test_massive_bytes_are_deterministic_and_follow_the_seed(tmp_path: pathlib.P
     # Every tensor is still a pure function of its name: drawn alone it is what the file holds.
     scheme = synth.build_scheme(get_preset("tiny"), massive_activations=True)
     on_disk = load_file(str(weight_files(massive_model)[0]))
-    for name, shape in reversed(expected_tensors(get_preset("tiny"))[:14]):
+    for name, shape in reversed(expected_tensors(get_preset("tiny"))):
         assert torch.equal(synth.make_tensor(name, shape, scheme, 0, "cpu"), on_disk[name]), name
 
 
