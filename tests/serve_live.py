@@ -10,7 +10,7 @@ import time
 @contextlib.contextmanager
 def serving(srv):
     """srv (a fastqwen.serve.app.Server) behind uvicorn on a free port; yields its URL once /health
-    answers 200; on exit the web server stops and srv is closed."""
+    answers 200 (an error if it does not within 60 s); on exit the web server stops and srv is closed."""
     import httpx
     import uvicorn
 
@@ -23,12 +23,18 @@ def serving(srv):
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    deadline = time.monotonic() + 60
+    while True:
         try:
             if httpx.get(url + "/health").status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(0.05)
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            web.should_exit = True
+            srv.close()
+            raise RuntimeError(f"the server at {url} did not answer /health with 200 within 60 s")
+        time.sleep(0.05)
     try:
         yield url
     finally:

@@ -431,14 +431,30 @@ def test_a_fault_in_one_request_ends_it_alone(live, monkeypatch):
 
 
 # ---- cancellation ------------------------------------------------------------------------------
-def test_abandoned_requests_are_cancelled_at_once(live):
+def test_abandoned_requests_are_cancelled_at_once(live, monkeypatch):
     """Eight non-streaming clients that give up after 0.4 s (each asked for 400 tokens: 8 s of
     work on 4 slots), the openai client's retries included: every one is cancelled within a
     step or two of its client leaving, every slot is free, and a short request after them is
     not kept waiting by their work."""
+    from fastqwen.serve import scheduler as scheduler_module
+
     srv, url = live
     aborted, fives = _metric(url, "fastqwen:request_success_total", finished_reason="abort"), _fives(url)
     body = {"prompt": "orphan", "max_tokens": 400, "ignore_eos": True}
+    cancelled, ended = {}, {}                    # request id -> when its client left / when it ended
+    real_cancel, real_finish = scheduler_module.Scheduler.cancel, scheduler_module.Scheduler._finish
+
+    def cancel(sched, req):
+        cancelled.setdefault(req.id, time.monotonic())
+        real_cancel(sched, req)
+
+    def finish(sched, req, reason, *args, **kwargs):
+        if reason == "abort":
+            ended[req.id] = time.monotonic()
+        real_finish(sched, req, reason, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "cancel", cancel)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_finish", finish)
 
     def leave(_):
         try:
@@ -457,6 +473,10 @@ def test_abandoned_requests_are_cancelled_at_once(live):
         gone = list(pool.map(leave, range(6))) + [f.result() is None for f in retried]
     assert all(gone)
     settled = _settled(srv, 2.0)
+    # each one ended within a few steps of its client leaving (a step of these is milliseconds)
+    assert len(cancelled) == 10 and set(ended) == set(cancelled)
+    late = {i: ended[i] - cancelled[i] for i in cancelled}
+    assert max(late.values()) < 0.3, late
     began = time.monotonic()
     r = httpx.post(url + "/v1/completions", json={"prompt": "short", "max_tokens": 4, "ignore_eos": True}, timeout=30)
     waited = time.monotonic() - began
@@ -469,13 +489,15 @@ def test_abandoned_requests_are_cancelled_at_once(live):
 
 def test_random_disconnects_under_load_stall_no_bystander(live):
     """Twenty clients, streaming or not, leaving after seeded random times while a greedy
-    bystander streams: the bystander gets exactly its tokens alone with no chunk later than
-    STALL_S after the one before, and every slot is free after."""
+    bystander streams (long enough to outlast them all): the bystander gets exactly its tokens
+    alone with no chunk later than STALL_S after the one before, the clients' requests end as
+    aborts, and every slot is free after."""
     srv, url = live
     fives = _fives(url)
+    aborted = _metric(url, "fastqwen:request_success_total", finished_reason="abort")
     rng = random.Random(7)
     prompt = _prompts(31, (25,))[0]
-    n = 120
+    n = 600
     plan = [(_prompts(100 + i, (rng.randint(3, 300),))[0], rng.uniform(0.05, 1.0)) for i in range(20)]
 
     def client(i):
@@ -494,15 +516,21 @@ def test_random_disconnects_under_load_stall_no_bystander(live):
             pass
 
     with ThreadPoolExecutor(8) as pool:
-        bystander = pool.submit(_stream, url, {"prompt": prompt, "max_tokens": n, "temperature": 0,
-                                               "ignore_eos": True})
+        bystander = pool.submit(lambda: (_stream(url, {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                       "ignore_eos": True}), time.monotonic()))
         list(pool.map(client, range(20)))
-        got = bystander.result()
+        left = time.monotonic()
+        got, ended = bystander.result()
+    assert ended > left                        # every client left while the bystander streamed
     assert got["token_ids"] == _alone(srv, prompt, n) and not got["errors"]
     assert got["gap"] < STALL_S, got["gap"]
     _settled(srv, 3.0)
     assert _fives(url) == fives
-    print(f"random disconnects: the bystander's longest gap {got['gap'] * 1000:.0f} ms")
+    # most leave mid-generation or waiting (a client whose wait outlasts its 300 tokens completes)
+    aborts = _metric(url, "fastqwen:request_success_total", finished_reason="abort") - aborted
+    assert 15 <= aborts <= 20, aborts
+    print(f"random disconnects: the bystander's longest gap {got['gap'] * 1000:.0f} ms, outlasting the last "
+          f"client by {ended - left:.2f} s; {aborts:.0f} of 20 aborted")
 
 
 # ---- bounded input work ------------------------------------------------------------------------

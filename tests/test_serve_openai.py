@@ -85,6 +85,30 @@ def test_greedy_logprobs_are_the_engines_log_softmax(live, client):
     assert choice.text == srv.codec.decode(prompt, skip_special_tokens=False) + srv.codec.decode(generated)
 
 
+def test_sampled_logprobs_are_the_raw_logits_log_softmax(live, client):
+    """A sampled completion (temperature 0.8, top_k 5): each token's logprob is the log_softmax of
+    the model's raw logits at that step (before the temperature and the cut, as vLLM's default),
+    recomputed through the engine's slots API over the tokens it drew."""
+    srv, _ = live
+    prompt = _prompt(5, 17)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.8, seed=4, logprobs=3,
+                                    extra_body={"ignore_eos": True, "top_k": 5})
+    choice = out.choices[0]
+    drawn, lp = choice.token_ids, choice.logprobs
+    slots = _engine(srv).slots(2, 512)
+    logits = [slots.admit_group(["s"], [prompt], [100])[0]]
+    for token in drawn[:-1]:
+        logits.append(slots.step({"s": token})["s"])
+    picked_other = False
+    for i, token in enumerate(drawn):
+        raw = torch.log_softmax(logits[i].float(), -1)
+        assert math.isclose(lp.token_logprobs[i], raw[token].item(), abs_tol=1e-6), i
+        assert sorted(lp.top_logprobs[i].values(), reverse=True)[:3] == pytest.approx(raw.topk(3).values.tolist(),
+                                                                                      abs=1e-6)
+        picked_other |= token != int(raw.argmax())
+    assert picked_other                          # sampled: not every token the argmax
+
+
 def test_completion_logprobs_parse_and_stream_alike(client):
     """The openai client's types take completions' logprobs (with echo), and a stream's chunks
     carry the same tokens, values and offsets as the whole answer."""
@@ -93,7 +117,8 @@ def test_completion_logprobs_parse_and_stream_alike(client):
     assert whole.text.startswith("The quick brown fox")
     n_prompt = len(whole.logprobs.tokens) - len(whole.token_ids)
     assert whole.logprobs.token_logprobs[:1] == [None] and all(v is not None for v in whole.logprobs.token_logprobs[1:])
-    assert all(1 <= len(top) <= 3 for top in whole.logprobs.top_logprobs[1:])     # up to logprobs + 1 (itself)
+    # the 2 most likely, and the token itself where it is not among them
+    assert all(len(top) in (2, 3) for top in whole.logprobs.top_logprobs[1:])
     chunks = list(client.completions.create(**kw, stream=True))
     got = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for c in chunks:
@@ -160,7 +185,16 @@ def _person(value) -> bool:
             and all(type(t) is bool for t in value["tags"]))
 
 
-def test_a_json_schema_response_is_schema_valid(client):
+def _follows(srv, fmt, token_ids) -> bool:
+    """Every token of an output (whole or cut by max_tokens) is one the response format's grammar
+    allows there: replayed through a fresh matcher of the server's grammars."""
+    from fastqwen.serve.grammar import response_format_spec
+
+    matcher = srv.grammars.matcher(response_format_spec(fmt))
+    return len(token_ids) > 0 and all(matcher.accept(t) for t in token_ids)
+
+
+def test_a_json_schema_response_is_schema_valid(live, client):
     """Random weights, greedy and sampled, chat and completions, streaming too: every output
     parses and satisfies the schema, and ends with finish "stop" once the value is whole."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -179,11 +213,13 @@ def test_a_json_schema_response_is_schema_valid(client):
                  chunks[-1].choices[0].finish_reason))
     for text, finish in outs:
         assert finish == "stop" and _person(json.loads(text)), text
-    # any object: its keys and strings are unbounded, so random weights may run out of tokens in one
+    # any object: its keys and strings are unbounded, so random weights may run out of tokens in one;
+    # a cut one's tokens are still each one the grammar allowed
     obj = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON?"}],
                                          max_tokens=100, temperature=0, response_format={"type": "json_object"})
     text, finish = obj.choices[0].message.content, obj.choices[0].finish_reason
     assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict)), (text, finish)
+    assert _follows(live[0], {"type": "json_object"}, obj.choices[0].token_ids)
 
 
 WEATHER = {"type": "function", "function": {
@@ -277,6 +313,7 @@ def test_requests_without_a_grammar_keep_their_tokens_beside_one(live, client):
         assert tokens == [s[0] for s in engine.generate([p], n)]
     ints = json.loads(shaped.choices[0].message.content) if shaped.choices[0].finish_reason == "stop" else None
     assert shaped.choices[0].finish_reason == "length" or (isinstance(ints, list) and len(ints) >= 40)
+    assert _follows(srv, fmt, shaped.choices[0].token_ids)     # masked at every step, cut or whole
     assert len(scored.choices[0].logprobs.tokens) == len(scored.choices[0].token_ids)
 
 

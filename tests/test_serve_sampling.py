@@ -126,6 +126,12 @@ def test_a_seed_repeats_its_draws_and_rows_are_independent():
              for _ in range(2)]
     assert draws[0] == draws[1]
     assert draws[0][0] == draws[0][2]          # same seed, same logits: same token
+    # each row draws alone what it draws beside the others, over several draws of its generator
+    gens = [make_generator(p, torch.device("cpu"), server) for p in params]
+    alone = [make_generator(p, torch.device("cpu"), server) for p in params]
+    for _ in range(5):
+        together = sample(logits, params, gens).tolist()
+        assert together == [sample(logits[r:r + 1], params[r:r + 1], alone[r:r + 1]).item() for r in range(3)]
 
 
 def test_top_k_and_top_p_cut_the_tail():
