@@ -188,8 +188,9 @@ def main(argv=None) -> int:
 
             before = files()
             os.environ["TRITON_CACHE_DIR"] = cache_dir
-            _, again, _ = capture_server_start(model_dir, args.max_batch, args.max_model_len, args.block_size or None,
-                                            args.speculation, args.speculative_tokens, target, pdl, through=True)
+            _, again, _ = capture_server_start(model_dir, args.max_batch, args.max_model_len,
+                                               args.block_size or None, args.speculation,
+                                               args.speculative_tokens, target, pdl, through=True)
             added = files() - before
             problems += [f"check: {line}" for line in again]
             print(f"check: Triton's own launch path added {added} cache file(s)")
