@@ -99,11 +99,11 @@ def test_eight_concurrent_requests_each_get_their_own_tokens(server, client):
 
 def test_sampling_with_a_seed_repeats(client):
     """The same seed, the same tokens; other seeds draw other tokens, none of them greedy's."""
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, ignore_eos=True)
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95,
+              extra_body={"ignore_eos": True})
 
     def tokens(**more):
-        body = dict(kw, **more)
-        return client.completions.create(extra_body={"ignore_eos": body.pop("ignore_eos")}, **body).choices[0].token_ids
+        return client.completions.create(**dict(kw, **more)).choices[0].token_ids
 
     a, b = tokens(seed=11), tokens(seed=11)
     assert a == b
@@ -496,7 +496,7 @@ def test_long_prompts_join_in_chunks(tiny_model, block_size):
     real_chunk, real_group, real_step = slots.prefill_next, slots.admit_group, slots.step_rows
 
     def chunk(tokens):
-        key, prompt, _, _, done = slots._staged[:5]
+        _, prompt, _, _, done = slots._staged[:5]
         events.append(("chunk", min(tokens, len(prompt) - done), len(slots.keys), len(prompt)))
         return real_chunk(tokens)
 

@@ -51,6 +51,16 @@ def _engine(srv):
     return cache[srv.model_dir]
 
 
+def _step_logits(srv, prompt, tokens) -> list:
+    """The logits before each of `tokens` after `prompt`, through a second engine's public slots
+    API (admit_group, then a step a token), no generate."""
+    slots = _engine(srv).slots(2, 512)
+    logits = [slots.admit_group(["ref"], [prompt], [100])[0]]
+    for token in tokens[:-1]:
+        logits.append(slots.step({"ref": token})["ref"])
+    return logits
+
+
 # ---- log-probabilities ----------------------------------------------------------------------
 def test_greedy_logprobs_are_the_engines_log_softmax(live, client):
     """A greedy completion alone on the server, with echo and logprobs=5: each generated token's
@@ -65,11 +75,8 @@ def test_greedy_logprobs_are_the_engines_log_softmax(live, client):
     lp = choice.logprobs
     generated = choice.token_ids
     assert len(generated) == 6 and len(lp.tokens) == len(lp.token_logprobs) == len(prompt) + 6
-    slots = _engine(srv).slots(2, 512)
-    steps = [slots.admit_group(["ref"], [prompt], [100])[0]]
-    for token in generated[:-1]:
-        steps.append(slots.step({"ref": token})["ref"])
-    whole = slots.admit_group(["all"], [prompt + generated[:-1]], [100], all_positions=True)[0]
+    steps = _step_logits(srv, prompt, generated)
+    whole = _engine(srv).slots(2, 512).admit_group(["all"], [prompt + generated[:-1]], [100], all_positions=True)[0]
     for i, token in enumerate(generated):
         want = torch.log_softmax(steps[i].float(), -1)
         got, top = lp.token_logprobs[len(prompt) + i], lp.top_logprobs[len(prompt) + i]
@@ -95,10 +102,7 @@ def test_sampled_logprobs_are_the_raw_logits_log_softmax(live, client):
                                     extra_body={"ignore_eos": True, "top_k": 5})
     choice = out.choices[0]
     drawn, lp = choice.token_ids, choice.logprobs
-    slots = _engine(srv).slots(2, 512)
-    logits = [slots.admit_group(["s"], [prompt], [100])[0]]
-    for token in drawn[:-1]:
-        logits.append(slots.step({"s": token})["s"])
+    logits = _step_logits(srv, prompt, drawn)
     picked_other = False
     for i, token in enumerate(drawn):
         raw = torch.log_softmax(logits[i].float(), -1)
