@@ -28,6 +28,8 @@ reads each step's picks back to yield them.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -510,10 +512,14 @@ def load_token_map(path: str, vocab: int) -> torch.Tensor:
     FR-Spec's frequency-ranked maps and SGLang's speculative token map): a .pt file holding a 1-D
     integer tensor or a list of token ids (SGLang's format) or a .json list -> int64 [N] on the CPU,
     sorted. Each id in [0, vocab), none twice, at least one; an error names the first bad value."""
+    if not os.path.isfile(path):
+        raise ValueError(f"speculative token map {path}: no such file")
     if str(path).endswith(".json"):
-        import json
         with open(path) as f:
-            raw = json.load(f)
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative token map {path}: not valid JSON ({e})") from None
         if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             raise ValueError(f"speculative token map {path}: a .json map is a list of integer token ids")
         ids = torch.tensor(raw, dtype=torch.int64)

@@ -852,6 +852,7 @@ def test_a_token_map_keeps_the_heads_drafts_inside_it_and_the_plain_tokens(plain
     ("[5, 7, 5]", "token id 5 appears more than once"),
     ("[]", "no token ids"),
     ("[1.5]", "list of integer token ids"),
+    ("[1, 2", "not valid JSON"),
     ('{"ids": [1]}', "list of integer token ids")])
 def test_a_bad_token_map_is_an_error_naming_the_bad_value(tmp_path, content, message):
     path = tmp_path / "map.json"
@@ -871,6 +872,8 @@ def test_a_token_map_reads_sglangs_pt_form_and_refuses_other_files(tmp_path):
     (tmp_path / "map.txt").write_text("1 2 3")
     with pytest.raises(ValueError, match="expected a .pt or .json file"):
         fq_spec.load_token_map(str(tmp_path / "map.txt"), 10)
+    with pytest.raises(ValueError, match="missing.pt: no such file"):
+        fq_spec.load_token_map(str(tmp_path / "missing.pt"), 10)
 
 
 def test_a_token_map_needs_the_mtp_head(tiny_model, qwen35_tiny_model, tmp_path, monkeypatch):
