@@ -7,8 +7,10 @@ a --speculative-token-map gives the head a draft vocabulary);
 its speculation is switched per arm by Engine.set_speculation (the same weights, caches and tuning,
 so the arms' tokens are comparable bit for bit). Per shape: random
 prompts, a plain generate() (warmup, then --reps timed: the
-median), then per arm one untimed call (the oracle records its plain run there; every arm compiles
-and tunes) and --reps timed calls: output tokens/s, its ratio to plain, acceptance, tokens per
+median: the plain row), then per arm one untimed call (the oracle records its plain run there; every
+arm compiles and tunes) and --reps timed pairs, a plain call then the arm's (switching back keeps the
+arm's graphs), so a drift of the GPU's clock over the run moves both sides of the ratio: output
+tokens/s, its ratio to its pairs' plain calls (medians; plain_tok_s), acceptance, tokens per
 verify, the device's mean milliseconds a draft and a verify over the timed call (CUDA events), the
 plain steps "auto" took and its verifies of each width, and whether the arm's tokens equal plain's.
 
@@ -48,7 +50,7 @@ from bench.runner import (Column, add_engine_arguments, add_model_argument, buil
 
 COLUMNS = [Column("batch", width=5), Column("prompt", width=6), Column("steps", width=5),
            Column("arm", width=12, left=True), Column("k", width=3),
-           Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.2f}"),
+           Column("tok_s", "tok/s", fmt="{:.1f}"), Column("vs_plain", "x plain", fmt="{:.3f}"),
            Column("acceptance", "accept", fmt="{:.2f}"), Column("tokens_per_verify", "tok/verify", fmt="{:.2f}"),
            Column("draft_ms", "draft ms", fmt="{:.3f}"), Column("verify_ms", "verify ms", fmt="{:.2f}"),
            Column("plain_steps", "plain", width=5), Column("widths", "verifies by width", width=17, left=True),
@@ -107,12 +109,29 @@ def one_row_shapes(products, choice: str) -> frozenset:
 def _timed(eng, prompts, steps, reps, sync):
     times, tokens = [], None
     for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        tokens = list(eng.generate(prompts, steps))
-        sync()
-        times.append(time.perf_counter() - t0)
+        seconds, tokens = _call(eng, prompts, steps, sync)
+        times.append(seconds)
     return statistics.median(times), tokens
+
+
+def _call(eng, prompts, steps, sync):
+    sync()
+    t0 = time.perf_counter()
+    tokens = list(eng.generate(prompts, steps))
+    sync()
+    return time.perf_counter() - t0, tokens
+
+
+def _paired(eng, arm, k, prompts, steps, reps, sync):
+    """reps pairs, a plain call then the arm's: (plain's median seconds, the arm's, its tokens)."""
+    plain, timed, tokens = [], [], None
+    for _ in range(reps):
+        eng.set_speculation("off")
+        plain.append(_call(eng, prompts, steps, sync)[0])
+        eng.set_speculation(arm, k)
+        seconds, tokens = _call(eng, prompts, steps, sync)
+        timed.append(seconds)
+    return statistics.median(plain), statistics.median(timed), tokens
 
 
 def run(args, report) -> None:
@@ -144,10 +163,11 @@ def run(args, report) -> None:
         for arm, k in ((arm, k) for arm in arms for k in args.k):
             eng.set_speculation(arm, k)
             list(eng.generate(prompts, steps))             # the oracle records here; compiles, tunes
-            seconds, tokens = _timed(eng, prompts, steps, args.reps, sync)
+            paired_s, seconds, tokens = _paired(eng, arm, k, prompts, steps, args.reps, sync)
             st = eng.spec_stats()
             report.add({**shape, "arm": arm, "k": k, "tok_s": batch * steps / seconds,
-                        "vs_plain": plain_s / seconds, "acceptance": st["acceptance"],
+                        "vs_plain": paired_s / seconds, "plain_tok_s": batch * steps / paired_s,
+                        "acceptance": st["acceptance"],
                         "tokens_per_verify": st["tokens_per_verify"],
                         "draft_ms": st["draft_ms"], "verify_ms": st["verify_ms"], "plain_steps": st["plain_steps"],
                         "widths": " ".join(f"{w}:{n}" for w, n in sorted(st["width_steps"].items())),

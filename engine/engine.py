@@ -137,6 +137,7 @@ class Engine:
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
         self._drafter = make_drafter(self.spec, int(self.cfg.vocab_size), model=self.model) if self.spec.on else None
+        self._drafter_of = {self.spec: self._drafter} if self.spec.on else {}    # the last mode's, kept
         self._spec_stats = SpecStats()
 
     def _speculation(self, value, k, exact_decode: bool):
@@ -154,9 +155,17 @@ class Engine:
         """Another speculation mode for this loaded engine, its weights, caches and tuning kept (a
         bench's arms then compare bit for bit). "mtp" only where the head was loaded (an engine
         built with speculation "mtp", or "oracle" on a checkpoint with a head). Where one sequence's
-        products run stays as built (Qwen3.5: the tensor cores when built to verify every step)."""
+        products run stays as built (Qwen3.5: the tensor cores when built to verify every step).
+        Back to the mode whose drafter the current speculative runner holds, its drafter and graphs
+        are kept (a bench alternating "off" with a mode times no capture)."""
         spec = self._speculation(speculation, speculative_tokens, self.exact_decode)
-        self._drafter = make_drafter(spec, int(self.cfg.vocab_size), model=self.model) if spec.on else None
+        kept = self._drafter_of.get(spec)
+        if kept is not None and self._spec is not None and self._spec.drafter is kept:
+            self._drafter = kept
+        else:
+            self._drafter = make_drafter(spec, int(self.cfg.vocab_size), model=self.model) if spec.on else None
+            if spec.on:
+                self._drafter_of = {spec: self._drafter}
         self.spec = spec
 
     def describe(self) -> dict:
@@ -541,8 +550,11 @@ class Engine:
                 if not queue or (len(queue) < 2 and max(remaining) > most):
                     width = spec.k if policy is None else policy.next_width()
                     with torch.inference_mode():
-                        picks, emit = runner.verify(width) if width else runner.plain()
-                        packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
+                        if width:
+                            picks, emit = runner.verify(width)
+                            packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
+                        else:
+                            packed = runner.plain()
                         queue.append(self._spec_copy(packed, width) + (runner.last_marks,))
                     continue
                 width, host, event, marks = queue.pop(0)

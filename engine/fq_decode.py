@@ -242,8 +242,11 @@ class SpecRunner:
         self.drafts = torch.zeros((self.batch, self.k), dtype=torch.int64, device=state.device)
         self.picks = {w: None for w in self.widths}
         self.emit = {w: None for w in self.widths}
-        self.plain_pick = torch.zeros((self.batch, 1), dtype=torch.int64, device=state.device)
-        self.plain_emit = None
+        # a plain step's inputs, pick and (pick, emitted) for the host: static buffers of its graph
+        self.plain_tok = torch.zeros(self.batch, dtype=torch.int64, device=state.device)
+        self.plain_pos_len = torch.zeros((2, self.batch), dtype=torch.int32, device=state.device)
+        self.plain_pick = torch.zeros(self.batch, dtype=torch.int64, device=state.device)
+        self.plain_packed = torch.zeros((self.batch, 2), dtype=torch.int64, device=state.device)
         self.last_marks = []
         if not 0 <= context < state.capacity:
             raise ValueError(f"SpecRunner: context {context} outside its state's capacity {state.capacity}")
@@ -275,11 +278,12 @@ class SpecRunner:
         self.drafter.observe(state, rows, picks, emit)
 
     def _plain(self) -> None:
-        state = self.state
-        positions = state.positions()
-        self.model.decode(state.last(), positions, positions + 1, out=self.plain_pick.view(-1))
-        self.plain_emit = (state.length < state.limit).to(torch.int64)
-        state.append(self.plain_pick, self.plain_emit)
+        # state.last(), positions() and append() as one launch each (fqkernels.spec_plain): the step
+        # between verifies costs what DecodeRunner's does
+        state, ops = self.state, self.model.ops
+        ops.spec_plain_inputs(state.seq, state.length, self.plain_tok, self.plain_pos_len)
+        self.model.decode(self.plain_tok, self.plain_pos_len[0], self.plain_pos_len[1], out=self.plain_pick)
+        ops.spec_plain_advance(self.plain_pick, state.seq, state.length, state.limit, self.plain_packed)
 
     def _run(self, name: str) -> None:
         graph = self.graphs[name]
@@ -304,10 +308,11 @@ class SpecRunner:
         self.last_marks = [self._timed("draft"), self._timed(f"verify{width}")]
         return self.picks[width], self.emit[width]
 
-    def plain(self) -> tuple:
-        """One plain decode step; returns the device's (picks [B, 1], emit [B])."""
+    def plain(self) -> torch.Tensor:
+        """One plain decode step; returns the device's [B, 2]: each sequence's pick and whether it
+        emitted it (1, or 0 past its limit)."""
         self.last_marks = [self._timed("plain")]
-        return self.plain_pick, self.plain_emit
+        return self.plain_packed
 
     def start_timing(self) -> None:
         """Time each step from here on (times_ms() reads them after the device has finished)."""

@@ -105,6 +105,19 @@ class TorchOps:
 
         copy_rows_where_reference(dst, src, mask)
 
+    def spec_plain_inputs(self, seq, length, tok, pos_len) -> None:
+        """A plain step's inputs from speculation's state: tok = each sequence's last token, pos_len
+        = (its position, length) as int32 (fqkernels.spec_plain)."""
+        from fqkernels.spec_plain import plain_inputs_reference
+
+        plain_inputs_reference(seq, length, tok, pos_len)
+
+    def spec_plain_advance(self, pick, seq, length, limit, packed) -> None:
+        """A plain step's pick appended where a sequence has room; packed = (pick, emitted)."""
+        from fqkernels.spec_plain import plain_advance_reference
+
+        plain_advance_reference(pick, seq, length, limit, packed)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T on x's rows made contiguous, as the reference holds them (the CPU's product of a
         row-strided view, e.g. each sequence's last position, can round differently)."""
@@ -343,6 +356,18 @@ class TritonOps(TorchOps):
         from fqkernels.rows_copy import copy_rows_where
 
         copy_rows_where(dst, src, mask)
+
+    def spec_plain_inputs(self, seq, length, tok, pos_len) -> None:
+        """One launch (fqkernels.spec_plain)."""
+        from fqkernels.spec_plain import plain_inputs
+
+        plain_inputs(seq, length, tok, pos_len)
+
+    def spec_plain_advance(self, pick, seq, length, limit, packed) -> None:
+        """One launch (fqkernels.spec_plain)."""
+        from fqkernels.spec_plain import plain_advance
+
+        plain_advance(pick, seq, length, limit, packed)
 
     def force_gemv(self, products: list, rows: int) -> None:
         """Every product in `products` on our GEMV at `rows` rows (what tune picks where it is faster;

@@ -627,6 +627,8 @@ def capture_engine(models, target, pdl_modes=(False,), full_depth: bool = False,
                                   (f"{EXTRA}qwen3.5-4b (1 + w) norms, B={batch}", _one_plus_norms),
                                   (f"{EXTRA}paged KV cache (decode attention, KV writes), B={batch}", _paged_kv),
                                   (f"{EXTRA}speculation's rollback (masked row copies), B={batch}", _rows_copy),
+                                  (f"{EXTRA}a plain step between verifies (its inputs, its pick kept), B={batch}",
+                                   _spec_plain),
                                   (f"{EXTRA}a one-sequence verify's screened picks, B={batch}", _screen_rows)):
                     recorder.scenario = name
                     try:
@@ -953,6 +955,18 @@ def _rows_copy(batch: int) -> None:
     for shape, dtype in (((24, batch + 1, 32, 128, 128), torch.float32), ((24, batch + 1, 8192, 4), torch.bfloat16)):
         full = torch.empty(shape, dtype=dtype, device=CUDA)
         rows_copy.copy_rows_where(full[:, :batch], full[:, 1:], mask)
+
+
+def _spec_plain(batch: int) -> None:
+    """SpecRunner's plain step's bookkeeping (fqkernels.spec_plain); from 16 also at 32 and 64
+    sequences, the wider blocks."""
+    from fqkernels import spec_plain
+
+    for b in (batch,) if batch < 16 else (batch, 32, 64):
+        seq = torch.empty((b, 4096 + 5), dtype=torch.int64, device=CUDA)
+        length, limit, pick = (torch.empty(b, dtype=torch.int64, device=CUDA) for _ in range(3))
+        spec_plain.plain_inputs(seq, length, pick, torch.empty((2, b), dtype=torch.int32, device=CUDA))
+        spec_plain.plain_advance(pick, seq, length, limit, torch.empty((b, 2), dtype=torch.int64, device=CUDA))
 
 
 def _exact_products(batch: int) -> None:

@@ -540,6 +540,8 @@ def test_spec_times_each_arm_beside_plain_and_the_tokens_agree(tmp_path, capsys,
     assert [(r["arm"], r["k"]) for r in doc["rows"]] == [("plain", 0), ("ngram", 3), ("ngram", 2), ("oracle:1", 3),
                                                          ("oracle:1", 2)]
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in doc["rows"])
+    # each arm's ratio is to the plain calls paired with its own
+    assert all(r["vs_plain"] == pytest.approx(r["tok_s"] / r["plain_tok_s"]) for r in doc["rows"][1:])
     for oracle, k in zip(doc["rows"][3:], (3, 2)):
         assert oracle["acceptance"] == 1.0 and oracle["stats"]["record_s"] == 0.0
         assert oracle["verify_ms"] > 0 and oracle["plain_steps"] == 0 and set(oracle["stats"]["width_steps"]) == {str(k)}

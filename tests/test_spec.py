@@ -710,6 +710,27 @@ def test_set_speculation_switches_a_loaded_engine(plain35, qwen35_tiny_model):
     assert eng.spec.mode == "off"            # a refused switch leaves the mode as it was
 
 
+def test_switching_back_to_the_runners_mode_keeps_its_drafter_and_runner(plain, tiny_model):
+    """"off" then the mode again (a bench's paired reps): the runner built for the mode is kept, so
+    no graph is captured inside a timed call; another mode, or another k, builds its own."""
+    prompts = _prompts(2, 12, seed=9)
+    want = list(plain.generate(prompts, 10))
+    eng = engine_module.Engine(str(tiny_model), speculation="auto", speculative_tokens=3)
+    assert list(eng.generate(prompts, 10)) == want
+    runner, drafter = eng._spec, eng._drafter
+    eng.set_speculation("off")
+    assert list(eng.generate(prompts, 10)) == want and eng._drafter is None
+    eng.set_speculation("auto", 3)
+    assert eng._drafter is drafter
+    assert list(eng.generate(prompts, 10)) == want and eng._spec is runner
+    for mode, k in (("auto", 2), ("ngram", 3)):
+        eng.set_speculation(mode, k)
+        assert eng._drafter is not drafter
+        assert list(eng.generate(prompts, 10)) == want and eng._spec is not runner
+    eng.set_speculation("auto", 3)            # only the last mode's drafter is kept
+    assert eng._drafter is not drafter
+
+
 def test_a_verify_runs_a_cublas_product_as_the_b_row_steps_calls():
     """Inside planned_as(B), a product the tuner left on cuBLAS runs a verify's B T rows
     (sequence-major) as T calls of B rows, one row a sequence, as the B-row step calls it (cuBLAS's
