@@ -34,15 +34,16 @@
 #                     conv of a verify's rows, the LM screen's rows, the attention's split count, speculation's
 #                     tokens), two pytest
 #                     groups at once -> pytest_spec.log
-#   spec-auto, spec-auto-q35  auto against plain decode, median of 5, on the public and own shapes, and every
-#                     drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head)
+#   spec-auto, spec-auto-q35  auto against plain decode, median of 5 pairs, on the public and own shapes, and
+#                     every drafter's tokens against plain's there (AUTO_ARMS; Qwen3.5 adds its MTP head; the
+#                     shapes AUTO_Q3_SHAPES / AUTO_Q35_SHAPES, the file's suffix AUTO_SUFFIX: on an H100 Qwen3.5's
+#                     seven shapes with auto and mtp take ~440 s beside the synth's ~60)
 #                     -> spec_auto_qwen3.json / spec_auto_qwen35.json
 #   spec-tests-conv   spec-tests' conv of a verify's rows alone -> pytest_conv_rows.log
 #   screen-rows-tests the LM screen's tests of a verify's rows (its integer pass against the reference, each
 #                     row's pick the GEMV's on the real heads) beside the engine's speculation GPU tests
 #                     -> pytest_screen_rows.log
 #   spec-b1-q35       spec-b1's Qwen3.5 run alone -> spec_qwen35_b1.json
-#   spec-auto-q35-16  spec-auto-q35's (16, 1536, 48) alone, auto's arm only -> spec_auto_qwen35_16x1536x48.json
 #   shared-tiles     bench gemv --shared: the fma products' verify row tiles (block_m 1, 2, 4; fewer columns a
 #                     program) at 2-5 rows, timed, each row's bits against the one-row launch -> bench_gemv_shared.json
 #   one-row-tiles     bench gemv at one row, tensor-core configs only (dot, dot_t: the tiles a verify's rows can share)
@@ -109,7 +110,7 @@ kernels() {   # pytest -m gpu over the kernel and engine tests, groups of files 
   # pytest arguments as shell words; the GDN prompt-pass plans compile most and get a group alone.
   local plans="every_prefill_plan or bf16_pair"
   local groups=(
-    "tests/kernels/test_decode_attention.py tests/kernels/test_argmax.py tests/kernels/test_paged_kv_writes.py tests/kernels/test_rows_copy.py"
+    "tests/kernels/test_decode_attention.py tests/kernels/test_argmax.py tests/kernels/test_paged_kv_writes.py tests/kernels/test_rows_copy.py tests/kernels/test_spec_plain.py"
     "tests/kernels/test_gemv.py tests/kernels/test_lm_screen.py tests/kernels/test_rmsnorm_order.py"
     "tests/kernels/test_gdn_kernels.py -k '$plans'"
     "tests/kernels/test_gdn_kernels.py -k 'not ($plans)'"
@@ -134,6 +135,7 @@ SPEC_SHAPES=${SPEC_SHAPES:-4x2048x128,16x512x128}
 SPEC_ARMS=${SPEC_ARMS:-oracle:0.5,oracle:0.7,oracle:0.9,oracle:1}
 # the identity and auto stages' arms: every drafter's tokens against plain's, auto's speed against plain's
 AUTO_ARMS=${AUTO_ARMS:-ngram,oracle:0.5,oracle:0.9,auto}
+AUTO_Q3_SHAPES=${AUTO_Q3_SHAPES:-1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32}
 AUTO_Q35_SHAPES=${AUTO_Q35_SHAPES:-1x512x32,4x2048x32,16x512x128,1x4096x64,2x1000x128,8x768x64,16x1536x48}
 
 token_map() {   # PRESET SIZE OUT: the MTP head's draft vocabulary of PRESET's checkpoint over the embedded corpus
@@ -189,8 +191,6 @@ main() {
         timeout 120 python3 -m bench spec --model qwen3.5-4b --shapes 1x1024x256 --one-row fma --arms oracle:0.9 --k 3,4 \
           --out "$OUT/spec_qwen35_b1_one_row_fma.json" ;;
       spec-b1-q35) spec_b1_q35 ;;
-      spec-auto-q35-16) timeout 200 python3 -m bench spec --model qwen3.5-4b --arms auto --reps 5 --shapes 16x1536x48 \
-                          --out "$OUT/spec_auto_qwen35_16x1536x48.json" ;;
       exact-step-tests)
         timeout "${KERNELS_TIMEOUT_S:-400}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
           tests/test_engine_gpu.py -k 'specul or verif' > /tmp/pytest_exact_engine.log 2>&1 &
@@ -220,8 +220,8 @@ main() {
           -k 'specul or verif or width or splits' > /tmp/pytest_spec_1.log 2>&1 &
         wait
         tail -n 40 /tmp/pytest_spec_0.log /tmp/pytest_spec_1.log | tee "$OUT/pytest_spec.log" ;;
-      spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 --out "$OUT/spec_auto_qwen3.json" \
-                   --shapes 1x512x32,4x2048x32,16x512x128,1x2048x64,2x512x256,3x1024x96,8x768x48,12x1536x40,16x2048x32 ;;
+      spec-auto) timeout 560 python3 -m bench spec --model qwen3-4b --arms "$AUTO_ARMS" --reps 5 \
+                   --out "$OUT/spec_auto_qwen3${AUTO_SUFFIX:-}.json" --shapes "$AUTO_Q3_SHAPES" ;;
       spec-auto-q35) timeout 560 python3 -m bench spec --model qwen3.5-4b --arms "$AUTO_ARMS,mtp" --reps 5 \
                        --out "$OUT/spec_auto_qwen35${AUTO_SUFFIX:-}.json" --shapes "$AUTO_Q35_SHAPES" ;;
       shared-tiles) timeout 400 python3 -m bench gemv --shared --ops qwen3 qwen3.5 --rows 2,3,4,5 \
