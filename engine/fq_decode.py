@@ -279,7 +279,7 @@ class SpecRunner:
 
     def _plain(self) -> None:
         # state.last(), positions() and append() as one launch each (fqkernels.spec_plain): the step
-        # between verifies costs what DecodeRunner's does
+        # between verifies costs about what DecodeRunner's does
         state, ops = self.state, self.model.ops
         ops.spec_plain_inputs(state.seq, state.length, self.plain_tok, self.plain_pos_len)
         self.model.decode(self.plain_tok, self.plain_pos_len[0], self.plain_pos_len[1], out=self.plain_pick)

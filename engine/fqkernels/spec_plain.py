@@ -1,7 +1,7 @@
 """A plain decode step's bookkeeping between speculative verifies (fq_decode.SpecRunner's plain
 step, speculation "auto"): the step's inputs read from the sequences' state before it, and its
-pick appended after it, one launch each. In torch ops the two take 13 small launches, which cost
-a plain step inside its graph what a second decode kernel would (docs/PERFORMANCE.md).
+pick appended after it, one launch each, where torch's ops took 13 small launches inside the
+step's graph (what they cost: docs/PERFORMANCE.md).
 
 The state is fq_spec.SpecState's: seq [B, W] int64 (prompt, then emitted tokens), length [B]
 int64 (how many), limit [B] int64 (where a sequence stops)."""
@@ -35,7 +35,7 @@ def _plain_advance_kernel(pick_ptr, seq_ptr, length_ptr, limit_ptr, packed_ptr, 
     tl.store(packed_ptr + 2 * b + 1, emit, mask=m)
 
 
-def _check(seq: torch.Tensor, length: torch.Tensor, **others: torch.Tensor) -> None:
+def _check(seq: torch.Tensor, length: torch.Tensor, **others: tuple) -> None:
     B = seq.shape[0]
     if seq.dim() != 2 or seq.dtype != torch.int64 or seq.stride(1) != 1:
         raise ValueError(f"spec_plain: seq must be int64 [B, W] with contiguous rows, got {seq.dtype} "
