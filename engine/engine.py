@@ -131,13 +131,13 @@ class Engine:
         self.prefill_graph_tokens = QWEN35_PREFILL_GRAPH_TOKENS if qwen35 else PREFILL_GRAPH_TOKENS
         self._runner = None
         self._spec = None         # the SpecRunner over the current cache, when speculating
+        self._spec_mode = None    # the Speculation its drafter was made for
         self._spec_host = {}      # (rows, columns) -> [pinned buffers, next]: a step's picks on the host
         self._prefill_graphs = {}  # (batch, prompt) -> PrefillGraph over the current cache
         self._host = None
         self._slots = None  # the open fq_slots.Slots, if any (generate() closes it)
         self.tuning = {}  # batch -> {matrix: (cuBLAS us, GEMV us)}, measured at warmup
         self._drafter = make_drafter(self.spec, int(self.cfg.vocab_size), model=self.model) if self.spec.on else None
-        self._drafter_of = {self.spec: self._drafter} if self.spec.on else {}    # the last mode's, kept
         self._spec_stats = SpecStats()
 
     def _speculation(self, value, k, exact_decode: bool):
@@ -159,13 +159,10 @@ class Engine:
         Back to the mode whose drafter the current speculative runner holds, its drafter and graphs
         are kept (a bench alternating "off" with a mode times no capture)."""
         spec = self._speculation(speculation, speculative_tokens, self.exact_decode)
-        kept = self._drafter_of.get(spec)
-        if kept is not None and self._spec is not None and self._spec.drafter is kept:
-            self._drafter = kept
+        if spec.on and self._spec is not None and self._spec_mode == spec:
+            self._drafter = self._spec.drafter
         else:
             self._drafter = make_drafter(spec, int(self.cfg.vocab_size), model=self.model) if spec.on else None
-            if spec.on:
-                self._drafter_of = {spec: self._drafter}
         self.spec = spec
 
     def describe(self) -> dict:
@@ -484,6 +481,7 @@ class Engine:
             state = SpecState(batch, _rounded_capacity(prompt + steps), spec.k, self.device)
             runner = self._spec = SpecRunner(self.model, self._drafter, state, self.use_graphs, plain=auto,
                                              widths=widths, context=prompt)
+            self._spec_mode = spec
         return runner
 
     def _record_oracle(self, ids: torch.Tensor, steps: int, stats: SpecStats) -> None:
