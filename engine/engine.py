@@ -520,40 +520,37 @@ class Engine:
                 self._prepare_cache(batch, prompt + steps + 2 * spec.k)
                 self._tune(batch)      # the verify launches its products as the plain B-row step does
                 runner = self._spec_runner_for(batch, prompt, steps)
+                policy = None
+                if spec.mode == "auto":
+                    costs = runner.costs
+                    policy = AutoPolicy({w: costs["draft_ms"] + costs[f"verify{w}_ms"] for w in runner.widths},
+                                        costs["plain_ms"])
                 dev_ids = ids.to(self.device)
                 first = self._prefill(dev_ids)
                 runner.state.start(dev_ids, first, steps)
                 self._drafter.start(runner.state, prompt, steps)
+                runner.start_timing()
+                queue = []                           # steps queued and not read: (width, host copy, event, marks)
+                if steps > 1:       # the first step queued before the first tokens are read, as _generate does
+                    queue.append(self._spec_step(runner, spec.k if policy is None else policy.next_width()))
                 # "auto": prompt lookup on the host over each sequence, indexed while the device
                 # runs the prompt pass; it checks what a plain step's draft would have been
                 lookups = [PromptLookup(p) for p in ids.tolist()] if spec.mode == "auto" else None
                 first = first.tolist()
             yield first
-            policy = None
-            if spec.mode == "auto":
-                costs = runner.costs
-                policy = AutoPolicy({w: costs["draft_ms"] + costs[f"verify{w}_ms"] for w in runner.widths},
-                                    costs["plain_ms"])
+            if lookups is not None:
                 for lookup, t in zip(lookups, first):
                     lookup.extend([t])
             out = [[t] for t in first]
-            runner.start_timing()
             remaining = [steps - 1] * batch          # as of the last step the host has read
-            queue = []                               # steps queued and not read: (width, host copy, event, marks)
             done, began = 1, time.perf_counter()
             while done < steps:
                 # queue the next step when the host has none queued, or when it is needed whatever
                 # the queued one emits (some sequence needs more than a step can give)
                 most = (queue[-1][0] + 1) if queue else spec.k + 1
                 if not queue or (len(queue) < 2 and max(remaining) > most):
-                    width = spec.k if policy is None else policy.next_width()
                     with torch.inference_mode():
-                        if width:
-                            picks, emit = runner.verify(width)
-                            packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
-                        else:
-                            packed = runner.plain()
-                        queue.append(self._spec_copy(packed, width) + (runner.last_marks,))
+                        queue.append(self._spec_step(runner, spec.k if policy is None else policy.next_width()))
                     continue
                 width, host, event, marks = queue.pop(0)
                 if event is not None:
@@ -606,6 +603,16 @@ class Engine:
             self._sync()
             if gc_was_enabled:
                 gc.enable()
+
+    def _spec_step(self, runner: SpecRunner, width: int) -> tuple:
+        """Queue a verify of `width` drafts (0: a plain step): (width, host copy of its packed picks
+        and emit counts, the event after the copy, its timing marks)."""
+        if width:
+            picks, emit = runner.verify(width)
+            packed = torch.cat([picks, emit.view(-1, 1)], dim=1)
+        else:
+            packed = runner.plain()
+        return self._spec_copy(packed, width) + (runner.last_marks,)
 
     def _spec_copy(self, packed: torch.Tensor, width: int) -> tuple:
         """A step's packed picks and emit counts on their way to the host: (its width, 0 for a plain

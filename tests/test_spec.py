@@ -731,6 +731,24 @@ def test_switching_back_to_the_runners_mode_keeps_its_drafter_and_runner(plain, 
     assert eng._drafter is not drafter
 
 
+@pytest.mark.parametrize("mode", ["auto", "ngram"])
+def test_the_first_step_is_queued_before_the_first_tokens_are_read(plain, tiny_model, mode):
+    """As plain decode's loop does, the device goes from the prompt pass into the first step: it is
+    queued before the first tokens reach the caller (on the CPU it has run by then), and a call of
+    one token queues none. The tokens stay plain decode's."""
+    prompts = _prompts(2, 12, seed=11)
+    eng = engine_module.Engine(str(tiny_model), speculation=mode, speculative_tokens=3)
+    calls = []
+    step = eng._spec_step
+    eng._spec_step = lambda runner, width: calls.append(width) or step(runner, width)
+    gen = eng.generate(prompts, 8)
+    first = next(gen)
+    assert len(calls) == 1 and (calls[0] == 0) == (mode == "auto")
+    assert [first] + list(gen) == list(plain.generate(prompts, 8))
+    calls.clear()
+    assert list(eng.generate(prompts, 1)) == list(plain.generate(prompts, 1)) and calls == []
+
+
 def test_a_verify_runs_a_cublas_product_as_the_b_row_steps_calls():
     """Inside planned_as(B), a product the tuner left on cuBLAS runs a verify's B T rows
     (sequence-major) as T calls of B rows, one row a sequence, as the B-row step calls it (cuBLAS's
