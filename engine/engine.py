@@ -530,13 +530,18 @@ class Engine:
                 runner.state.start(dev_ids, first, steps)
                 self._drafter.start(runner.state, prompt, steps)
                 runner.start_timing()
+                # As _generate: the first tokens' copy is queued, then the first step, and the host
+                # waits for the copy alone, so the device goes from the prompt pass into the step.
+                _, first_host, first_copied = self._spec_copy(first.view(-1, 1), 0)
                 queue = []                           # steps queued and not read: (width, host copy, event, marks)
-                if steps > 1:       # the first step queued before the first tokens are read, as _generate does
+                if steps > 1:
                     queue.append(self._spec_step(runner, spec.k if policy is None else policy.next_width()))
                 # "auto": prompt lookup on the host over each sequence, indexed while the device
                 # runs the prompt pass; it checks what a plain step's draft would have been
                 lookups = [PromptLookup(p) for p in ids.tolist()] if spec.mode == "auto" else None
-                first = first.tolist()
+            if first_copied is not None:
+                first_copied.synchronize()
+            first = first_host.view(-1).tolist()
             yield first
             if lookups is not None:
                 for lookup, t in zip(lookups, first):
