@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The RoPE tables grow in whole granules of positions: a rebuild drops every captured graph (they
+# read the old tables), so a call a few positions longer than the last must not cause one.
+ROPE_GRANULE = 4096
 
 
 def rows_of(positions: torch.Tensor, n: int, block_table: torch.Tensor | None = None) -> tuple:

@@ -12,7 +12,7 @@ logits in BF16, argmax ties to the lowest index and NaN first (torch.argmax's ru
 """
 import torch
 
-from fq_attention import cached_kv, prefill_attention, prefix_attention, rows_of, write_pages
+from fq_attention import ROPE_GRANULE, cached_kv, prefill_attention, prefix_attention, rows_of, write_pages
 from fq_config import Qwen3Config
 from fq_ops import DecodeProduct
 from fq_weights import ModelWeights
@@ -26,7 +26,6 @@ PREFILL_TOKENS = 16384
 # over row slices of at most this many tokens: the gate/up activations (the
 # largest, 2 x intermediate x 2 B a token) stay bounded at any prompt length.
 MLP_ROWS = PREFILL_TOKENS
-ROPE_GRANULE = 4096
 
 
 class Qwen3Model:

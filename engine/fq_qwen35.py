@@ -34,7 +34,8 @@ fq_slots shares a prompt prefix's pages with them.
 """
 import torch
 
-from fq_attention import cached_kv, gqa_causal_attention, gqa_prefix_attention, rows_of, write_pages
+from fq_attention import (ROPE_GRANULE, cached_kv, gqa_causal_attention, gqa_prefix_attention, rows_of,
+                          write_pages)
 from fq_config import Qwen35Config
 from fq_ops import DecodeProduct
 from fq_weights import qwen35_pack_groups
@@ -111,11 +112,14 @@ class Qwen35Model:
 
     # ---- buffers -----------------------------------------------------------------
     def ensure_rope(self, length: int) -> bool:
+        """cos/sin tables covering positions [0, length), in whole ROPE_GRANULEs (a position's
+        values do not depend on the table's length). True when rebuilt (graphs read the old ones)."""
         if self.cos is not None and self.cos.shape[0] >= length:
             return False
         c = self.cfg
+        n = -(-length // ROPE_GRANULE) * ROPE_GRANULE
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float) / c.rotary_dim))
-        freqs = torch.arange(length, dtype=torch.float)[:, None] * inv[None, :]
+        freqs = torch.arange(n, dtype=torch.float)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(self.device, torch.bfloat16)
         self.sin = emb.sin().to(self.device, torch.bfloat16)

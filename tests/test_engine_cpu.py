@@ -296,3 +296,22 @@ def test_engine_describes_what_runs(engines):
     model = engines[0].model
     assert model.ops.one_row_tensor_cores == {tuple(p.weights[0].shape) for p in model.decode_products()}
     assert engines[0].one_row_products() == "tensor cores"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_a_call_a_few_positions_longer_keeps_the_graphs(family, tiny_model, tmp_path):
+    """The RoPE tables grow in whole granules: a call longer than the last by a few positions
+    (inside the cache's capacity) rebuilds no table, so the decode runner and its graph are kept,
+    and its tokens are a fresh engine's."""
+    from fastqwen import synth35
+
+    model = tiny_model if family == "qwen3" else synth35.synthesize("qwen3.5-tiny", tmp_path / "q35", seed=1,
+                                                                     progress=False)
+    module = load_engine_module(ENGINE_DIR, "fastqwen_engine_under_test")
+    eng = module.Engine(str(model))
+    vocab = eng.cfg.vocab_size
+    list(eng.generate([[t % vocab for t in p] for p in _prompts(1, 12, seed=2)], 4))
+    runner, cos = eng._runner, eng.model.cos
+    longer = [[t % vocab for t in p] for p in _prompts(1, 20, seed=3)]
+    assert list(eng.generate(longer, 6)) == list(module.Engine(str(model)).generate(longer, 6))
+    assert eng._runner is runner and eng.model.cos is cos
