@@ -527,12 +527,13 @@ class Engine:
                                         costs["plain_ms"])
                 dev_ids = ids.to(self.device)
                 first = self._prefill(dev_ids)
+                # As _generate: the first tokens' copy is queued, then the drafter's start and the
+                # first step, and the host waits for the copy alone, so the device goes from the
+                # prompt pass into the step (and the first tokens wait for no drafter).
+                _, first_host, first_copied = self._spec_copy(first.view(-1, 1), 0)
                 runner.state.start(dev_ids, first, steps)
                 self._drafter.start(runner.state, prompt, steps)
                 runner.start_timing()
-                # As _generate: the first tokens' copy is queued, then the first step, and the host
-                # waits for the copy alone, so the device goes from the prompt pass into the step.
-                _, first_host, first_copied = self._spec_copy(first.view(-1, 1), 0)
                 queue = []                           # steps queued and not read: (width, host copy, event, marks)
                 if steps > 1:
                     queue.append(self._spec_step(runner, spec.k if policy is None else policy.next_width()))
