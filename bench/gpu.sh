@@ -16,6 +16,8 @@
 #   judge-public-q35  the same on a synthetic Qwen3.5-4B -> judge_public_q35.json/.png
 #   judge-spec, judge-spec-q35  the same with speculation "auto" (FASTQWEN_SPECULATION, the deployment's variable; the
 #                     report lists it among its engine switches) -> judge_spec_public[_q35].json/.png
+#                     (a machine's first judge compiles the kernels in its warmups: on a fresh machine
+#                     judge-public-q35 and judge-spec-q35 do not fit one 600 s call together)
 #   judge-ab, judge-ab-q35  the same with an earlier engine folder as a third, never-gated side in the
 #                     same run (--baseline .base/engine: carry .base, made here with
 #                     `mkdir -p .base && git archive COMMIT engine | tar -x -C .base`) -> judge_ab[_q35].json
